@@ -1,0 +1,1 @@
+"""Benchmarks: transform throughput, transfer latency (paper Fig. 9), serving."""

@@ -1,0 +1,482 @@
+"""Algorithm 1 of the paper: moving one request's KV cache from the GPU prefill instance to the
+NPU decode instance, with both sides releasing what they reserved.
+
+    Decode side: KVReceiver.pull()                   Prefill side: KVSender
+    D1  ask the prefill for request r's KV  ───────▶ P1  receive the request
+                                                     P2  retrieve r's KV (its paged GPU blocks)
+                                                     P3  transfer-aware transformation     \\ one pass: the transform
+                                                     P4  reserve space in the RDMA buffer  | writes straight into
+                                                     P5  copy the tensor into that space   / the reservation
+                                                     P6  give the paged blocks back to the prefill's pool
+    D2  receive metadata (size, offset) ◀─────────── P7  send metadata
+    D3  reserve space in the per-channel NPU buffers
+    D4  pair GPU regions with per-channel buffers: one request per channel
+    D5  submit all requests as one batch
+    D6  wait for the batch to complete
+    D7  rebuild the NPU KV cache from the buffers (intra-channel copies, or none)
+    D8  release the per-channel reservations
+    D9  tell the prefill it is done  ──────────────▶ P8  receive the notice
+                                                     P9  release the RDMA-buffer reservation
+
+Every step is the same for the five configurations; what differs (the send format, where the
+decode side lands the bytes) lives in ``formats`` and ``landings``. Failure paths release too:
+an un-pulled request expires on the prefill side; a failed or timed-out batch, a dead prefill or
+malformed metadata fails the request on the decode side and releases its reservations.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hawk.connector.control import ControlClient, ControlServer, PeerUnreachable
+from hawk.connector.formats import SendFormat, cache_region
+from hawk.connector.landings import Held, Landing
+from hawk.connector.messages import (
+    Ack,
+    Done,
+    Error,
+    Hello,
+    KVReady,
+    Message,
+    ProtocolError,
+    PullRequest,
+    PushRequest,
+    layout_from_wire,
+    layout_to_wire,
+)
+from hawk.memory.buffers import StagingBuffer
+from hawk.memory.reservations import BufferFull, Reservation
+from hawk.transport.base import Desc, Transport, TransferError
+
+log = logging.getLogger(__name__)
+
+STAGING_REGION = "staging"
+
+
+class KVTransferFailed(RuntimeError):
+    """The decode side could not get a request's KV; its reservations have been released."""
+
+
+# ============================================================================ prefill side
+
+
+@dataclass
+class _Prefilled:
+    """A finished prefill whose KV waits for the decode side to ask (between prefill and P1)."""
+
+    num_tokens: int
+    block_ids: list[int]
+    release_blocks: Callable[[], None] | None
+    deadline: float
+
+
+@dataclass
+class _Sent:
+    """A request between P4 and P9: what the sender still holds for it."""
+
+    reservation: Reservation | None
+    held_blocks: _Prefilled | None  # gg-direct keeps the paged blocks until D9
+    deadline: float
+
+
+@dataclass
+class _Receiver:
+    peer: str
+    info: dict[str, Any]
+
+
+class KVSender:
+    """The prefill instance's half of Algorithm 1 (P1-P9), served on a control socket."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        fmt: SendFormat,
+        staging: StagingBuffer | None,
+        config: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        ttl_s: float = 30.0,
+        reap_every_s: float = 0.2,
+        staging_wait_s: float = 5.0,
+    ):
+        if staging is None and not fmt.reads_cache_in_place:
+            raise ValueError(f"send format {fmt.name!r} needs a staging buffer")
+        self.transport, self.fmt, self.staging, self.config = transport, fmt, staging, config
+        self.ttl_s, self.staging_wait_s = ttl_s, staging_wait_s
+        self._lock = threading.Lock()
+        self._prefilled: dict[str, _Prefilled] = {}
+        self._sent: dict[str, _Sent] = {}
+        self._receivers: dict[str, _Receiver] = {}
+        self._drain: list[tuple[float, Reservation]] = []
+        if fmt.reads_cache_in_place:
+            for i, c in enumerate(fmt.caches):
+                transport.register(cache_region(i), c)
+        else:
+            transport.register(STAGING_REGION, staging.tensor)  # type: ignore[union-attr]
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap_loop, args=(reap_every_s,), name="hawk-kv-reaper", daemon=True)
+        self._reaper.start()
+        self.server = ControlServer(self._handle, host, port)
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def add(self, request_id: str, num_tokens: int, block_ids: Sequence[int], release_blocks: Callable[[], None] | None = None) -> None:
+        """Called after prefill: the request's KV is in ``block_ids`` and may be pulled until the TTL."""
+        with self._lock:
+            if request_id in self._prefilled or request_id in self._sent:
+                raise ValueError(f"request {request_id!r} already has KV waiting")
+            self._prefilled[request_id] = _Prefilled(num_tokens, list(block_ids), release_blocks, time.monotonic() + self.ttl_s)
+
+    def discard(self, request_id: str) -> bool:
+        """Drop a request nobody will pull (e.g. its client went away); frees its blocks."""
+        with self._lock:
+            job = self._prefilled.pop(request_id, None)
+        if job is not None:
+            self._give_back_blocks(job)
+        return job is not None
+
+    # -- control messages ---------------------------------------------------------------------
+
+    def _handle(self, msg: Message, ident: bytes) -> Message | None:
+        if isinstance(msg, Hello):
+            return self._hello(msg)
+        if isinstance(msg, PullRequest):
+            return self._pull(msg)
+        if isinstance(msg, PushRequest):
+            return self._push(msg)
+        if isinstance(msg, Done):
+            self._done(msg)
+            return Ack(msg.request_id)
+        return Error(getattr(msg, "request_id", ""), f"prefill does not handle {msg.TYPE!r} messages")
+
+    def _hello(self, msg: Hello) -> Message:
+        if msg.role != "decode":
+            return Error("", f"expected a decode peer, got role {msg.role!r}")
+        if msg.extra.get("format") != self.fmt.name:
+            return Error("", f"decode expects send format {msg.extra.get('format')!r}; this prefill ({self.config}) sends {self.fmt.name!r}")
+        layout = layout_from_wire(msg.layout)
+        peer = self.transport.connect(msg.transport_md)
+        receiver = str(msg.extra.get("receiver") or uuid.uuid4().hex)
+        with self._lock:
+            self._receivers[receiver] = _Receiver(peer, {"layout": layout, **msg.extra})
+        return Hello("prefill", self.config, self.transport.name, self.transport.metadata(), layout_to_wire(self.fmt.layout), {"format": self.fmt.name, "receiver": receiver})
+
+    def _pull(self, msg: PullRequest) -> Message:
+        # P1: receive the request.
+        with self._lock:
+            receiver = self._receivers.get(msg.receiver)
+            job = self._prefilled.pop(msg.request_id, None)  # P2: retrieve its KV
+        if receiver is None:
+            if job is not None:
+                self._restore(msg.request_id, job)
+            return Error(msg.request_id, f"unknown receiver {msg.receiver!r}: say hello first")
+        if job is None:
+            return Error(msg.request_id, f"no KV waiting for request {msg.request_id!r} (never prefilled, expired, or pulled already)")
+        try:
+            plan = self.fmt.plan(job.num_tokens, job.block_ids, receiver.info, msg.dst_block_ids)
+            size = self.fmt.size(plan)
+            res = self._reserve(size, msg.request_id) if size else None  # P4: reserve RDMA-buffer space
+            try:
+                if res is not None:
+                    self.fmt.produce(plan, self.staging.view(res))  # type: ignore[union-attr]  # P3 + P5
+                    _sync(self.staging.tensor)  # type: ignore[union-attr]
+            except BaseException:
+                self._release_reservation(res)
+                raise
+        except (ValueError, BufferFull) as e:
+            self._give_back_blocks(job)
+            return Error(msg.request_id, str(e))
+        in_place = self.fmt.reads_cache_in_place
+        if not in_place:
+            self._give_back_blocks(job)  # P6: the KV now lives in staging; the paged blocks can be reused
+        with self._lock:
+            self._sent[msg.request_id] = _Sent(res, job if in_place else None, time.monotonic() + self.ttl_s)
+        # P7: send metadata: where the bytes are and how many.
+        return KVReady(
+            msg.request_id,
+            self.fmt.name,
+            job.num_tokens,
+            list(job.block_ids),
+            STAGING_REGION if res is not None else "",
+            res.offset if res is not None else 0,
+            size,
+            self.fmt.extents(plan),
+        )
+
+    def _push(self, msg: PushRequest) -> Message:
+        """Push variant of D5-D6: post the decode side's pairing as one WRITE batch from here."""
+        with self._lock:
+            receiver = self._receivers.get(msg.receiver)
+            known = msg.request_id in self._sent
+        if receiver is None or not known:
+            return Error(msg.request_id, f"push for unknown receiver or request {msg.request_id!r}")
+        try:
+            descs = [Desc(*d) for d in msg.descs]
+            self.transport.transfer("WRITE", receiver.peer, descs, timeout_s=self.ttl_s)
+        except (ValueError, TypeError, TransferError) as e:
+            return Error(msg.request_id, f"push failed: {e}")
+        return Ack(msg.request_id)
+
+    def _done(self, msg: Done) -> None:
+        # P8: receive the notice; P9: release what P4 reserved (and the blocks gg-direct held).
+        with self._lock:
+            sent = self._sent.pop(msg.request_id, None)
+        if sent is None:
+            return
+        if msg.ok:
+            self._release_reservation(sent.reservation)
+        else:  # the engine may still touch a failed batch's memory for a while
+            self._release_later(sent.reservation)
+        if sent.held_blocks is not None:
+            self._give_back_blocks(sent.held_blocks)
+
+    # -- reservations and expiry -------------------------------------------------------------
+
+    def _reserve(self, size: int, owner: str) -> Reservation:
+        deadline = time.monotonic() + self.staging_wait_s
+        while True:
+            try:
+                return self.staging.reserve(size, owner, ttl_s=self.ttl_s)  # type: ignore[union-attr]
+            except BufferFull:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.005)
+
+    def _release_reservation(self, res: Reservation | None) -> None:
+        if res is not None:
+            self.staging.ledger.release(res)  # type: ignore[union-attr]
+
+    def _release_later(self, res: Reservation | None) -> None:
+        if res is not None:
+            with self._lock:
+                self._drain.append((time.monotonic() + self.transport.drain_s, res))
+
+    def _give_back_blocks(self, job: _Prefilled) -> None:
+        if job.release_blocks is not None:
+            try:
+                job.release_blocks()
+            except Exception:  # noqa: BLE001 - a failing callback must not leak the rest
+                log.exception("releasing prefill blocks failed")
+            job.release_blocks = None
+
+    def _restore(self, request_id: str, job: _Prefilled) -> None:
+        with self._lock:
+            self._prefilled[request_id] = job
+
+    def reap(self, now: float | None = None) -> int:
+        """Release everything past its deadline; returns how many holds were released."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            stale_jobs = [k for k, j in self._prefilled.items() if j.deadline <= now]
+            jobs = [self._prefilled.pop(k) for k in stale_jobs]
+            stale_sent = [k for k, s in self._sent.items() if s.deadline <= now]
+            sent = [self._sent.pop(k) for k in stale_sent]
+            ready = [r for t, r in self._drain if t <= now]
+            self._drain = [(t, r) for t, r in self._drain if t > now]
+        for j in jobs:
+            self._give_back_blocks(j)
+        for s in sent:
+            self._release_reservation(s.reservation)
+            if s.held_blocks is not None:
+                self._give_back_blocks(s.held_blocks)
+        for r in ready:
+            self._release_reservation(r)
+        expired = self.staging.ledger.expire(now) if self.staging is not None else []
+        return len(jobs) + len(sent) + len(ready) + len(expired)
+
+    def _reap_loop(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            try:
+                self.reap()
+            except Exception:  # noqa: BLE001
+                log.exception("KV reaper failed")
+
+    def accounting(self) -> dict[str, Any]:
+        """What the prefill side holds right now, and for whom."""
+        with self._lock:
+            return {
+                "staging": [] if self.staging is None else self.staging.ledger.live(),
+                "waiting": sorted(self._prefilled),
+                "in_flight": sorted(self._sent),
+                "draining": len(self._drain),
+            }
+
+    def close(self) -> None:
+        self._stop.set()
+        self.server.close()
+        self._reaper.join(timeout=2)
+        with self._lock:
+            jobs = list(self._prefilled.values()) + [s.held_blocks for s in self._sent.values() if s.held_blocks]
+            res = [s.reservation for s in self._sent.values()] + [r for _, r in self._drain]
+            self._prefilled.clear()
+            self._sent.clear()
+            self._drain.clear()
+        for j in jobs:
+            self._give_back_blocks(j)
+        for r in res:
+            self._release_reservation(r)
+
+
+def _sync(t: torch.Tensor) -> None:
+    if t.is_cuda:
+        torch.cuda.current_stream(t.device).synchronize()
+
+
+# ============================================================================ decode side
+
+
+@dataclass
+class PullResult:
+    request_id: str
+    num_tokens: int
+    bytes: int
+    requests: int
+    mode: str
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Sender:
+    client: ControlClient
+    peer: str
+    layout: Any
+    receiver: str
+
+
+class KVReceiver:
+    """The decode instance's half of Algorithm 1 (D1-D9)."""
+
+    def __init__(self, transport: Transport, landing: Landing, config: str, post: str = "pull", timeout_s: float = 30.0):
+        if post not in ("pull", "push"):
+            raise ValueError(f"post must be 'pull' or 'push', got {post!r}")
+        self.transport, self.landing, self.config, self.post, self.timeout_s = transport, landing, config, post, timeout_s
+        for name, tensor in landing.regions().items():
+            transport.register(name, tensor)
+        self._senders: dict[str, _Sender] = {}
+        self._lock = threading.Lock()
+        self._draining: list[tuple[float, Held]] = []
+
+    def connect(self, address: str) -> None:
+        """Handshake with a prefill instance: exchange transport metadata and KV layouts."""
+        with self._lock:
+            if address in self._senders:
+                return
+        client = ControlClient(address)
+        layout, extra = self.landing.hello()
+        hello = Hello("decode", self.config, self.transport.name, self.transport.metadata(), layout_to_wire(layout), {**extra, "format": self.landing.format, "receiver": self.transport.agent_name})
+        try:
+            reply = client.call(hello, self.timeout_s)
+            if isinstance(reply, Error):
+                raise KVTransferFailed(f"prefill at {address} refused the handshake: {reply.message}")
+            if not isinstance(reply, Hello) or reply.extra.get("format") != self.landing.format:
+                raise ProtocolError(f"prefill at {address} answered the handshake with {reply!r:.200}")
+            peer = self.transport.connect(reply.transport_md)
+            src = layout_from_wire(reply.layout)
+        except BaseException:
+            client.close()
+            raise
+        with self._lock:
+            self._senders[address] = _Sender(client, peer, src, str(reply.extra["receiver"]))
+
+    def pull(self, address: str, request_id: str, dst_block_ids: Sequence[int], timeout_s: float | None = None) -> PullResult:
+        """Bring request ``request_id``'s KV from the prefill at ``address`` into ``dst_block_ids``."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        self.reap()
+        self.connect(address)
+        s = self._senders[address]
+        t0 = time.perf_counter()
+        # D1: ask for the KV.   D2: receive the metadata.
+        try:
+            ready = s.client.call(PullRequest(request_id, s.receiver, [int(b) for b in dst_block_ids]), timeout)
+        except PeerUnreachable as e:
+            raise KVTransferFailed(f"request {request_id}: prefill at {address} did not answer: {e}") from e
+        if isinstance(ready, Error):
+            raise KVTransferFailed(f"request {request_id}: prefill refused: {ready.message}")
+        t_ready = time.perf_counter()
+        held: Held | None = None
+        ok, error = False, ""
+        try:
+            if not isinstance(ready, KVReady) or ready.request_id != request_id or ready.format != self.landing.format:
+                raise ProtocolError(f"request {request_id}: unexpected reply {ready!r:.200}")
+            plan = self.landing.plan(ready, dst_block_ids, s.layout)
+            held = self.landing.reserve(plan, request_id, ttl_s=None)  # D3
+            descs = self.landing.pair(plan, held, ready)  # D4
+            t_paired = time.perf_counter()
+            self._move(s, request_id, descs, timeout)  # D5 + D6
+            t_moved = time.perf_counter()
+            self.landing.finish(plan, held)  # D7
+            t_done = time.perf_counter()
+            ok = True
+        except (TransferError, PeerUnreachable) as e:
+            error = f"request {request_id}: transfer failed: {e}"
+            raise KVTransferFailed(error) from e
+        except (ProtocolError, ValueError, MemoryError) as e:
+            error = f"request {request_id}: {e}"
+            raise KVTransferFailed(error) from e
+        finally:
+            if held is not None:  # D8: release per-channel reservations (later, if a batch may be in flight)
+                if ok:
+                    self.landing.release(held)
+                else:
+                    with self._lock:
+                        self._draining.append((time.monotonic() + self.transport.drain_s, held))
+            s.client.send(Done(request_id, ok, error))  # D9: the prefill may release (P8-P9)
+        return PullResult(
+            request_id,
+            ready.num_tokens,
+            sum(d.length for d in descs),
+            len(descs),
+            held.mode if held else "",
+            {
+                "ready_s": t_ready - t0,
+                "pair_s": t_paired - t_ready,
+                "transfer_s": t_moved - t_paired,
+                "finish_s": t_done - t_moved,
+                "total_s": t_done - t0,
+            },
+        )
+
+    def _move(self, s: _Sender, request_id: str, descs: list[Desc], timeout: float) -> None:
+        if self.post == "pull":
+            self.transport.transfer("READ", s.peer, descs, timeout)
+            return
+        flipped = [[d.remote_region, d.remote_offset, d.local_region, d.local_offset, d.length] for d in descs]
+        reply = s.client.call(PushRequest(request_id, s.receiver, flipped), timeout)
+        if isinstance(reply, Error):
+            raise TransferError(reply.message)
+
+    def reap(self, now: float | None = None) -> None:
+        """Release reservations of failed pulls once the engine can no longer touch them."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            ready = [h for t, h in self._draining if t <= now]
+            self._draining = [(t, h) for t, h in self._draining if t > now]
+        for h in ready:
+            self.landing.release(h)
+
+    def accounting(self) -> dict[str, Any]:
+        with self._lock:
+            draining = len(self._draining)
+        return {"reservations": self.landing.live(), "draining": draining}
+
+    def close(self) -> None:
+        with self._lock:
+            senders = list(self._senders.values())
+            self._senders.clear()
+            held = [h for _, h in self._draining]
+            self._draining.clear()
+        for s in senders:
+            s.client.close()
+        for h in held:
+            self.landing.release(h)

@@ -1,0 +1,129 @@
+"""The paper's five transfer configurations, by name, as data: what the prefill sends, where decode lands it.
+
+| name             | decode device | prefill sends                   | decode lands it                                       |
+|------------------|---------------|---------------------------------|-------------------------------------------------------|
+| gg-host          | GPU (or CPU)  | compact blocks in host memory   | host buffer, then scatter into the GPU paged cache    |
+| gn-host          | NPU           | compact blocks in host memory   | host buffer, then tilize + place pages on the NPU     |
+| gg-direct        | GPU (or CPU)  | nothing: blocks read in place   | straight into the GPU paged cache                     |
+| gn-direct-single | NPU           | NPU tiles (HAWK's transform)    | one contiguous buffer in one channel, then rearrange  |
+| gn-hawk          | NPU           | NPU tiles (HAWK's transform)    | per-channel buffers (+ intra-channel copy) or direct  |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hawk.connector.algorithm1 import KVReceiver, KVSender
+from hawk.connector.formats import FORMATS, SendFormat
+from hawk.connector.landings import (
+    ChannelLanding,
+    GpuDirectLanding,
+    HostRx,
+    HostToGpuLanding,
+    HostToNpuLanding,
+    Landing,
+    SingleLanding,
+)
+from hawk.devices.backend import NpuBackend
+from hawk.layouts.gpu import GpuKVLayout
+from hawk.memory.buffers import ChannelBuffers, SingleBuffer, StagingBuffer
+from hawk.memory.npu_kv_cache import NpuKVCacheMemory
+from hawk.plan.cost_model import CostModel
+from hawk.transport.base import Transport
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    name: str
+    decode_on: str  # "npu" | "gpu"
+    send_format: str
+    staging: str | None  # where the prefill stages: "device", "host", or None (read in place)
+    landing: str
+
+
+CONFIGS: dict[str, TransferConfig] = {
+    c.name: c
+    for c in (
+        TransferConfig("gg-host", "gpu", "compact", "host", "host-to-gpu"),
+        TransferConfig("gn-host", "npu", "compact", "host", "host-to-npu"),
+        TransferConfig("gg-direct", "gpu", "cache", None, "gpu-direct"),
+        TransferConfig("gn-direct-single", "npu", "npu-tiles", "device", "single"),
+        TransferConfig("gn-hawk", "npu", "npu-tiles", "device", "channels"),
+    )
+}
+
+
+def get_config(name: str) -> TransferConfig:
+    try:
+        return CONFIGS[name]
+    except KeyError:
+        raise ValueError(f"unknown transfer configuration {name!r}; expected one of {list(CONFIGS)}") from None
+
+
+def make_sender(
+    config: str,
+    transport: Transport,
+    caches: Sequence[torch.Tensor],
+    layout: GpuKVLayout,
+    staging_bytes: int,
+    transform_impl: str = "auto",
+    **kwargs,
+) -> KVSender:
+    """The prefill side of ``config`` over ``transport``, with a staging buffer of ``staging_bytes``."""
+    cfg = get_config(config)
+    fcls = FORMATS[cfg.send_format]
+    fmt: SendFormat = fcls(caches, layout, transform_impl) if cfg.send_format == "npu-tiles" else fcls(caches, layout)  # type: ignore[call-arg]
+    staging = None
+    if cfg.staging == "device":
+        staging = StagingBuffer(staging_bytes, caches[0].device)
+    elif cfg.staging == "host":
+        staging = StagingBuffer(staging_bytes, "cpu", pin=torch.cuda.is_available())
+    return KVSender(transport, fmt, staging, cfg.name, **kwargs)
+
+
+@dataclass
+class NpuSide:
+    """What an NPU decode instance brings: the device, its KV cache memory, receive-buffer size."""
+
+    npu: NpuBackend
+    kv: NpuKVCacheMemory
+    rx_bytes: int
+    cost: CostModel | None = None
+    mode: str = "auto"
+
+
+@dataclass
+class GpuSide:
+    """What a GPU decode instance brings: its paged caches and layout, host receive-buffer size."""
+
+    caches: Sequence[torch.Tensor]
+    layout: GpuKVLayout
+    rx_bytes: int
+
+
+def make_landing(config: str, side: NpuSide | GpuSide) -> Landing:
+    cfg = get_config(config)
+    if cfg.decode_on == "npu":
+        if not isinstance(side, NpuSide):
+            raise ValueError(f"{config} decodes on an NPU: give an NpuSide")
+        if cfg.landing == "channels":
+            if side.cost is None:
+                raise ValueError("gn-hawk needs a cost model to choose staging or direct placement")
+            per_channel = -(-side.rx_bytes // side.npu.arch.num_channels)
+            return ChannelLanding(side.kv, ChannelBuffers(side.npu, per_channel), side.cost, side.mode)
+        if cfg.landing == "single":
+            return SingleLanding(side.kv, SingleBuffer(side.npu, side.rx_bytes))
+        return HostToNpuLanding(side.kv, HostRx(side.rx_bytes))
+    if not isinstance(side, GpuSide):
+        raise ValueError(f"{config} decodes on a GPU: give a GpuSide")
+    if cfg.landing == "gpu-direct":
+        return GpuDirectLanding(side.caches, side.layout)
+    return HostToGpuLanding(side.caches, side.layout, HostRx(side.rx_bytes))
+
+
+def make_receiver(config: str, transport: Transport, side: NpuSide | GpuSide, post: str = "pull", timeout_s: float = 30.0) -> KVReceiver:
+    """The decode side of ``config`` over ``transport``."""
+    return KVReceiver(transport, make_landing(config, side), config, post, timeout_s)

@@ -1,0 +1,320 @@
+"""Where the decode side lands a request's KV, one class per destination kind.
+
+A landing answers Algorithm 1's decode-side questions: which regions to register, how to rebuild
+and check the plan from the sender's metadata (D2), what to reserve (D3), how to pair the sender's
+region with its own buffers (D4), how to finish into the KV cache (D6-D7) and what to release (D8).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
+
+import torch
+
+from hawk.connector.formats import cache_region
+from hawk.connector.messages import KVReady, ProtocolError
+from hawk.devices.backend import NpuBackend
+from hawk.layouts.gpu import GpuKVLayout
+from hawk.memory.buffers import ChannelBuffers, SingleBuffer
+from hawk.memory.npu_kv_cache import NpuKVCacheMemory
+from hawk.memory.reservations import RangeReservations, Reservation
+from hawk.plan.block_plan import BlockCopyPlan, plan_block_copy
+from hawk.plan.cost_model import CostModel
+from hawk.plan.kv_plan import KVTransferPlan, plan_kv_transfer
+from hawk.transform.reference import transform_reference
+from hawk.transport.base import Desc
+
+
+@dataclass
+class Held:
+    """What one request holds on the decode side between D3 and D8."""
+
+    mode: str
+    reservations: dict[Any, Reservation] = field(default_factory=dict)
+
+    def address(self, key: Any, base: int) -> int:
+        return base + self.reservations[key].offset
+
+
+def channel_region(channel: int) -> str:
+    return f"npu-ch{channel}"
+
+
+def _check_extents(ready: KVReady, plan: KVTransferPlan) -> None:
+    if ready.total_bytes != plan.total_bytes or [list(e) for e in plan.channel_extents] != [list(e) for e in ready.extents]:
+        raise ProtocolError(
+            f"request {ready.request_id}: sender's metadata ({ready.total_bytes} B, extents {ready.extents}) "
+            f"does not match this side's plan ({plan.total_bytes} B, extents {plan.channel_extents})"
+        )
+
+
+class Landing(ABC):
+    #: The send format this landing expects from the prefill side.
+    format: ClassVar[str]
+
+    @abstractmethod
+    def regions(self) -> dict[str, torch.Tensor]:
+        """Memory to register with the transport (by region name)."""
+
+    @abstractmethod
+    def hello(self) -> tuple[Any, dict]:
+        """``(kv layout, extra)`` for the handshake."""
+
+    @abstractmethod
+    def plan(self, ready: KVReady, dst_block_ids: Sequence[int], src: GpuKVLayout) -> Any:
+        """D2: rebuild the plan from the sender's metadata and check it agrees."""
+
+    def reserve(self, plan: Any, owner: str, ttl_s: float | None) -> Held:
+        """D3: reserve receive space."""
+        return Held("in-place")
+
+    @abstractmethod
+    def pair(self, plan: Any, held: Held, ready: KVReady) -> list[Desc]:
+        """D4: pair the sender's region with local buffers: one descriptor per request."""
+
+    def finish(self, plan: Any, held: Held) -> None:
+        """D6-D7: make the received bytes the KV cache."""
+
+    def release(self, held: Held) -> None:
+        """D8: give back what ``reserve`` took."""
+
+    def live(self) -> list[Reservation]:
+        """Reservations held right now (accounting)."""
+        return []
+
+
+class ChannelLanding(Landing):
+    """gn-hawk: one buffer per DRAM channel; staging + intra-channel copy, or direct into the pages."""
+
+    format = "npu-tiles"
+
+    def __init__(self, kv: NpuKVCacheMemory, buffers: ChannelBuffers, cost: CostModel, mode: str = "auto"):
+        if mode not in ("auto", "staging", "direct"):
+            raise ValueError(f"landing mode must be auto, staging or direct, got {mode!r}")
+        self.kv, self.buffers, self.cost, self.mode = kv, buffers, cost, mode
+        self.npu: NpuBackend = kv.npu
+
+    def regions(self) -> dict[str, torch.Tensor]:
+        return {channel_region(c): self.npu.channel_memory(c) for c in range(self.npu.arch.num_channels)}
+
+    def hello(self) -> tuple[Any, dict]:
+        return self.kv.layout, {"bases": list(self.kv.bases)}
+
+    def plan(self, ready, dst_block_ids, src) -> KVTransferPlan:
+        plan = plan_kv_transfer(ready.num_tokens, ready.src_block_ids, dst_block_ids, src, self.kv.layout, self.kv.bases)
+        _check_extents(ready, plan)
+        return plan
+
+    def choose(self, plan: KVTransferPlan) -> str:
+        return self.cost.choose(plan) if self.mode == "auto" else self.mode
+
+    def reserve(self, plan, owner, ttl_s) -> Held:
+        mode = self.choose(plan)
+        if mode == "direct":
+            return Held("direct")
+        return Held("staging", dict(self.buffers.reserve(plan.channel_bytes(), owner, ttl_s)))
+
+    def _addresses(self, held: Held) -> dict[int, int]:
+        return {c: self.buffers.address(r, c) for c, r in held.reservations.items()}
+
+    def pair(self, plan, held, ready) -> list[Desc]:
+        reqs = plan.direct_requests() if held.mode == "direct" else plan.staging_requests(self._addresses(held))
+        return [Desc(channel_region(r.dst_region), r.dst_offset, ready.region, ready.offset + r.src_offset, r.length) for r in reqs]
+
+    def finish(self, plan, held) -> None:
+        if held.mode == "staging":
+            self.npu.copy(plan.staging_copies(self._addresses(held)))
+        self.npu.synchronize()
+
+    def release(self, held) -> None:
+        self.buffers.release(held.reservations)
+
+    def live(self) -> list[Reservation]:
+        return self.buffers.live()
+
+
+class SingleLanding(Landing):
+    """gn-direct-single: one contiguous buffer in one channel, then cross-channel rearrangement."""
+
+    format = "npu-tiles"
+
+    def __init__(self, kv: NpuKVCacheMemory, buffer: SingleBuffer):
+        self.kv, self.buffer, self.npu = kv, buffer, kv.npu
+
+    def regions(self) -> dict[str, torch.Tensor]:
+        return {channel_region(c): self.npu.channel_memory(c) for c in range(self.npu.arch.num_channels)}
+
+    def hello(self) -> tuple[Any, dict]:
+        return self.kv.layout, {"bases": list(self.kv.bases)}
+
+    def plan(self, ready, dst_block_ids, src) -> KVTransferPlan:
+        plan = plan_kv_transfer(ready.num_tokens, ready.src_block_ids, dst_block_ids, src, self.kv.layout, self.kv.bases)
+        _check_extents(ready, plan)
+        return plan
+
+    def reserve(self, plan, owner, ttl_s) -> Held:
+        return Held("single", {0: self.buffer.reserve(plan.total_bytes, owner, ttl_s)})
+
+    def pair(self, plan, held, ready) -> list[Desc]:
+        addr = self.buffer.address(held.reservations[0])
+        return [
+            Desc(channel_region(r.dst_region), r.dst_offset, ready.region, ready.offset + r.src_offset, r.length)
+            for r in plan.single_requests(self.buffer.channel, addr)
+        ]
+
+    def finish(self, plan, held) -> None:
+        self.npu.copy(plan.single_copies(self.buffer.channel, self.buffer.address(held.reservations[0])))
+        self.npu.synchronize()
+
+    def release(self, held) -> None:
+        for r in held.reservations.values():
+            self.buffer.release(r)
+
+    def live(self) -> list[Reservation]:
+        return self.buffer.live()
+
+
+class HostRx:
+    """A host receive region with its ledger (pinned when CUDA is present): the ``*-host`` path."""
+
+    REGION = "host-rx"
+
+    def __init__(self, capacity: int):
+        pin = torch.cuda.is_available()
+        self.tensor = torch.empty(capacity, dtype=torch.uint8, pin_memory=pin)
+        self.ledger = RangeReservations(self.REGION, capacity, alignment=256)
+
+    def view(self, r: Reservation) -> torch.Tensor:
+        return self.tensor[r.offset : r.offset + r.size]
+
+
+@dataclass(eq=False)
+class _HostPlan:
+    blocks: BlockCopyPlan
+    fixup: KVTransferPlan | None = None  # gn-host: compact blocks -> NPU pages
+    dst_block_ids: Sequence[int] = ()  # gg-host: where the blocks go in the decode cache
+
+
+class _HostLanding(Landing):
+    """Shared by the two host-staged baselines: receive compact blocks into host memory."""
+
+    format = "compact"
+
+    def __init__(self, rx: HostRx):
+        self.rx = rx
+
+    def regions(self) -> dict[str, torch.Tensor]:
+        return {HostRx.REGION: self.rx.tensor}
+
+    def _blocks(self, ready: KVReady, src: GpuKVLayout) -> BlockCopyPlan:
+        plan = plan_block_copy(ready.num_tokens, ready.src_block_ids, src)
+        if plan.total_bytes != ready.total_bytes:
+            raise ProtocolError(f"request {ready.request_id}: sender sends {ready.total_bytes} B, plan expects {plan.total_bytes} B")
+        return plan
+
+    def reserve(self, plan, owner, ttl_s) -> Held:
+        return Held("host", {0: self.rx.ledger.reserve(plan.blocks.total_bytes, owner, ttl_s)})
+
+    def pair(self, plan, held, ready) -> list[Desc]:
+        r = held.reservations[0]
+        return [Desc(HostRx.REGION, r.offset, ready.region, ready.offset, plan.blocks.total_bytes)]
+
+    def release(self, held) -> None:
+        for r in held.reservations.values():
+            self.rx.ledger.release(r)
+
+    def live(self) -> list[Reservation]:
+        return self.rx.ledger.live()
+
+    def _compact_on(self, held: Held, plan: _HostPlan, device: torch.device) -> list[torch.Tensor]:
+        """The received blocks copied host -> device, viewed as one paged cache per layer."""
+        lay = plan.blocks.compact_layout
+        data = self.rx.view(held.reservations[0]).to(device, non_blocking=True)
+        per_layer = data.view(lay.torch_dtype).view(lay.num_layers, *lay.layer_shape)
+        return list(per_layer.unbind(0))
+
+
+class HostToNpuLanding(_HostLanding):
+    """gn-host: host staging, then the layout fix-up (tilize + channel placement) on the NPU side."""
+
+    def __init__(self, kv: NpuKVCacheMemory, rx: HostRx):
+        super().__init__(rx)
+        self.kv, self.npu = kv, kv.npu
+
+    def hello(self) -> tuple[Any, dict]:
+        return self.kv.layout, {"bases": list(self.kv.bases)}
+
+    def plan(self, ready, dst_block_ids, src) -> _HostPlan:
+        blocks = self._blocks(ready, src)
+        compact = blocks.compact_layout
+        fixup = plan_kv_transfer(ready.num_tokens, range(blocks.num_blocks), dst_block_ids, compact, self.kv.layout, self.kv.bases)
+        return _HostPlan(blocks, fixup)
+
+    def finish(self, plan, held) -> None:
+        dev = self.npu.torch_device
+        tiles = transform_reference(self._compact_on(held, plan, dev), plan.fixup)
+        fx = plan.fixup
+        pb = fx.page_bytes
+        pages = tiles.view(-1, pb)
+        a, b = (torch.as_tensor(x, device=dev) for x in fx.offset_terms())
+        page_ids = torch.as_tensor(fx.page, device=dev)
+        for t in range(fx.num_tensors):
+            self.kv.write_pages(t, page_ids, pages[(a + t * b) // pb])
+        self.npu.synchronize()
+
+
+class HostToGpuLanding(_HostLanding):
+    """gg-host: host staging, then the blocks scattered into the decode GPU's paged cache."""
+
+    def __init__(self, caches: Sequence[torch.Tensor], layout: GpuKVLayout, rx: HostRx):
+        super().__init__(rx)
+        layout.check_cache(list(caches))
+        self.caches, self.layout = list(caches), layout
+
+    def hello(self) -> tuple[Any, dict]:
+        return self.layout, {}
+
+    def plan(self, ready, dst_block_ids, src) -> _HostPlan:
+        blocks = self._blocks(ready, src)
+        blocks.scatter_copies(self.layout, dst_block_ids)  # validates the destination
+        return _HostPlan(blocks, dst_block_ids=list(dst_block_ids)[: blocks.num_blocks])
+
+    def finish(self, plan, held) -> None:
+        dev = self.caches[0].device
+        compact = self._compact_on(held, plan, dev)
+        ids = torch.as_tensor(plan.dst_block_ids, device=dev)
+        for cache, blocks in zip(self.caches, compact):
+            cache.index_copy_(1, ids, blocks)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+
+class GpuDirectLanding(Landing):
+    """gg-direct: read vLLM blocks straight from the prefill GPU's cache into this GPU's cache."""
+
+    format = "cache"
+
+    def __init__(self, caches: Sequence[torch.Tensor], layout: GpuKVLayout):
+        layout.check_cache(list(caches))
+        self.caches, self.layout = list(caches), layout
+
+    def regions(self) -> dict[str, torch.Tensor]:
+        return {cache_region(i): c for i, c in enumerate(self.caches)}
+
+    def hello(self) -> tuple[Any, dict]:
+        return self.layout, {}
+
+    def plan(self, ready, dst_block_ids, src):
+        blocks = plan_block_copy(ready.num_tokens, ready.src_block_ids, src)
+        return blocks.direct_requests(self.layout, dst_block_ids)
+
+    def pair(self, plan, held, ready) -> list[Desc]:
+        return [Desc(cache_region(r.dst_region), r.dst_offset, cache_region(r.src_region), r.src_offset, r.length) for r in plan]
+
+    def finish(self, plan, held) -> None:
+        dev = self.caches[0].device
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)

@@ -1,0 +1,161 @@
+"""Control messages of Algorithm 1, versioned and validated on receipt.
+
+Every message is a msgpack map ``{"v": VERSION, "type": ..., fields...}``. Decoding checks the
+version, the type and every field's type, so a malformed or mismatched peer is rejected with a
+message that says what was wrong, before any memory is touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, get_type_hints
+
+import msgpack
+
+from hawk.layouts.gpu import GpuKVLayout
+from hawk.layouts.npu import Bank, NpuArch, NpuKVLayout
+
+VERSION = 1
+
+
+class ProtocolError(ValueError):
+    """A control message that is malformed, of another version, or inconsistent with the plan."""
+
+
+@dataclass(frozen=True)
+class Message:
+    TYPE: ClassVar[str] = ""
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    """Handshake, both ways: who I am, how to reach my memory, what my KV layout is."""
+
+    TYPE: ClassVar[str] = "hello"
+    role: str  # "prefill" | "decode"
+    config: str
+    transport: str
+    transport_md: bytes
+    layout: dict  # layout_to_wire(...)
+    extra: dict = field(default_factory=dict)  # e.g. the NPU cache's tensor bases, the send format
+
+
+@dataclass(frozen=True)
+class PullRequest(Message):
+    """D1: the decode side asks for one request's KV and says where it will live."""
+
+    TYPE: ClassVar[str] = "pull"
+    request_id: str
+    receiver: str
+    dst_block_ids: list
+
+
+@dataclass(frozen=True)
+class KVReady(Message):
+    """P7: the KV is in the sender's registered memory; here is where and how much."""
+
+    TYPE: ClassVar[str] = "ready"
+    request_id: str
+    format: str
+    num_tokens: int
+    src_block_ids: list
+    region: str
+    offset: int
+    total_bytes: int
+    extents: list  # [[channel, offset, length], ...] for NPU tiles, [] otherwise
+
+
+@dataclass(frozen=True)
+class PushRequest(Message):
+    """Push variant of D5: the decode side pairs regions, the prefill side posts the WRITE batch."""
+
+    TYPE: ClassVar[str] = "push"
+    request_id: str
+    receiver: str
+    descs: list  # [[local_region, local_offset, remote_region, remote_offset, length], ...] from the sender's view
+
+
+@dataclass(frozen=True)
+class Done(Message):
+    """D9: the decode side is finished with the request (ok or not); the sender may release (P8-P9)."""
+
+    TYPE: ClassVar[str] = "done"
+    request_id: str
+    ok: bool
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Ack(Message):
+    TYPE: ClassVar[str] = "ack"
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class Error(Message):
+    TYPE: ClassVar[str] = "error"
+    request_id: str
+    message: str
+
+
+MESSAGES: dict[str, type[Message]] = {m.TYPE: m for m in (Hello, PullRequest, KVReady, PushRequest, Done, Ack, Error)}
+_PY_TYPES = {str: str, int: int, bool: bool, bytes: bytes, list: list, dict: dict}
+
+
+def encode(msg: Message) -> bytes:
+    body = {"v": VERSION, "type": msg.TYPE, **dataclasses.asdict(msg)}
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode(blob: bytes) -> Message:
+    try:
+        body = msgpack.unpackb(blob, raw=False)
+    except Exception as e:  # noqa: BLE001 - anything unparsable is a protocol error
+        raise ProtocolError(f"control message is not valid msgpack: {e}") from e
+    if not isinstance(body, dict):
+        raise ProtocolError(f"control message must be a map, got {type(body).__name__}")
+    if body.get("v") != VERSION:
+        raise ProtocolError(f"control message version {body.get('v')!r}, this side speaks {VERSION}")
+    cls = MESSAGES.get(body.get("type"))  # type: ignore[arg-type]
+    if cls is None:
+        raise ProtocolError(f"unknown control message type {body.get('type')!r}")
+    hints = get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in body:
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+                continue
+            raise ProtocolError(f"{cls.TYPE} message lacks field {f.name!r}")
+        want = _PY_TYPES[hints[f.name]]
+        v = body[f.name]
+        if not isinstance(v, want) or (want is int and isinstance(v, bool)):
+            raise ProtocolError(f"{cls.TYPE}.{f.name} must be {want.__name__}, got {type(v).__name__} {v!r:.60}")
+        kwargs[f.name] = v
+    return cls(**kwargs)
+
+
+# -- layouts on the wire ---------------------------------------------------------------------
+
+
+def layout_to_wire(layout: GpuKVLayout | NpuKVLayout) -> dict:
+    d = dataclasses.asdict(layout)
+    d["kind"] = "gpu" if isinstance(layout, GpuKVLayout) else "npu"
+    return d
+
+
+def layout_from_wire(d: dict) -> GpuKVLayout | NpuKVLayout:
+    try:
+        d = dict(d)
+        kind = d.pop("kind")
+        if kind == "gpu":
+            return GpuKVLayout(**d)
+        if kind == "npu":
+            a = d.pop("arch")
+            arch = NpuArch(a["name"], tuple(Bank(**b) for b in a["banks"]), a["alignment"])
+            return NpuKVLayout(arch=arch, **d)
+    except ProtocolError:
+        raise
+    except Exception as e:  # noqa: BLE001 - constructor validation errors become protocol errors
+        raise ProtocolError(f"malformed layout in handshake: {e}") from e
+    raise ProtocolError(f"unknown layout kind {kind!r}")

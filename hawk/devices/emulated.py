@@ -1,0 +1,99 @@
+"""An emulated Tenstorrent-like NPU: per-channel DRAM in host memory or on a CUDA device.
+
+Faithful where HAWK depends on it: channel windows with the arch's bank offsets and capacities,
+tt-metal's lockstep interleaved allocation, byte-exact pages. Not emulated: compute cores, the
+NoC, DRAM timing. Numbers measured on it are emulation numbers and are labelled so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hawk.devices.backend import NpuBackend
+from hawk.devices.batched_copy import batched_copy
+from hawk.devices.dram_allocator import DramAllocator
+from hawk.layouts.npu import NpuArch, get_arch
+from hawk.plan.requests import Copy
+
+#: Default bank size of an emulated device whose memory lives in host RAM (the real 1-4 GiB banks
+#: would not fit a CI machine); override with ``bank_capacity``.
+DEFAULT_EMULATED_BANK_BYTES = 256 << 20
+
+
+class EmulatedNpu(NpuBackend):
+    """``npu-emu:<torch device>``: channel memory is one uint8 tensor ``[channels, channel_bytes]``."""
+
+    def __init__(self, arch: NpuArch, memory_device: str | torch.device = "cpu"):
+        self.arch = arch
+        self.allocator = DramAllocator(arch)
+        dev = torch.device(memory_device)
+        cap = {arch.channel_capacity(c) for c in range(arch.num_channels)}
+        bank_bytes = {b.capacity for b in arch.banks}
+        tiled = all(b.channel * cap_0 + b.offset == i * arch.banks[0].capacity for i, b in enumerate(arch.banks) for cap_0 in cap)
+        if len(cap) != 1 or len(bank_bytes) != 1 or not tiled:
+            raise ValueError(f"emulation needs equal banks tiling equal channels in order; {arch.name} does not")
+        self._memory = torch.zeros(arch.num_channels, cap.pop(), dtype=torch.uint8, device=dev)
+        self.name = f"npu-emu:{dev}"
+
+    @property
+    def torch_device(self) -> torch.device:
+        return self._memory.device
+
+    @property
+    def memory(self) -> torch.Tensor:
+        """All channels, ``[channels, channel_bytes]`` (the emulation's whole DRAM)."""
+        return self._memory
+
+    def interleaved_pages(self, base: int, aligned_page: int, slots: int) -> torch.Tensor:
+        bank_bytes = self.arch.banks[0].capacity
+        if base < 0 or base + slots * aligned_page > bank_bytes:
+            raise ValueError(f"interleaved buffer [{base}, {base + slots * aligned_page}) exceeds a {bank_bytes} B bank")
+        flat = self._memory.view(-1)  # banks tile the channels back to back: bank b starts at b * bank_bytes
+        return flat.as_strided((self.arch.num_banks, slots, aligned_page), (bank_bytes, aligned_page, 1), base)
+
+    def channel_memory(self, channel: int) -> torch.Tensor:
+        self._check_channel(channel)
+        return self._memory[channel]
+
+    def read(self, channel: int, address: int, nbytes: int) -> torch.Tensor:
+        self._check_range(channel, address, nbytes)
+        return self._memory[channel, address : address + nbytes]
+
+    def write(self, channel: int, address: int, data: torch.Tensor) -> None:
+        if data.dtype != torch.uint8:
+            raise ValueError(f"NPU writes take uint8 bytes, got {data.dtype}")
+        self._check_range(channel, address, data.numel())
+        self._memory[channel, address : address + data.numel()].copy_(data.reshape(-1), non_blocking=True)
+
+    def copy(self, copies: Sequence[Copy]) -> None:
+        batched_copy(self._memory, copies)
+
+    def synchronize(self) -> None:
+        if self._memory.is_cuda:
+            torch.cuda.synchronize(self._memory.device)
+
+    def _check_channel(self, channel: int) -> None:
+        if not 0 <= channel < self.arch.num_channels:
+            raise ValueError(f"channel {channel} out of range [0, {self.arch.num_channels})")
+
+    def _check_range(self, channel: int, address: int, nbytes: int) -> None:
+        self._check_channel(channel)
+        if address < 0 or nbytes < 0 or address + nbytes > self._memory.shape[1]:
+            raise ValueError(f"[{address}, {address + nbytes}) is outside channel {channel} ({self._memory.shape[1]} B)")
+
+
+def open_npu(spec: str, arch: str = "blackhole-p150a", bank_capacity: int | None = None) -> NpuBackend:
+    """Open an NPU by name: ``npu-emu:cpu``, ``npu-emu:cuda:1``; ``ttnn:<id>`` is the real-hardware seam."""
+    kind, _, where = spec.partition(":")
+    if kind == "npu-emu":
+        if bank_capacity is None and not where.startswith("cuda"):
+            bank_capacity = DEFAULT_EMULATED_BANK_BYTES
+        return EmulatedNpu(get_arch(arch, bank_capacity), where or "cpu")
+    if kind == "ttnn":
+        raise RuntimeError(
+            "a real Tenstorrent backend needs ttnn/tt-umd and tt-kmd >= 2.10 (per-bank dma-buf export); "
+            "neither is available here - use npu-emu:cpu or npu-emu:cuda:N"
+        )
+    raise ValueError(f"unknown NPU device {spec!r}; expected npu-emu:cpu, npu-emu:cuda:N or ttnn:N")

@@ -1,0 +1,1 @@
+"""The model and the prefill / decode engines around it."""

@@ -1,0 +1,1 @@
+"""Registered transfer buffers and their reservations, with accounting that proves nothing leaks."""

@@ -1,0 +1,93 @@
+"""The GPU -> GPU plan (gg-* baselines, and the host-staged path): whole vLLM blocks, no layout change.
+
+A request's KV in "compact" form is its blocks gathered in order, ``[layers][K, V][blocks]`` of
+``block_bytes`` each: exactly a paged layout whose block ids are ``0..n-1``. That is what host
+staging moves, and what the gn-host baseline re-tiles on the NPU side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from hawk.layouts.gpu import GpuKVLayout
+from hawk.plan.requests import Copy, Request, merge_runs
+
+
+@dataclass(eq=False)
+class BlockCopyPlan:
+    src: GpuKVLayout
+    num_tokens: int
+    src_block_ids: np.ndarray
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.src_block_ids)
+
+    @property
+    def compact_layout(self) -> GpuKVLayout:
+        """The request's blocks renumbered ``0..n-1``: the layout of the compact buffer, per layer."""
+        return replace(self.src, num_blocks=self.num_blocks)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.src.num_layers * 2 * self.num_blocks * self.src.block_bytes
+
+    def _pieces(self, block_ids: np.ndarray, layout: GpuKVLayout) -> tuple[np.ndarray, ...]:
+        """Per ``(layer, kv, j)``: layer, byte offset in that layer's cache, byte offset in the compact buffer."""
+        nl, n, bb = layout.num_layers, self.num_blocks, layout.block_bytes
+        layer, kv, j = (a.ravel() for a in np.meshgrid(np.arange(nl), np.arange(2), np.arange(n), indexing="ij"))
+        cache_off = kv * layout.num_blocks * bb + block_ids[j] * bb
+        compact_off = ((layer * 2 + kv) * n + j) * bb
+        return layer, cache_off, compact_off
+
+    def gather_copies(self) -> list[Copy]:
+        """Cache (region = layer) -> compact buffer (region -1) runs."""
+        layer, off, comp = self._pieces(self.src_block_ids, self.src)
+        return [Copy(*r) for r in merge_runs(layer, off, np.full_like(layer, -1), comp, self.src.block_bytes)]
+
+    def scatter_copies(self, dst: GpuKVLayout, dst_block_ids: Sequence[int]) -> list[Copy]:
+        """Compact buffer (region -1) -> destination cache (region = layer) runs."""
+        ids = self._check_dst(dst, dst_block_ids)
+        layer, off, comp = self._pieces(ids, dst)
+        return [Copy(*r) for r in merge_runs(np.full_like(layer, -1), comp, layer, off, dst.block_bytes)]
+
+    def direct_requests(self, dst: GpuKVLayout, dst_block_ids: Sequence[int]) -> list[Request]:
+        """Source cache -> destination cache, region = layer on both sides, merged where contiguous."""
+        ids = self._check_dst(dst, dst_block_ids)
+        layer, src_off, _ = self._pieces(self.src_block_ids, self.src)
+        _, dst_off, _ = self._pieces(ids, dst)
+        return [Request(*r) for r in merge_runs(layer, src_off, layer, dst_off, self.src.block_bytes)]
+
+    def _check_dst(self, dst: GpuKVLayout, dst_block_ids: Sequence[int]) -> np.ndarray:
+        s = self.src
+        same = (s.num_layers, s.block_size, s.num_kv_heads, s.head_dim, s.dtype, s.order, s.head_start)
+        theirs = (dst.num_layers, dst.block_size, dst.num_kv_heads, dst.head_dim, dst.dtype, dst.order, dst.head_start)
+        if same != theirs:
+            raise ValueError(f"GPU->GPU block copy needs matching layouts except num_blocks: source {same}, destination {theirs}")
+        ids = np.asarray(dst_block_ids, dtype=np.int64)
+        if len(ids) < self.num_blocks:
+            raise ValueError(f"destination has {len(ids)} blocks, the request needs {self.num_blocks}")
+        ids = ids[: self.num_blocks]
+        bad = ids[(ids < 0) | (ids >= dst.num_blocks)]
+        if len(bad):
+            raise ValueError(f"destination block id {int(bad[0])} outside [0, {dst.num_blocks})")
+        if len(np.unique(ids)) != len(ids):
+            raise ValueError(f"destination block ids repeat: {ids.tolist()}")
+        return ids
+
+
+def plan_block_copy(num_tokens: int, src_block_ids: Sequence[int], src: GpuKVLayout) -> BlockCopyPlan:
+    if not isinstance(num_tokens, (int, np.integer)) or num_tokens <= 0:
+        raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
+    need = -(-int(num_tokens) // src.block_size)
+    ids = np.asarray(src_block_ids, dtype=np.int64)
+    if ids.ndim != 1 or len(ids) < need:
+        raise ValueError(f"src_block_ids has {ids.size} blocks but {need} are needed for {num_tokens} tokens")
+    ids = ids[:need]
+    bad = ids[(ids < 0) | (ids >= src.num_blocks)]
+    if len(bad):
+        raise ValueError(f"src_block_ids holds block id {int(bad[0])} outside [0, {src.num_blocks})")
+    return BlockCopyPlan(src, int(num_tokens), ids)

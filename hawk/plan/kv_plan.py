@@ -1,0 +1,256 @@
+"""The GPU -> NPU plan of one request: where each source tile goes, and the requests that move it.
+
+The send buffer the GPU produces holds NPU pages (tiles) grouped by destination DRAM channel,
+then bank, then K/V tensor, in address order. So one channel's bytes are one contiguous extent:
+
+    send buffer = | channel 0 | channel 1 | ... |      channel c = | bank b | bank b' |  (banks of c)
+    bank b      = | tensor 0 (layer 0 K): k_b pages | tensor 1 (layer 0 V) | ... | tensor 2L-1 |
+
+Every K/V tensor of the NPU cache has the same page map, so the request's page set is computed
+once and shared by all 2L tensors: tile (t, q) lands at ``A[q] + t * B[q]`` in the send buffer.
+From this one picture come the three ways of moving it:
+
+- staging  (HAWK): one request per channel into a per-channel buffer, then intra-channel copies;
+- direct         : requests straight into the cache pages, merged where contiguous;
+- single         : one request into one contiguous buffer in one channel, then cross-channel copies
+                   (the gn-direct-single baseline).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hawk.layouts.gpu import GpuKVLayout
+from hawk.layouts.npu import NpuKVLayout
+from hawk.layouts.tt import TILE
+from hawk.plan.requests import Copy, Request, merge_runs
+
+#: Region number of the sender's send buffer in the requests a plan emits.
+SEND_BUFFER = 0
+
+
+def _blocks_needed(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def _check_block_ids(name: str, ids: np.ndarray, needed: int, limit: int) -> np.ndarray:
+    if ids.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D list of block ids, got shape {ids.shape}")
+    if len(ids) < needed:
+        raise ValueError(f"{name} has {len(ids)} blocks but {needed} are needed for the tokens")
+    ids = ids[:needed]
+    bad = ids[(ids < 0) | (ids >= limit)]
+    if len(bad):
+        raise ValueError(f"{name} holds block id {int(bad[0])} outside [0, {limit})")
+    return ids
+
+
+def shared_heads(src: GpuKVLayout, dst: NpuKVLayout) -> range:
+    """Global KV heads both ranks hold: what this (prefill rank, decode rank) pair exchanges."""
+    lo = max(src.head_start, dst.head_start)
+    hi = min(src.head_start + src.num_kv_heads, dst.head_start + dst.num_kv_heads)
+    if hi <= lo:
+        raise ValueError(
+            f"no shared KV heads: GPU rank holds heads [{src.heads.start}, {src.heads.stop}), "
+            f"NPU rank holds [{dst.heads.start}, {dst.heads.stop})"
+        )
+    return range(lo, hi)
+
+
+@dataclass(eq=False)
+class KVTransferPlan:
+    """Where every tile of one request goes. Arrays are indexed by ``q``, the request's page set."""
+
+    src: GpuKVLayout
+    dst: NpuKVLayout
+    num_tokens: int
+    gpu_block_ids: np.ndarray
+    npu_block_ids: np.ndarray
+    dst_bases: tuple[int, ...]
+    heads: range
+    # Per page of the shared page set (same for every tensor):
+    page: np.ndarray  # page index within a tensor
+    bank: np.ndarray
+    channel: np.ndarray
+    addr: np.ndarray  # byte address in its channel, for a tensor based at 0
+    rank: np.ndarray  # position among this request's pages in the same bank
+    token_start: np.ndarray  # first request token of the tile's 32 rows
+    gpu_head: np.ndarray  # rank-local head on the GPU side
+    col_tile: np.ndarray
+    # Send-buffer geometry:
+    bank_pages: np.ndarray  # k_b: pages per tensor in bank b
+    bank_offset: np.ndarray  # where bank b's pages start in the send buffer
+    channel_extents: list[tuple[int, int, int]] = field(default_factory=list)  # (channel, offset, length)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.dst.page_size
+
+    @property
+    def num_pages(self) -> int:
+        """Pages per tensor."""
+        return len(self.page)
+
+    @property
+    def num_tensors(self) -> int:
+        return self.dst.num_tensors
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_tensors * self.num_pages * self.page_bytes
+
+    @property
+    def num_channels_used(self) -> int:
+        return len(self.channel_extents)
+
+    def offset_terms(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(A, B)`` with tile ``(t, q)`` at send-buffer byte ``A[q] + t * B[q]``."""
+        pb = self.page_bytes
+        a = self.bank_offset[self.bank] + self.rank * pb
+        b = self.bank_pages[self.bank] * pb
+        return a, b
+
+    def send_offsets(self) -> np.ndarray:
+        """``[2L, P]`` send-buffer byte offset of every tile."""
+        a, b = self.offset_terms()
+        t = np.arange(self.num_tensors, dtype=np.int64)[:, None]
+        return a[None, :] + t * b[None, :]
+
+    def cache_addresses(self) -> np.ndarray:
+        """``[2L, P]`` byte address of every tile's page in its channel."""
+        bases = np.asarray(self.dst_bases, dtype=np.int64)[:, None]
+        return bases + self.addr[None, :]
+
+    def _tiles_in_send_order(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(send offset, channel, cache address)`` of all tiles, sorted by send offset."""
+        off = self.send_offsets().ravel()
+        chan = np.broadcast_to(self.channel[None, :], (self.num_tensors, self.num_pages)).ravel()
+        addr = self.cache_addresses().ravel()
+        order = np.argsort(off, kind="stable")
+        return off[order], chan[order], addr[order]
+
+    # -- the three modes --------------------------------------------------------------------
+
+    def direct_requests(self) -> list[Request]:
+        """Requests straight into the cache pages, one per run contiguous on both sides."""
+        off, chan, addr = self._tiles_in_send_order()
+        runs = merge_runs(np.zeros_like(chan), off, chan, addr, self.page_bytes)
+        return [Request(*r) for r in runs]
+
+    def staging_requests(self, channel_dst: Mapping[int, int]) -> list[Request]:
+        """One request per channel that receives data, into its per-channel buffer at ``channel_dst[c]``."""
+        self._check_channel_dst(channel_dst)
+        return [Request(SEND_BUFFER, off, c, channel_dst[c], n) for c, off, n in self.channel_extents]
+
+    def staging_copies(self, channel_dst: Mapping[int, int]) -> list[Copy]:
+        """Intra-channel copies from each per-channel buffer into the cache pages."""
+        self._check_channel_dst(channel_dst)
+        off, chan, addr = self._tiles_in_send_order()
+        shift = np.zeros(int(chan.max()) + 1, dtype=np.int64)
+        for c, o, _ in self.channel_extents:
+            shift[c] = channel_dst[c] - o  # send-buffer offset -> per-channel buffer address
+        src = shift[chan] + off
+        runs = merge_runs(chan, src, chan, addr, self.page_bytes)
+        return [Copy(*r) for r in runs]
+
+    def single_requests(self, channel: int, address: int) -> list[Request]:
+        """The whole send buffer as one request into one contiguous buffer (gn-direct-single)."""
+        return [Request(SEND_BUFFER, 0, channel, address, self.total_bytes)]
+
+    def single_copies(self, channel: int, address: int) -> list[Copy]:
+        """Copies out of the single buffer into pages of every channel (mostly cross-channel)."""
+        off, chan, addr = self._tiles_in_send_order()
+        runs = merge_runs(np.full_like(chan, channel), address + off, chan, addr, self.page_bytes)
+        return [Copy(*r) for r in runs]
+
+    def channel_bytes(self) -> dict[int, int]:
+        return {c: n for c, _, n in self.channel_extents}
+
+    def _check_channel_dst(self, channel_dst: Mapping[int, int]) -> None:
+        missing = [c for c, _, _ in self.channel_extents if c not in channel_dst]
+        if missing:
+            raise ValueError(f"no per-channel buffer offset given for channel(s) {missing}")
+
+
+def plan_kv_transfer(
+    num_tokens: int,
+    gpu_block_ids: Sequence[int],
+    npu_block_ids: Sequence[int],
+    src: GpuKVLayout,
+    dst: NpuKVLayout,
+    dst_bases: Sequence[int],
+) -> KVTransferPlan:
+    """Plan one request's KV move from a paged GPU cache into the NPU's tiled, interleaved cache.
+
+    ``dst_bases[t]`` is the DRAM base address of NPU tensor ``t = 2*layer + kv``. GPU and NPU block
+    sizes may differ; rows past ``num_tokens`` in the last NPU block are zero-padded by the transform.
+    """
+    if not isinstance(num_tokens, (int, np.integer)) or num_tokens <= 0:
+        raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
+    num_tokens = int(num_tokens)
+    if src.num_layers != dst.num_layers:
+        raise ValueError(f"layer count differs: GPU {src.num_layers}, NPU {dst.num_layers}")
+    if src.head_dim != dst.head_dim:
+        raise ValueError(f"head_dim differs: GPU {src.head_dim}, NPU {dst.head_dim}")
+    if len(dst_bases) != dst.num_tensors:
+        raise ValueError(f"dst_bases has {len(dst_bases)} entries, expected {dst.num_tensors} (2 per layer)")
+    heads = shared_heads(src, dst)
+    gids = _check_block_ids(
+        "gpu_block_ids", np.asarray(gpu_block_ids, dtype=np.int64), _blocks_needed(num_tokens, src.block_size), src.num_blocks
+    )
+    nb = _blocks_needed(num_tokens, dst.block_size)
+    nids = _check_block_ids("npu_block_ids", np.asarray(npu_block_ids, dtype=np.int64), nb, dst.max_num_blocks)
+    if len(np.unique(nids)) != len(nids):
+        raise ValueError(f"npu_block_ids repeats a block: {nids.tolist()}")
+
+    # The request's tiles in (block, head, row_tile, col_tile) order.
+    hx, rt_n, ct_n = len(heads), dst.row_tiles, dst.col_tiles
+    j, h, rt, ct = (a.ravel() for a in np.meshgrid(np.arange(nb), np.arange(hx), np.arange(rt_n), np.arange(ct_n), indexing="ij"))
+    npu_head = h + (heads.start - dst.head_start)
+    page = dst.page_index(nids[j], npu_head, rt, ct).astype(np.int64)
+    bank, channel, addr = dst.tensor_buffer(0).locate(page)
+
+    # Rank of each page among the request's pages of its bank, in address (slot) order.
+    order = np.lexsort((page, bank))
+    nbanks = dst.arch.num_banks
+    bank_pages = np.bincount(bank, minlength=nbanks).astype(np.int64)
+    first = np.concatenate([[0], np.cumsum(bank_pages)[:-1]])
+    rank = np.empty_like(page)
+    rank[order] = np.arange(len(page)) - first[bank[order]]
+
+    # Send buffer: channels in order, banks of a channel in order, 2L tensors per bank.
+    pb, ntens = dst.page_size, dst.num_tensors
+    bank_offset = np.zeros(nbanks, dtype=np.int64)
+    extents: list[tuple[int, int, int]] = []
+    pos = 0
+    for c in sorted({b.channel for b in dst.arch.banks}):
+        start = pos
+        for b in dst.arch.banks_of_channel(c):
+            bank_offset[b] = pos
+            pos += int(bank_pages[b]) * ntens * pb
+        if pos > start:
+            extents.append((c, start, pos - start))
+
+    return KVTransferPlan(
+        src=src,
+        dst=dst,
+        num_tokens=num_tokens,
+        gpu_block_ids=gids,
+        npu_block_ids=nids,
+        dst_bases=tuple(int(b) for b in dst_bases),
+        heads=heads,
+        page=page,
+        bank=bank,
+        channel=channel,
+        addr=addr,
+        rank=rank,
+        token_start=j * dst.block_size + rt * TILE,
+        gpu_head=h + (heads.start - src.head_start),
+        col_tile=ct,
+        bank_pages=bank_pages,
+        bank_offset=bank_offset,
+        channel_extents=extents,
+    )

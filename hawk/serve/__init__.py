@@ -1,0 +1,1 @@
+"""HTTP serving: router (OpenAI API), prefill and decode servers, launcher, demo."""

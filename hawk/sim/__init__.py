@@ -1,0 +1,1 @@
+"""Discrete-event simulation of HAWK at cluster scale."""

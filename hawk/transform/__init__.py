@@ -1,0 +1,38 @@
+"""GPU-side transfer-aware transformation: paged cache -> NPU tiles grouped by DRAM channel.
+
+``transform`` picks the fused Triton kernel on CUDA and the torch reference elsewhere; both write
+the same bytes (tests hold them to it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hawk.plan.kv_plan import KVTransferPlan
+from hawk.transform.reference import transform_reference
+
+IMPLS = ("auto", "triton", "torch")
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def transform(
+    caches: Sequence[torch.Tensor], plan: KVTransferPlan, out: torch.Tensor | None = None, impl: str = "auto"
+) -> torch.Tensor:
+    """Write ``plan``'s send buffer from the paged caches with the chosen implementation."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown transform impl {impl!r}; expected one of {IMPLS}")
+    use_triton = impl == "triton" or (impl == "auto" and caches[0].is_cuda and triton_available())
+    if use_triton:
+        from hawk.transform.triton_kernel import transform_triton
+
+        return transform_triton(caches, plan, out)
+    return transform_reference(caches, plan, out)

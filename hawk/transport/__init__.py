@@ -1,0 +1,34 @@
+"""Transfer engines behind one small interface: NIXL, Mooncake, same-host copies.
+
+Importing this package imports no engine; ``make_transport(name)`` loads the one asked for.
+"""
+
+from hawk.transport.base import (
+    ConnectError,
+    Desc,
+    RegionInfo,
+    TransferError,
+    TransferHandle,
+    TransferTimeout,
+    Transport,
+    TransportError,
+    TransportUnavailable,
+)
+from hawk.transport.host_staging import HostMirror
+from hawk.transport.registry import TRANSPORTS, available, make_transport
+
+__all__ = [
+    "TRANSPORTS",
+    "ConnectError",
+    "Desc",
+    "HostMirror",
+    "RegionInfo",
+    "TransferError",
+    "TransferHandle",
+    "TransferTimeout",
+    "Transport",
+    "TransportError",
+    "TransportUnavailable",
+    "available",
+    "make_transport",
+]

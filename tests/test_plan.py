@@ -1,0 +1,172 @@
+"""Transfer-plan invariants on random inputs, checked against an independent model of NPU memory."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hawk.layouts.gpu import GpuKVLayout
+from hawk.layouts.npu import ARCHS, NpuKVLayout, get_arch
+from hawk.layouts.tt import tilize, untilize
+from hawk.plan.kv_plan import plan_kv_transfer
+from hawk.transform.reference import transform_reference
+from tests.npu_sim import ChannelMemory
+
+
+@st.composite
+def cases(draw):
+    arch = get_arch(draw(st.sampled_from(sorted(ARCHS))), bank_capacity=8 << 20)
+    layers = draw(st.integers(1, 3))
+    head_dim = 32 * draw(st.integers(1, 3))
+    gpu_heads = draw(st.integers(1, 4))
+    gpu_start = draw(st.integers(0, 2))
+    npu_start = draw(st.integers(max(0, gpu_start - 2), gpu_start + gpu_heads - 1))
+    npu_heads = draw(st.integers(max(1, gpu_start - npu_start + 1), 4))
+    gbs = draw(st.sampled_from([1, 8, 16, 32]))
+    nbs = draw(st.sampled_from([32, 64]))
+    tokens = draw(st.integers(1, 200))
+    order = draw(st.sampled_from(["NHD", "HND"]))
+    gdtype = draw(st.sampled_from(["bf16", "fp32", "fp16"]))
+    ndtype = draw(st.sampled_from(["bf16", "bfp8_b"]))
+    g_needed, n_needed = -(-tokens // gbs), -(-tokens // nbs)
+    g_total = g_needed + draw(st.integers(0, 4))
+    n_total = n_needed + draw(st.integers(0, 4))
+    gids = draw(st.permutations(range(g_total)))[:g_needed]
+    nids = draw(st.permutations(range(n_total)))[:n_needed]
+    src = GpuKVLayout(layers, g_total, gbs, gpu_heads, head_dim, gdtype, order, gpu_start)
+    dst = NpuKVLayout(arch, layers, n_total, npu_heads, nbs, head_dim, ndtype, npu_start)
+    gap = draw(st.sampled_from([0, 64, 4096]))
+    per_bank = dst.tensor_buffer(0).bytes_per_bank
+    bases = [t * (per_bank + gap) for t in range(2 * layers)]
+    return tokens, gids, nids, src, dst, bases, draw(st.integers(0, 2**31 - 1))
+
+
+def _expected_npu_tensor(cache_layers, plan, mem_before, t):
+    """What NPU tensor t must hold: the request's rows in its blocks, zero padding, the rest untouched."""
+    src, dst = plan.src, plan.dst
+    layer, kv = divmod(t, 2)
+    out = mem_before.clone()
+    for tok_block, nb in enumerate(plan.npu_block_ids):
+        out[nb, [h - dst.head_start for h in plan.heads]] = 0.0
+        for r in range(dst.block_size):
+            tok = tok_block * dst.block_size + r
+            if tok >= plan.num_tokens:
+                break
+            gb, slot = plan.gpu_block_ids[tok // src.block_size], tok % src.block_size
+            for h in plan.heads:
+                row = cache_layers[layer][kv, gb, slot, h - src.head_start] if src.order == "NHD" else cache_layers[layer][kv, gb, h - src.head_start, slot]
+                out[nb, h - dst.head_start, r] = row.float()
+    return out
+
+
+def _apply(mem, send, requests, copies):
+    for r in requests:
+        mem.write(r.dst_region, r.dst_offset, send[r.src_offset : r.src_offset + r.length])
+    for c in copies:
+        data = mem.read(c.src_region, c.src_offset, c.length).copy()
+        mem.write(c.dst_region, c.dst_offset, data)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_plan_places_every_source_element_exactly_once(case):
+    tokens, gids, nids, src, dst, bases, seed = case
+    plan = plan_kv_transfer(tokens, gids, nids, src, dst, bases)
+    pb = dst.page_size
+
+    # Every tile of every tensor has its own page-sized slot in the send buffer.
+    offs = np.sort(plan.send_offsets().ravel())
+    assert np.array_equal(offs, np.arange(0, plan.total_bytes, pb))
+    # Each channel's bytes are one contiguous extent, and tiles sit in their channel's extent.
+    ext = plan.channel_extents
+    assert [o for _, o, _ in ext] == list(np.cumsum([0] + [n for *_, n in ext])[:-1])
+    assert sum(n for *_, n in ext) == plan.total_bytes
+    so = plan.send_offsets()
+    for c, o, n in ext:
+        mine = so[:, plan.channel == c]
+        assert mine.min() >= o and mine.max() + pb <= o + n
+    # Staging: one request per channel that receives data.
+    assert len(plan.staging_requests({c: 0 for c, _, _ in ext})) == len(ext) == len(set(plan.channel.tolist()))
+
+    g = torch.Generator().manual_seed(seed)
+    caches = [(torch.randn(src.layer_shape, generator=g) * 3).to(src.torch_dtype) for _ in range(src.num_layers)]
+    send = transform_reference(caches, plan).numpy()
+
+    # The three modes land the same bytes; decoding the pages gives exactly the source rows.
+    results = []
+    for mode in ("direct", "staging", "single"):
+        mem = ChannelMemory(dst, bases)
+        junk = torch.Generator().manual_seed(seed + 1)
+        for t in range(dst.num_tensors):  # old contents that must survive outside the request's pages
+            mem.write_tensor(t, torch.randn(dst.tensor_shape, generator=junk))
+        before = [mem.read_tensor(t) for t in range(dst.num_tensors)]
+        top = mem.bank_capacity - plan.total_bytes - 64  # buffers at the top of each channel's first bank
+        assert top > max(bases) + dst.tensor_buffer(0).bytes_per_bank
+        stage = {c: top - top % 64 for c, _, _ in ext}
+        if mode == "direct":
+            _apply(mem, send, plan.direct_requests(), [])
+        elif mode == "staging":
+            reqs, copies = plan.staging_requests(stage), plan.staging_copies(stage)
+            assert all(not c.cross_region for c in copies)
+            _apply(mem, send, reqs, copies)
+        else:
+            _apply(mem, send, plan.single_requests(0, stage[ext[0][0]]), plan.single_copies(0, stage[ext[0][0]]))
+        got = [mem.read_tensor(t) for t in range(dst.num_tensors)]
+        results.append(got)
+        for t in range(dst.num_tensors):
+            want = _expected_npu_tensor(caches, plan, before[t], t)
+            want = untilize(tilize(want, dst.dtype), want.shape, dst.dtype)  # the dtype's own rounding
+            assert torch.equal(got[t], want), f"mode {mode} tensor {t}"
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+
+
+def test_request_counts_for_70b_rank():
+    """Llama-3.1-70B TP4 rank on a p150a: 8 staging requests, direct one per (bank, tensor) when blocks are contiguous."""
+    arch = get_arch("blackhole-p150a")
+    src = GpuKVLayout(80, 512, 16, 2, 128)
+    dst = NpuKVLayout(arch, 80, 128, 2, 64, 128, "bf16")
+    per_bank = dst.tensor_buffer(0).bytes_per_bank
+    plan = plan_kv_transfer(2048, range(128), range(32), src, dst, [t * per_bank for t in range(160)])
+    assert plan.total_bytes == 2048 * 80 * 2 * 2 * 128 * 2
+    assert len(plan.staging_requests({c: 0 for c in range(8)})) == 8
+    assert len(plan.direct_requests()) == 8 * 160
+    assert len(plan.staging_copies({c: 0 for c in range(8)})) == 8 * 160
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_tokens=0), "num_tokens"),
+        (dict(gpu_block_ids=[0, 99]), "gpu_block_ids holds block id 99"),
+        (dict(npu_block_ids=[5]), "npu_block_ids holds block id 5"),
+        (dict(npu_block_ids=[]), "npu_block_ids has 0 blocks"),
+        (dict(dst_bases=[0]), "dst_bases has 1"),
+    ],
+)
+def test_bad_input_names_the_value(kwargs, match):
+    arch = get_arch("wormhole-n150", bank_capacity=1 << 20)
+    src = GpuKVLayout(1, 4, 16, 2, 64)
+    dst = NpuKVLayout(arch, 1, 2, 2, 32, 64)
+    args = dict(num_tokens=20, gpu_block_ids=[0, 1], npu_block_ids=[1], src=src, dst=dst, dst_bases=[0, 4096])
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        plan_kv_transfer(**args)
+
+
+def test_layout_errors_name_the_value():
+    arch = get_arch("blackhole-p150a")
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 32"):
+        NpuKVLayout(arch, 1, 2, 2, 32, 48)
+    with pytest.raises(ValueError, match="block_size must be a multiple"):
+        NpuKVLayout(arch, 1, 2, 2, 48, 64)
+    with pytest.raises(ValueError, match="'int8'"):
+        NpuKVLayout(arch, 1, 2, 2, 32, 64, "int8")
+    with pytest.raises(ValueError, match="order"):
+        GpuKVLayout(1, 2, 16, 2, 64, order="XYZ")
+    with pytest.raises(ValueError, match="no shared KV heads"):
+        plan_kv_transfer(1, [0], [0], GpuKVLayout(1, 2, 16, 2, 64, head_start=0), NpuKVLayout(arch, 1, 2, 2, 32, 64, head_start=4), [0, 4096])
+    with pytest.raises(ValueError, match="unknown NPU arch 'tpu'"):
+        get_arch("tpu")
