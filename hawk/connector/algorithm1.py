@@ -480,3 +480,4 @@ class KVReceiver:
             s.client.close()
         for h in held:
             self.landing.release(h)
+        self.landing.close()

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from hawk.devices.batched_copy import copy_regions
 from hawk.layouts.gpu import GpuKVLayout
 from hawk.layouts.npu import NpuKVLayout
 from hawk.plan.block_plan import BlockCopyPlan, plan_block_copy
@@ -91,7 +92,10 @@ class CompactBlocks(SendFormat):
         return plan.total_bytes
 
     def produce(self, plan: BlockCopyPlan, out: torch.Tensor) -> None:
-        out.copy_(gather_compact(self.caches, plan).reshape(-1).view(torch.uint8), non_blocking=out.is_pinned())
+        if out.device == self.caches[0].device:
+            copy_regions(plan.gather_copies(), {-1: out, **dict(enumerate(self.caches))})
+        else:  # gather on the GPU, then one device -> host copy
+            out.copy_(gather_compact(self.caches, plan).reshape(-1).view(torch.uint8), non_blocking=out.is_pinned())
 
 
 class InPlace(SendFormat):

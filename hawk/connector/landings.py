@@ -17,6 +17,7 @@ import torch
 from hawk.connector.formats import cache_region
 from hawk.connector.messages import KVReady, ProtocolError
 from hawk.devices.backend import NpuBackend
+from hawk.devices.batched_copy import copy_regions
 from hawk.layouts.gpu import GpuKVLayout
 from hawk.memory.buffers import ChannelBuffers, SingleBuffer
 from hawk.memory.npu_kv_cache import NpuKVCacheMemory
@@ -85,6 +86,9 @@ class Landing(ABC):
         """Reservations held right now (accounting)."""
         return []
 
+    def close(self) -> None:
+        """Free the receive buffers this landing allocated."""
+
 
 class ChannelLanding(Landing):
     """gn-hawk: one buffer per DRAM channel; staging + intra-channel copy, or direct into the pages."""
@@ -135,6 +139,9 @@ class ChannelLanding(Landing):
     def live(self) -> list[Reservation]:
         return self.buffers.live()
 
+    def close(self) -> None:
+        self.buffers.close()
+
 
 class SingleLanding(Landing):
     """gn-direct-single: one contiguous buffer in one channel, then cross-channel rearrangement."""
@@ -175,6 +182,9 @@ class SingleLanding(Landing):
 
     def live(self) -> list[Reservation]:
         return self.buffer.live()
+
+    def close(self) -> None:
+        self.buffer.close()
 
 
 class HostRx:
@@ -284,10 +294,9 @@ class HostToGpuLanding(_HostLanding):
 
     def finish(self, plan, held) -> None:
         dev = self.caches[0].device
-        compact = self._compact_on(held, plan, dev)
-        ids = torch.as_tensor(plan.dst_block_ids, device=dev)
-        for cache, blocks in zip(self.caches, compact):
-            cache.index_copy_(1, ids, blocks)
+        compact = self.rx.view(held.reservations[0]).to(dev, non_blocking=True)
+        regions = {-1: compact, **dict(enumerate(self.caches))}
+        copy_regions(plan.blocks.scatter_copies(self.layout, plan.dst_block_ids), regions)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 

@@ -50,3 +50,15 @@ def _triton_copy(flat: torch.Tensor, src: np.ndarray, dst: np.ndarray, lens: np.
     words = flat.view(torch.int64)
     t = torch.as_tensor(np.stack([src, dst, lens]), device=dev)
     copy_words(words, t[0], t[1], t[2], int(lens.max()), _BLOCK)
+
+
+def copy_regions(copies: Sequence[Copy], regions: dict[int, torch.Tensor]) -> None:
+    """Apply copies between distinct tensors, named by region number; one slice copy per run.
+
+    For block-granular moves (vLLM blocks between a paged cache and a compact buffer) the plans
+    merge neighbouring blocks, so runs are few and large.
+    """
+    views = {k: v.reshape(-1).view(torch.uint8) for k, v in regions.items()}
+    for c in copies:
+        src, dst = views[c.src_region], views[c.dst_region]
+        dst[c.dst_offset : c.dst_offset + c.length].copy_(src[c.src_offset : c.src_offset + c.length], non_blocking=True)

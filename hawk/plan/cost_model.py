@@ -47,13 +47,16 @@ class CostModel:
 
 GB = 1e9
 
-#: Per-request overhead and bandwidth of each transport as measured here (DESIGN.md §4).
-LINKS: dict[str, tuple[float, float]] = {
-    "nixl": (5e-6, 10 * GB),  # UCX shared memory between two processes on the CPU box
-    "mooncake": (30e-6, 1.5 * GB),  # Mooncake TCP over loopback
-    "local": (2e-6, 10 * GB),
-    "cuda-ipc": (10e-6, 350 * GB),  # peer copies between the two H200s
-    "rdma-200g": (5e-6, 25 * GB),  # the paper's HDR InfiniBand (for what-if planning)
+#: Per-request overhead and bandwidth by (transport, where the memory is), as measured here (DESIGN.md §4).
+LINKS: dict[tuple[str, str], tuple[float, float]] = {
+    ("nixl", "cpu"): (5e-6, 10 * GB),  # UCX shared memory between two processes on the CPU box
+    ("nixl", "cuda"): (10e-6, 350 * GB),  # UCX cuda_ipc between the two H200s
+    ("mooncake", "cpu"): (30e-6, 1.5 * GB),  # Mooncake TCP over loopback
+    ("mooncake", "cuda"): (30e-6, 1.5 * GB),
+    ("local", "cpu"): (2e-6, 10 * GB),
+    ("local", "cuda"): (5e-6, 350 * GB),
+    ("cuda-ipc", "cuda"): (10e-6, 350 * GB),  # peer copies between the two H200s
+    ("rdma-200g", "tt-p150a"): (5e-6, 25 * GB),  # the paper's HDR InfiniBand (for what-if planning)
 }
 
 #: On-device copy bandwidth (read + write bytes/s) of where NPU memory lives.
@@ -62,10 +65,10 @@ DEVICE_COPY: dict[str, float] = {"cpu": 10 * GB, "cuda": 4000 * GB, "tt-p150a": 
 
 def cost_model_for(transport: str, npu_memory: str) -> CostModel:
     """The model for a transport name and an NPU memory kind (``cpu``, ``cuda``, or a real device)."""
-    if transport not in LINKS:
-        raise ValueError(f"no cost figures for transport {transport!r}; known: {sorted(LINKS)}")
     kind = "cuda" if npu_memory.startswith("cuda") else npu_memory
     if kind not in DEVICE_COPY:
         raise ValueError(f"no copy bandwidth for NPU memory {npu_memory!r}; known: {sorted(DEVICE_COPY)}")
-    overhead, link = LINKS[transport]
+    if (transport, kind) not in LINKS:
+        raise ValueError(f"no cost figures for transport {transport!r} to {kind} memory; known: {sorted(LINKS)}")
+    overhead, link = LINKS[(transport, kind)]
     return CostModel(overhead, link, DEVICE_COPY[kind])

@@ -15,31 +15,34 @@ from hawk.layouts.tt import FACE, TILE, tiles_to_bytes
 from hawk.plan.kv_plan import KVTransferPlan
 
 
-def _tile_element_offsets(plan: KVTransferPlan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[P, 32, 32]`` element offsets (for K; V adds the kv stride) into one layer tensor, and row validity."""
-    src = plan.src
+def _slab_rows(plan: KVTransferPlan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row indices ``[S, 32]`` into a layer viewed as ``[2, rows, head_dim]``, and row validity.
+
+    The plan enumerates tiles with the column tile fastest, so every ``col_tiles`` consecutive
+    tiles share one slab: 32 tokens of one head, each a contiguous ``head_dim`` row in the cache.
+    """
+    src, ct = plan.src, plan.dst.col_tiles
     s = src.strides()
+    first = slice(None, None, ct)
     rows = torch.arange(TILE, device=device)
-    tok = torch.as_tensor(plan.token_start, device=device)[:, None] + rows[None, :]  # [P, 32]
+    tok = torch.as_tensor(plan.token_start[first], device=device)[:, None] + rows[None, :]  # [S, 32]
     valid = tok < plan.num_tokens
     tok = tok.clamp(max=plan.num_tokens - 1)
-    gblocks = torch.as_tensor(plan.gpu_block_ids, device=device)
-    blk = gblocks[tok // src.block_size]
-    slot = tok % src.block_size
-    head = torch.as_tensor(plan.gpu_head, device=device)[:, None]
-    row_off = blk * s["block"] + slot * s["slot"] + head * s["head"]  # [P, 32]
-    col = torch.as_tensor(plan.col_tile, device=device)[:, None, None] * TILE + rows[None, None, :]
-    return row_off[:, :, None] + col * s["dim"], valid
+    blk = torch.as_tensor(plan.gpu_block_ids, device=device)[tok // src.block_size]
+    head = torch.as_tensor(plan.gpu_head[first], device=device)[:, None]
+    offset = blk * s["block"] + (tok % src.block_size) * s["slot"] + head * s["head"]
+    return offset // src.head_dim, valid
 
 
 def gather_tiles(caches: Sequence[torch.Tensor], plan: KVTransferPlan, layer: int) -> torch.Tensor:
-    """``[2, P, 32, 32]`` tiles (K then V) of one layer, rows past the request zeroed."""
+    """``[2, P, 32, 32]`` tiles (K then V) of one layer in plan order, rows past the request zeroed."""
     cache = caches[layer]
-    idx, valid = _tile_element_offsets(plan, cache.device)
-    flat = cache.reshape(-1)
-    kv_stride = plan.src.strides()["kv"]
-    tiles = torch.stack([flat[idx], flat[idx + kv_stride]])
-    return tiles * valid[None, :, :, None].to(tiles.dtype)
+    rows, valid = _slab_rows(plan, cache.device)
+    d = plan.src.head_dim
+    slabs = cache.reshape(2, -1, d)[:, rows.reshape(-1)]  # [2, S*32, D]
+    slabs[:, (~valid).reshape(-1)] = 0  # +0 padding rows, as ttnn pads
+    ct = plan.dst.col_tiles
+    return slabs.reshape(2, -1, TILE, ct, TILE).permute(0, 1, 3, 2, 4).reshape(2, -1, TILE, TILE)
 
 
 def tiles_to_face_order(tiles: torch.Tensor) -> torch.Tensor:

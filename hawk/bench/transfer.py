@@ -1,0 +1,314 @@
+"""``hawk bench transfer``: KV-transfer latency of the five configurations (the paper's Fig. 9).
+
+Two processes, as in serving: a prefill process holding a paged KV cache (Llama-3.1-70B TP4 rank
+shape: 80 layers, 2 KV heads, head_dim 128) and the decode process running this driver. Latency
+is measured as the paper does: from the decode side's request (D1) until the KV is stored in its
+KV-cache pool (after D7). Before each pull the driver tells the prefill process which blocks hold
+the request's KV, as a finished prefill would.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import statistics
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hawk.layouts.gpu import GpuKVLayout
+
+MiB = 1 << 20
+DEFAULT_SIZES_MB = (10, 20, 40, 80, 160, 320, 640, 1280)
+DEFAULT_CONFIGS = ("gg-host", "gn-host", "gg-direct", "gn-direct-single", "gn-hawk")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The per-rank KV shape transfers are sized in (default: Llama-3.1-70B at TP4)."""
+
+    layers: int = 80
+    kv_heads: int = 2
+    head_dim: int = 128
+    gpu_block: int = 16
+    npu_block: int = 64
+
+    def bytes_per_token(self, elem: int = 2) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * elem
+
+
+@dataclass
+class BenchSpec:
+    sizes_mb: tuple[int, ...] = DEFAULT_SIZES_MB
+    configs: tuple[str, ...] = DEFAULT_CONFIGS
+    transport: str = "nixl"
+    repeats: int = 5
+    warmup: int = 1
+    prefill_device: str = "cpu"
+    npu_device: str = "npu-emu:cpu"
+    gpu_decode_device: str = "cpu"
+    arch: str = "blackhole-p150a"
+    kv_dtype: str = "bf16"
+    post: str = "pull"
+    shape: ModelShape = field(default_factory=ModelShape)
+    shuffle_blocks: bool = False
+    transform_impl: str = "auto"
+
+    def tokens(self, size_mb: int) -> int:
+        return max(1, size_mb * MiB // self.shape.bytes_per_token())
+
+    @property
+    def max_tokens(self) -> int:
+        return max(self.tokens(s) for s in self.sizes_mb)
+
+    def gpu_layout(self) -> GpuKVLayout:
+        s = self.shape
+        blocks = -(-self.max_tokens // s.gpu_block) + 1
+        return GpuKVLayout(s.layers, blocks, s.gpu_block, s.kv_heads, s.head_dim, "bf16")
+
+
+def split_config(name: str) -> tuple[str, str]:
+    """``gn-hawk@direct`` -> (``gn-hawk``, ``direct``): a configuration with a forced landing mode."""
+    base, _, mode = name.partition("@")
+    return base, mode or "auto"
+
+
+# -- the prefill process -----------------------------------------------------------------------
+
+
+def _prefill_main(conn: Any, spec: BenchSpec) -> None:
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    from hawk.connector.configs import make_sender
+    from hawk.transport.registry import make_transport
+
+    layout = spec.gpu_layout()
+    dev = torch.device(spec.prefill_device)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    caches = []
+    for _ in range(layout.num_layers):
+        c = torch.empty(layout.layer_shape, dtype=torch.float32, device=dev).uniform_(-2, 2, generator=gen)
+        caches.append(c.to(layout.torch_dtype))
+    staging = spec.max_tokens * spec.shape.bytes_per_token() + 4 * MiB
+    sender = transport = None
+    try:
+        conn.send(("ready", None))
+        while True:
+            cmd, *args = conn.recv()
+            if cmd == "config":
+                if sender is not None:
+                    sender.close()
+                    transport.close()
+                transport = make_transport(spec.transport)
+                sender = make_sender(split_config(args[0])[0], transport, caches, layout, staging, spec.transform_impl)
+                conn.send(("ok", sender.address))
+            elif cmd == "add":
+                rid, ntok, blocks = args
+                sender.add(rid, ntok, blocks)
+                conn.send(("ok", None))
+            elif cmd == "accounting":
+                a = sender.accounting()
+                conn.send(("ok", {k: (len(v) if isinstance(v, list) else v) for k, v in a.items()}))
+            elif cmd == "stop":
+                break
+    finally:
+        if sender is not None:
+            sender.close()
+            transport.close()
+        conn.send(("bye", None))
+
+
+class PrefillProcess:
+    """The prefill side of the benchmark, in its own process, driven over a pipe."""
+
+    def __init__(self, spec: BenchSpec):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_prefill_main, args=(child, spec), daemon=True)
+        self.proc.start()
+        self._call_expect("ready", timeout=600)
+
+    def _call_expect(self, want: str, timeout: float = 120) -> Any:
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"prefill process did not answer within {timeout} s")
+        tag, val = self.conn.recv()
+        if tag != want:
+            raise RuntimeError(f"prefill process answered {tag!r}")
+        return val
+
+    def call(self, *cmd: Any) -> Any:
+        self.conn.send(cmd)
+        return self._call_expect("ok")
+
+    def close(self) -> None:
+        try:
+            self.conn.send(("stop",))
+            self._call_expect("bye", timeout=30)
+        except Exception:  # noqa: BLE001
+            pass
+        self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+# -- the decode side (this process) -------------------------------------------------------------
+
+
+def _decode_side(spec: BenchSpec, config: str, mode: str) -> tuple[Any, Any]:
+    """Build what the decode instance of ``config`` receives into; returns (side, cleanup)."""
+    from hawk.connector.configs import GpuSide, NpuSide, get_config
+    from hawk.devices.emulated import open_npu
+    from hawk.layouts.npu import NpuKVLayout, get_arch
+    from hawk.memory.npu_kv_cache import NpuKVCacheMemory
+    from hawk.plan.cost_model import cost_model_for
+
+    s = spec.shape
+    rx = spec.max_tokens * s.bytes_per_token() + 4 * MiB
+    if get_config(config).decode_on == "gpu":
+        layout = spec.gpu_layout()
+        caches = layout.allocate(spec.gpu_decode_device)
+        return GpuSide(caches, layout, rx), None
+    blocks = -(-spec.max_tokens // s.npu_block) + 1
+    arch0 = get_arch(spec.arch)
+    probe = NpuKVLayout(arch0, s.layers, blocks, s.kv_heads, s.npu_block, s.head_dim, spec.kv_dtype)
+    per_bank = probe.num_tensors * probe.tensor_buffer(0).bytes_per_bank + -(-rx // arch0.num_banks) * (2 if config == "gn-direct-single" else 1)
+    bank = -(-int(per_bank * 1.25 + 8 * MiB) // (64 * 1024)) * 64 * 1024
+    if config == "gn-direct-single":  # the single buffer must fit in one bank
+        bank = max(bank, rx + probe.num_tensors * probe.tensor_buffer(0).bytes_per_bank + 8 * MiB)
+    npu = open_npu(spec.npu_device, spec.arch, bank_capacity=bank)
+    layout = NpuKVLayout(npu.arch, s.layers, blocks, s.kv_heads, s.npu_block, s.head_dim, spec.kv_dtype)
+    kv = NpuKVCacheMemory(npu, layout)
+    memory = spec.npu_device.partition(":")[2] or "cpu"
+    return NpuSide(npu, kv, rx, cost_model_for(spec.transport, memory), mode), kv
+
+
+def _blocks(n: int, shuffle: bool, seed: int) -> list[int]:
+    ids = list(range(n))
+    if shuffle:
+        g = torch.Generator().manual_seed(seed)
+        ids = [ids[i] for i in torch.randperm(n, generator=g).tolist()]
+    return ids
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    k = min(len(xs) - 1, max(0, int(round(q * (len(xs) - 1)))))
+    return xs[k]
+
+
+def run_transfer_bench(spec: BenchSpec, progress: Any = None) -> list[dict[str, Any]]:
+    """Measure every (configuration, size); returns one record per pair."""
+    from hawk.connector.configs import get_config, make_receiver
+    from hawk.transport.registry import make_transport
+
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    records: list[dict[str, Any]] = []
+    prefill = PrefillProcess(spec)
+    try:
+        for name in spec.configs:
+            config, mode = split_config(name)
+            cfg = get_config(config)
+            address = prefill.call("config", name)
+            side, kv = _decode_side(spec, config, mode)
+            transport = make_transport(spec.transport)
+            receiver = make_receiver(config, transport, side, post=spec.post, timeout_s=120)
+            try:
+                for size in spec.sizes_mb:
+                    ntok = spec.tokens(size)
+                    gblocks = _blocks(-(-ntok // spec.shape.gpu_block), spec.shuffle_blocks, size)
+                    nblock = spec.shape.npu_block if cfg.decode_on == "npu" else spec.shape.gpu_block
+                    dblocks = _blocks(-(-ntok // nblock), spec.shuffle_blocks, size + 1)
+                    lat, parts, last = [], [], None
+                    for i in range(spec.warmup + spec.repeats):
+                        rid = f"{name}-{size}-{i}-{uuid.uuid4().hex[:6]}"
+                        prefill.call("add", rid, ntok, gblocks)
+                        t0 = time.perf_counter()
+                        last = receiver.pull(address, rid, dblocks)
+                        dt = time.perf_counter() - t0
+                        if i >= spec.warmup:
+                            lat.append(dt)
+                            parts.append(last.timings)
+                        if progress is not None:
+                            progress()
+                    records.append(
+                        {
+                            "config": name,
+                            "transport": spec.transport,
+                            "size_mb": size,
+                            "tokens": ntok,
+                            "median_ms": statistics.median(lat) * 1e3,
+                            "p90_ms": _pct(lat, 0.9) * 1e3,
+                            "min_ms": min(lat) * 1e3,
+                            "requests": last.requests,
+                            "bytes_moved": last.bytes,
+                            "mode": last.mode,
+                            "ready_ms": statistics.median(p["ready_s"] for p in parts) * 1e3,
+                            "transfer_ms": statistics.median(p["transfer_s"] for p in parts) * 1e3,
+                            "finish_ms": statistics.median(p["finish_s"] for p in parts) * 1e3,
+                            "prefill_device": spec.prefill_device,
+                            "decode_device": spec.npu_device if cfg.decode_on == "npu" else spec.gpu_decode_device,
+                            "npu": f"emulated {spec.arch}" if cfg.decode_on == "npu" else "",
+                            "kv_dtype": spec.kv_dtype if cfg.decode_on == "npu" else "bf16",
+                            "post": spec.post,
+                            "repeats": spec.repeats,
+                        }
+                    )
+                # Accounting after the config: nothing may be left reserved on either side.
+                time.sleep(0.05)
+                acct = receiver.accounting()
+                pre = prefill.call("accounting")
+                if acct["reservations"] or pre["staging"] or pre["in_flight"]:
+                    raise RuntimeError(f"{name}: reservations leaked: decode {acct}, prefill {pre}")
+            finally:
+                receiver.close()
+                transport.close()
+                if kv is not None:
+                    kv.close()
+    finally:
+        prefill.close()
+    return records
+
+
+def print_table(records: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="KV transfer latency (decode request -> KV in cache pool)")
+    for col in ("config", "size_mb", "median_ms", "p90_ms", "requests", "mode", "ready_ms", "transfer_ms", "finish_ms", "decode_device"):
+        t.add_column(col, justify="right" if col not in ("config", "mode", "decode_device") else "left")
+    for r in records:
+        t.add_row(
+            r["config"], str(r["size_mb"]), f"{r['median_ms']:.2f}", f"{r['p90_ms']:.2f}", str(r["requests"]), r["mode"],
+            f"{r['ready_ms']:.2f}", f"{r['transfer_ms']:.2f}", f"{r['finish_ms']:.2f}", r["decode_device"],
+        )
+    Console().print(t)
+
+
+def plot(records: list[dict[str, Any]], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in dict.fromkeys(r["config"] for r in records):
+        rs = [r for r in records if r["config"] == name]
+        ax.plot([r["size_mb"] for r in rs], [r["median_ms"] for r in rs], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("KV cache size per transfer (MiB)")
+    ax.set_ylabel("latency, median (ms)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def save_json(records: list[dict[str, Any]], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(records, f, indent=1)

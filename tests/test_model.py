@@ -1,0 +1,307 @@
+"""The decoder: config validation, RoPE, attention, ragged batches, deterministic init."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hawk.engine.attention import AttentionBackend, ContiguousKVAttention, attend
+from hawk.engine.config import HEAD_DIM_MULTIPLE, PRESETS, ModelConfig, RopeScaling, preset
+from hawk.engine.model import (
+    LlamaModel,
+    apply_rope,
+    greedy_generate,
+    rope_inv_freq,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LlamaModel:
+    return LlamaModel.from_config(preset("tiny"), seed=0)
+
+
+# ---- config ---------------------------------------------------------------------------------
+
+
+def test_presets_have_the_documented_shapes() -> None:
+    p8 = preset("llama-3.1-8b")
+    assert (p8.num_layers, p8.hidden_size, p8.num_heads, p8.num_kv_heads, p8.head_dim) == (
+        32, 4096, 32, 8, 128,
+    )
+    assert (p8.intermediate_size, p8.vocab_size, p8.rope_theta) == (14336, 128256, 500000.0)
+    assert p8.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 8192)
+    p70 = preset("llama-3.1-70b-tp4")
+    assert (p70.num_layers, p70.hidden_size, p70.num_heads, p70.num_kv_heads) == (80, 8192, 16, 2)
+    assert p70.intermediate_size == 7168
+    for cfg in PRESETS.values():
+        assert cfg.head_dim % HEAD_DIM_MULTIPLE == 0  # the NPU tile format needs it
+    assert preset("smollm2-135m").kv_bytes_per_token(2) == 30 * 2 * 3 * 64 * 2
+
+
+def test_70b_tp4_shard_is_a_consistent_model() -> None:
+    with torch.device("meta"):
+        m = LlamaModel(preset("llama-3.1-70b-tp4"))
+    assert m.layers[0].attn.wq.weight.shape == (16 * 128, 8192)
+    assert m.layers[0].attn.wk.weight.shape == (2 * 128, 8192)
+    assert m.layers[0].attn.wo.weight.shape == (8192, 16 * 128)
+    assert m.layers[0].mlp.down.weight.shape == (8192, 7168)
+
+
+def test_unknown_preset_lists_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="tiny"):
+        preset("llama-9")
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"hidden_size": 0}, "hidden_size"),
+        ({"num_layers": -1}, "num_layers"),
+        ({"num_kv_heads": 3}, "num_kv_heads"),
+        ({"head_dim": 33}, "head_dim"),
+        ({"vocab_size": 1.5}, "vocab_size"),
+        ({"rope_theta": 0.0}, "rope_theta"),
+        ({"rms_norm_eps": -1.0}, "rms_norm_eps"),
+        ({"eos_token_ids": (9999,)}, "eos_token_ids"),
+        ({"bos_token_id": 512}, "bos_token_id"),
+        ({"rope_scaling": {"factor": 8}}, "rope_scaling"),
+    ],
+)
+def test_bad_config_names_the_field(change: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        preset("tiny").replace(**change)
+
+
+def test_bad_rope_scaling() -> None:
+    with pytest.raises(ValueError, match="low_freq_factor"):
+        RopeScaling(8.0, 4.0, 1.0, 8192)
+
+
+def test_hf_dict_round_trip() -> None:
+    for name in ("tiny", "llama-3.1-8b"):
+        cfg = preset(name)
+        assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+
+
+def test_from_hf_dict_errors() -> None:
+    d = preset("tiny").to_hf_dict()
+    del d["num_attention_heads"]
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        ModelConfig.from_hf_dict(d)
+    d = preset("tiny").to_hf_dict() | {"rope_scaling": {"rope_type": "yarn", "factor": 4}}
+    with pytest.raises(ValueError, match="yarn"):
+        ModelConfig.from_hf_dict(d)
+    d = preset("tiny").to_hf_dict() | {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
+    with pytest.raises(ValueError, match="gpt2"):
+        ModelConfig.from_hf_dict(d)
+    with pytest.raises(ValueError, match="JSON object"):
+        ModelConfig.from_hf_dict([1, 2])  # type: ignore[arg-type]
+    # head_dim defaults to hidden / heads, KV heads to heads, one eos id becomes a tuple
+    d = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+         "num_attention_heads": 2, "eos_token_id": 5}
+    cfg = ModelConfig.from_hf_dict(d)
+    assert (cfg.head_dim, cfg.num_kv_heads, cfg.eos_token_ids) == (32, 2, (5,))
+
+
+# ---- RoPE -----------------------------------------------------------------------------------
+
+
+def _llama3_closed_form(i: int, dim: int, theta: float, s: RopeScaling) -> float:
+    """Meta's published rule, one frequency at a time."""
+    f = 1.0 / theta ** (2 * i / dim)
+    wavelen = 2 * math.pi / f
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    if wavelen < high_wavelen:
+        return f
+    if wavelen > low_wavelen:
+        return f / s.factor
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    return (1 - smooth) * f / s.factor + smooth * f
+
+
+def test_llama3_rope_scaling_matches_closed_form() -> None:
+    cfg = preset("llama-3.1-8b")
+    assert cfg.rope_scaling is not None
+    got = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    want = [_llama3_closed_form(i, 128, cfg.rope_theta, cfg.rope_scaling) for i in range(64)]
+    assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), rtol=1e-12)
+    plain = rope_inv_freq(128, cfg.rope_theta, None)
+    assert got[0] == plain[0]  # highest frequency untouched
+    assert torch.isclose(got[-1], plain[-1] / 8)  # lowest divided by the factor
+    medium = (got != plain) & ~torch.isclose(got, plain / 8)
+    assert medium.any()  # and a blended band in between
+
+
+def test_rope_is_a_rotation_of_half_split_pairs(tiny: LlamaModel) -> None:
+    d = 32
+    x = torch.randn(3, 2, d)
+    pos = torch.tensor([0, 5, 1000])
+    cos, sin = tiny.rope(pos, torch.float32)
+    y = apply_rope(x, cos, sin)
+    inv = rope_inv_freq(d, 10000.0, None)
+    for t, p in enumerate(pos.tolist()):
+        ang = p * inv
+        z = torch.complex(x[t, :, : d // 2].double(), x[t, :, d // 2 :].double())
+        z = z * torch.polar(torch.ones_like(ang), ang)
+        assert torch.allclose(y[t, :, : d // 2].double(), z.real, atol=1e-5)
+        assert torch.allclose(y[t, :, d // 2 :].double(), z.imag, atol=1e-5)
+
+
+def test_rope_scores_depend_only_on_distance(tiny: LlamaModel) -> None:
+    q, k = torch.randn(1, 1, 32), torch.randn(1, 1, 32)
+
+    def score(m: int, n: int) -> float:
+        cq, sq = tiny.rope(torch.tensor([m]), torch.float32)
+        ck, sk = tiny.rope(torch.tensor([n]), torch.float32)
+        return float((apply_rope(q, cq, sq) * apply_rope(k, ck, sk)).sum())
+
+    assert score(7, 3) == pytest.approx(score(1007, 1003), abs=1e-4)
+
+
+# ---- attention ------------------------------------------------------------------------------
+
+
+def _naive_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int
+) -> torch.Tensor:
+    tq, hq, d = q.shape
+    group = hq // k.shape[1]
+    out = torch.zeros_like(q)
+    for h in range(hq):
+        kh, vh = k[:, h // group], v[:, h // group]
+        for i in range(tq):
+            s = (kh[: offset + i + 1] @ q[i, h]) / math.sqrt(d)
+            out[i, h] = torch.softmax(s, 0) @ vh[: offset + i + 1]
+    return out
+
+
+@pytest.mark.parametrize(
+    ("tq", "tk", "offset"),
+    [(5, 5, None), (3, 9, None), (1, 7, None), (4, 9, 2), (4, 4, 1), (1, 7, 3)],
+)
+def test_attend_equals_naive_per_head_gqa(tq: int, tk: int, offset: int | None) -> None:
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(tq, 8, 32, generator=g, dtype=torch.float64)
+    k = torch.randn(tk, 2, 32, generator=g, dtype=torch.float64)
+    v = torch.randn(tk, 2, 32, generator=g, dtype=torch.float64)
+    want = _naive_attention(q, k, v, tk - tq if offset is None else offset)
+    assert torch.allclose(attend(q, k, v, offset), want, atol=1e-10)
+
+
+def test_attend_rejects_impossible_offset() -> None:
+    with pytest.raises(ValueError, match="causal_offset"):
+        attend(torch.randn(4, 2, 32), torch.randn(2, 1, 32), torch.randn(2, 1, 32))
+
+
+def test_contiguous_backend_is_an_attention_backend() -> None:
+    assert isinstance(ContiguousKVAttention(2), AttentionBackend)
+    b = ContiguousKVAttention(2)
+    with pytest.raises(ValueError, match="twice"):
+        b.begin([1, 1], [2, 2])
+    with pytest.raises(ValueError, match="> 0"):
+        b.begin([1], [0])
+    b.begin([1], [3])
+    with pytest.raises(ValueError, match="declared 3"):
+        b(0, torch.randn(4, 4, 32), torch.randn(4, 2, 32), torch.randn(4, 2, 32))
+
+
+# ---- the model ------------------------------------------------------------------------------
+
+
+def _run(model: LlamaModel, attn: ContiguousKVAttention, seqs: dict[int, list[int]],
+         starts: dict[int, int]) -> torch.Tensor:
+    """One forward of a ragged batch: ``seqs[s]`` new tokens at positions from ``starts[s]``."""
+    attn.begin(list(seqs), [len(t) for t in seqs.values()])
+    ids = torch.tensor([t for toks in seqs.values() for t in toks])
+    pos = torch.cat([torch.arange(starts[s], starts[s] + len(t)) for s, t in seqs.items()])
+    return model(ids, pos, attn)
+
+
+def test_ragged_batch_equals_separate_runs(tiny: LlamaModel) -> None:
+    a, b = [5, 17, 300, 42, 7], [256, 99, 98, 97, 12, 13, 14]
+    sep_a, sep_b = ContiguousKVAttention(2), ContiguousKVAttention(2)
+    ha = _run(tiny, sep_a, {0: a}, {0: 0})
+    hb = _run(tiny, sep_b, {1: b}, {1: 0})
+    batch = ContiguousKVAttention(2)
+    hab = _run(tiny, batch, {0: a, 1: b}, {0: 0, 1: 0})
+    assert torch.allclose(hab, torch.cat([ha, hb]), atol=1e-5)
+    # then a mixed step: a decodes one token while b brings a chunk of three
+    ha2 = _run(tiny, sep_a, {0: [1]}, {0: 5})
+    hb2 = _run(tiny, sep_b, {1: [2, 3, 4]}, {1: 7})
+    hab2 = _run(tiny, batch, {1: [2, 3, 4], 0: [1]}, {0: 5, 1: 7})
+    assert torch.allclose(hab2, torch.cat([hb2, ha2]), atol=1e-5)
+    assert batch.seq_len(0) == 6 and batch.seq_len(1) == 10
+    k_sep, _ = sep_b.kv(1, 1)
+    k_bat, _ = batch.kv(1, 1)
+    assert torch.allclose(k_sep, k_bat, atol=1e-5)
+
+
+def test_chunked_prefill_equals_one_shot(tiny: LlamaModel) -> None:
+    toks = list(range(40, 52))
+    whole = _run(tiny, ContiguousKVAttention(2), {0: toks}, {0: 0})
+    attn = ContiguousKVAttention(2)
+    first = _run(tiny, attn, {0: toks[:5]}, {0: 0})
+    rest = _run(tiny, attn, {0: toks[5:]}, {0: 5})
+    assert torch.allclose(torch.cat([first, rest]), whole, atol=1e-5)
+
+
+def test_greedy_generate_matches_full_recompute(tiny: LlamaModel) -> None:
+    prompt = [256, 72, 105, 33]
+    out = greedy_generate(tiny, prompt, 8)
+    assert len(out) == 8
+    # Recomputing the whole sequence without a cache picks the same tokens.
+    seq = list(prompt)
+    for _ in range(8):
+        h = _run(tiny, ContiguousKVAttention(2), {0: seq}, {0: 0})
+        seq.append(int(tiny.compute_logits(h[-1:]).argmax()))
+    assert seq[len(prompt):] == out
+
+
+def test_greedy_generate_stops_at_eos(tiny: LlamaModel) -> None:
+    out = greedy_generate(tiny, [256, 1, 2], 6)
+    stop = greedy_generate(tiny, [256, 1, 2], 6, eos_ids=[out[2]])
+    assert stop == out[: out.index(out[2]) + 1]
+    with pytest.raises(ValueError, match="non-empty"):
+        greedy_generate(tiny, [], 3)
+
+
+def test_random_init_is_seeded_and_sane() -> None:
+    cfg = preset("tiny")
+    m0, m0b, m1 = (LlamaModel.from_config(cfg, seed=s) for s in (0, 0, 1))
+    for (n, p), p2, p3 in zip(m0.named_parameters(), m0b.parameters(), m1.parameters()):
+        assert torch.equal(p, p2), n
+        if not n.endswith("norm.weight"):
+            assert not torch.equal(p, p3), n
+            assert abs(float(p.std()) - 0.02) < 0.002, n
+    logits = m0.compute_logits(_run(m0, ContiguousKVAttention(2), {0: [1, 2, 3]}, {0: 0}))
+    assert logits.dtype == torch.float32 and logits.shape == (3, 512)
+    assert torch.isfinite(logits).all() and logits.abs().max() < 20
+
+
+def test_bf16_model_tracks_fp32() -> None:
+    cfg = preset("tiny")
+    m32 = LlamaModel.from_config(cfg, seed=0)
+    m16 = LlamaModel.from_config(cfg, seed=0, dtype=torch.bfloat16)
+    assert m16.dtype == torch.bfloat16
+    l32 = m32.compute_logits(_run(m32, ContiguousKVAttention(2), {0: [5, 6, 7]}, {0: 0}))
+    l16 = m16.compute_logits(_run(m16, ContiguousKVAttention(2), {0: [5, 6, 7]}, {0: 0}))
+    assert (l32 - l16).abs().max() < 0.1
+
+
+def test_tied_embeddings_share_storage() -> None:
+    m = LlamaModel.from_config(preset("tiny").replace(tie_word_embeddings=True), seed=0)
+    assert m.lm_head.weight is m.embed.weight
+    untied = LlamaModel.from_config(preset("tiny"), seed=0)
+    assert len(list(m.parameters())) == len(list(untied.parameters())) - 1
+
+
+def test_forward_rejects_bad_shapes(tiny: LlamaModel) -> None:
+    attn = ContiguousKVAttention(2)
+    attn.begin([0], [2])
+    with pytest.raises(ValueError, match=r"\[T\]"):
+        tiny(torch.tensor([[1, 2]]), torch.tensor([[0, 1]]), attn)
