@@ -1,5 +1,7 @@
 """Triton kernel behind :func:`hawk.devices.batched_copy.batched_copy` (imported only on CUDA)."""
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -20,4 +22,5 @@ def _copy_words_kernel(words, src_ptr, dst_ptr, len_ptr, BLOCK: tl.constexpr):
 
 def copy_words(words: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, lens: torch.Tensor, max_len: int, block: int) -> None:
     grid = (src.numel(), triton.cdiv(max_len, block))
-    _copy_words_kernel[grid](words, src, dst, lens, BLOCK=block)
+    with torch.cuda.device(words.device) if words.is_cuda else contextlib.nullcontext():  # Triton launches on the current device
+        _copy_words_kernel[grid](words, src, dst, lens, BLOCK=block)

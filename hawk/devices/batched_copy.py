@@ -20,9 +20,14 @@ _BLOCK = 4096  # words per program
 
 def _flat_offsets(copies: Sequence[Copy], stride: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     arr = np.array([(c.src_region, c.src_offset, c.dst_region, c.dst_offset, c.length) for c in copies], dtype=np.int64)
-    src = arr[:, 0] * stride + arr[:, 1]
-    dst = arr[:, 2] * stride + arr[:, 3]
-    return src, dst, arr[:, 4]
+    return arr[:, 0] * stride + arr[:, 1], arr[:, 2] * stride + arr[:, 3], arr[:, 4]
+
+
+def _check_inside(copies: Sequence[Copy], regions: int, region_bytes: int) -> None:
+    for c in copies:
+        for r, o in ((c.src_region, c.src_offset), (c.dst_region, c.dst_offset)):
+            if not 0 <= r < regions or o < 0 or c.length <= 0 or o + c.length > region_bytes:
+                raise ValueError(f"copy {c} reaches outside device memory ({regions} regions of {region_bytes} B)")
 
 
 def batched_copy(memory: torch.Tensor, copies: Sequence[Copy]) -> None:
@@ -31,9 +36,8 @@ def batched_copy(memory: torch.Tensor, copies: Sequence[Copy]) -> None:
         return
     if memory.dtype != torch.uint8 or memory.dim() != 2 or not memory.is_contiguous():
         raise ValueError("batched_copy needs contiguous uint8 memory shaped [regions, region_bytes]")
+    _check_inside(copies, memory.shape[0], memory.shape[1])
     src, dst, lens = _flat_offsets(copies, memory.shape[1])
-    if (src < 0).any() or (dst < 0).any() or (src + lens > memory.numel()).any() or (dst + lens > memory.numel()).any():
-        raise ValueError("a copy reaches outside device memory")
     flat = memory.view(-1)
     aligned = memory.shape[1] % _UNIT == 0 and not ((src | dst | lens) % _UNIT).any()
     if memory.is_cuda and aligned:

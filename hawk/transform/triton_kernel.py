@@ -20,6 +20,8 @@ again uploads nothing.
 
 from __future__ import annotations
 
+import contextlib
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -340,8 +342,9 @@ def transform_triton(
         dst = dst.view(torch.int16)
 
     t = launch.tables
-    _transform_kernel[(t.groups, plan.num_tensors)](
-        src, launch.deltas, t.row_off, t.row_valid, t.page_a, t.page_b, dst, launch.kv_stride,
-        BFP8=bfp8, num_warps=num_warps, **launch.constexprs,
-    )
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():  # launch on the caches' GPU
+        _transform_kernel[(t.groups, plan.num_tensors)](
+            src, launch.deltas, t.row_off, t.row_valid, t.page_a, t.page_b, dst, launch.kv_stride,
+            BFP8=bfp8, num_warps=num_warps, **launch.constexprs,
+        )
     return out

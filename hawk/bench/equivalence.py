@@ -1,0 +1,182 @@
+"""Disaggregated vs colocated: the same prompts through each configuration, token ids compared.
+
+The colocated instance (one model, one paged cache, no transfer) is the oracle; a disaggregated
+run must produce the same greedy tokens when its KV dtype is the same (bf16). Each request's
+TTFT (submit -> first token out of the decode instance, transfer included) and TPOT are
+measured at the engine API, without HTTP in between.
+
+    python -m hawk.bench.equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 \\
+        --decode-device npu-emu:cuda:1 --configs gn-hawk,gg-direct --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from hawk.engine.decode_engine import KVHandle, TokenEvent
+from hawk.engine.instances import ColocatedInstance, DecodeInstance, InstanceConfig, PrefillInstance
+from hawk.engine.loader import load_model
+from hawk.engine.sequence import SamplingParams
+
+PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about memory channels.",
+    "List three prime numbers larger than 100.",
+    "Explain in one sentence why decode is memory-bound.",
+)
+
+
+def _collect(submit: Any, timeout: float = 300.0) -> tuple[list[int], dict[str, Any]]:
+    """Run one request to completion; returns its tokens and timing."""
+    out: list[int] = []
+    info: dict[str, Any] = {}
+    times: list[float] = []
+    done = threading.Event()
+
+    def on(ev: TokenEvent) -> None:
+        if ev.token is not None:
+            out.append(ev.token)
+            times.append(time.perf_counter())
+        info.update(ev.info)
+        if ev.finish_reason is not None:
+            info["finish_reason"], info["error"] = ev.finish_reason, ev.error
+            done.set()
+
+    t0 = time.perf_counter()
+    submit(on)
+    if not done.wait(timeout):
+        raise TimeoutError("request did not finish")
+    if info.get("error"):
+        raise RuntimeError(info["error"])
+    info["ttft_s"] = times[0] - t0 if times else float("nan")
+    info["tpot_s"] = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan")
+    return out, info
+
+
+def run_colocated(inst: ColocatedInstance, ids: list[int], params: SamplingParams, rid: str) -> tuple[list[int], dict]:
+    def submit(on: Any) -> None:
+        r = inst.prefill.submit(rid, ids, params).result(300)
+        inst.decode.submit(rid, r.num_prompt_tokens, r.first_token, params, inst.take_blocks(rid), on)
+
+    return _collect(submit)
+
+
+def run_disaggregated(p: PrefillInstance, d: DecodeInstance, ids: list[int], params: SamplingParams, rid: str) -> tuple[list[int], dict]:
+    def submit(on: Any) -> None:
+        r = p.engine.submit(rid, ids, params).result(300)
+        d.engine.submit(rid, r.num_prompt_tokens, r.first_token, params, KVHandle(p.kv_address, rid), on)
+
+    return _collect(submit)
+
+
+def encode_prompts(tokenizer: Any, prompts: Sequence[str]) -> list[list[int]]:
+    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}])) for p in prompts]
+
+
+def run(base: InstanceConfig, configs: Sequence[str], prompts: Sequence[str] = PROMPTS, max_tokens: int = 24) -> list[dict[str, Any]]:
+    """One record per (configuration, prompt): tokens equal to the oracle's, TTFT, TPOT, KV bytes."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=False)
+    oracle_model = load_model(base.model, base.prefill_device, base.torch_dtype, base.seed)
+    oracle = ColocatedInstance(replace(base, transfer="colocated"), loaded=oracle_model)
+    ids = encode_prompts(oracle_model.tokenizer, prompts)
+    reference = []
+    try:
+        for i, x in enumerate(ids):
+            run_colocated(oracle, x, params, f"warm{i}") if i == 0 else None
+            reference.append(run_colocated(oracle, x, params, f"ref{i}"))
+    finally:
+        oracle.close()
+    records = []
+    for name in configs:
+        cfg = replace(base, transfer=name)
+        if name.startswith("gg") and cfg.decode_device.startswith("npu-emu"):
+            cfg = replace(cfg, decode_device=cfg.decode_compute_device)
+        p = PrefillInstance(cfg, loaded=oracle_model)
+        d = DecodeInstance(cfg)
+        try:
+            run_disaggregated(p, d, ids[0], params, "warm")
+            for i, x in enumerate(ids):
+                toks, info = run_disaggregated(p, d, x, params, f"{name}-{i}")
+                ref_toks, ref_info = reference[i]
+                records.append(
+                    {
+                        "config": name,
+                        "prompt": i,
+                        "identical": toks == ref_toks,
+                        "tokens": len(toks),
+                        "agreement": sum(a == b for a, b in zip(toks, ref_toks)) / max(1, len(ref_toks)),
+                        "ttft_ms": info["ttft_s"] * 1e3,
+                        "tpot_ms": info["tpot_s"] * 1e3,
+                        "colocated_ttft_ms": ref_info["ttft_s"] * 1e3,
+                        "colocated_tpot_ms": ref_info["tpot_s"] * 1e3,
+                        "kv_transfer_ms": info.get("kv_transfer_s", 0) * 1e3,
+                        "kv_bytes": info.get("kv_bytes", 0),
+                        "kv_requests": info.get("kv_requests", 0),
+                        "kv_mode": info.get("kv_mode", ""),
+                        "model": base.model,
+                        "dtype": base.dtype,
+                        "kv_dtype": cfg.kv_dtype if name.startswith("gn") else cfg.gpu_kv_dtype,
+                        "prefill_device": cfg.prefill_device,
+                        "decode_device": cfg.decode_device + (" (emulated NPU)" if cfg.decode_device.startswith("npu-emu") else ""),
+                        "transport": cfg.transport,
+                        "text": oracle_model.tokenizer.decode(toks),
+                    }
+                )
+        finally:
+            d.close()
+            p.close()
+    return records
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for name in dict.fromkeys(r["config"] for r in records):
+        rs = [r for r in records if r["config"] == name]
+        out[name] = {
+            "identical": all(r["identical"] for r in rs),
+            "ttft_ms_median": statistics.median(r["ttft_ms"] for r in rs),
+            "tpot_ms_median": statistics.median(r["tpot_ms"] for r in rs),
+            "colocated_tpot_ms_median": statistics.median(r["colocated_tpot_ms"] for r in rs),
+            "kv_transfer_ms_median": statistics.median(r["kv_transfer_ms"] for r in rs),
+        }
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    ap = argparse.ArgumentParser(prog="python -m hawk.bench.equivalence", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--configs", default="gn-hawk,gg-direct")
+    ap.add_argument("--transport", default="nixl")
+    ap.add_argument("--prefill-device", default="cpu")
+    ap.add_argument("--decode-device", default="npu-emu:cpu")
+    ap.add_argument("--kv-dtype", default="bf16")
+    ap.add_argument("--kv-tokens", type=int, default=4096)
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    torch.manual_seed(0)
+    base = InstanceConfig(
+        model=a.model, dtype=a.dtype, transport=a.transport, prefill_device=a.prefill_device, decode_device=a.decode_device,
+        kv_dtype=a.kv_dtype, kv_tokens=a.kv_tokens, staging_mb=256, rx_mb=256,
+    )
+    records = run(base, [c for c in a.configs.split(",") if c], max_tokens=a.max_tokens)
+    for name, s in summarize(records).items():
+        print(name, json.dumps(s))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(records, f, indent=1)
+    return records
+
+
+if __name__ == "__main__":
+    main()

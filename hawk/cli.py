@@ -1,0 +1,99 @@
+"""The ``hawk`` command: serve, demo, benchmarks, and what this machine offers."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import typer
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")  # single-host runs stay on loopback unless told otherwise
+
+app = typer.Typer(help="HAWK: GPU-prefill / NPU-decode disaggregated LLM serving with heterogeneity-aware KV transfer.", no_args_is_help=True, add_completion=False)
+bench_app = typer.Typer(help="Benchmarks (transfer latency, transform throughput, serving).", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+def _csv(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+@app.command()
+def info() -> None:
+    """List NPU architectures, transfer configurations, transports and what is available here."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from hawk.connector.configs import CONFIGS
+    from hawk.layouts.npu import ARCHS
+    from hawk.transport.registry import TRANSPORTS, available
+
+    con = Console()
+    t = Table(title="NPU architectures (emulated here)")
+    for c in ("arch", "banks", "channels", "bank GiB", "alignment"):
+        t.add_column(c)
+    for a in ARCHS.values():
+        t.add_row(a.name, str(a.num_banks), str(a.num_channels), f"{a.banks[0].capacity / 2**30:g}", str(a.alignment))
+    con.print(t)
+    t = Table(title="Transfer configurations")
+    for c in ("name", "decode on", "prefill sends", "landing"):
+        t.add_column(c)
+    for c in CONFIGS.values():
+        t.add_row(c.name, c.decode_on, c.send_format, c.landing)
+    con.print(t)
+    con.print("transports: " + ", ".join(f"{n} ({'available' if available(n) else 'not available'})" for n in TRANSPORTS))
+
+
+@bench_app.command("transfer")
+def bench_transfer(
+    sizes_mb: str = typer.Option("10,20,40,80,160,320,640,1280", help="KV sizes per transfer (MiB, Llama-3.1-70B TP4 rank shape)"),
+    configs: str = typer.Option("gg-host,gn-host,gg-direct,gn-direct-single,gn-hawk", help="configurations; 'gn-hawk@direct' forces a landing mode"),
+    transport: str = typer.Option("nixl", help="nixl | mooncake | cuda-ipc"),
+    repeats: int = typer.Option(5, min=1),
+    warmup: int = typer.Option(1, min=0),
+    prefill_device: str = typer.Option("cpu", help="cpu or cuda:N"),
+    npu_device: str = typer.Option("npu-emu:cpu", help="emulated NPU memory: npu-emu:cpu or npu-emu:cuda:N"),
+    gpu_decode_device: str = typer.Option("cpu", help="decode device of the gg-* configurations"),
+    arch: str = typer.Option("blackhole-p150a"),
+    kv_dtype: str = typer.Option("bf16", help="NPU KV dtype: bf16 | bfp8_b"),
+    post: str = typer.Option("pull", help="who posts the batch: pull (decode READs) | push (prefill WRITEs)"),
+    shuffle_blocks: bool = typer.Option(False, help="random block ids instead of contiguous"),
+    json_path: Optional[str] = typer.Option(None, "--json", help="write records here"),
+    plot_path: Optional[str] = typer.Option(None, "--plot", help="write the Fig. 9 analogue (PNG) here"),
+) -> None:
+    """KV-transfer latency of the five configurations (paper Fig. 9), from decode request to KV in the cache pool."""
+    from rich.progress import Progress
+
+    from hawk.bench.transfer import BenchSpec, plot, print_table, run_transfer_bench, save_json
+
+    spec = BenchSpec(
+        sizes_mb=tuple(int(s) for s in _csv(sizes_mb)), configs=tuple(_csv(configs)), transport=transport,
+        repeats=repeats, warmup=warmup, prefill_device=prefill_device, npu_device=npu_device,
+        gpu_decode_device=gpu_decode_device, arch=arch, kv_dtype=kv_dtype, post=post, shuffle_blocks=shuffle_blocks,
+    )
+    total = len(spec.configs) * len(spec.sizes_mb) * (spec.warmup + spec.repeats)
+    with Progress() as prog:
+        task = prog.add_task("transfers", total=total)
+        records = run_transfer_bench(spec, progress=lambda: prog.advance(task))
+    print_table(records)
+    if json_path:
+        save_json(records, json_path)
+    if plot_path:
+        where = f"prefill {prefill_device}; NPU = emulated {arch} on {npu_device.partition(':')[2] or 'cpu'}; {transport}"
+        plot(records, plot_path, f"KV transfer latency ({where})")
+
+
+@bench_app.command("transform", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench_transform(ctx: typer.Context) -> None:
+    """Transform throughput vs a plain device copy (passes options to ``python -m hawk.bench.transform``)."""
+    from hawk.bench.transform import main
+
+    main(ctx.args)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Small sender/receiver pairs for connector tests: every configuration, tiny shapes, in one process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hawk.connector.configs import GpuSide, NpuSide, get_config, make_receiver, make_sender
+from hawk.devices.emulated import open_npu
+from hawk.layouts.gpu import GpuKVLayout
+from hawk.layouts.npu import NpuKVLayout
+from hawk.memory.npu_kv_cache import NpuKVCacheMemory
+from hawk.plan.cost_model import cost_model_for
+
+L, H, D = 2, 2, 64
+GPU_BLOCK, NPU_BLOCK = 16, 64
+
+
+@dataclass
+class Pair:
+    config: str
+    caches: list
+    src: GpuKVLayout
+    sender: object
+    receiver: object
+    tp: object
+    td: object
+    kv: object = None
+    dcaches: list = field(default_factory=list)
+    freed: list = field(default_factory=list)
+
+    def add(self, rid: str, tokens: int, blocks: list[int]) -> None:
+        self.sender.add(rid, tokens, blocks, lambda rid=rid: self.freed.append(rid))
+
+    def landed(self, tokens: int, gpu_blocks: list[int], dst_blocks: list[int]) -> bool:
+        """Whether the destination holds exactly the request's rows."""
+        for layer in range(L):
+            for kv in range(2):
+                want = torch.stack([self.caches[layer][kv, gpu_blocks[t // GPU_BLOCK], t % GPU_BLOCK] for t in range(tokens)]).float()
+                if self.kv is not None:
+                    got = self.kv.read_blocks(2 * layer + kv, torch.tensor(dst_blocks))
+                    got = got.permute(0, 2, 1, 3).reshape(-1, H, D)[:tokens]
+                else:
+                    got = torch.stack([self.dcaches[layer][kv, dst_blocks[t // GPU_BLOCK], t % GPU_BLOCK] for t in range(tokens)]).float()
+                if not torch.equal(got, want):
+                    return False
+        return True
+
+    def close(self) -> None:
+        self.receiver.close()
+        self.sender.close()
+        self.td.close()
+        self.tp.close()
+        if self.kv is not None:
+            self.kv.close()
+
+
+def make_pair(config: str, tp, td, ttl_s: float = 30.0, timeout_s: float = 5.0, rx_bytes: int = 1 << 20, post: str = "pull", seed: int = 0) -> Pair:
+    g = torch.Generator().manual_seed(seed)
+    src = GpuKVLayout(L, 64, GPU_BLOCK, H, D)
+    caches = [torch.randn(src.layer_shape, generator=g).to(torch.bfloat16) for _ in range(L)]
+    sender = make_sender(config, tp, caches, src, 1 << 20, ttl_s=ttl_s, reap_every_s=0.02)
+    kv, dcaches = None, []
+    if get_config(config).decode_on == "npu":
+        npu = open_npu("npu-emu:cpu", "blackhole-p150a", bank_capacity=4 << 20)
+        kv = NpuKVCacheMemory(npu, NpuKVLayout(npu.arch, L, 16, H, NPU_BLOCK, D))
+        side = NpuSide(npu, kv, rx_bytes, cost_model_for("local", "cpu"))
+    else:
+        dcaches = src.allocate("cpu")
+        side = GpuSide(dcaches, src, rx_bytes)
+    receiver = make_receiver(config, td, side, post=post, timeout_s=timeout_s)
+    return Pair(config, caches, src, sender, receiver, tp, td, kv, dcaches)
+
+
+def dst_blocks_for(config: str, tokens: int, start: int = 0) -> list[int]:
+    size = NPU_BLOCK if get_config(config).decode_on == "npu" else GPU_BLOCK
+    return list(range(start, start + -(-tokens // size)))

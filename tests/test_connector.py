@@ -1,0 +1,158 @@
+"""Algorithm 1 end to end: the five configurations, the push variant, and release on every path."""
+
+import random
+import time
+
+import pytest
+
+from hawk.connector.algorithm1 import KVTransferFailed
+from hawk.connector.configs import CONFIGS
+from hawk.connector.control import ControlClient
+from hawk.connector.messages import Error, PullRequest
+from hawk.transport.local import LocalTransport
+from tests.kv_fixtures import dst_blocks_for, make_pair
+
+
+def _settled(pair, timeout=3.0):
+    """Wait for asynchronous releases, then return both sides' accounting."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pair.receiver.reap()
+        pair.sender.reap()
+        s, r = pair.sender.accounting(), pair.receiver.accounting()
+        clean = not s["staging"] and not s["in_flight"] and not s["waiting"] and not s["draining"] and not r["reservations"] and not r["draining"]
+        if clean or time.monotonic() > deadline:
+            return s, r
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("post", ["pull", "push"])
+def test_every_configuration_lands_the_kv(config, post):
+    pair = make_pair(config, LocalTransport(), LocalTransport(), post=post)
+    try:
+        for i, (tokens, gblocks) in enumerate([(100, [9, 3, 4, 5, 6, 7, 8]), (1, [0]), (64, [10, 11, 12, 13])]):
+            pair.add(f"r{i}", tokens, gblocks)
+            dst = dst_blocks_for(config, tokens, start=1)
+            res = pair.receiver.pull(pair.sender.address, f"r{i}", dst)
+            assert pair.landed(tokens, gblocks, dst)
+            assert res.num_tokens == tokens and res.bytes > 0
+        s, r = _settled(pair)
+        assert not s["staging"] and not r["reservations"]
+        assert sorted(pair.freed) == ["r0", "r1", "r2"]  # every prefill's blocks went back exactly once
+    finally:
+        pair.close()
+
+
+def test_hawk_sends_one_request_per_channel():
+    pair = make_pair("gn-hawk", LocalTransport(), LocalTransport())
+    pair.receiver.landing.mode = "staging"
+    try:
+        pair.add("r", 200, list(range(13)))
+        res = pair.receiver.pull(pair.sender.address, "r", [2, 5, 7, 9])
+        assert res.mode == "staging" and res.requests == 8  # p150a: 8 DRAM channels
+        assert pair.landed(200, list(range(13)), [2, 5, 7, 9])
+    finally:
+        pair.close()
+
+
+class FaultyLocal(LocalTransport):
+    """Local copies, with batch failures and hangs on demand."""
+
+    fault = "none"
+
+    def _engine_poll(self, h):
+        if self.fault == "fail":
+            return "ERROR", "injected batch failure"
+        if self.fault == "hang":
+            return "PENDING", None
+        return super()._engine_poll(h)
+
+
+def test_reservations_released_after_many_faulty_transfers():
+    """220 transfers mixing successes with every fault kind; both ledgers end empty."""
+    tp, td = LocalTransport(), FaultyLocal()
+    pair = make_pair("gn-hawk", tp, td, ttl_s=0.5, timeout_s=0.3)
+    rng = random.Random(7)
+    kinds = ["ok"] * 4 + ["fail", "hang", "bad-meta", "never-pulled", "receiver-vanishes", "unknown-request", "garbage"]
+    seen = {k: 0 for k in kinds}
+    good_extents = pair.sender.fmt.extents
+    raw = ControlClient(pair.sender.address)
+    pair.receiver.connect(pair.sender.address)
+    try:
+        for i in range(220):
+            kind = rng.choice(kinds)
+            seen[kind] += 1
+            rid, tokens = f"q{i}", rng.randint(1, 300)
+            gblocks = rng.sample(range(64), -(-tokens // 16))
+            dst = rng.sample(range(16), -(-tokens // 64))
+            if kind != "unknown-request":
+                pair.add(rid, tokens, gblocks)
+            if kind == "never-pulled":
+                continue
+            if kind == "receiver-vanishes":  # D1 sent, then the decode side is gone: no D9 ever
+                reply = raw.call(PullRequest(rid, pair.receiver._senders[pair.sender.address].receiver, dst), 2.0)
+                assert reply.TYPE == "ready"
+                continue
+            if kind == "garbage":
+                reply = raw.call(PullRequest(rid, "nobody", dst), 2.0)
+                assert isinstance(reply, Error) and "unknown receiver" in reply.message
+                pair.sender.discard(rid)
+                continue
+            td.fault = kind if kind in ("fail", "hang") else "none"
+            if kind == "bad-meta":
+                pair.sender.fmt.extents = lambda plan: [[0, 0, 64]]
+            try:
+                if kind == "ok":
+                    pair.receiver.pull(pair.sender.address, rid, dst)
+                    assert pair.landed(tokens, gblocks, dst)
+                else:
+                    with pytest.raises(KVTransferFailed) as err:
+                        pair.receiver.pull(pair.sender.address, rid, dst)
+                    assert rid in str(err.value)
+            finally:
+                td.fault = "none"
+                pair.sender.fmt.extents = good_extents
+        assert all(seen.values()), seen
+        time.sleep(0.6)  # past the TTL: un-pulled and abandoned requests expire
+        s, r = _settled(pair, timeout=5)
+        assert s == {"staging": [], "waiting": [], "in_flight": [], "draining": 0}, s
+        assert r == {"reservations": [], "draining": 0}, r
+        # Every prefill's blocks came back exactly once, whatever happened to its transfer.
+        added = [f"q{i}" for i in range(220)]
+        assert sorted(pair.freed) == sorted(x for x in added if x in pair.freed)
+        assert len(pair.freed) == len(set(pair.freed))
+        assert len(pair.freed) == 220 - seen["unknown-request"]
+        # And the pair still works.
+        pair.add("after", 50, [1, 2, 3, 4])
+        pair.receiver.pull(pair.sender.address, "after", [3])
+        assert pair.landed(50, [1, 2, 3, 4], [3])
+    finally:
+        raw.close()
+        pair.close()
+
+
+def test_mismatched_layout_is_refused_at_handshake():
+    pair = make_pair("gn-hawk", LocalTransport(), LocalTransport())
+    other = make_pair("gg-direct", LocalTransport(), LocalTransport())
+    try:
+        with pytest.raises(KVTransferFailed, match="send format"):
+            other.receiver.connect(pair.sender.address)
+    finally:
+        pair.close()
+        other.close()
+
+
+def test_pull_from_a_dead_prefill_fails_cleanly():
+    pair = make_pair("gn-hawk", LocalTransport(), LocalTransport(), timeout_s=0.5)
+    try:
+        pair.add("r", 10, [0])
+        address = pair.sender.address
+        pair.receiver.connect(address)
+        pair.sender.close()  # the prefill goes away
+        with pytest.raises(KVTransferFailed, match="did not answer"):
+            pair.receiver.pull(address, "r", [0])
+        assert pair.receiver.accounting() == {"reservations": [], "draining": 0}
+        assert pair.freed == ["r"]  # closing the sender gave its blocks back
+    finally:
+        pair.close()

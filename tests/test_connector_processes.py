@@ -1,0 +1,147 @@
+"""Algorithm 1 between two processes over real engines (NIXL, Mooncake) on loopback, and a peer that dies."""
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from hawk.connector.algorithm1 import KVSender, KVTransferFailed
+from hawk.transport.registry import available, make_transport
+from tests.kv_fixtures import GPU_BLOCK, H, L, D, dst_blocks_for
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+
+class SlowPushSender(KVSender):
+    """Takes its time before posting a push, so a test can kill it mid-transfer."""
+
+    def _push(self, msg):
+        time.sleep(30)
+        return super()._push(msg)
+
+
+def _prefill_child(conn, config: str, transport: str, slow: bool) -> None:
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    torch.set_num_threads(1)
+    from hawk.connector.configs import get_config, make_sender
+    from hawk.connector import configs
+    from tests.kv_fixtures import make_pair  # noqa: F401  (same shapes as the in-process tests)
+    from hawk.layouts.gpu import GpuKVLayout
+
+    g = torch.Generator().manual_seed(0)
+    src = GpuKVLayout(L, 64, GPU_BLOCK, H, D)
+    caches = [torch.randn(src.layer_shape, generator=g).to(torch.bfloat16) for _ in range(L)]
+    t = make_transport(transport)
+    if slow:
+        configs.KVSender = SlowPushSender  # type: ignore[attr-defined]
+    sender = make_sender(config, t, caches, src, 1 << 22, ttl_s=60)
+    conn.send(sender.address)
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "add":
+            sender.add(*cmd[1:])
+            conn.send("ok")
+        elif cmd[0] == "acct":
+            a = sender.accounting()
+            conn.send({k: len(v) if isinstance(v, list) else v for k, v in a.items()})
+        else:
+            break
+    sender.close()
+    t.close()
+
+
+def _start(config, transport, slow=False):
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_prefill_child, args=(child, config, transport, slow), daemon=True)
+    p.start()
+    assert parent.poll(60), "prefill child did not start"
+    return p, parent, parent.recv()
+
+
+def _receiver(config, transport, post="pull", timeout_s=10.0):
+    from tests.kv_fixtures import make_pair
+
+    # Reuse the fixture's decode side; its own in-process sender stays idle.
+    pair = make_pair(config, make_transport(transport), make_transport(transport), post=post, timeout_s=timeout_s)
+    return pair
+
+
+ENGINES = [e for e in ("nixl", "mooncake") if available(e)]
+
+
+@pytest.mark.parametrize("transport", ENGINES)
+@pytest.mark.parametrize("config", ["gn-hawk", "gg-direct"])
+def test_two_processes_move_the_kv(transport, config):
+    proc, conn, address = _start(config, transport)
+    pair = _receiver(config, transport)
+    try:
+        for i, (tokens, gblocks) in enumerate([(150, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]), (33, [20, 40, 60])]):
+            conn.send(("add", f"r{i}", tokens, gblocks))
+            assert conn.recv() == "ok"
+            dst = dst_blocks_for(config, tokens, start=2)
+            res = pair.receiver.pull(address, f"r{i}", dst)
+            assert pair.landed(tokens, gblocks, dst), "bytes did not arrive intact where the plan put them"
+            if config == "gn-hawk" and res.mode == "staging":
+                assert res.requests == 8
+        conn.send(("acct",))
+        acct = conn.recv()
+        deadline = time.monotonic() + 5
+        while (acct["staging"] or acct["in_flight"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            conn.send(("acct",))
+            acct = conn.recv()
+        assert acct["staging"] == 0 and acct["in_flight"] == 0 and acct["waiting"] == 0
+        assert pair.receiver.accounting() == {"reservations": [], "draining": 0}
+    finally:
+        conn.send(("stop",))
+        proc.join(20)
+        pair.close()
+
+
+@pytest.mark.parametrize("transport", ENGINES[:1])
+def test_prefill_killed_mid_transfer_releases_decode_side(transport):
+    """The decode side holds per-channel reservations (D3) when the prefill dies before the push lands."""
+    proc, conn, address = _start("gn-hawk", transport, slow=True)
+    pair = _receiver("gn-hawk", transport, post="push", timeout_s=1.5)
+    pair.receiver.landing.mode = "staging"
+    try:
+        conn.send(("add", "r", 100, [0, 1, 2, 3, 4, 5, 6]))
+        assert conn.recv() == "ok"
+        killer = mp.get_context("spawn").Process(target=_kill_later, args=(proc.pid, 0.5))
+        killer.start()
+        t0 = time.monotonic()
+        with pytest.raises(KVTransferFailed):
+            pair.receiver.pull(address, "r", [0, 1])
+        assert time.monotonic() - t0 < 10
+        killer.join(10)
+        proc.join(5)
+        assert not proc.is_alive()
+        deadline = time.monotonic() + pair.td.drain_s + 5
+        while pair.receiver.accounting()["draining"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+            pair.receiver.reap()
+        assert pair.receiver.accounting() == {"reservations": [], "draining": 0}
+        # The decode side keeps working with a new prefill.
+        proc2, conn2, address2 = _start("gn-hawk", transport)
+        try:
+            conn2.send(("add", "r2", 40, [5, 6, 7]))
+            assert conn2.recv() == "ok"
+            pair.receiver.post = "pull"
+            pair.receiver.pull(address2, "r2", [3])
+            assert pair.landed(40, [5, 6, 7], [3])
+        finally:
+            conn2.send(("stop",))
+            proc2.join(20)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        pair.close()
+
+
+def _kill_later(pid: int, delay: float) -> None:
+    time.sleep(delay)
+    os.kill(pid, signal.SIGKILL)

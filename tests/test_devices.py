@@ -1,0 +1,117 @@
+"""The emulated NPU: lockstep interleaved allocation, per-channel accounting, page views, batched copies."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from hawk.devices.batched_copy import batched_copy
+from hawk.devices.dram_allocator import DramAllocator, NpuOutOfMemory
+from hawk.devices.emulated import EmulatedNpu, open_npu
+from hawk.layouts.npu import NpuKVLayout, get_arch
+from hawk.memory.npu_kv_cache import NpuKVCacheMemory
+from hawk.plan.requests import Copy
+from tests.npu_sim import ChannelMemory
+
+
+def test_interleaved_buffers_share_one_address_in_every_bank():
+    alloc = DramAllocator(get_arch("wormhole-n150", bank_capacity=1 << 20))
+    a = alloc.allocate_interleaved(1000, "a")
+    assert a.size == 1024 and a.banks == tuple(range(12))  # aligned to 32 B on Wormhole
+    local = alloc.allocate_in_bank(3, 4096, "local")
+    b = alloc.allocate_interleaved(100, "b")
+    assert b.address >= local.address + local.size  # bank 3's hole blocks that address everywhere
+    alloc.free(local)
+    c = alloc.allocate_interleaved(100, "c")
+    assert c.address == local.address
+    with pytest.raises(ValueError, match="not live"):
+        alloc.free(local)
+    used = {u.bank: u.used for u in alloc.usage()}
+    assert used[0] == a.size + 128 + 128
+
+
+def test_out_of_memory_names_the_channel():
+    alloc = DramAllocator(get_arch("blackhole-p150a", bank_capacity=1 << 16))
+    alloc.allocate_in_bank(5, 60000, "big")
+    with pytest.raises(NpuOutOfMemory, match="channel 5") as e:
+        alloc.allocate_interleaved(10000, "kv")
+    assert e.value.channel == 5
+
+
+def test_emulated_pages_match_the_page_map():
+    """Pages written through the cache's strided view sit where the layout's page map says."""
+    for arch in ("blackhole-p150a", "wormhole-n300", "blackhole-p100a"):
+        npu = open_npu("npu-emu:cpu", arch, bank_capacity=1 << 20)
+        lay = NpuKVLayout(npu.arch, 1, 4, 2, 64, 64, "bfp8_b")
+        kv = NpuKVCacheMemory(npu, lay)
+        x = torch.randn(lay.tensor_shape)
+        sim = ChannelMemory(lay, list(kv.bases))
+        sim.write_tensor(1, x)
+        pages = np.arange(lay.pages_per_tensor)
+        chan, addr = kv.page_locations(1, pages)
+        for p, c, a in zip(pages, chan, addr):
+            npu.write(int(c), int(a), torch.from_numpy(sim.read(int(c), int(a), lay.page_size).copy()))
+        assert torch.equal(kv.read_tensor(1), sim.read_tensor(1))
+        kv.close()
+        assert all(u == 0 for u, _ in npu.channel_usage().values())
+
+
+def _copies():
+    return [Copy(0, 64, 1, 128, 256), Copy(1, 0, 1, 1024, 64), Copy(2, 512, 0, 0, 32)]
+
+
+def _expected(mem):
+    want = mem.clone()
+    for c in _copies():
+        want[c.dst_region, c.dst_offset : c.dst_offset + c.length] = mem[c.src_region, c.src_offset : c.src_offset + c.length]
+    return want
+
+
+def test_batched_copy_cpu():
+    mem = torch.randint(0, 255, (3, 2048), dtype=torch.uint8)
+    want = _expected(mem)
+    batched_copy(mem, _copies())
+    assert torch.equal(mem, want)
+    with pytest.raises(ValueError, match="outside"):
+        batched_copy(mem, [Copy(0, 2040, 1, 0, 64)])
+
+
+def test_batched_copy_triton_kernel_in_interpreter():
+    code = textwrap.dedent(
+        """
+        import numpy as np, torch
+        from hawk.devices.batched_copy import _flat_offsets, _triton_copy
+        from tests.test_devices import _copies, _expected
+        mem = torch.randint(0, 255, (3, 2048), dtype=torch.uint8)
+        want = _expected(mem)
+        s, d, n = _flat_offsets(_copies(), 2048)
+        _triton_copy(mem.view(-1), s // 8, d // 8, n // 8)
+        assert torch.equal(mem, want)
+        print("ok")
+        """
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_batched_copy_cuda():
+    dev = f"cuda:{torch.cuda.device_count() - 1}"
+    mem = torch.randint(0, 255, (3, 2048), dtype=torch.uint8, device=dev)
+    want = _expected(mem)
+    batched_copy(mem, _copies())
+    assert torch.equal(mem, want)
+
+
+def test_unknown_device_is_a_clear_error():
+    with pytest.raises(ValueError, match="npu-emu:cpu"):
+        open_npu("tpu:0")
+    with pytest.raises(RuntimeError, match="ttnn"):
+        open_npu("ttnn:0")
+    assert isinstance(open_npu("npu-emu:cpu", bank_capacity=1 << 16), EmulatedNpu)
