@@ -180,3 +180,52 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
 
 if __name__ == "__main__":
     main()
+
+
+def teacher_forced_divergence(loaded: Any, prompt_ids: list[int], steps: int, kv_dtype: str, arch: str = "blackhole-p150a") -> dict[str, float]:
+    """How far decoding from the NPU cache in ``kv_dtype`` drifts from the bf16 colocated reference.
+
+    Both decoders are fed the reference's own tokens (teacher forcing), so every step compares
+    logits over the same context: the max absolute logit difference and how often the argmax agrees.
+    """
+    from hawk.devices.emulated import open_npu
+    from hawk.engine.npu_attention import NpuTileAttention
+    from hawk.engine.paged_attention import PagedAttention, SeqSlice
+    from hawk.engine.runner import ModelRunner
+    from hawk.layouts.gpu import GpuKVLayout
+    from hawk.layouts.npu import NpuKVLayout
+    from hawk.memory.npu_kv_cache import NpuKVCacheMemory
+    from hawk.plan.kv_plan import plan_kv_transfer
+    from hawk.transform import transform
+
+    model, mc = loaded.model, loaded.config
+    n = len(prompt_ids) + steps
+    glay = GpuKVLayout(mc.num_layers, -(-n // 16) + 1, 16, mc.num_kv_heads, mc.head_dim, "bf16")
+    caches = glay.allocate(model.device)
+    gblocks = list(range(glay.num_blocks))
+    ref = ModelRunner(model, PagedAttention(glay, caches))
+    first = ref.forward([prompt_ids], [SeqSlice(gblocks, 0, len(prompt_ids))])[0]
+
+    npu = open_npu("npu-emu:cpu", arch, bank_capacity=64 << 20)
+    nlay = NpuKVLayout(npu.arch, mc.num_layers, -(-n // 64) + 1, mc.num_kv_heads, 64, mc.head_dim, kv_dtype)
+    kv = NpuKVCacheMemory(npu, nlay)
+    nblocks = list(range(nlay.max_num_blocks))
+    plan = plan_kv_transfer(len(prompt_ids), gblocks, nblocks, glay, nlay, kv.bases)
+    send = transform(caches, plan)
+    pb = plan.page_bytes
+    a, b = (torch.as_tensor(x) for x in plan.offset_terms())
+    for t in range(plan.num_tensors):  # land the pages where the plan puts them
+        kv.write_pages(t, torch.as_tensor(plan.page), send.view(-1, pb)[(a + t * b) // pb])
+    npu_run = ModelRunner(model, NpuTileAttention(kv))
+
+    token = int(first.argmax())
+    max_diff, agree = 0.0, 0
+    for i in range(steps):
+        pos = len(prompt_ids) + i
+        lr = ref.forward([[token]], [SeqSlice(gblocks, pos, 1)])[0]
+        ln = npu_run.forward([[token]], [SeqSlice(nblocks, pos, 1)])[0]
+        max_diff = max(max_diff, float((lr - ln).abs().max()))
+        agree += int(lr.argmax() == ln.argmax())
+        token = int(lr.argmax())
+    kv.close()
+    return {"steps": steps, "max_logit_diff": max_diff, "argmax_agreement": agree / steps, "logit_range": float(lr.max() - lr.min())}

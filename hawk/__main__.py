@@ -1,0 +1,3 @@
+from hawk.cli import main
+
+main()

@@ -1,0 +1,258 @@
+"""Same-host transports built on torch copies: "local" (one process) and "cuda-ipc" (two processes).
+
+"local" serves tests and the colocated mode: peers are other LocalTransport objects of this process,
+found by agent name, and a batch is a run of ``copy_`` calls on byte views (cpu<->cpu synchronously;
+anything touching CUDA on a dedicated stream, completed by a CUDA event).
+
+"cuda-ipc" reaches a peer process on the same host: its metadata carries a CUDA IPC handle for every
+registered CUDA region; connect() opens them (torch's own IPC rebuild, so ref counting and the
+producer's sync event are honoured) and batches are peer copies on a dedicated stream. Host regions of
+a *peer* cannot be reached this way (pageable memory has no IPC handle); local host regions can be the
+other end of a copy. There is no engine-level liveness: submit checks that the peer pid still exists,
+and the connector's control channel is what notices a peer that dies mid-copy. Each metadata() call
+exports fresh handles (torch counts one consumer per export): publish one blob per peer. Teardown: the
+consumer disconnects (or closes) before the producer frees or exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import weakref
+from typing import Any
+
+import msgpack
+import torch
+
+from hawk.transport.base import (
+    ConnectError,
+    RegionInfo,
+    Segment,
+    Status,
+    TransferError,
+    TransferHandle,
+    Transport,
+    TransportUnavailable,
+    _Peer,
+    byte_view,
+)
+
+_REGISTRY: dict[str, weakref.ref[LocalTransport]] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+class _CopyBatch:
+    """Completion of one batch of copies: CPU ones are done at submit, CUDA ones end at their events."""
+
+    def __init__(self, events: list[Any]) -> None:
+        self.events = events
+
+    def done(self) -> bool:
+        return all(ev.query() for ev in self.events)
+
+
+def _side_stream(streams: dict[int, Any], dev: torch.device) -> Any:
+    idx = int(dev.index or 0)
+    s = streams.get(idx)
+    if s is None:
+        s = streams[idx] = torch.cuda.Stream(device=dev)
+    return s
+
+
+def copy_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], streams: dict[int, Any]) -> _CopyBatch:
+    """Copy every (dst, src) pair; CUDA copies go on dedicated side streams, one per device.
+
+    CPU<->CPU pairs are plain memcpys, done on return. Pairs touching CUDA are grouped by their
+    (src device, dst device); each group is issued inside its side streams (both devices' for a peer
+    copy, so torch's cross-device sync stays off the default streams), after those streams waited
+    for the devices' current streams (data written by earlier kernels of this process is copied).
+    torch runs a copy on the source's device when the source is on CUDA: that stream gets the event.
+    """
+    groups: dict[tuple[torch.device | None, torch.device | None], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for dst, src in pairs:
+        if not dst.is_cuda and not src.is_cuda:
+            dst.copy_(src)
+        else:
+            key = (src.device if src.is_cuda else None, dst.device if dst.is_cuda else None)
+            groups.setdefault(key, []).append((dst, src))
+    events = []
+    for (sdev, ddev), group in groups.items():
+        devs = [d for d in (sdev, ddev) if d is not None]
+        if len(devs) == 2 and devs[0] == devs[1]:
+            devs = devs[:1]
+        with contextlib.ExitStack() as stack:
+            for d in devs:
+                s = _side_stream(streams, d)
+                s.wait_stream(torch.cuda.current_stream(d))
+                stack.enter_context(torch.cuda.stream(s))
+            for dst, src in group:
+                dst.copy_(src, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(_side_stream(streams, devs[0]))
+        events.append(ev)
+    return _CopyBatch(events)
+
+
+class LocalTransport(Transport):
+    """Peers are LocalTransport objects in this process; copies with torch."""
+
+    name = "local"
+    drain_s = 0.0  # copies are issued at submit: nothing keeps running after an error
+
+    def __init__(self, agent_name: str | None = None) -> None:
+        super().__init__(agent_name)
+        self._streams: dict[int, Any] = {}
+        with _REGISTRY_LOCK:
+            if self.agent_name in _REGISTRY and _REGISTRY[self.agent_name]() is not None:
+                raise ValueError(f"agent name {self.agent_name!r} is already used in this process")
+            _REGISTRY[self.agent_name] = weakref.ref(self)
+
+    # regions: the token is the flat byte view the copies slice
+    def _engine_register(self, info: RegionInfo, tensor: torch.Tensor) -> Any:
+        return byte_view(tensor)
+
+    def _engine_deregister(self, info: RegionInfo, token: Any) -> None:
+        pass
+
+    def _engine_metadata(self) -> bytes:
+        return b""
+
+    def _engine_connect(self, doc: dict[str, Any], regions: dict[str, RegionInfo], known: _Peer | None) -> _Peer:
+        if doc.get("pid") != os.getpid() or doc.get("host") != socket.gethostname():
+            raise ConnectError(
+                f"{self.name}: peer {doc.get('agent')!r} lives in process {doc.get('pid')} on {doc.get('host')!r}; "
+                "this transport only reaches transports of this process (use cuda-ipc, nixl or mooncake)"
+            )
+        return _Peer(doc["agent"], doc["agent"], regions, doc["engine_md"], _lookup(doc["agent"], self.name))
+
+    def _engine_disconnect(self, peer: _Peer) -> None:
+        pass
+
+    def _peer_ready(self, peer: _Peer) -> None:
+        """Fail the batch early when the peer is gone (checked once per batch)."""
+        other = peer.state()
+        if other is None or other.closed:
+            raise TransferError(f"peer {peer.id!r} is closed")
+
+    def _peer_view(self, peer: _Peer, seg: Segment) -> torch.Tensor:
+        """The peer's bytes for ``seg``: straight from the peer object (same process)."""
+        reg = peer.state()._regions.get(seg.remote.name)
+        if reg is None or reg.info != seg.remote:
+            raise TransferError(f"peer region {seg.remote.name!r} was deregistered or changed since connect()")
+        return reg.token[seg.remote_offset : seg.remote_offset + seg.length]
+
+    def _engine_submit(self, h: TransferHandle, peer: _Peer, segs: list[Segment]) -> int:
+        self._peer_ready(peer)
+        pairs = []
+        for s in segs:
+            local = self._regions[s.local.name].token[s.local_offset : s.local_offset + s.length]
+            remote = self._peer_view(peer, s)
+            pairs.append((local, remote) if h.op == "READ" else (remote, local))
+        h.engine_state = copy_batch(pairs, self._streams)
+        return 1
+
+    def _engine_poll(self, h: TransferHandle) -> tuple[Status, str | None]:
+        return ("DONE" if h.engine_state.done() else "PENDING"), None
+
+    def _engine_release(self, h: TransferHandle) -> None:
+        h.engine_state = None
+
+    def _engine_close(self) -> None:
+        for s in self._streams.values():
+            s.synchronize()  # in-flight copies still use tensors we are about to drop
+        self._streams.clear()
+        with _REGISTRY_LOCK:
+            ref = _REGISTRY.get(self.agent_name)
+            if ref is not None and ref() in (self, None):
+                del _REGISTRY[self.agent_name]
+
+
+def _lookup(agent: str, engine: str) -> weakref.ref[LocalTransport]:
+    with _REGISTRY_LOCK:
+        ref = _REGISTRY.get(agent)
+    t = ref() if ref is not None else None
+    if t is None or t.closed:
+        raise ConnectError(f"{engine}: no open transport named {agent!r} in this process")
+    return ref  # type: ignore[return-value]
+
+
+# ------------------------------------------------------------------------------------------- cuda-ipc
+def _export_ipc(view: torch.Tensor) -> list[Any]:
+    """CUDA IPC handle of a uint8 view, via torch's reduction (one export per metadata() call)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, args = reduce_tensor(view)
+    (_, size, _stride, toff, _scls, _dtype, dev, handle, ssize, soff, _rg, rch, rco, evh, evs) = args
+    return [int(dev), bytes(handle), int(ssize), int(soff), bytes(rch), int(rco), evh, bool(evs), int(toff),
+            int(size[0])]  # fmt: skip
+
+
+def _open_ipc(w: list[Any]) -> torch.Tensor:
+    """Open a peer's exported region as a uint8 tensor of this process."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    dev, handle, ssize, soff, rch, rco, evh, evs, toff, n = w
+    return rebuild_cuda_tensor(
+        torch.Tensor, torch.Size([n]), (1,), toff, torch.storage.TypedStorage, torch.uint8,
+        dev, handle, ssize, soff, False, rch, rco, evh, evs,
+    )  # fmt: skip
+
+
+class CudaIpcTransport(LocalTransport):
+    """Two processes, one host, CUDA: peer copies through CUDA IPC handles (same process: like local)."""
+
+    name = "cuda-ipc"
+
+    def __init__(self, agent_name: str | None = None) -> None:
+        if not torch.cuda.is_available():
+            raise TransportUnavailable("cuda-ipc transport needs CUDA, and torch.cuda.is_available() is False")
+        super().__init__(agent_name)
+
+    def _engine_metadata(self) -> bytes:
+        # A fresh export per call: each blob is meant for one peer (torch counts one consumer per export).
+        handles = {n: _export_ipc(r.token) for n, r in self._regions.items() if r.info.device == "cuda"}
+        return msgpack.packb(handles, use_bin_type=True)
+
+    def _engine_connect(self, doc: dict[str, Any], regions: dict[str, RegionInfo], known: _Peer | None) -> _Peer:
+        if doc.get("pid") == os.getpid():
+            return super()._engine_connect(doc, regions, known)
+        if doc.get("host") != socket.gethostname():
+            raise ConnectError(f"cuda-ipc: peer {doc.get('agent')!r} is on host {doc.get('host')!r}, not this one")
+        try:
+            handles = msgpack.unpackb(doc["engine_md"], raw=False)
+            opened = {n: _open_ipc(w) for n, w in handles.items()}
+        except Exception as e:  # noqa: BLE001 - any failure to open is a connect failure
+            raise ConnectError(f"cuda-ipc: cannot open the IPC handles of peer {doc.get('agent')!r}: {e}") from e
+        return _Peer(doc["agent"], doc["agent"], regions, doc["engine_md"], {"pid": int(doc["pid"]), "opened": opened})
+
+    def _engine_validate(self, peer: _Peer, segs: list[Segment]) -> None:
+        if isinstance(peer.state, dict):
+            for i, s in enumerate(segs):
+                if s.remote.name not in peer.state["opened"]:
+                    raise ValueError(
+                        f"descriptor {i}: remote region {s.remote.name!r} is {s.remote.device} memory of another "
+                        "process; cuda-ipc reaches only a peer's CUDA regions"
+                    )
+
+    def _peer_ready(self, peer: _Peer) -> None:
+        if not isinstance(peer.state, dict):
+            return super()._peer_ready(peer)
+        try:
+            os.kill(peer.state["pid"], 0)  # existence check only
+        except ProcessLookupError:
+            raise TransferError(f"peer process {peer.state['pid']} ({peer.id!r}) is gone") from None
+        except PermissionError:
+            pass
+
+    def _peer_view(self, peer: _Peer, seg: Segment) -> torch.Tensor:
+        if not isinstance(peer.state, dict):
+            return super()._peer_view(peer, seg)
+        return peer.state["opened"][seg.remote.name][seg.remote_offset : seg.remote_offset + seg.length]
+
+    def _engine_disconnect(self, peer: _Peer) -> None:
+        if isinstance(peer.state, dict):
+            for s in self._streams.values():
+                s.synchronize()  # copies from the peer's memory must end before we unmap it
+            peer.state["opened"].clear()
