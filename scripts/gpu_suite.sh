@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The GPU suite in one call of the device tool (repo root on an nvidia-h200-x2 box; results in $OUT).
-#   bash scripts/gpu_suite.sh kernels   # CUDA correctness tests + transform benchmark + transfer benchmark
-#   bash scripts/gpu_suite.sh model     # Llama-3.1-8B-shaped model: disaggregated vs colocated, TTFT/TPOT
-#   bash scripts/gpu_suite.sh all       # both (longer than one device call allows on a cold machine)
+#   bash scripts/gpu_suite.sh [PART ...]   PARTs: tests transform transfer model (default: all four)
+#     tests     - the CUDA twins of the correctness tests (pytest -m gpu)
+#     transform - transform throughput vs a plain copy (Triton and torch), 10-1280 MB
+#     transfer  - `hawk bench transfer`, the five configurations, 10-1280 MB, prefill GPU0 -> decode GPU1
+#     model     - Llama-3.1-8B-shaped model: disaggregated vs colocated tokens, TTFT/TPOT
 # Wheels missing on the box (nixl, nixl_cu13, pyzmq for cp312) are carried in .whl/ (see docs/gpu.md).
 set -uo pipefail
-part=${1:-all}
+parts=" ${*:-tests transform transfer model} "
+want() { [[ "$parts" == *" $1 "* ]]; }
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -22,15 +25,16 @@ dec=1; [ "$ngpu" -lt 2 ] && dec=0  # one GPU: both roles on it (label the result
 
 step() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; local t0=$SECONDS; timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v "NIXL INFO"; echo "=== $name rc=${PIPESTATUS[0]} in $((SECONDS - t0))s"; }
 
-if [ "$part" = kernels ] || [ "$part" = all ]; then
+want tests && \
   step gpu_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_transform.py tests/test_transport.py tests/test_devices.py
+want transform && \
   step transform 200 python3 -m hawk.bench.transform --sizes-mb 10,80,320,1280 --dtypes bf16,bfp8_b --blocks contiguous,shuffled --json "$OUT/transform_h200.json"
+want transfer && \
   step transfer 330 python3 -m hawk.cli bench transfer --transport nixl --prefill-device cuda:0 --npu-device npu-emu:cuda:$dec \
     --gpu-decode-device cuda:$dec --sizes-mb 10,20,40,80,160,320,640,1280 --repeats 5 \
     --configs gg-host,gn-host,gg-direct,gn-direct-single,gn-hawk,gn-hawk@staging,gn-hawk@direct \
     --json "$OUT/transfer_h200x2.json" --plot "$OUT/transfer_h200x2.png"
-fi
-if [ "$part" = model ] || [ "$part" = all ]; then
+want model && \
   step model_8b 420 python3 -m hawk.bench.equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 \
     --decode-device npu-emu:cuda:$dec --configs gn-hawk,gg-direct --max-tokens 32 --kv-tokens 8192 --json "$OUT/e2e_8b_h200x2.json"
-fi
+exit 0

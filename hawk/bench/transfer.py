@@ -246,6 +246,7 @@ def run_transfer_bench(spec: BenchSpec, progress: Any = None) -> list[dict[str, 
                             "bytes_moved": last.bytes,
                             "mode": last.mode,
                             "ready_ms": statistics.median(p["ready_s"] for p in parts) * 1e3,
+                            "pair_ms": statistics.median(p["pair_s"] for p in parts) * 1e3,
                             "transfer_ms": statistics.median(p["transfer_s"] for p in parts) * 1e3,
                             "finish_ms": statistics.median(p["finish_s"] for p in parts) * 1e3,
                             "prefill_device": spec.prefill_device,
@@ -277,14 +278,14 @@ def print_table(records: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     t = Table(title="KV transfer latency (decode request -> KV in cache pool)")
-    for col in ("config", "size_mb", "median_ms", "p90_ms", "requests", "mode", "ready_ms", "transfer_ms", "finish_ms", "decode_device"):
-        t.add_column(col, justify="right" if col not in ("config", "mode", "decode_device") else "left")
+    for col in ("config", "size_mb", "median_ms", "p90_ms", "requests", "mode", "ready_ms", "pair_ms", "transfer_ms", "finish_ms"):
+        t.add_column(col, justify="right" if col not in ("config", "mode") else "left")
     for r in records:
         t.add_row(
             r["config"], str(r["size_mb"]), f"{r['median_ms']:.2f}", f"{r['p90_ms']:.2f}", str(r["requests"]), r["mode"],
-            f"{r['ready_ms']:.2f}", f"{r['transfer_ms']:.2f}", f"{r['finish_ms']:.2f}", r["decode_device"],
+            f"{r['ready_ms']:.2f}", f"{r['pair_ms']:.2f}", f"{r['transfer_ms']:.2f}", f"{r['finish_ms']:.2f}",
         )
-    Console().print(t)
+    Console(width=160).print(t)
 
 
 def plot(records: list[dict[str, Any]], path: str, title: str) -> None:

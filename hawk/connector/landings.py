@@ -25,7 +25,7 @@ from hawk.memory.reservations import RangeReservations, Reservation
 from hawk.plan.block_plan import BlockCopyPlan, plan_block_copy
 from hawk.plan.cost_model import CostModel
 from hawk.plan.kv_plan import KVTransferPlan, plan_kv_transfer
-from hawk.transform.reference import transform_reference
+from hawk.transform import transform
 from hawk.transport.base import Desc
 
 
@@ -130,7 +130,7 @@ class ChannelLanding(Landing):
 
     def finish(self, plan, held) -> None:
         if held.mode == "staging":
-            self.npu.copy(plan.staging_copies(self._addresses(held)))
+            self.npu.copy(plan.staging_copy_runs(self._addresses(held)))
         self.npu.synchronize()
 
     def release(self, held) -> None:
@@ -173,7 +173,7 @@ class SingleLanding(Landing):
         ]
 
     def finish(self, plan, held) -> None:
-        self.npu.copy(plan.single_copies(self.buffer.channel, self.buffer.address(held.reservations[0])))
+        self.npu.copy(plan.single_copy_runs(self.buffer.channel, self.buffer.address(held.reservations[0])))
         self.npu.synchronize()
 
     def release(self, held) -> None:
@@ -265,7 +265,7 @@ class HostToNpuLanding(_HostLanding):
 
     def finish(self, plan, held) -> None:
         dev = self.npu.torch_device
-        tiles = transform_reference(self._compact_on(held, plan, dev), plan.fixup)
+        tiles = transform(self._compact_on(held, plan, dev), plan.fixup)  # the NPU side's tilize
         fx = plan.fixup
         pb = fx.page_bytes
         pages = tiles.view(-1, pb)

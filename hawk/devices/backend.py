@@ -17,7 +17,7 @@ import torch
 
 from hawk.devices.dram_allocator import Allocation, BankUsage, DramAllocator
 from hawk.layouts.npu import NpuArch
-from hawk.plan.requests import Copy
+from hawk.plan.requests import Copy, Runs
 
 
 class NpuBackend(ABC):
@@ -52,7 +52,7 @@ class NpuBackend(ABC):
         """
 
     @abstractmethod
-    def copy(self, copies: Sequence[Copy]) -> None:
+    def copy(self, copies: Sequence[Copy] | Runs) -> None:
         """Run device-side copies (``src_region``/``dst_region`` are channels), as one batch where possible."""
 
     def synchronize(self) -> None:

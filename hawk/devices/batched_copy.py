@@ -12,32 +12,44 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from hawk.plan.requests import Copy
+from hawk.plan.requests import Copy, Runs
 
 _UNIT = 8  # copies move 8-byte words; offsets and lengths are multiples of the DRAM alignment (>= 32)
 _BLOCK = 4096  # words per program
 
 
-def _flat_offsets(copies: Sequence[Copy], stride: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    arr = np.array([(c.src_region, c.src_offset, c.dst_region, c.dst_offset, c.length) for c in copies], dtype=np.int64)
-    return arr[:, 0] * stride + arr[:, 1], arr[:, 2] * stride + arr[:, 3], arr[:, 4]
+def as_runs(copies: Sequence[Copy] | Runs) -> Runs:
+    if isinstance(copies, Runs):
+        return copies
+    arr = np.array([(c.src_region, c.src_offset, c.dst_region, c.dst_offset, c.length) for c in copies], dtype=np.int64).reshape(-1, 5)
+    return Runs(*(arr[:, i] for i in range(5)))
 
 
-def _check_inside(copies: Sequence[Copy], regions: int, region_bytes: int) -> None:
-    for c in copies:
-        for r, o in ((c.src_region, c.src_offset), (c.dst_region, c.dst_offset)):
-            if not 0 <= r < regions or o < 0 or c.length <= 0 or o + c.length > region_bytes:
-                raise ValueError(f"copy {c} reaches outside device memory ({regions} regions of {region_bytes} B)")
+def _flat_offsets(copies: Sequence[Copy] | Runs, stride: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    r = as_runs(copies)
+    return r.src_region * stride + r.src_offset, r.dst_region * stride + r.dst_offset, r.length
 
 
-def batched_copy(memory: torch.Tensor, copies: Sequence[Copy]) -> None:
+def _check_inside(r: Runs, regions: int, region_bytes: int) -> None:
+    for reg, off in ((r.src_region, r.src_offset), (r.dst_region, r.dst_offset)):
+        bad = (reg < 0) | (reg >= regions) | (off < 0) | (r.length <= 0) | (off + r.length > region_bytes)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(
+                f"copy ({int(r.src_region[i])}, {int(r.src_offset[i])}) -> ({int(r.dst_region[i])}, {int(r.dst_offset[i])}) "
+                f"of {int(r.length[i])} B reaches outside device memory ({regions} regions of {region_bytes} B)"
+            )
+
+
+def batched_copy(memory: torch.Tensor, copies: Sequence[Copy] | Runs) -> None:
     """Apply ``copies`` inside ``memory`` (uint8 ``[regions, region_bytes]``). Sources must not overlap targets."""
     if not copies:
         return
     if memory.dtype != torch.uint8 or memory.dim() != 2 or not memory.is_contiguous():
         raise ValueError("batched_copy needs contiguous uint8 memory shaped [regions, region_bytes]")
-    _check_inside(copies, memory.shape[0], memory.shape[1])
-    src, dst, lens = _flat_offsets(copies, memory.shape[1])
+    runs = as_runs(copies)
+    _check_inside(runs, memory.shape[0], memory.shape[1])
+    src, dst, lens = _flat_offsets(runs, memory.shape[1])
     flat = memory.view(-1)
     aligned = memory.shape[1] % _UNIT == 0 and not ((src | dst | lens) % _UNIT).any()
     if memory.is_cuda and aligned:

@@ -15,7 +15,7 @@ from hawk.devices.backend import NpuBackend
 from hawk.devices.batched_copy import batched_copy
 from hawk.devices.dram_allocator import DramAllocator
 from hawk.layouts.npu import NpuArch, get_arch
-from hawk.plan.requests import Copy
+from hawk.plan.requests import Copy, Runs
 
 #: Default bank size of an emulated device whose memory lives in host RAM (the real 1-4 GiB banks
 #: would not fit a CI machine); override with ``bank_capacity``.
@@ -67,7 +67,7 @@ class EmulatedNpu(NpuBackend):
         self._check_range(channel, address, data.numel())
         self._memory[channel, address : address + data.numel()].copy_(data.reshape(-1), non_blocking=True)
 
-    def copy(self, copies: Sequence[Copy]) -> None:
+    def copy(self, copies: Sequence[Copy] | Runs) -> None:
         batched_copy(self._memory, copies)
 
     def synchronize(self) -> None:

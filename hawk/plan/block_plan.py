@@ -35,31 +35,46 @@ class BlockCopyPlan:
     def total_bytes(self) -> int:
         return self.src.num_layers * 2 * self.num_blocks * self.src.block_bytes
 
-    def _pieces(self, block_ids: np.ndarray, layout: GpuKVLayout) -> tuple[np.ndarray, ...]:
-        """Per ``(layer, kv, j)``: layer, byte offset in that layer's cache, byte offset in the compact buffer."""
+    def _runs(self, *id_lists: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Runs of request blocks whose ids go up by one in every list: ``(first j, blocks)``."""
+        n = self.num_blocks
+        start = np.ones(n, dtype=bool)
+        if n > 1:
+            start[1:] = False
+            for ids in id_lists:
+                start[1:] |= ids[1:] != ids[:-1] + 1
+        first = np.flatnonzero(start)
+        return first, np.diff(np.append(first, n))
+
+    def _expand(self, first: np.ndarray, count: np.ndarray, ids: np.ndarray, layout: GpuKVLayout) -> tuple[np.ndarray, ...]:
+        """Per ``(layer, kv, run)``: layer, byte offset in that layer's cache, offset in the compact buffer, length."""
         nl, n, bb = layout.num_layers, self.num_blocks, layout.block_bytes
-        layer, kv, j = (a.ravel() for a in np.meshgrid(np.arange(nl), np.arange(2), np.arange(n), indexing="ij"))
-        cache_off = kv * layout.num_blocks * bb + block_ids[j] * bb
-        compact_off = ((layer * 2 + kv) * n + j) * bb
-        return layer, cache_off, compact_off
+        lk = np.arange(nl * 2, dtype=np.int64)[:, None]  # layer * 2 + kv
+        cache = (lk % 2) * layout.num_blocks * bb + ids[first][None, :] * bb
+        compact = (lk * n + first[None, :]) * bb
+        shape = (nl * 2, len(first))
+        return (np.broadcast_to(lk // 2, shape).ravel(), cache.ravel(), compact.ravel(), np.broadcast_to(count * bb, shape).ravel())
 
     def gather_copies(self) -> list[Copy]:
         """Cache (region = layer) -> compact buffer (region -1) runs."""
-        layer, off, comp = self._pieces(self.src_block_ids, self.src)
-        return [Copy(*r) for r in merge_runs(layer, off, np.full_like(layer, -1), comp, self.src.block_bytes)]
+        first, count = self._runs(self.src_block_ids)
+        layer, off, comp, length = self._expand(first, count, self.src_block_ids, self.src)
+        return [Copy(*r) for r in merge_runs(layer, off, -1, comp, length)]
 
     def scatter_copies(self, dst: GpuKVLayout, dst_block_ids: Sequence[int]) -> list[Copy]:
         """Compact buffer (region -1) -> destination cache (region = layer) runs."""
         ids = self._check_dst(dst, dst_block_ids)
-        layer, off, comp = self._pieces(ids, dst)
-        return [Copy(*r) for r in merge_runs(np.full_like(layer, -1), comp, layer, off, dst.block_bytes)]
+        first, count = self._runs(ids)
+        layer, off, comp, length = self._expand(first, count, ids, dst)
+        return [Copy(*r) for r in merge_runs(-1, comp, layer, off, length)]
 
     def direct_requests(self, dst: GpuKVLayout, dst_block_ids: Sequence[int]) -> list[Request]:
         """Source cache -> destination cache, region = layer on both sides, merged where contiguous."""
         ids = self._check_dst(dst, dst_block_ids)
-        layer, src_off, _ = self._pieces(self.src_block_ids, self.src)
-        _, dst_off, _ = self._pieces(ids, dst)
-        return [Request(*r) for r in merge_runs(layer, src_off, layer, dst_off, self.src.block_bytes)]
+        first, count = self._runs(self.src_block_ids, ids)
+        layer, src_off, _, length = self._expand(first, count, self.src_block_ids, self.src)
+        _, dst_off, _, _ = self._expand(first, count, ids, dst)
+        return [Request(*r) for r in merge_runs(layer, src_off, layer, dst_off, length)]
 
     def _check_dst(self, dst: GpuKVLayout, dst_block_ids: Sequence[int]) -> np.ndarray:
         s = self.src

@@ -26,7 +26,7 @@ import numpy as np
 from hawk.layouts.gpu import GpuKVLayout
 from hawk.layouts.npu import NpuKVLayout
 from hawk.layouts.tt import TILE
-from hawk.plan.requests import Copy, Request, merge_runs
+from hawk.plan.requests import Copy, Request, Runs, merge_runs
 
 #: Region number of the sender's send buffer in the requests a plan emits.
 SEND_BUFFER = 0
@@ -124,20 +124,50 @@ class KVTransferPlan:
         bases = np.asarray(self.dst_bases, dtype=np.int64)[:, None]
         return bases + self.addr[None, :]
 
-    def _tiles_in_send_order(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(send offset, channel, cache address)`` of all tiles, sorted by send offset."""
-        off = self.send_offsets().ravel()
-        chan = np.broadcast_to(self.channel[None, :], (self.num_tensors, self.num_pages)).ravel()
-        addr = self.cache_addresses().ravel()
-        order = np.argsort(off, kind="stable")
-        return off[order], chan[order], addr[order]
+    def _runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Runs of the request's pages that are consecutive in a bank: ``(bank, first rank, first slot, pages)``.
+
+        The same for every tensor, since all tensors share one page map: this is what keeps the
+        request lists cheap to build (runs x tensors entries, not pages x tensors).
+        """
+        cached = getattr(self, "_run_cache", None)
+        if cached is not None:
+            return cached
+        order = np.lexsort((self.rank, self.bank))  # bank-major, then rank (= slot order)
+        bank, rank = self.bank[order], self.rank[order]
+        slot = self.page[order] // self.dst.arch.num_banks
+        contiguous = self.dst.tensor_buffer(0).aligned_page == self.page_bytes
+        start = np.ones(len(order), dtype=bool)
+        if contiguous and len(order):
+            start[1:] = (bank[1:] != bank[:-1]) | (slot[1:] != slot[:-1] + 1)
+        first = np.flatnonzero(start)
+        pages = np.diff(np.append(first, len(order)))
+        out = (bank[first], rank[first], slot[first], pages)
+        self._run_cache = out
+        return out
+
+    def _pieces(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Every (run, tensor) in send-buffer order: ``(send offset, channel, cache address, length)``."""
+        bank, rank, slot, pages = self._runs()
+        pb, nt = self.page_bytes, self.num_tensors
+        t = np.arange(nt, dtype=np.int64)
+        k = self.bank_pages[bank]
+        send = self.bank_offset[bank][:, None] + (t[None, :] * k[:, None] + rank[:, None]) * pb  # [runs, 2L]
+        arch = self.dst.arch
+        boff = np.array([b.offset for b in arch.banks], dtype=np.int64)[bank]
+        chan = np.array([b.channel for b in arch.banks], dtype=np.int64)[bank]
+        ap = self.dst.tensor_buffer(0).aligned_page
+        addr = boff[:, None] + np.asarray(self.dst_bases, dtype=np.int64)[None, :] + (slot * ap)[:, None]
+        length = np.broadcast_to((pages * pb)[:, None], send.shape)
+        order = np.argsort(send.ravel(), kind="stable")
+        return send.ravel()[order], np.repeat(chan, nt)[order], addr.ravel()[order], length.ravel()[order]
 
     # -- the three modes --------------------------------------------------------------------
 
     def direct_requests(self) -> list[Request]:
         """Requests straight into the cache pages, one per run contiguous on both sides."""
-        off, chan, addr = self._tiles_in_send_order()
-        runs = merge_runs(np.zeros_like(chan), off, chan, addr, self.page_bytes)
+        off, chan, addr, length = self._pieces()
+        runs = merge_runs(np.zeros_like(chan), off, chan, addr, length)
         return [Request(*r) for r in runs]
 
     def staging_requests(self, channel_dst: Mapping[int, int]) -> list[Request]:
@@ -147,14 +177,16 @@ class KVTransferPlan:
 
     def staging_copies(self, channel_dst: Mapping[int, int]) -> list[Copy]:
         """Intra-channel copies from each per-channel buffer into the cache pages."""
+        return [Copy(*r) for r in self.staging_copy_runs(channel_dst)]
+
+    def staging_copy_runs(self, channel_dst: Mapping[int, int]) -> Runs:
+        """:meth:`staging_copies` as arrays (what the device copy consumes)."""
         self._check_channel_dst(channel_dst)
-        off, chan, addr = self._tiles_in_send_order()
+        off, chan, addr, length = self._pieces()
         shift = np.zeros(int(chan.max()) + 1, dtype=np.int64)
         for c, o, _ in self.channel_extents:
             shift[c] = channel_dst[c] - o  # send-buffer offset -> per-channel buffer address
-        src = shift[chan] + off
-        runs = merge_runs(chan, src, chan, addr, self.page_bytes)
-        return [Copy(*r) for r in runs]
+        return merge_runs(chan, shift[chan] + off, chan, addr, length)
 
     def single_requests(self, channel: int, address: int) -> list[Request]:
         """The whole send buffer as one request into one contiguous buffer (gn-direct-single)."""
@@ -162,9 +194,11 @@ class KVTransferPlan:
 
     def single_copies(self, channel: int, address: int) -> list[Copy]:
         """Copies out of the single buffer into pages of every channel (mostly cross-channel)."""
-        off, chan, addr = self._tiles_in_send_order()
-        runs = merge_runs(np.full_like(chan, channel), address + off, chan, addr, self.page_bytes)
-        return [Copy(*r) for r in runs]
+        return [Copy(*r) for r in self.single_copy_runs(channel, address)]
+
+    def single_copy_runs(self, channel: int, address: int) -> Runs:
+        off, chan, addr, length = self._pieces()
+        return merge_runs(channel, address + off, chan, addr, length)
 
     def channel_bytes(self) -> dict[int, int]:
         return {c: n for c, _, n in self.channel_extents}

@@ -1,0 +1,65 @@
+"""The colocated reference behind the same HTTP API: one process, prefill and decode, no transfer.
+
+It answers both /internal/prefill and /internal/decode, so the router treats its URL as a prefill
+instance and as a decode instance at once. The "KV handle" is the request id: the decode side takes
+over the prefill's paged blocks as they are. This is the correctness oracle served end to end.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+
+from hawk.engine.instances import ColocatedInstance
+from hawk.serve.decode_server import DecodeRequest, DecodeService, decode_routes
+from hawk.serve.instance_app import build_instance_app
+from hawk.serve.prefill_server import PrefillService, prefill_routes
+
+COLOCATED_ADDRESS = "colocated"
+
+
+def _discard(instance: ColocatedInstance, request_id: str) -> bool:
+    """Free the blocks of a prefilled request nobody will decode.
+
+    ColocatedInstance has no public discard yet; this reaches its hand-over table directly.
+    """
+    blocks = instance._handed.pop(request_id, None)  # noqa: SLF001
+    if blocks is None:
+        return False
+    instance.blocks.free(blocks)
+    return True
+
+
+def create_colocated_app(instance: ColocatedInstance, close_on_shutdown: bool = True) -> FastAPI:
+    cfg, mc = instance.cfg, instance.loaded.config
+    prefill = PrefillService(instance.prefill, lambda rid: _discard(instance, rid), COLOCATED_ADDRESS, mc.vocab_size)
+
+    def handle_for(req: DecodeRequest) -> list[int]:
+        return instance.take_blocks(req.kv.request_id)
+
+    def give_back(_: DecodeRequest, blocks: Any) -> None:
+        instance.blocks.free(blocks)
+
+    decode = DecodeService(instance.decode, handle_for, give_back)
+    info = {
+        "role": "colocated",
+        "model": instance.loaded.name,
+        "transfer": "colocated",
+        "transport": None,
+        "device": cfg.prefill_device,
+        "device_label": f"{cfg.prefill_device} (colocated reference, no KV transfer)",
+        "kv_address": COLOCATED_ADDRESS,
+        "max_prompt_tokens": instance.prefill.max_prompt_tokens,
+        "max_model_len": min(mc.max_position_embeddings, instance.decode.max_len),
+        "max_kv_tokens": instance.blocks.num_blocks * instance.blocks.block_size,
+        "vocab_size": mc.vocab_size,
+    }
+
+    def accounting() -> dict[str, Any]:
+        return {**instance.accounting(), **{f"engine_{k}": v for k, v in instance.decode.stats().items()}, **prefill.aborts, **decode.aborts}
+
+    return build_instance_app(
+        "colocated", [prefill_routes(prefill), decode_routes(decode)], info, accounting, instance.loaded.tokenizer,
+        instance.close if close_on_shutdown else None,
+    )

@@ -1,0 +1,184 @@
+"""What every HAWK HTTP server shares: OpenAI-shaped errors, sockets, and running uvicorn.
+
+Servers bind their own socket (port 0 picks a free one) and hand it to uvicorn, so a launcher
+learns the real port without racing another process for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hawk.serve.protocol import OpenAIError, error_body
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+
+
+# ============================================================================ errors
+
+
+def _field(loc: Sequence[Any]) -> str:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts)
+
+
+def validation_message(errors: Sequence[dict[str, Any]]) -> tuple[str, str | None]:
+    """One readable sentence for FastAPI's validation errors, and the offending parameter.
+
+    Union-typed fields (``prompt``) fail once per alternative; those are folded into one message
+    per field so the client reads "prompt: ..." once, not four near-identical lines.
+    """
+    by_field: dict[str, list[dict[str, Any]]] = {}
+    for e in errors:
+        if e.get("type") == "json_invalid":
+            detail = (e.get("ctx") or {}).get("error", "")
+            return f"Invalid JSON in request body: {detail}".rstrip(": "), None
+        loc = list(e.get("loc", ()))
+        top = _field(loc[:2]) if loc and loc[0] == "body" else _field(loc[:1])
+        by_field.setdefault(top, []).append(e)
+    parts, first = [], None
+    for top, errs in by_field.items():
+        first = first or top or None
+        e = errs[0]
+        kind, msg = e.get("type", ""), str(e.get("msg", "invalid value"))
+        msg = msg.removeprefix("Value error, ")
+        if kind == "value_error":  # our own validators write whole sentences
+            parts.append(msg if not top or top in msg else f"'{top}': {msg}")
+        elif not top:  # the body itself
+            parts.append("the request body is missing: send a JSON object" if kind == "missing" else f"the request body must be a JSON object ({msg})")
+        elif kind == "missing":
+            parts.append(f"missing required field '{_field(e.get('loc', ()))}'")
+        elif len(errs) > 1 and any(len(x.get("loc", ())) > 2 for x in errs):  # one per union branch
+            parts.append(f"'{top}' has an invalid type or value (got {_short(e.get('input'))})")
+        else:
+            parts.append(f"'{_field(e.get('loc', ()))}': {msg} (got {_short(e.get('input'))})")
+    return "; ".join(parts) or "invalid request", first
+
+
+def _short(v: Any) -> str:
+    s = repr(v)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as OpenAI's ``{"error": {...}}``; bad input is a 400, never a 422 or a 500."""
+
+    @app.exception_handler(OpenAIError)
+    async def _openai(_: Request, exc: OpenAIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(exc.errors())
+        return JSONResponse(error_body(message, "invalid_request_error", None, param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        msg = str(exc.detail)
+        if exc.status_code == 404 and msg == "Not Found":
+            msg = f"no route {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            msg = f"method {request.method} is not allowed on {request.url.path}"
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(msg, kind), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _crash(_: Request, exc: Exception) -> JSONResponse:  # keep serving; say what broke
+        log.exception("unhandled error")
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), status_code=500)
+
+
+# ============================================================================ sockets and servers
+
+
+def bind_socket(host: str = LOOPBACK, port: int = 0) -> socket.socket:
+    """A listening TCP socket; port 0 lets the OS choose (read it back with ``getsockname``)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    host = LOOPBACK if host in ("0.0.0.0", "") else host
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def make_server(app: FastAPI, log_level: str = "warning") -> uvicorn.Server:
+    config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5)
+    return uvicorn.Server(config)
+
+
+def serve_foreground(app: FastAPI, sock: socket.socket, log_level: str = "warning") -> None:
+    """Run ``app`` on ``sock`` in this (main) thread until SIGINT/SIGTERM; uvicorn then runs the
+    app's shutdown (which closes the engine instance and releases its buffers)."""
+    make_server(app, log_level).run(sockets=[sock])
+
+
+class ThreadedServer:
+    """uvicorn in a background thread: for tests, the demo, and a router beside its children."""
+
+    def __init__(self, app: FastAPI, host: str = LOOPBACK, port: int = 0, log_level: str = "warning"):
+        self.sock = bind_socket(host, port)
+        self.url = url_of(self.sock)
+        self.server = make_server(app, log_level)
+        self.thread = threading.Thread(target=self._run, name="hawk-http", daemon=True)
+        self._error: BaseException | None = None
+
+    def _run(self) -> None:
+        try:
+            self.server.run(sockets=[self.sock])
+        except BaseException as e:  # noqa: BLE001 - reported by start()
+            self._error = e
+
+    def start(self, timeout_s: float = 60.0) -> ThreadedServer:
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"server at {self.url} did not start: {self._error or 'timeout'}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        self.server.should_exit = True
+        if self.thread.is_alive():
+            self.thread.join(timeout_s)
+        self.sock.close()
+
+    def __enter__(self) -> ThreadedServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def set_torch_threads(threads: int | None) -> None:
+    """Engines on one box share its cores: without a cap, each torch process spawns one thread per
+    core and they thrash each other."""
+    if threads is None:
+        return
+    import torch
+
+    torch.set_num_threads(max(1, int(threads)))

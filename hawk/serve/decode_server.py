@@ -1,0 +1,175 @@
+"""The decode instance over HTTP (the "NPU" role of vLLM's proxy pattern).
+
+POST /internal/decode hands a prefilled request (first token + KV handle) to the decode engine and
+streams its token events back as NDJSON, one JSON object per line. The engine pulls the KV over HAWK
+before the first event, so the first line arrives once the KV has landed and carries the transfer's
+time and bytes.
+
+If the reader goes away mid-stream (the router's client disconnected, or the router hit a stop
+string), the request is aborted in the engine so its NPU KV blocks and receive reservations are
+freed, wherever it was: queued for memory, transferring, or generating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter, FastAPI
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, Field
+from starlette.background import BackgroundTask
+
+from hawk.engine.decode_engine import DecodeEngine, KVHandle, TokenEvent
+from hawk.engine.instances import DecodeInstance
+from hawk.engine.sequence import SamplingParams
+from hawk.serve.instance_app import build_instance_app
+from hawk.serve.protocol import OpenAIError
+
+log = logging.getLogger(__name__)
+
+NDJSON = "application/x-ndjson"
+
+
+class KVRef(BaseModel):
+    address: str
+    request_id: str
+
+
+class DecodeRequest(BaseModel):
+    request_id: str = Field(min_length=1, max_length=256)
+    prompt_len: int = Field(ge=1)
+    first_token: int = Field(ge=0)
+    params: dict[str, Any] = Field(default_factory=dict)
+    kv: KVRef
+
+
+#: Turns the KV reference of a request into what ``DecodeEngine.submit`` takes as its handle, and
+#: gives it back if the submit is refused (colocated mode holds real blocks behind the handle).
+HandleFor = Callable[[DecodeRequest], Any]
+GiveBack = Callable[[DecodeRequest, Any], None]
+
+
+def remote_handle(req: DecodeRequest) -> KVHandle:
+    return KVHandle(req.kv.address, req.kv.request_id)
+
+
+def event_json(ev: TokenEvent) -> dict[str, Any]:
+    d: dict[str, Any] = {"token": ev.token, "finish_reason": ev.finish_reason}
+    if ev.error:
+        d["error"] = ev.error
+    if ev.info:
+        d["info"] = ev.info
+    return d
+
+
+class DecodeService:
+    def __init__(self, engine: DecodeEngine, handle_for: HandleFor = remote_handle, give_back: GiveBack | None = None):
+        self.engine, self.handle_for, self.give_back = engine, handle_for, give_back
+        self.aborts = {"aborted_on_disconnect": 0}
+
+    def start(self, req: DecodeRequest) -> StreamingResponse:
+        try:
+            params = SamplingParams.from_dict(req.params)
+        except (ValueError, TypeError) as e:
+            raise OpenAIError(400, f"params: {e}") from None
+        try:
+            handle = self.handle_for(req)
+        except (KeyError, ValueError) as e:
+            raise OpenAIError(400, f"no KV for request {req.kv.request_id!r}: {e}") from None
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+
+        def on_event(ev: TokenEvent) -> None:  # engine thread -> event loop
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, ev)
+            except RuntimeError:  # the loop is gone (server shutting down)
+                pass
+
+        rid = req.request_id
+        try:
+            self.engine.submit(rid, req.prompt_len, req.first_token, params, handle, on_event)
+        except ValueError as e:
+            if self.give_back is not None:
+                self.give_back(req, handle)
+            raise OpenAIError(400, str(e), code="context_length_exceeded" if "exceeds" in str(e) else None) from None
+        state = {"finished": False}
+
+        async def lines() -> AsyncIterator[bytes]:
+            try:
+                while True:
+                    ev = await queue.get()
+                    if ev.finish_reason is not None:
+                        state["finished"] = True
+                    yield (json.dumps(event_json(ev)) + "\n").encode()
+                    if state["finished"]:
+                        return
+            finally:  # cancelled because the reader disconnected: stop the request
+                self._abort_unfinished(rid, state)
+
+        # The background task runs even when the stream was never started (a reader gone early).
+        return StreamingResponse(lines(), media_type=NDJSON, background=BackgroundTask(self._abort_unfinished, rid, state))
+
+    def _abort_unfinished(self, rid: str, state: dict[str, bool]) -> None:
+        if not state["finished"]:
+            state["finished"] = True
+            if self.engine.abort(rid):
+                self.aborts["aborted_on_disconnect"] += 1
+                log.info("decode %s aborted: its reader went away", rid)
+
+
+def decode_routes(svc: DecodeService) -> APIRouter:
+    r = APIRouter()
+
+    @r.post("/internal/decode")
+    async def decode(req: DecodeRequest) -> StreamingResponse:
+        return svc.start(req)
+
+    @r.post("/internal/decode_abort")
+    async def abort(body: dict[str, str]) -> dict[str, Any]:
+        rid = str(body.get("request_id", ""))
+        return {"request_id": rid, "aborted": svc.engine.abort(rid)}
+
+    return r
+
+
+def device_label(decode_device: str, arch: str) -> str:
+    """How the decode device is named to users: an emulated NPU says so."""
+    if decode_device.startswith("npu-emu"):
+        where = decode_device.partition(":")[2] or "cpu"
+        return f"emulated {arch} NPU (memory on {where})"
+    return decode_device
+
+
+def create_decode_app(instance: DecodeInstance, close_on_shutdown: bool = True) -> FastAPI:
+    """The HTTP face of a :class:`DecodeInstance`."""
+    cfg, mc = instance.cfg, instance.loaded.config
+    blocks = instance.blocks
+    on_npu = instance.npu is not None
+    info = {
+        "role": "decode",
+        "model": instance.loaded.name,
+        "transfer": cfg.transfer,
+        "transport": cfg.transport,
+        "device": cfg.decode_device,
+        "device_label": device_label(cfg.decode_device, cfg.arch) if on_npu else cfg.decode_compute_device,
+        "arch": cfg.arch if on_npu else None,
+        "kv_dtype": cfg.kv_dtype if on_npu else cfg.gpu_kv_dtype,
+        "emulated_npu": on_npu,
+        "max_model_len": instance.engine.max_len,
+        "max_kv_tokens": blocks.num_blocks * blocks.block_size,
+        "vocab_size": mc.vocab_size,
+    }
+
+    svc = DecodeService(instance.engine)
+
+    def accounting() -> dict[str, Any]:
+        return {**instance.accounting(), **{f"engine_{k}": v for k, v in instance.engine.stats().items()}, **svc.aborts}
+
+    return build_instance_app(
+        "decode", [decode_routes(svc)], info, accounting, instance.loaded.tokenizer,
+        instance.close if close_on_shutdown else None,
+    )

@@ -1,0 +1,142 @@
+"""``hawk demo``: the whole system on this machine, a few requests, what each one cost, shut down.
+
+It starts a prefill instance (the "GPU" role, here on the CPU) and a decode instance (an emulated
+Tenstorrent Blackhole p150a NPU whose KV cache lives in tiled, per-DRAM-channel layout), moves each
+request's KV between them with HAWK over NIXL on loopback, and talks to the router exactly as any
+OpenAI client would. Greedy sampling, so the answers are repeatable.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+from rich.console import Console
+
+from hawk.serve.launcher import instance_config, start_system
+
+DEMO_REQUESTS: list[dict[str, Any]] = [
+    {
+        "title": "streamed completion",
+        "path": "/v1/completions",
+        "body": {"prompt": "The three primary colors are", "max_tokens": 32, "stream": True},
+    },
+    {
+        "title": "chat completion",
+        "path": "/v1/chat/completions",
+        "body": {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32},
+    },
+    {
+        "title": "streamed chat",
+        "path": "/v1/chat/completions",
+        "body": {"messages": [{"role": "user", "content": "Give me one tip for writing fast code."}], "max_tokens": 48, "stream": True},
+    },
+]
+
+
+def _sse(resp: httpx.Response) -> Iterator[dict[str, Any]]:
+    for line in resp.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
+def _text_of(chunk: dict[str, Any]) -> str:
+    if not chunk.get("choices"):
+        return ""
+    c = chunk["choices"][0]
+    return c.get("text") or (c.get("delta") or {}).get("content") or ""
+
+
+def run_request(client: httpx.Client, req: dict[str, Any], console: Console) -> dict[str, Any]:
+    """Send one demo request, printing its text as it arrives; returns the ``hawk`` timings."""
+    body = {"temperature": 0, **req["body"]}
+    console.print(f"\n[bold cyan]▶ {req['title']}[/]  [dim]POST {req['path']}[/]")
+    shown = body.get("prompt") or body["messages"][-1]["content"]
+    console.print(f"[dim]prompt:[/] {shown}")
+    console.print("[dim]answer:[/] ", end="")
+    if body.get("stream"):
+        hawk: dict[str, Any] = {}
+        with client.stream("POST", req["path"], json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                raise RuntimeError(f"{req['path']} answered {r.status_code}: {r.text}")
+            for chunk in _sse(r):
+                if "error" in chunk:
+                    raise RuntimeError(chunk["error"]["message"])
+                console.print(_text_of(chunk), end="", markup=False, highlight=False, soft_wrap=True)
+                hawk = chunk.get("hawk") or hawk
+        console.print()
+        return hawk
+    r = client.post(req["path"], json=body)
+    if r.status_code != 200:
+        raise RuntimeError(f"{req['path']} answered {r.status_code}: {r.text}")
+    out = r.json()
+    c = out["choices"][0]
+    console.print(c.get("text") or c["message"]["content"], markup=False, highlight=False, soft_wrap=True)
+    return out["hawk"]
+
+
+def timing_line(h: dict[str, Any]) -> str:
+    ms = lambda s: "n/a" if s is None else f"{s * 1e3:.1f} ms"  # noqa: E731
+    kv = "no transfer (colocated)" if h.get("kv_mode") == "colocated" else (
+        f"{(h.get('kv_bytes') or 0) / 1e6:.2f} MB in {ms(h.get('kv_transfer_s'))} "
+        f"({h.get('kv_requests')} transfer requests, {h.get('kv_mode')})"
+    )
+    return (
+        f"TTFT {ms(h.get('ttft_s'))} · TPOT {ms(h.get('tpot_s'))} · "
+        f"{h.get('prompt_tokens')} prompt + {h.get('completion_tokens')} generated tokens · KV {kv}"
+    )
+
+
+def demo(
+    model: str = "smollm2-135m",
+    transfer: str = "gn-hawk",
+    transport: str = "nixl",
+    prefill_device: str = "cpu",
+    decode_device: str = "npu-emu:cpu",
+    arch: str = "blackhole-p150a",
+    kv_dtype: str = "bf16",
+    threads: int | None = None,
+    kv_tokens: int = 4096,
+) -> list[dict[str, Any]]:
+    """Start HAWK, send the demo requests, print answers and per-request timings, shut down.
+
+    Returns each request's ``hawk`` timings (TTFT, TPOT, KV-transfer time and bytes). The defaults
+    are the embedded model on this machine: CPU prefill, emulated Blackhole p150a decode, bf16 KV,
+    NIXL over loopback. ``kv_tokens`` sizes each instance's KV cache (smaller starts faster).
+    """
+    console = Console(highlight=False)
+    t0 = time.monotonic()
+    cfg = instance_config(
+        model=model, transfer=transfer, transport=transport, prefill_device=prefill_device,
+        decode_device=decode_device, arch=arch, kv_dtype=kv_dtype, kv_tokens=kv_tokens, staging_mb=32, rx_mb=32,
+    )
+    npu = f"emulated {arch} NPU" if decode_device.startswith("npu-emu") else decode_device
+    console.print(
+        f"[bold]HAWK demo[/]: {model} · prefill on {prefill_device} (GPU role) · decode on {npu} · "
+        f"{kv_dtype} KV · {transfer} over {transport}"
+    )
+    logs = tempfile.mkdtemp(prefix="hawk-demo-logs-")
+    console.print(f"[dim]starting prefill and decode processes (logs in {logs}) ...[/]")
+    results = []
+    with start_system(cfg, threads=threads, log_dir=logs, default_temperature=0.0) as system:
+        console.print(
+            f"[dim]up in {time.monotonic() - t0:.1f} s: router {system.url}, prefill {system.cluster.prefill_urls[0]}, "
+            f"decode {system.cluster.decode_urls[0]}[/]"
+        )
+        with httpx.Client(base_url=system.url, timeout=120.0, trust_env=False) as client:
+            for req in DEMO_REQUESTS:
+                h = run_request(client, req, console)
+                console.print(f"[green]  {timing_line(h)}[/]")
+                results.append(h)
+        console.print("[dim]shutting down (children stop, buffers released) ...[/]")
+    console.print(f"[bold]done in {time.monotonic() - t0:.1f} s[/]  (the NPU is emulated: its timings are not real Tenstorrent numbers)")
+    return results
+
+
+if __name__ == "__main__":
+    demo()

@@ -1,0 +1,497 @@
+"""One command for the whole system, or one part of it per host.
+
+``serve(role="all")`` starts each engine instance (prefill, decode, or one colocated engine) as a
+child process running ``python -m hawk.serve.launcher --child ...``, waits until each answers
+/health, then runs the router in the foreground. Ctrl-C or SIGTERM stops the router, then the
+children (each closes its instance, which releases its registered buffers), then returns.
+
+Children bind their own port (0 = any free one) and report it through a small "ready file", so
+nothing races for ports. Each child watches its parent and shuts down if the parent disappears,
+so a killed launcher leaves no orphans holding memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from hawk.serve.common import LOOPBACK, ThreadedServer, bind_socket, serve_foreground, set_torch_threads, url_of
+
+log = logging.getLogger("hawk.serve")
+
+ROLES = ("all", "router", "prefill", "decode", "colocated")
+ENGINE_ROLES = ("prefill", "decode", "colocated")
+
+
+# ============================================================================ one instance (a child)
+
+
+def build_instance(role: str, cfg: Any) -> Any:
+    """Load the model and assemble the instance for ``role`` (this is where the seconds go)."""
+    from hawk.engine.instances import ColocatedInstance, DecodeInstance, PrefillInstance
+
+    if role == "prefill":
+        return PrefillInstance(cfg)
+    if role == "decode":
+        return DecodeInstance(cfg)
+    if role == "colocated":
+        return ColocatedInstance(cfg)
+    raise ValueError(f"not an engine role: {role!r} (expected one of {ENGINE_ROLES})")
+
+
+def instance_app(role: str, instance: Any, close_on_shutdown: bool = True) -> Any:
+    """The FastAPI app for an instance of ``role``."""
+    if role == "prefill":
+        from hawk.serve.prefill_server import create_prefill_app
+
+        return create_prefill_app(instance, close_on_shutdown)
+    if role == "decode":
+        from hawk.serve.decode_server import create_decode_app
+
+        return create_decode_app(instance, close_on_shutdown)
+    from hawk.serve.colocated_server import create_colocated_app
+
+    return create_colocated_app(instance, close_on_shutdown)
+
+
+def run_instance(
+    role: str,
+    cfg: Any,
+    host: str = LOOPBACK,
+    port: int = 0,
+    threads: int | None = None,
+    ready_file: str | None = None,
+    parent_pid: int | None = None,
+    log_level: str = "warning",
+) -> None:
+    """Serve one engine instance in the foreground until SIGINT/SIGTERM (or the parent's death)."""
+    set_torch_threads(threads)
+    sock = bind_socket(host, port)  # before loading: a busy port fails in a second, not after the model
+    instance = build_instance(role, cfg)
+    try:
+        app = instance_app(role, instance)
+    except BaseException:
+        instance.close()
+        raise
+    url = url_of(sock)
+    if parent_pid is not None:
+        _watch_parent(parent_pid)
+    if ready_file:
+        tmp = f"{ready_file}.tmp"
+        Path(tmp).write_text(json.dumps({"url": url, "pid": os.getpid(), "role": role}))
+        os.replace(tmp, ready_file)
+    else:
+        print(f"HAWK {role} instance on {url} ({cfg.model}, {cfg.transfer})", flush=True)
+    serve_foreground(app, sock, log_level)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent_pid:
+                log.warning("launcher %d is gone: shutting down", parent_pid)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    threading.Thread(target=watch, name="hawk-parent-watch", daemon=True).start()
+
+
+# ============================================================================ children (the cluster)
+
+
+@dataclass
+class Child:
+    role: str
+    proc: subprocess.Popen
+    ready_file: Path
+    log_path: Path | None
+    url: str = ""
+
+
+@dataclass
+class Cluster:
+    """Engine child processes, started and healthy; ``close`` stops them."""
+
+    children: list[Child] = field(default_factory=list)
+
+    @property
+    def prefill_urls(self) -> list[str]:
+        return [c.url for c in self.children if c.role in ("prefill", "colocated")]
+
+    @property
+    def decode_urls(self) -> list[str]:
+        return [c.url for c in self.children if c.role in ("decode", "colocated")]
+
+    def close(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM each child (graceful: it closes its instance), then SIGKILL any that hang."""
+        for c in self.children:
+            if c.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for c in self.children:
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s child %d did not stop; killing it", c.role, c.proc.pid)
+                c.proc.kill()
+                c.proc.wait(5)
+            c.ready_file.unlink(missing_ok=True)
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _spawn(role: str, cfg: Any, host: str, threads: int | None, workdir: Path, index: int, log_dir: Path | None, log_level: str) -> Child:
+    ready = workdir / f"{role}-{index}.json"
+    spec = {
+        "role": role, "config": dataclasses.asdict(cfg), "host": host, "port": 0, "threads": threads,
+        "ready_file": str(ready), "parent_pid": os.getpid(), "log_level": log_level,
+    }
+    env = dict(os.environ)
+    if threads is not None:  # OpenMP reads this at import, before torch.set_num_threads runs
+        env["OMP_NUM_THREADS"] = str(threads)
+    out = None
+    log_path = None
+    if log_dir is not None:
+        log_path = log_dir / f"{role}-{index}.log"
+        out = open(log_path, "ab")  # noqa: SIM115 - the child owns it; closed below after Popen
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hawk.serve.launcher", "--child", json.dumps(spec)],
+            env=env, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True,
+        )
+    finally:
+        if out is not None:
+            out.close()
+    return Child(role, proc, ready, log_path)
+
+
+def _log_tail(path: Path | None, n: int = 30) -> str:
+    if path is None or not path.exists():
+        return ""
+    lines = path.read_text(errors="replace").splitlines()[-n:]
+    return "\n" + "\n".join(f"    {ln}" for ln in lines)
+
+
+def _wait_ready(c: Child, deadline: float) -> None:
+    while True:
+        code = c.proc.poll()
+        if code is not None:
+            raise RuntimeError(f"{c.role} instance exited with code {code} while starting{_log_tail(c.log_path)}")
+        if not c.url and c.ready_file.exists():
+            c.url = json.loads(c.ready_file.read_text())["url"]
+        if c.url:
+            try:
+                if httpx.get(f"{c.url}/health", timeout=2.0, trust_env=False).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{c.role} instance did not become healthy in time{_log_tail(c.log_path)}")
+        time.sleep(0.1)
+
+
+def start_cluster(
+    cfg: Any,
+    num_prefill: int = 1,
+    num_decode: int = 1,
+    threads: int | None = None,
+    host: str = LOOPBACK,
+    log_dir: str | Path | None = None,
+    startup_timeout_s: float = 300.0,
+    log_level: str = "warning",
+) -> Cluster:
+    """Start the engine processes for ``cfg`` (one colocated engine when ``cfg.transfer`` is
+    "colocated") and wait until all are healthy. ``threads`` defaults to an even share of the
+    cores per process."""
+    roles = ["colocated"] if cfg.transfer == "colocated" else ["prefill"] * num_prefill + ["decode"] * num_decode
+    if threads is None:
+        threads = max(1, (os.cpu_count() or 1) // len(roles))
+    workdir = Path(tempfile.mkdtemp(prefix="hawk-serve-"))
+    logs = Path(log_dir) if log_dir is not None else None
+    if logs is not None:
+        logs.mkdir(parents=True, exist_ok=True)
+    cluster = Cluster()
+    counts: dict[str, int] = {}
+    try:
+        for role in roles:
+            counts[role] = counts.get(role, 0) + 1
+            cluster.children.append(_spawn(role, cfg, host, threads, workdir, counts[role] - 1, logs, log_level))
+        deadline = time.monotonic() + startup_timeout_s
+        for c in cluster.children:
+            _wait_ready(c, deadline)
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster
+
+
+# ============================================================================ serve
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM behaves like Ctrl-C, so cleanup in ``finally`` blocks runs (uvicorn re-raises the
+    signal it shut down on; the default SIGTERM action would kill us before the children stop)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _advertised_host(host: str) -> str:
+    """The address peers should use to reach a server bound on ``host``."""
+    if host in ("0.0.0.0", "::", ""):
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return LOOPBACK
+    return host
+
+
+def instance_config(
+    model: str = "smollm2-135m",
+    transfer: str = "gn-hawk",
+    transport: str = "nixl",
+    prefill_device: str = "cpu",
+    decode_device: str = "npu-emu:cpu",
+    arch: str = "blackhole-p150a",
+    kv_dtype: str = "bf16",
+    dtype: str = "fp32",
+    kv_tokens: int = 8192,
+    staging_mb: int = 64,
+    rx_mb: int = 64,
+    landing_mode: str = "auto",
+    post: str = "pull",
+    kv_host: str = LOOPBACK,
+    seed: int = 0,
+) -> Any:
+    """An ``InstanceConfig`` from the launcher's options (validated early, before any process starts)."""
+    from hawk.connector.configs import get_config
+    from hawk.engine.instances import InstanceConfig
+
+    if transfer != "colocated":
+        get_config(transfer)  # ValueError with the known names
+    cfg = InstanceConfig(
+        model=model, dtype=dtype, transfer=transfer, transport=transport, prefill_device=prefill_device,
+        decode_device=decode_device, arch=arch, kv_dtype=kv_dtype, kv_tokens=kv_tokens, staging_mb=staging_mb,
+        rx_mb=rx_mb, landing_mode=landing_mode, post=post, host=kv_host, seed=seed,
+    )
+    cfg.torch_dtype  # noqa: B018 - raises for an unknown compute dtype
+    return cfg
+
+
+def serve(
+    host: str = LOOPBACK,
+    port: int = 8000,
+    role: str = "all",
+    model: str = "smollm2-135m",
+    transfer: str = "gn-hawk",
+    transport: str = "nixl",
+    prefill_device: str = "cpu",
+    decode_device: str = "npu-emu:cpu",
+    arch: str = "blackhole-p150a",
+    kv_dtype: str = "bf16",
+    prefill_urls: list[str] | None = None,
+    decode_urls: list[str] | None = None,
+    num_prefill: int = 1,
+    num_decode: int = 1,
+    threads: int | None = None,
+    dtype: str = "fp32",
+    kv_tokens: int = 8192,
+    staging_mb: int = 64,
+    rx_mb: int = 64,
+    landing_mode: str = "auto",
+    post: str = "pull",
+    kv_host: str | None = None,
+    seed: int = 0,
+    default_temperature: float = 1.0,
+    log_dir: str | None = None,
+    log_level: str = "warning",
+    startup_timeout_s: float = 300.0,
+) -> None:
+    """Run HAWK (or one part of it) in the foreground until Ctrl-C / SIGTERM.
+
+    role:
+      "all"        router on host:port + engine children on free loopback ports (prefill and decode,
+                   or one colocated engine when transfer="colocated").
+      "router"     only the router, in front of ``prefill_urls`` and ``decode_urls``.
+      "prefill" / "decode" / "colocated"
+                   one engine instance on host:port, for a router elsewhere.
+    model: "smollm2-135m" (embedded default), a preset (tiny, llama-3.1-8b, ...), a .gguf file or an
+      HF checkpoint directory.  transfer: gn-hawk | gn-host | gn-direct-single | gg-direct | gg-host |
+      colocated.  transport: nixl | mooncake | local (same process only).  prefill_device: cpu |
+      cuda:N.  decode_device: npu-emu:cpu | npu-emu:cuda:N (gn-*) or cpu | cuda:N (gg-*).
+      arch: the emulated NPU (blackhole-p150a, ...).  kv_dtype: the NPU KV dtype, bf16 | bfp8_b.
+    threads: torch threads per engine process (default: the cores shared evenly among them).
+    kv_host: the address the prefill's KV control socket binds and advertises (default: host, or
+      this machine's address when host is a wildcard).
+    default_temperature: used when a request omits temperature (OpenAI's default is 1.0).
+    log_dir: where children write their logs (default: they share this terminal).
+    """
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
+    from hawk.serve.router import RouterConfig, create_router_app
+
+    with _sigterm_as_interrupt():
+        try:
+            if role == "router":
+                if not prefill_urls or not decode_urls:
+                    raise ValueError("role 'router' needs prefill_urls and decode_urls")
+                sock = bind_socket(host, port)
+                app = create_router_app(RouterConfig(list(prefill_urls), list(decode_urls), default_temperature=default_temperature, startup_timeout_s=startup_timeout_s))
+                print(f"HAWK router on {url_of(sock)} -> prefill {prefill_urls}, decode {decode_urls}", flush=True)
+                serve_foreground(app, sock, log_level)
+                return
+            cfg = instance_config(
+                model, transfer, transport, prefill_device, decode_device, arch, kv_dtype, dtype, kv_tokens,
+                staging_mb, rx_mb, landing_mode, post, kv_host or _advertised_host(host), seed,
+            )
+            if role in ENGINE_ROLES:
+                run_instance(role, cfg, host, port, threads, log_level=log_level)
+                return
+            if transport == "local":
+                raise ValueError("transport 'local' works inside one process only; role 'all' runs prefill and decode as separate processes")
+            if host in (LOOPBACK, "localhost"):
+                os.environ.setdefault("UCX_NET_DEVICES", "lo")  # keep UCX (NIXL) off other interfaces
+            sock = bind_socket(host, port)  # fail fast on a busy port, before loading any model
+            with start_cluster(cfg, num_prefill, num_decode, threads, LOOPBACK, log_dir, startup_timeout_s, log_level) as cluster:
+                app = create_router_app(RouterConfig(cluster.prefill_urls, cluster.decode_urls, default_temperature=default_temperature))
+                print(f"HAWK serving {model} ({transfer} over {transport}) at {url_of(sock)}/v1", flush=True)
+                serve_foreground(app, sock, log_level)
+        except KeyboardInterrupt:
+            pass  # Ctrl-C / SIGTERM: children were stopped by the ``with`` block
+
+
+@dataclass
+class RunningSystem:
+    """A whole HAWK system held by this process: engine children and a router in a thread."""
+
+    cluster: Cluster
+    router: ThreadedServer
+
+    @property
+    def url(self) -> str:
+        return self.router.url
+
+    def close(self) -> None:
+        try:
+            self.router.stop()
+        finally:
+            self.cluster.close()
+
+    def __enter__(self) -> RunningSystem:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def start_system(
+    cfg: Any,
+    num_prefill: int = 1,
+    num_decode: int = 1,
+    threads: int | None = None,
+    port: int = 0,
+    log_dir: str | Path | None = None,
+    default_temperature: float = 1.0,
+    startup_timeout_s: float = 300.0,
+) -> RunningSystem:
+    """``serve(role="all")`` without taking over the foreground: for the demo and tests."""
+    from hawk.serve.router import RouterConfig, create_router_app
+
+    if cfg.transport != "local":
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    cluster = start_cluster(cfg, num_prefill, num_decode, threads, LOOPBACK, log_dir, startup_timeout_s)
+    try:
+        app = create_router_app(RouterConfig(cluster.prefill_urls, cluster.decode_urls, default_temperature=default_temperature))
+        router = ThreadedServer(app, LOOPBACK, port).start()
+    except BaseException:
+        cluster.close()
+        raise
+    return RunningSystem(cluster, router)
+
+
+# ============================================================================ python -m
+
+
+def _child_main(spec_json: str) -> None:
+    from hawk.engine.instances import InstanceConfig
+
+    spec = json.loads(spec_json)
+    cfg = InstanceConfig(**spec["config"])
+    logging.basicConfig(level=getattr(logging, spec.get("log_level", "warning").upper(), logging.WARNING))
+    with _sigterm_as_interrupt():
+        try:
+            run_instance(spec["role"], cfg, spec["host"], spec["port"], spec["threads"], spec["ready_file"], spec["parent_pid"], spec["log_level"])
+        except KeyboardInterrupt:
+            pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m hawk.serve.launcher [--role ...]``: the same options as :func:`serve`."""
+    p = argparse.ArgumentParser(prog="python -m hawk.serve.launcher", description="Run HAWK's servers.")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--role", default="all", choices=ROLES)
+    p.add_argument("--host", default=LOOPBACK)
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--transfer", default="gn-hawk")
+    p.add_argument("--transport", default="nixl")
+    p.add_argument("--prefill-device", default="cpu")
+    p.add_argument("--decode-device", default="npu-emu:cpu")
+    p.add_argument("--arch", default="blackhole-p150a")
+    p.add_argument("--kv-dtype", default="bf16")
+    p.add_argument("--prefill-url", action="append", dest="prefill_urls")
+    p.add_argument("--decode-url", action="append", dest="decode_urls")
+    p.add_argument("--num-prefill", type=int, default=1)
+    p.add_argument("--num-decode", type=int, default=1)
+    p.add_argument("--threads", type=int)
+    p.add_argument("--kv-tokens", type=int, default=8192)
+    p.add_argument("--log-dir")
+    p.add_argument("--log-level", default="warning")
+    a = p.parse_args(argv)
+    if a.child:
+        _child_main(a.child)
+        return
+    logging.basicConfig(level=getattr(logging, a.log_level.upper(), logging.WARNING))
+    serve(
+        host=a.host, port=a.port, role=a.role, model=a.model, transfer=a.transfer, transport=a.transport,
+        prefill_device=a.prefill_device, decode_device=a.decode_device, arch=a.arch, kv_dtype=a.kv_dtype,
+        prefill_urls=a.prefill_urls, decode_urls=a.decode_urls, num_prefill=a.num_prefill, num_decode=a.num_decode,
+        threads=a.threads, kv_tokens=a.kv_tokens, log_dir=a.log_dir, log_level=a.log_level,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""The prefill instance over HTTP (the "GPU" role of vLLM's proxy pattern).
+
+POST /internal/prefill runs one prompt through the batched prefill engine and answers with the first
+token and a KV handle (the HAWK sender's control address + the request id) that the router passes
+to a decode instance. POST /internal/abort undoes a request the client gave up on: it leaves the
+queue, or its finished KV is dropped so its paged blocks come back at once instead of at the TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import CancelledError as FutureCancelled
+from typing import Any
+
+from fastapi import APIRouter, FastAPI
+from pydantic import BaseModel, Field
+
+from hawk.engine.instances import PrefillInstance
+from hawk.engine.prefill_engine import PrefillEngine
+from hawk.engine.sequence import SamplingParams
+from hawk.serve.instance_app import build_instance_app
+from hawk.serve.protocol import OpenAIError
+
+log = logging.getLogger(__name__)
+
+ABORT_MEMORY_S = 120.0  # how long an abort for a running prefill is remembered
+
+
+class PrefillRequest(BaseModel):
+    request_id: str = Field(min_length=1, max_length=256)
+    prompt_ids: list[int] = Field(min_length=1)
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class AbortRequest(BaseModel):
+    request_id: str
+
+
+class PrefillService:
+    """Submits prompts, tracks which are still running, and turns aborts into the right release.
+
+    An abort can arrive in three states: queued (cancel it), prefilled with KV waiting (discard it),
+    or inside the running batch (neither works yet: remember it and discard when it finishes).
+    """
+
+    def __init__(
+        self,
+        engine: PrefillEngine,
+        discard: Callable[[str], bool],
+        kv_address: str,
+        vocab_size: int,
+    ):
+        self.engine, self.discard, self.kv_address, self.vocab_size = engine, discard, kv_address, vocab_size
+        self._running: set[str] = set()
+        self._aborted: dict[str, float] = {}
+        # how aborts ended, for /internal/accounting and /metrics
+        self.aborts = {"aborts_cancelled": 0, "aborts_discarded": 0, "aborts_pending": 0, "aborts_unknown": 0, "aborts_discarded_after_prefill": 0}
+
+    async def prefill(self, req: PrefillRequest) -> dict[str, Any]:
+        try:
+            params = SamplingParams.from_dict(req.params)
+        except (ValueError, TypeError) as e:
+            raise OpenAIError(400, f"params: {e}") from None
+        bad = next((t for t in req.prompt_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:  # an out-of-range id would fail the whole batch it lands in
+            raise OpenAIError(400, f"prompt token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
+        rid = req.request_id
+        if rid in self._running:
+            raise OpenAIError(409, f"request {rid!r} is already being prefilled", code="duplicate_request_id")
+        try:
+            fut = self.engine.submit(rid, req.prompt_ids, params)
+        except ValueError as e:
+            raise OpenAIError(400, str(e), code="context_length_exceeded") from None
+        self._running.add(rid)
+        try:
+            result = await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            if fut.cancelled():  # cancelled by /internal/abort while queued
+                raise OpenAIError(499, f"request {rid!r} was aborted", code="aborted") from None
+            self.abort(rid)  # this handler itself was cancelled: don't leave its KV behind
+            raise
+        except ValueError as e:  # e.g. the sender already holds KV under this id
+            raise OpenAIError(409, str(e), code="duplicate_request_id") from None
+        except FutureCancelled:
+            raise OpenAIError(499, f"request {rid!r} was aborted", code="aborted") from None
+        finally:
+            self._running.discard(rid)
+        if self._aborted.pop(rid, None) is not None:
+            if self.discard(rid):
+                self.aborts["aborts_discarded_after_prefill"] += 1
+            raise OpenAIError(499, f"request {rid!r} was aborted", code="aborted")
+        return {
+            "request_id": rid,
+            "first_token": result.first_token,
+            "num_prompt_tokens": result.num_prompt_tokens,
+            "kv": {"address": self.kv_address, "request_id": rid},
+            "timings": result.timings,
+        }
+
+    def abort(self, rid: str) -> str:
+        """Release whatever ``rid`` holds here; says which of the three cases it was."""
+        result = self._abort(rid)
+        self.aborts[f"aborts_{result}"] += 1
+        return result
+
+    def _abort(self, rid: str) -> str:
+        now = time.monotonic()
+        for k in [k for k, t in self._aborted.items() if now - t > ABORT_MEMORY_S]:
+            del self._aborted[k]
+        if self.engine.cancel(rid):
+            return "cancelled"
+        if self.discard(rid):
+            return "discarded"
+        if rid in self._running:
+            self._aborted[rid] = now
+            return "pending"
+        return "unknown"  # pulled already (the decode side owns it now) or never seen
+
+
+def prefill_routes(svc: PrefillService) -> APIRouter:
+    r = APIRouter()
+
+    @r.post("/internal/prefill")
+    async def prefill(req: PrefillRequest) -> dict[str, Any]:
+        return await svc.prefill(req)
+
+    @r.post("/internal/abort")
+    async def abort(req: AbortRequest) -> dict[str, str]:
+        return {"request_id": req.request_id, "result": svc.abort(req.request_id)}
+
+    return r
+
+
+def create_prefill_app(instance: PrefillInstance, close_on_shutdown: bool = True) -> FastAPI:
+    """The HTTP face of a :class:`PrefillInstance`; shutdown closes it unless told not to (tests
+    that reuse one loaded instance across apps)."""
+    cfg, mc = instance.cfg, instance.loaded.config
+    svc = PrefillService(instance.engine, instance.sender.discard, instance.kv_address, mc.vocab_size)
+    info = {
+        "role": "prefill",
+        "model": instance.loaded.name,
+        "transfer": cfg.transfer,
+        "transport": cfg.transport,
+        "device": cfg.prefill_device,
+        "kv_address": instance.kv_address,
+        "max_prompt_tokens": instance.engine.max_prompt_tokens,
+        "max_model_len": mc.max_position_embeddings,
+        "vocab_size": mc.vocab_size,
+    }
+    return build_instance_app(
+        "prefill", [prefill_routes(svc)], info, lambda: {**instance.accounting(), **svc.aborts}, instance.loaded.tokenizer,
+        instance.close if close_on_shutdown else None,
+    )

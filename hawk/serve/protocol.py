@@ -1,0 +1,282 @@
+"""The OpenAI wire format HAWK's router speaks: requests, responses, streaming chunks and errors.
+
+Only what a serving system needs is modelled. Fields clients commonly send but HAWK cannot honour
+(``n > 1``, logprobs, tools, penalties) are rejected with a 400 that names them instead of being
+silently ignored, so a client never believes it got something it did not. Unknown extra fields are
+ignored, as OpenAI-compatible servers usually do.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# OpenAI's limits, kept so a request valid there is valid here.
+MAX_STOP_STRINGS = 16
+TEMPERATURE_MAX = 2.0
+
+
+class OpenAIError(Exception):
+    """An error the client should see as ``{"error": {...}}`` with an HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
+        code: str | None = None,
+        param: str | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.code, self.param)
+
+
+def error_body(message: str, type: str = "invalid_request_error", code: str | None = None, param: str | None = None) -> dict[str, Any]:  # noqa: A002
+    """OpenAI's error shape; clients (the ``openai`` package included) read ``error.message``."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# ============================================================================ requests
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None  # optional: the one served model is the default
+    temperature: float | None = Field(default=None, ge=0.0, le=TEMPERATURE_MAX)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extensions, handy for benchmarks (fixed output lengths) and chat stops.
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError(f"n={n} is not supported: HAWK returns exactly one choice per request (send n=1 or omit it)")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(v)}")
+        return v
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> _SamplingFields:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise ValueError(f"{name} is not supported by HAWK (send 0 or omit it)")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported by HAWK")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _completion_only(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported by HAWK")
+        if self.logprobs is not None:
+            raise ValueError("logprobs is not supported by HAWK")
+        if self.best_of not in (None, 1):
+            raise ValueError(f"best_of={self.best_of} is not supported: HAWK samples one sequence")
+        if self.suffix:
+            raise ValueError("suffix is not supported by HAWK")
+        p = self.prompt
+        if isinstance(p, list):
+            if not p:
+                raise ValueError("prompt must not be empty")
+            if isinstance(p[0], (str, list)) and len(p) != 1:
+                raise ValueError(f"batched prompts ({len(p)} prompts) are not supported: send one prompt per request")
+        return self
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... go to the chat template
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _chat_only(self) -> ChatCompletionRequest:
+        if self.logprobs or self.top_logprobs:
+            raise ValueError("logprobs is not supported by HAWK")
+        if self.tools:
+            raise ValueError("tools (function calling) are not supported by HAWK")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError(f"response_format {self.response_format.get('type')!r} is not supported by HAWK (only 'text')")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens`` (the newer name) wins over ``max_tokens``."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [m.model_dump(exclude_none=True) for m in self.messages]
+
+
+# ============================================================================ responses
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt: int, completion: int) -> Usage:
+        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+class _Response(BaseModel):
+    """Base of every response body: ``dump`` leaves out the optional top-level extras when unset."""
+
+    id: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    usage: Usage | None = None
+    hawk: dict[str, Any] | None = None  # HAWK's per-request timings (TTFT, TPOT, KV transfer)
+
+    def dump(self) -> dict[str, Any]:
+        """JSON-ready dict in OpenAI's key order, without unset ``usage`` / ``hawk``."""
+        d = self.model_dump(mode="json")
+        order = ["id", "object", "created", "model", "choices", "usage", "hawk"]
+        out = {k: d[k] for k in order if k in d and not (k in ("usage", "hawk") and d[k] is None)}
+        out.update({k: v for k, v in d.items() if k not in order})
+        return out
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(_Response):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+
+    def dump(self) -> dict[str, Any]:
+        d = super().dump()
+        for c in d["choices"]:  # unset delta fields are left out; the finishing delta is {}
+            c["delta"] = {k: v for k, v in c["delta"].items() if v is not None}
+        return d
+
+
+class CompletionChunk(_Response):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "hawk"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

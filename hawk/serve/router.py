@@ -1,0 +1,470 @@
+"""The router: HAWK's OpenAI-compatible front door (vLLM's disaggregated-serving proxy pattern).
+
+For each request it tokenizes (chat template included), checks the request against the instances'
+limits, sends the prompt to a prefill instance, passes the returned KV handle to a decode instance,
+and streams the decode's tokens back as text (SSE when ``stream`` is set). Instances of each role
+are used round-robin. The router loads no weights: the tokenizer comes from a prefill instance.
+
+Every response carries a non-standard ``hawk`` object (in the last chunk when streaming) with the
+request's TTFT, TPOT and KV-transfer time and bytes, so a client can see what the transfer cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from hawk.engine.sequence import SamplingParams
+from hawk.engine.tokenizer import Tokenizer
+from hawk.serve.common import install_error_handlers
+from hawk.serve.generation import ClientGone, Generation, until_disconnected
+from hawk.serve.metrics import CONTENT_TYPE, RouterMetrics
+from hawk.serve.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    Delta,
+    ModelCard,
+    ModelList,
+    OpenAIError,
+    Usage,
+    error_body,
+    new_id,
+)
+from hawk.serve.tokenizer_wire import tokenizer_from_wire
+
+log = logging.getLogger(__name__)
+
+CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never read by anyone
+
+
+@dataclass
+class RouterConfig:
+    """Where the instances are and the router's request defaults."""
+
+    prefill_urls: list[str]
+    decode_urls: list[str]
+    model: str | None = None  # the served model name; default: the name the prefill instance reports
+    default_temperature: float = 1.0  # OpenAI's default; send temperature=0 for greedy
+    default_chat_max_tokens: int = 512  # chat requests without max_tokens (each reserves decode KV for it)
+    request_timeout_s: float = 600.0
+    startup_timeout_s: float = 120.0
+    aliases: list[str] = field(default_factory=list)  # more names clients may use for the model
+
+
+# ============================================================================ instances
+
+
+@dataclass
+class Instance:
+    url: str
+    role: str
+    info: dict[str, Any]
+
+
+class InstancePool:
+    """The instances behind the router, the tightest of their limits, and round-robin choice."""
+
+    def __init__(self, prefill: list[Instance], decode: list[Instance]):
+        if not prefill or not decode:
+            raise ValueError("the router needs at least one prefill and one decode instance")
+        self.prefill, self.decode = prefill, decode
+        self._p, self._d = itertools.count(), itertools.count()
+        self.max_prompt_tokens = min(int(i.info["max_prompt_tokens"]) for i in prefill)
+        self.max_model_len = min(int(i.info["max_model_len"]) for i in [*prefill, *decode])
+        self.max_kv_tokens = min(int(i.info.get("max_kv_tokens", self.max_model_len)) for i in decode)
+        self.vocab_size = min(int(i.info["vocab_size"]) for i in prefill)
+
+    def next_prefill(self) -> Instance:
+        return self.prefill[next(self._p) % len(self.prefill)]
+
+    def next_decode(self) -> Instance:
+        return self.decode[next(self._d) % len(self.decode)]
+
+    def all(self) -> list[Instance]:
+        seen: dict[str, Instance] = {}
+        for i in [*self.prefill, *self.decode]:
+            seen.setdefault(i.url, i)
+        return list(seen.values())
+
+
+async def fetch_info(client: httpx.AsyncClient, url: str, timeout_s: float) -> dict[str, Any]:
+    """An instance's /internal/info, retried until it answers (it may still be loading)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            r = await client.get(f"{url}/internal/info", timeout=5.0)
+            r.raise_for_status()
+            return r.json()
+        except httpx.HTTPError as e:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"instance {url} did not answer /internal/info within {timeout_s:.0f}s: {e!r}") from None
+            await asyncio.sleep(0.2)
+
+
+# ============================================================================ the app
+
+
+class Router:
+    """State shared by the router's endpoints."""
+
+    def __init__(self, cfg: RouterConfig, tokenizer: Tokenizer | None):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.metrics = RouterMetrics()
+        self.client: httpx.AsyncClient | None = None
+        self.pool: InstancePool | None = None
+        self.names: list[str] = []
+
+    async def startup(self) -> None:
+        cfg = self.cfg
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(cfg.request_timeout_s, connect=5.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            trust_env=False,  # internal loopback/cluster traffic must not go through an HTTP proxy
+        )
+        infos = await asyncio.gather(*(fetch_info(self.client, u, cfg.startup_timeout_s) for u in [*cfg.prefill_urls, *cfg.decode_urls]))
+        n = len(cfg.prefill_urls)
+        self.pool = InstancePool(
+            [Instance(u, "prefill", i) for u, i in zip(cfg.prefill_urls, infos[:n])],
+            [Instance(u, "decode", i) for u, i in zip(cfg.decode_urls, infos[n:])],
+        )
+        models = {i["model"] for i in infos}
+        if len(models) != 1:
+            raise RuntimeError(f"instances serve different models: {sorted(models)}")
+        served = models.pop()
+        self.names = list(dict.fromkeys([cfg.model or served, served, *cfg.aliases]))
+        if self.tokenizer is None:
+            r = await self.client.get(f"{cfg.prefill_urls[0]}/internal/tokenizer", timeout=60.0)
+            r.raise_for_status()
+            self.tokenizer = await asyncio.to_thread(tokenizer_from_wire, r.json())
+        log.info("router ready: model %s, prefill %s, decode %s", self.names[0], cfg.prefill_urls, cfg.decode_urls)
+
+    async def shutdown(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+
+    # -- request checks -----------------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        return self.names[0]
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.names:
+            raise OpenAIError(404, f"The model `{model}` does not exist. This server serves: {', '.join(self.names)}", code="model_not_found", param="model")
+
+    def completion_prompt(self, prompt: str | list[Any]) -> list[int]:
+        assert self.tokenizer is not None and self.pool is not None
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one (protocol refuses longer batches)
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            ids = list(prompt)
+            bad = next((t for t in ids if not 0 <= t < self.pool.vocab_size), None)
+            if bad is not None:
+                raise OpenAIError(400, f"prompt token id {bad} is outside the vocabulary (0..{self.pool.vocab_size - 1})", param="prompt")
+        if not ids:
+            raise OpenAIError(400, "prompt is empty", param="prompt")
+        return ids
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        assert self.tokenizer is not None
+        try:
+            text = self.tokenizer.apply_chat_template(req.message_dicts(), add_generation_prompt=True)
+        except ValueError as e:
+            raise OpenAIError(400, f"messages: {e}", param="messages") from None
+        return self.tokenizer.encode(text)
+
+    def sampling(self, req: CompletionRequest | ChatCompletionRequest, n_prompt: int, max_tokens: int | None, default_max: int) -> SamplingParams:
+        """Check lengths against the instances' limits and build the engine's parameters."""
+        assert self.pool is not None
+        limit = self.pool.max_model_len
+        if n_prompt > min(self.pool.max_prompt_tokens, limit - 1):
+            raise OpenAIError(
+                400,
+                f"This model's maximum context length is {limit} tokens (prompts up to {min(self.pool.max_prompt_tokens, limit - 1)}); "
+                f"your prompt has {n_prompt} tokens. Please shorten the prompt.",
+                code="context_length_exceeded", param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+            )
+        if max_tokens is None:
+            max_tokens = max(1, min(default_max, limit - n_prompt))
+        if max_tokens > limit:
+            raise OpenAIError(400, f"max_tokens={max_tokens} is larger than the model's context length ({limit} tokens)", param="max_tokens")
+        if n_prompt + max_tokens > limit:
+            raise OpenAIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested {n_prompt + max_tokens} tokens "
+                f"({n_prompt} in the prompt, {max_tokens} for the completion). Please reduce the prompt or max_tokens.",
+                code="context_length_exceeded", param="max_tokens",
+            )
+        if n_prompt + max_tokens > self.pool.max_kv_tokens:
+            raise OpenAIError(
+                400,
+                f"prompt ({n_prompt}) + max_tokens ({max_tokens}) exceeds the decode instance's KV cache ({self.pool.max_kv_tokens} tokens)",
+                param="max_tokens",
+            )
+        temperature = self.cfg.default_temperature if req.temperature is None else req.temperature
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                seed=req.seed,
+                stop_token_ids=tuple(req.stop_token_ids or ()),
+                ignore_eos=req.ignore_eos,
+            )
+        except ValueError as e:
+            raise OpenAIError(400, str(e)) from None
+
+    # -- one request --------------------------------------------------------------------------
+
+    def new_generation(self, rid: str, prompt_ids: list[int], params: SamplingParams, stop: list[str], arrival: float) -> Generation:
+        assert self.pool is not None and self.client is not None and self.tokenizer is not None
+        p, d = self.pool.next_prefill(), self.pool.next_decode()
+        extra = {"transfer": d.info.get("transfer"), "decode_device": d.info.get("device_label", d.info.get("device")), "kv_dtype": d.info.get("kv_dtype")}
+        return Generation(self.client, p.url, d.url, rid, prompt_ids, params, self.tokenizer, stop, arrival, extra)
+
+    async def run(
+        self,
+        request: Request,
+        gen: Generation,
+        stream: bool,
+        chunks: ChunkMaker,
+        include_usage: bool,
+    ) -> Response:
+        try:
+            await until_disconnected(lambda: wait_disconnect(request), gen.start())
+        except ClientGone:
+            self.metrics.finished.labels("client_disconnected").inc()
+            return Response(status_code=CLIENT_CLOSED)
+        if stream:
+            return StreamingResponse(
+                self._sse(gen, chunks, include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        try:
+            text, reason = await until_disconnected(lambda: wait_disconnect(request), _collect(gen))
+        except ClientGone:
+            self.metrics.finished.labels("client_disconnected").inc()
+            return Response(status_code=CLIENT_CLOSED)
+        summary = gen.summary()
+        self.metrics.observe(summary)
+        return JSONResponse(chunks.full(text, reason, Usage.of(len(gen.prompt_ids), gen.num_tokens), summary))
+
+    async def _sse(self, gen: Generation, chunks: ChunkMaker, include_usage: bool) -> AsyncIterator[str]:
+        done = False
+        try:
+            first = chunks.opening()
+            if first is not None:
+                yield sse(first)
+            async for d in gen.deltas():
+                if d.finish_reason is None:
+                    yield sse(chunks.delta(d.text))
+                    continue
+                summary = gen.summary()
+                self.metrics.observe(summary)
+                done = True
+                usage = Usage.of(len(gen.prompt_ids), gen.num_tokens)
+                yield sse(chunks.delta(d.text, d.finish_reason, summary))
+                if include_usage:
+                    yield sse(chunks.usage(usage, summary))
+            yield "data: [DONE]\n\n"
+        except OpenAIError as e:  # the status line is sent already: report in-band, as OpenAI does
+            done = True
+            self.metrics.finished.labels("error").inc()
+            yield sse(e.body())
+            yield "data: [DONE]\n\n"
+        finally:
+            if not done:
+                self.metrics.finished.labels("client_disconnected").inc()
+            await gen.aclose()
+
+    # -- health and metrics -------------------------------------------------------------------
+
+    async def probe(self, path: str) -> dict[tuple[str, str], dict[str, Any] | None]:
+        assert self.pool is not None and self.client is not None
+
+        async def one(inst: Instance) -> dict[str, Any] | None:
+            try:
+                r = await self.client.get(f"{inst.url}{path}", timeout=3.0)  # type: ignore[union-attr]
+                return r.json() if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError):
+                return None
+
+        insts = self.pool.all()
+        results = await asyncio.gather(*(one(i) for i in insts))
+        return {(i.info.get("role", i.role), i.url): r for i, r in zip(insts, results)}
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Returns when the client has closed its connection (the body was read already)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def _collect(gen: Generation) -> tuple[str, str | None]:
+    parts, reason = [], None
+    async for d in gen.deltas():
+        parts.append(d.text)
+        reason = d.finish_reason or reason
+    return "".join(parts), reason
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class ChunkMaker:
+    """Builds the response objects of one request, completion- or chat-shaped."""
+
+    def __init__(self, chat: bool, rid: str, model: str):
+        self.chat, self.rid, self.model = chat, rid, model
+        self.created = int(time.time())
+
+    def opening(self) -> dict[str, Any] | None:
+        if not self.chat:
+            return None
+        return ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[ChatChunkChoice(delta=Delta(role="assistant", content=""))]).dump()
+
+    def delta(self, text: str, finish_reason: str | None = None, hawk: dict[str, Any] | None = None) -> dict[str, Any]:
+        if self.chat:
+            delta = Delta(content=text) if text else Delta()
+            return ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)], hawk=hawk).dump()
+        return CompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[CompletionChoice(text=text, finish_reason=finish_reason)], hawk=hawk).dump()
+
+    def usage(self, usage: Usage, hawk: dict[str, Any]) -> dict[str, Any]:
+        cls = ChatCompletionChunk if self.chat else CompletionChunk
+        return cls(id=self.rid, created=self.created, model=self.model, choices=[], usage=usage, hawk=hawk).dump()
+
+    def full(self, text: str, finish_reason: str | None, usage: Usage, hawk: dict[str, Any]) -> dict[str, Any]:
+        if self.chat:
+            return ChatCompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)], usage=usage, hawk=hawk).dump()
+        return CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[CompletionChoice(text=text, finish_reason=finish_reason)], usage=usage, hawk=hawk).dump()
+
+
+# ============================================================================ request counting
+
+
+_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+class CountRequests:
+    """Pure ASGI middleware counting requests by endpoint and status (it never touches ``receive``,
+    so it cannot interfere with disconnect detection or streaming)."""
+
+    def __init__(self, app: ASGIApp, metrics: RouterMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        endpoint = path if path in _ENDPOINTS else ("/v1/models/{model}" if path.startswith("/v1/models/") else "other")
+        status = [500]
+
+        async def send_status(msg: Message) -> None:
+            if msg["type"] == "http.response.start":
+                status[0] = msg["status"]
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            self.metrics.requests.labels(endpoint, str(status[0])).inc()
+
+
+# ============================================================================ factory
+
+
+def create_router_app(cfg: RouterConfig, tokenizer: Tokenizer | None = None) -> FastAPI:
+    """The router app; at startup it reads the instances' limits and (unless given) the tokenizer."""
+    router = Router(cfg, tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await router.startup()
+        try:
+            yield
+        finally:
+            await router.shutdown()
+
+    app = FastAPI(title="HAWK router", lifespan=lifespan)
+    app.state.router = router
+    install_error_handlers(app)
+    app.add_middleware(CountRequests, metrics=router.metrics)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        router.check_model(req.model)
+        ids = router.completion_prompt(req.prompt)
+        params = router.sampling(req, len(ids), req.max_tokens, default_max=16)
+        rid = new_id("cmpl")
+        gen = router.new_generation(rid, ids, params, req.stop_list(), arrival)
+        return await router.run(request, gen, req.stream, ChunkMaker(False, rid, router.model_name), req.include_usage)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        router.check_model(req.model)
+        ids = router.chat_prompt(req)
+        params = router.sampling(req, len(ids), req.requested_max_tokens, default_max=cfg.default_chat_max_tokens)
+        rid = new_id("chatcmpl")
+        gen = router.new_generation(rid, ids, params, req.stop_list(), arrival)
+        return await router.run(request, gen, req.stream, ChunkMaker(True, rid, router.model_name), req.include_usage)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        assert router.pool is not None
+        return ModelList(data=[ModelCard(id=n, max_model_len=router.pool.max_model_len) for n in router.names]).model_dump()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        router.check_model(model_id)
+        assert router.pool is not None
+        return ModelCard(id=model_id, max_model_len=router.pool.max_model_len).model_dump()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        res = await router.probe("/health")
+        ok = all(v is not None for v in res.values())
+        body = {"status": "ok" if ok else "degraded", "instances": {f"{role} {url}": ("ok" if v else "down") for (role, url), v in res.items()}}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        res = await router.probe("/internal/accounting")
+        coll = router.metrics.instances
+        for key, acct in res.items():
+            coll.up[key] = acct is not None
+            if acct is not None:
+                coll.snapshots[key] = acct
+        return Response(router.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+

@@ -1,0 +1,357 @@
+"""The HTTP serving layer end to end, in one process: prefill, decode and colocated instances behind
+routers (uvicorn in threads, real loopback sockets, NIXL between the instances).
+
+SmolLM2 is loaded once for the module and shared by all instances. The tests cover the OpenAI API
+(streamed and not), bad input (4xx with a clear message, then still serving), clients that leave
+mid-stream or mid-prefill (everything they held is released on both instances), and /metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import replace
+
+import httpx
+import pytest
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+from hawk.engine.instances import ColocatedInstance, DecodeInstance, InstanceConfig, PrefillInstance  # noqa: E402
+from hawk.serve.colocated_server import create_colocated_app  # noqa: E402
+from hawk.serve.common import ThreadedServer  # noqa: E402
+from hawk.serve.decode_server import create_decode_app  # noqa: E402
+from hawk.serve.prefill_server import create_prefill_app  # noqa: E402
+from hawk.serve.router import RouterConfig, create_router_app  # noqa: E402
+from hawk.transport.registry import available  # noqa: E402
+
+KV_TOKENS = 2048
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+class System:
+    def __init__(self) -> None:
+        transport = "nixl" if available("nixl") else "local"
+        cfg = InstanceConfig(model="smollm2-135m", transport=transport, kv_tokens=KV_TOKENS, staging_mb=16, rx_mb=16, kv_ttl_s=60.0)
+        self.prefill_inst = PrefillInstance(cfg)
+        self.decode_inst = DecodeInstance(cfg, loaded=self.prefill_inst.loaded)
+        self.coloc_inst = ColocatedInstance(replace(cfg, transfer="colocated"), loaded=self.prefill_inst.loaded)
+        self.servers: list[ThreadedServer] = []
+        self.prefill = self._start(create_prefill_app(self.prefill_inst))
+        self.decode = self._start(create_decode_app(self.decode_inst))
+        self.coloc = self._start(create_colocated_app(self.coloc_inst))
+        self.router = self._start(create_router_app(RouterConfig([self.prefill.url], [self.decode.url], default_temperature=0.0)))
+        self.coloc_router = self._start(create_router_app(RouterConfig([self.coloc.url], [self.coloc.url], default_temperature=0.0)))
+        self.http = httpx.Client(base_url=self.router.url, timeout=60.0, trust_env=False)
+
+    def _start(self, app) -> ThreadedServer:
+        s = ThreadedServer(app).start()
+        self.servers.append(s)
+        return s
+
+    def close(self) -> None:
+        self.http.close()
+        for s in reversed(self.servers):  # routers first; instance apps close their instances
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def system():
+    pytest.importorskip("gguf")
+    try:
+        s = System()
+    except ValueError as e:  # the embedded model's wheel is missing
+        pytest.skip(str(e))
+    yield s
+    s.close()
+
+
+def sse_events(lines) -> list[dict]:
+    """Parse an SSE stream: the JSON payloads, checking it ends with [DONE]."""
+    events, done = [], False
+    for line in lines:
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            done = True
+            break
+        events.append(json.loads(data))
+    assert done, "stream did not end with data: [DONE]"
+    return events
+
+
+def accounting(url: str) -> dict:
+    return httpx.get(f"{url}/internal/accounting", timeout=10, trust_env=False).json()
+
+
+def held(system: System) -> dict:
+    """Everything either instance still holds for requests (should all be zero when idle)."""
+    p, d = accounting(system.prefill.url), accounting(system.decode.url)
+    return {
+        "prefill_staging": p["staging_reservations"],
+        "prefill_kv_waiting": len(p["kv_waiting"]),
+        "prefill_kv_in_flight": len(p["kv_in_flight"]),
+        "prefill_gpu_blocks": p["gpu_blocks_used"],
+        "decode_rx_reservations": d["rx_reservations"],
+        "decode_kv_blocks": d["kv_blocks_used"],
+        "decode_requests": d["engine_waiting"] + d["engine_transferring"] + d["engine_running"],
+    }
+
+
+def wait_released(system: System, timeout_s: float) -> float:
+    """Poll until both instances hold nothing; returns how long it took (releases are async)."""
+    t0 = time.monotonic()
+    while True:
+        h = held(system)
+        if not any(h.values()):
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout_s:
+            pytest.fail(f"still held after {timeout_s}s: {h}")
+        time.sleep(0.05)
+
+
+def complete(system: System, **body) -> dict:
+    r = system.http.post("/v1/completions", json={"max_tokens": 16, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def chat(client: httpx.Client, **body) -> dict:
+    r = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 24, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+# ============================================================================ the API
+
+
+def test_health_models_and_info(system):
+    r = system.http.get("/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    models = system.http.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "smollm2-135m"
+    assert models["data"][0]["max_model_len"] == 8192
+    assert system.http.get("/v1/models/smollm2-135m").status_code == 200
+    info = httpx.get(f"{system.decode.url}/internal/info", trust_env=False).json()
+    assert info["emulated_npu"] and "emulated" in info["device_label"]
+
+
+def test_chat_completion_answers_and_reports_timings(system):
+    out = chat(system.http)
+    assert out["object"] == "chat.completion"
+    msg = out["choices"][0]["message"]
+    assert msg["role"] == "assistant" and "Paris" in msg["content"]
+    assert out["choices"][0]["finish_reason"] == "stop"
+    h = out["hawk"]
+    assert h["kv_bytes"] > 0 and h["kv_transfer_s"] > 0 and h["kv_mode"]
+    assert 0 < h["ttft_s"] < h["e2e_s"] and h["tpot_s"] > 0
+    assert "emulated" in h["decode_device"] and h["transfer"] == "gn-hawk"
+    u = out["usage"]
+    assert u["completion_tokens"] == h["completion_tokens"] and u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    wait_released(system, 5)
+
+
+def test_streamed_completion_matches_unstreamed(system):
+    body = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
+    plain = complete(system, **body)
+    with system.http.stream("POST", "/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.iter_lines())
+    text = "".join(c["text"] for e in events for c in e["choices"])
+    assert text == plain["choices"][0]["text"] and text.strip()
+    finish = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert len(finish) == 1 and finish[0]["choices"][0]["finish_reason"] == "length" and finish[0]["hawk"]["kv_bytes"] > 0
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 12
+
+
+def test_streamed_chat(system):
+    with system.http.stream("POST", "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 24, "stream": True}) as r:
+        events = sse_events(r.iter_lines())
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
+    assert "Paris" in text
+    last = events[-1]
+    assert last["choices"][0]["finish_reason"] == "stop" and last["hawk"]["ttft_s"] > 0
+
+
+def test_disaggregated_equals_colocated_over_http(system):
+    """Greedy text from gn-hawk (KV over NIXL into the emulated NPU) equals the colocated oracle."""
+    coloc = httpx.Client(base_url=system.coloc_router.url, timeout=60, trust_env=False)
+    for prompt in ["The capital of France is", "def fibonacci(n):", "Once upon a time"]:
+        body = {"prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+        a = complete(system, **body)
+        b = coloc.post("/v1/completions", json=body).json()
+        assert a["choices"][0]["text"] == b["choices"][0]["text"], prompt
+        assert b["hawk"]["kv_mode"] == "colocated"
+    out = chat(coloc)
+    assert "Paris" in out["choices"][0]["message"]["content"]
+    coloc.close()
+    assert accounting(system.coloc.url)["kv_blocks_used"] == 0
+
+
+def test_stop_strings_cut_the_text_and_free_the_request(system):
+    out = chat(system.http, stop=[" Paris"], temperature=0)
+    text = out["choices"][0]["message"]["content"]
+    assert "Paris" not in text and text.startswith("The capital")
+    assert out["choices"][0]["finish_reason"] == "stop"
+    with system.http.stream("POST", "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 24, "stop": "France", "stream": True}) as r:
+        events = sse_events(r.iter_lines())
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
+    assert "France" not in text and events[-1]["choices"][0]["finish_reason"] == "stop"
+    wait_released(system, 5)
+
+
+def test_concurrent_requests(system):
+    results: list[dict] = []
+
+    def one(i: int) -> None:
+        with httpx.Client(base_url=system.router.url, timeout=60, trust_env=False) as c:
+            results.append(c.post("/v1/completions", json={"prompt": f"{i} + {i} =", "max_tokens": 8, "ignore_eos": True}).json())
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == 4 and all(r["usage"]["completion_tokens"] == 8 for r in results)
+    # round-robin over one instance of each still; every request got its own KV transfer
+    assert all(r["hawk"]["kv_bytes"] > 0 for r in results)
+    wait_released(system, 5)
+
+
+# ============================================================================ bad input
+
+
+def _error(r: httpx.Response, status: int, *needles: str) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    for n in needles:
+        assert n in err["message"], err["message"]
+    return err
+
+
+def test_invalid_json(system):
+    r = system.http.post("/v1/completions", content=b'{"prompt": "x", "max_tokens": ', headers={"content-type": "application/json"})
+    _error(r, 400, "Invalid JSON")
+    r = system.http.post("/v1/chat/completions", content=b"[1, 2]", headers={"content-type": "application/json"})
+    _error(r, 400, "JSON object")
+
+
+def test_missing_fields(system):
+    _error(system.http.post("/v1/completions", json={"max_tokens": 5}), 400, "missing required field 'prompt'")
+    _error(system.http.post("/v1/chat/completions", json={"model": "smollm2-135m"}), 400, "missing required field 'messages'")
+    _error(system.http.post("/v1/chat/completions", json={"messages": [{"content": "hi"}]}), 400, "role")
+
+
+@pytest.mark.parametrize("max_tokens, needle", [(0, "max_tokens"), (-3, "max_tokens"), (10**9, "larger than the model's context length"), (3000, "KV cache")])
+def test_bad_max_tokens(system, max_tokens, needle):
+    _error(system.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": max_tokens}), 400, needle)
+
+
+def test_prompt_longer_than_the_context(system):
+    err = _error(system.http.post("/v1/completions", json={"prompt": [100] * 9000, "max_tokens": 4}), 400, "maximum context length")
+    assert err["code"] == "context_length_exceeded"
+    # longer than this deployment's prefill cache, though within the model's 8192
+    err = _error(system.http.post("/v1/completions", json={"prompt": [100] * (KV_TOKENS + 10), "max_tokens": 4}), 400, "your prompt has")
+    # and prompt + max_tokens over the context, with the numbers spelled out
+    _error(system.http.post("/v1/completions", json={"prompt": [100] * 2000, "max_tokens": 7000}), 400, "2000 in the prompt")
+
+
+def test_other_bad_requests(system):
+    err = _error(system.http.post("/v1/completions", json={"model": "gpt-17", "prompt": "hi"}), 404, "gpt-17")
+    assert err["code"] == "model_not_found"
+    _error(system.http.get("/v1/models/gpt-17"), 404)
+    _error(system.http.post("/v1/completions", json={"prompt": "hi", "n": 3}), 400, "n=3")
+    _error(system.http.post("/v1/completions", json={"prompt": "hi", "temperature": 5}), 400, "temperature")
+    _error(system.http.post("/v1/completions", json={"prompt": [1, 2, 10**7]}), 400, "outside the vocabulary")
+    _error(system.http.post("/v1/completions", json={"prompt": ""}), 400, "prompt is empty")
+    _error(system.http.get("/v1/completions"), 405)
+    _error(system.http.post("/v1/nothing", json={}), 404, "no route")
+    # the instances' own endpoints validate too
+    _error(httpx.post(f"{system.prefill.url}/internal/prefill", json={"request_id": "x", "prompt_ids": []}, trust_env=False), 400)
+    _error(httpx.post(f"{system.decode.url}/internal/decode", json={"request_id": "x", "prompt_len": 3, "first_token": 1, "kv": {"address": "tcp://127.0.0.1:1", "request_id": "x"}, "params": {"max_tokens": 100000}}, trust_env=False), 400, "exceeds")
+
+
+def test_still_serving_after_bad_input(system):
+    assert "Paris" in chat(system.http)["choices"][0]["message"]["content"]
+    wait_released(system, 5)
+
+
+# ============================================================================ clients that leave
+
+
+def test_disconnect_mid_stream_frees_everything(system):
+    body = {"prompt": "Count to a thousand: 1, 2, 3,", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    before = accounting(system.decode.url)["aborted_on_disconnect"]
+    with httpx.Client(base_url=system.router.url, timeout=60, trust_env=False) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            got = 0
+            for line in r.iter_lines():
+                got += line.startswith("data: ")
+                if got >= 3:
+                    break  # leave mid-stream: closing the response drops the connection
+        assert held(system)["decode_requests"] == 1  # still generating: it would run for ~400 tokens
+    took = wait_released(system, 10)
+    assert took < 5  # far sooner than 400 tokens would take (~20 s here): the decode aborted it
+    assert accounting(system.decode.url)["aborted_on_disconnect"] == before + 1
+    assert "Paris" in chat(system.http)["choices"][0]["message"]["content"]
+
+
+def test_disconnect_during_prefill_discards_the_kv(system):
+    """A client gone while its (long) prompt is prefilled: the prefill's KV is dropped when the
+    batch ends, not 60 s later when its TTL expires, and nothing reaches the decode side."""
+    prompt = [1000 + (i % 5000) for i in range(1800)]
+    body = {"prompt": prompt, "max_tokens": 16, "stream": True}
+    before = accounting(system.prefill.url)
+    with httpx.Client(base_url=system.router.url, timeout=httpx.Timeout(60, read=0.3), trust_env=False) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                r.read()
+    time.sleep(0.1)
+    assert held(system)["prefill_gpu_blocks"] > 0  # still prefilling
+    wait_released(system, 40)
+    after = accounting(system.prefill.url)
+    # the router's abort arrived mid-batch and the KV was dropped as soon as the batch ended
+    assert after["aborts_pending"] == before["aborts_pending"] + 1
+    assert after["aborts_discarded_after_prefill"] == before["aborts_discarded_after_prefill"] + 1
+
+
+def test_non_streaming_client_timeout_frees_everything(system):
+    body = {"prompt": "Write a long story:", "max_tokens": 400, "ignore_eos": True}
+    before = accounting(system.decode.url)["aborted_on_disconnect"]
+    with httpx.Client(base_url=system.router.url, timeout=httpx.Timeout(60, read=1.5), trust_env=False) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/completions", json=body)
+    assert wait_released(system, 10) < 5
+    assert accounting(system.decode.url)["aborted_on_disconnect"] == before + 1
+    assert complete(system, prompt="Hello", max_tokens=4)["usage"]["completion_tokens"] == 4
+
+
+# ============================================================================ metrics
+
+
+def test_metrics(system):
+    system.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0})
+    complete(system, prompt="Hi", max_tokens=2)
+    text = system.http.get("/metrics").text
+    for needle in [
+        'hawk_http_requests_total{endpoint="/v1/completions",status="200"}',
+        'hawk_http_requests_total{endpoint="/v1/completions",status="400"}',
+        "hawk_time_to_first_token_seconds_bucket",
+        "hawk_time_per_output_token_seconds_count",
+        "hawk_kv_transfer_bytes_sum",
+        "hawk_kv_transfer_seconds_count",
+        'hawk_request_finish_total{reason="length"}',
+        f'hawk_instance_up{{instance="{system.prefill.url}",role="prefill"}} 1.0',
+        f'hawk_decode_kv_blocks_total{{instance="{system.decode.url}"}}',
+        f'hawk_prefill_staging_bytes{{instance="{system.prefill.url}"}} 0.0',
+        'hawk_decode_npu_channel_bytes{channel="0"',
+    ]:
+        assert needle in text, needle
+    inst = httpx.get(f"{system.decode.url}/metrics", trust_env=False).text
+    assert "hawk_decode_rx_reservations 0.0" in inst and "hawk_decode_npu_channel_bytes" in inst
+    assert "hawk_decode_aborted_on_disconnect_total " in inst
