@@ -202,3 +202,21 @@ def test_block_plan_moves_whole_blocks(tokens, seed, order):
         want[:, dids] = caches[layer][:, sids]
         assert torch.equal(direct[layer], want) and torch.equal(staged[layer], want)
     assert len(plan.direct_requests(dst, dids.tolist())) <= 2 * 2 * n
+
+
+def test_cost_model_picks_the_cheaper_landing():
+    from hawk.plan.cost_model import CostModel, cost_model_for
+
+    arch = get_arch("blackhole-p150a")
+    src = GpuKVLayout(80, 512, 16, 2, 128)
+    dst = NpuKVLayout(arch, 80, 128, 2, 64, 128, "bf16")
+    per_bank = dst.tensor_buffer(0).bytes_per_bank
+    plan = plan_kv_transfer(2048, range(128), range(32), src, dst, [t * per_bank for t in range(160)])
+    # Costly requests (RDMA NIC, NVLink engines): 8 requests + an on-device copy beat 1280 requests.
+    assert cost_model_for("nixl", "cuda").choose(plan) == "staging"
+    # Free requests and a slow device copy: write straight into the pages.
+    assert CostModel(0.0, 10e9, 1e9).choose(plan) == "direct"
+    m = CostModel(1e-5, 1e10, 1e11)
+    assert m.staging_time(plan) == pytest.approx(8e-5 + plan.total_bytes / 1e10 + 2 * plan.total_bytes / 1e11)
+    with pytest.raises(ValueError, match="no cost figures"):
+        cost_model_for("carrier-pigeon", "cpu")

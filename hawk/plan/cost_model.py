@@ -38,7 +38,7 @@ class CostModel:
         return self.time(plan.num_channels_used, plan.total_bytes, plan.total_bytes)
 
     def direct_time(self, plan: KVTransferPlan, direct_requests: int | None = None) -> float:
-        n = len(plan.direct_requests()) if direct_requests is None else direct_requests
+        n = len(plan.direct_runs()) if direct_requests is None else direct_requests
         return self.time(n, plan.total_bytes, 0)
 
     def choose(self, plan: KVTransferPlan) -> Mode:

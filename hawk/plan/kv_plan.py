@@ -166,9 +166,11 @@ class KVTransferPlan:
 
     def direct_requests(self) -> list[Request]:
         """Requests straight into the cache pages, one per run contiguous on both sides."""
+        return [Request(*r) for r in self.direct_runs()]
+
+    def direct_runs(self) -> Runs:
         off, chan, addr, length = self._pieces()
-        runs = merge_runs(np.zeros_like(chan), off, chan, addr, length)
-        return [Request(*r) for r in runs]
+        return merge_runs(SEND_BUFFER, off, chan, addr, length)
 
     def staging_requests(self, channel_dst: Mapping[int, int]) -> list[Request]:
         """One request per channel that receives data, into its per-channel buffer at ``channel_dst[c]``."""
