@@ -50,6 +50,7 @@ INSTALL_HINT = "pip install --no-deps nixl==1.5.1 nixl-cu13==1.5.1 numpy"
 
 
 def _load_nixl() -> tuple[Any, Any]:
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent creation to stdout at INFO
     try:
         from nixl._api import nixl_agent, nixl_agent_config
     except ImportError as e:  # the meta-package raises ImportError for a missing CUDA build too
