@@ -26,9 +26,8 @@ class SlowPushSender(KVSender):
 def _prefill_child(conn, config: str, transport: str, slow: bool) -> None:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     torch.set_num_threads(1)
-    from hawk.connector.configs import get_config, make_sender
+    from hawk.connector.configs import make_sender
     from hawk.connector import configs
-    from tests.kv_fixtures import make_pair  # noqa: F401  (same shapes as the in-process tests)
     from hawk.layouts.gpu import GpuKVLayout
 
     g = torch.Generator().manual_seed(0)

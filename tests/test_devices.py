@@ -53,7 +53,7 @@ def test_emulated_pages_match_the_page_map():
         sim.write_tensor(1, x)
         pages = np.arange(lay.pages_per_tensor)
         chan, addr = kv.page_locations(1, pages)
-        for p, c, a in zip(pages, chan, addr):
+        for c, a in zip(chan, addr):
             npu.write(int(c), int(a), torch.from_numpy(sim.read(int(c), int(a), lay.page_size).copy()))
         assert torch.equal(kv.read_tensor(1), sim.read_tensor(1))
         kv.close()

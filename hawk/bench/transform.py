@@ -119,7 +119,6 @@ def copy_gbps(nbytes_rw: int, device: torch.device, warmup: int, repeats: int) -
     b = torch.empty_like(a)
     a.fill_(1)
     ms = time_ms(lambda: b.copy_(a), device, warmup, repeats)
-    del a, b
     return ms, 2 * n / ms / 1e6
 
 

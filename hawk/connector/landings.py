@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -90,15 +90,13 @@ class Landing(ABC):
         """Free the receive buffers this landing allocated."""
 
 
-class ChannelLanding(Landing):
-    """gn-hawk: one buffer per DRAM channel; staging + intra-channel copy, or direct into the pages."""
+class _NpuTilesLanding(Landing):
+    """Receives HAWK's transformed tiles into the NPU's KV cache; every channel is a region."""
 
     format = "npu-tiles"
 
-    def __init__(self, kv: NpuKVCacheMemory, buffers: ChannelBuffers, cost: CostModel, mode: str = "auto"):
-        if mode not in ("auto", "staging", "direct"):
-            raise ValueError(f"landing mode must be auto, staging or direct, got {mode!r}")
-        self.kv, self.buffers, self.cost, self.mode = kv, buffers, cost, mode
+    def __init__(self, kv: NpuKVCacheMemory):
+        self.kv = kv
         self.npu: NpuBackend = kv.npu
 
     def regions(self) -> dict[str, torch.Tensor]:
@@ -111,6 +109,16 @@ class ChannelLanding(Landing):
         plan = plan_kv_transfer(ready.num_tokens, ready.src_block_ids, dst_block_ids, src, self.kv.layout, self.kv.bases)
         _check_extents(ready, plan)
         return plan
+
+
+class ChannelLanding(_NpuTilesLanding):
+    """gn-hawk: one buffer per DRAM channel; staging + intra-channel copy, or direct into the pages."""
+
+    def __init__(self, kv: NpuKVCacheMemory, buffers: ChannelBuffers, cost: CostModel, mode: str = "auto"):
+        if mode not in ("auto", "staging", "direct"):
+            raise ValueError(f"landing mode must be auto, staging or direct, got {mode!r}")
+        super().__init__(kv)
+        self.buffers, self.cost, self.mode = buffers, cost, mode
 
     def choose(self, plan: KVTransferPlan) -> str:
         return self.cost.choose(plan) if self.mode == "auto" else self.mode
@@ -143,24 +151,12 @@ class ChannelLanding(Landing):
         self.buffers.close()
 
 
-class SingleLanding(Landing):
+class SingleLanding(_NpuTilesLanding):
     """gn-direct-single: one contiguous buffer in one channel, then cross-channel rearrangement."""
 
-    format = "npu-tiles"
-
     def __init__(self, kv: NpuKVCacheMemory, buffer: SingleBuffer):
-        self.kv, self.buffer, self.npu = kv, buffer, kv.npu
-
-    def regions(self) -> dict[str, torch.Tensor]:
-        return {channel_region(c): self.npu.channel_memory(c) for c in range(self.npu.arch.num_channels)}
-
-    def hello(self) -> tuple[Any, dict]:
-        return self.kv.layout, {"bases": list(self.kv.bases)}
-
-    def plan(self, ready, dst_block_ids, src) -> KVTransferPlan:
-        plan = plan_kv_transfer(ready.num_tokens, ready.src_block_ids, dst_block_ids, src, self.kv.layout, self.kv.bases)
-        _check_extents(ready, plan)
-        return plan
+        super().__init__(kv)
+        self.buffer = buffer
 
     def reserve(self, plan, owner, ttl_s) -> Held:
         return Held("single", {0: self.buffer.reserve(plan.total_bytes, owner, ttl_s)})

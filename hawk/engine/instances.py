@@ -19,7 +19,6 @@ from hawk.engine.loader import LoadedModel, load_model
 from hawk.engine.npu_attention import NpuTileAttention
 from hawk.engine.paged_attention import PagedAttention
 from hawk.engine.prefill_engine import PrefillEngine
-from hawk.layouts.dtypes import gpu_torch_dtype
 from hawk.layouts.gpu import GpuKVLayout
 from hawk.layouts.npu import NpuKVLayout, get_arch
 from hawk.memory.npu_kv_cache import NpuKVCacheMemory

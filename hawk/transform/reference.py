@@ -34,21 +34,18 @@ def _slab_rows(plan: KVTransferPlan, device: torch.device) -> tuple[torch.Tensor
     return offset // src.head_dim, valid
 
 
-def gather_tiles(caches: Sequence[torch.Tensor], plan: KVTransferPlan, layer: int) -> torch.Tensor:
-    """``[2, P, 32, 32]`` tiles (K then V) of one layer in plan order, rows past the request zeroed."""
+def gather_faces(caches: Sequence[torch.Tensor], plan: KVTransferPlan, layer: int) -> torch.Tensor:
+    """``[2, P, 4, 16, 16]`` tiles (K then V) of one layer in plan order and face order, rows past the request zeroed.
+
+    One gather of whole ``head_dim`` rows, then one permute that does both the column-tile split
+    and the 16x16 face order: ``[slab, 2 fr, 16 r, ct, 2 fc, 16 c] -> [slab, ct, fr, fc, r, c]``.
+    """
     cache = caches[layer]
     rows, valid = _slab_rows(plan, cache.device)
-    d = plan.src.head_dim
-    slabs = cache.reshape(2, -1, d)[:, rows.reshape(-1)]  # [2, S*32, D]
+    slabs = cache.reshape(2, -1, plan.src.head_dim)[:, rows.reshape(-1)]  # [2, S*32, D]
     slabs[:, (~valid).reshape(-1)] = 0  # +0 padding rows, as ttnn pads
-    ct = plan.dst.col_tiles
-    return slabs.reshape(2, -1, TILE, ct, TILE).permute(0, 1, 3, 2, 4).reshape(2, -1, TILE, TILE)
-
-
-def tiles_to_face_order(tiles: torch.Tensor) -> torch.Tensor:
-    """``[..., 32, 32]`` row-major tiles -> ``[n, 4, 16, 16]`` faces (TL, TR, BL, BR)."""
-    t = tiles.reshape(-1, 2, FACE, 2, FACE).permute(0, 1, 3, 2, 4)
-    return t.reshape(-1, 4, FACE, FACE)
+    s = slabs.reshape(2, -1, 2, FACE, plan.dst.col_tiles, 2, FACE).permute(0, 1, 4, 2, 5, 3, 6)
+    return s.reshape(2, -1, 4, FACE, FACE)
 
 
 def transform_reference(
@@ -65,7 +62,7 @@ def transform_reference(
     pages = out[: plan.total_bytes].view(-1, pb)
     a, b = (torch.as_tensor(x, device=device) for x in plan.offset_terms())
     for layer in range(plan.src.num_layers):
-        encoded = tiles_to_bytes(tiles_to_face_order(gather_tiles(caches, plan, layer)), plan.dst.dtype)
+        encoded = tiles_to_bytes(gather_faces(caches, plan, layer).reshape(-1, 4, FACE, FACE), plan.dst.dtype)
         encoded = encoded.view(2, -1, pb)
         for kv in range(2):
             t = 2 * layer + kv
