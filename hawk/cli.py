@@ -44,6 +44,74 @@ def info() -> None:
     con.print("transports: " + ", ".join(f"{n} ({'available' if available(n) else 'not available'})" for n in TRANSPORTS))
 
 
+TRANSFERS = "gn-hawk | gn-host | gn-direct-single | gg-direct | gg-host | colocated"
+
+
+def _fail(e: Exception) -> None:
+    typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+@app.command()
+def serve(
+    host: str = typer.Option("127.0.0.1", help="address the router (or the single role) binds"),
+    port: int = typer.Option(8000, help="router port (or the single role's port)"),
+    role: str = typer.Option("all", help="all | router | prefill | decode | colocated"),
+    model: str = typer.Option("smollm2-135m", help="embedded default, a preset (tiny, llama-3.1-8b, llama-3.1-70b-tp4), a .gguf file or a HF checkpoint dir"),
+    transfer: str = typer.Option("gn-hawk", help=TRANSFERS),
+    transport: str = typer.Option("nixl", help="nixl | mooncake"),
+    prefill_device: str = typer.Option("cpu", help="cpu or cuda:N (the GPU role)"),
+    decode_device: str = typer.Option("npu-emu:cpu", help="npu-emu:cpu | npu-emu:cuda:N for gn-*; cpu | cuda:N for gg-*"),
+    arch: str = typer.Option("blackhole-p150a", help="emulated NPU: blackhole-p150a | blackhole-p100a | wormhole-n150 | wormhole-n300"),
+    kv_dtype: str = typer.Option("bf16", help="NPU KV dtype: bf16 | bfp8_b"),
+    dtype: str = typer.Option("fp32", help="compute dtype: fp32 | bf16 | fp16"),
+    prefill_url: Optional[list[str]] = typer.Option(None, help="role=router: a prefill instance URL (repeatable)"),
+    decode_url: Optional[list[str]] = typer.Option(None, help="role=router: a decode instance URL (repeatable)"),
+    num_prefill: int = typer.Option(1, min=1),
+    num_decode: int = typer.Option(1, min=1),
+    threads: Optional[int] = typer.Option(None, help="torch threads per engine process (default: cores shared evenly)"),
+    kv_tokens: int = typer.Option(8192, help="KV-cache capacity of each instance, in tokens"),
+    staging_mb: int = typer.Option(64, help="prefill staging (GPU RDMA) buffer"),
+    rx_mb: int = typer.Option(64, help="decode receive buffers (split over NPU channels for gn-hawk)"),
+    landing_mode: str = typer.Option("auto", help="gn-hawk landing: auto (cost model) | staging | direct"),
+    post: str = typer.Option("pull", help="pull (decode READs) | push (prefill WRITEs)"),
+    kv_host: Optional[str] = typer.Option(None, help="address the prefill's KV control socket binds and advertises"),
+    log_dir: Optional[str] = typer.Option(None, help="keep engine logs here"),
+) -> None:
+    """Serve an OpenAI-compatible endpoint: router -> GPU prefill -> HAWK KV transfer -> NPU decode."""
+    from hawk.serve.launcher import serve as run
+
+    try:
+        run(
+            host=host, port=port, role=role, model=model, transfer=transfer, transport=transport,
+            prefill_device=prefill_device, decode_device=decode_device, arch=arch, kv_dtype=kv_dtype, dtype=dtype,
+            prefill_urls=prefill_url, decode_urls=decode_url, num_prefill=num_prefill, num_decode=num_decode,
+            threads=threads, kv_tokens=kv_tokens, staging_mb=staging_mb, rx_mb=rx_mb, landing_mode=landing_mode,
+            post=post, kv_host=kv_host, log_dir=log_dir,
+        )
+    except (ValueError, OSError, RuntimeError) as e:
+        _fail(e)
+
+
+@app.command()
+def demo(
+    model: str = typer.Option("smollm2-135m"),
+    transfer: str = typer.Option("gn-hawk", help=TRANSFERS),
+    transport: str = typer.Option("nixl"),
+    prefill_device: str = typer.Option("cpu"),
+    decode_device: str = typer.Option("npu-emu:cpu"),
+    arch: str = typer.Option("blackhole-p150a"),
+    kv_dtype: str = typer.Option("bf16"),
+) -> None:
+    """Start the whole system on the embedded default, send a few requests, print answers and timings, stop."""
+    from hawk.serve.demo import demo as run
+
+    try:
+        run(model=model, transfer=transfer, transport=transport, prefill_device=prefill_device, decode_device=decode_device, arch=arch, kv_dtype=kv_dtype)
+    except (ValueError, OSError, RuntimeError) as e:
+        _fail(e)
+
+
 @bench_app.command("transfer")
 def bench_transfer(
     sizes_mb: str = typer.Option("10,20,40,80,160,320,640,1280", help="KV sizes per transfer (MiB, Llama-3.1-70B TP4 rank shape)"),

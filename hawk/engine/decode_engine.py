@@ -166,10 +166,13 @@ class DecodeEngine:
             if e is None:
                 return False
             e.aborted = True
-            if e in self._waiting:
+            queued = e in self._waiting
+            if queued:
                 self._waiting.remove(e)
                 self._entries.pop(request_id, None)
             self._lock.notify()
+        if queued:  # it held nothing yet; the other stages report their abort when they see the flag
+            e.on_event(TokenEvent(request_id, finish_reason="abort"))
         return True
 
     # -- the loop ----------------------------------------------------------------------------

@@ -56,6 +56,31 @@ class InstanceConfig:
     max_batch: int = 64
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def validate(self) -> "InstanceConfig":
+        """Refuse inconsistent options before anything is started; returns self."""
+        from hawk.layouts.dtypes import check_npu_dtype
+        from hawk.transport.registry import TRANSPORTS
+
+        self.torch_dtype  # noqa: B018 - raises for an unknown compute dtype
+        check_npu_dtype(self.kv_dtype)
+        get_arch(self.arch)
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"unknown transport {self.transport!r}; expected one of {list(TRANSPORTS)}")
+        if self.landing_mode not in ("auto", "staging", "direct"):
+            raise ValueError(f"landing mode must be auto, staging or direct, got {self.landing_mode!r}")
+        if self.post not in ("pull", "push"):
+            raise ValueError(f"post must be pull or push, got {self.post!r}")
+        for name in ("kv_tokens", "staging_mb", "rx_mb", "gpu_block_size", "npu_block_size", "max_batch"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.transfer == "colocated":
+            return self
+        on_npu = get_config(self.transfer).decode_on == "npu"
+        if on_npu != self.decode_device.startswith("npu-emu"):
+            want = "npu-emu:cpu or npu-emu:cuda:N" if on_npu else "cpu or cuda:N"
+            raise ValueError(f"{self.transfer} decodes on {'an NPU' if on_npu else 'a GPU'}: --decode-device must be {want}, not {self.decode_device!r}")
+        return self
+
     @property
     def torch_dtype(self) -> torch.dtype:
         try:
@@ -82,7 +107,7 @@ class PrefillInstance:
     def __init__(self, cfg: InstanceConfig, loaded: LoadedModel | None = None):
         if cfg.transfer == "colocated":
             raise ValueError("colocated mode has no separate prefill instance (use ColocatedInstance)")
-        self.cfg = cfg
+        self.cfg = cfg.validate()
         self.loaded = loaded or load_model(cfg.model, cfg.prefill_device, cfg.torch_dtype, cfg.seed)
         mc = self.loaded.config
         self.layout = _gpu_layout(cfg, mc, cfg.kv_tokens)
@@ -120,7 +145,7 @@ class DecodeInstance:
     """The NPU role (emulated NPU, tiled KV cache) or, for gg-*, a GPU with a paged cache."""
 
     def __init__(self, cfg: InstanceConfig, loaded: LoadedModel | None = None):
-        self.cfg = cfg
+        self.cfg = cfg.validate()
         tc = get_config(cfg.transfer)
         compute = cfg.decode_compute_device
         self.loaded = loaded or load_model(cfg.model, compute, cfg.torch_dtype, cfg.seed)
@@ -129,8 +154,6 @@ class DecodeInstance:
         rx = cfg.rx_mb * MiB
         self.npu = None
         if tc.decode_on == "npu":
-            if not cfg.decode_device.startswith("npu-emu"):
-                raise ValueError(f"{cfg.transfer} decodes on an NPU: give --decode-device npu-emu:cpu or npu-emu:cuda:N, not {cfg.decode_device!r}")
             arch0 = get_arch(cfg.arch)
             blocks = -(-cfg.kv_tokens // cfg.npu_block_size)
             probe = NpuKVLayout(arch0, mc.num_layers, blocks, mc.num_kv_heads, cfg.npu_block_size, mc.head_dim, cfg.kv_dtype)
@@ -195,6 +218,13 @@ class ColocatedInstance:
 
     def take_blocks(self, request_id: str) -> list[int]:
         return self._handed.pop(request_id)
+
+    def discard(self, request_id: str) -> bool:
+        """Free a prefilled request's blocks that will never be decoded (its client left)."""
+        blocks = self._handed.pop(request_id, None)
+        if blocks is not None:
+            self.blocks.free(blocks)
+        return blocks is not None
 
     def accounting(self) -> dict[str, Any]:
         return {"kv_blocks_used": self.blocks.num_blocks - self.blocks.num_free, "kv_blocks_total": self.blocks.num_blocks, "handed_over": len(self._handed)}

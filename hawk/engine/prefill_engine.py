@@ -94,6 +94,11 @@ class PrefillEngine:
                     return True
         return False
 
+    def stats(self) -> dict[str, int]:
+        with self._cv:
+            waiting = len(self._queue)
+        return {"waiting": waiting, "free_blocks": self.blocks.num_free, "total_blocks": self.blocks.num_blocks}
+
     def _take_batch(self) -> list[_Job]:
         batch, tokens, free = [], 0, self.blocks.num_free
         while self._queue:

@@ -19,21 +19,9 @@ from hawk.serve.prefill_server import PrefillService, prefill_routes
 COLOCATED_ADDRESS = "colocated"
 
 
-def _discard(instance: ColocatedInstance, request_id: str) -> bool:
-    """Free the blocks of a prefilled request nobody will decode.
-
-    ColocatedInstance has no public discard yet; this reaches its hand-over table directly.
-    """
-    blocks = instance._handed.pop(request_id, None)  # noqa: SLF001
-    if blocks is None:
-        return False
-    instance.blocks.free(blocks)
-    return True
-
-
 def create_colocated_app(instance: ColocatedInstance, close_on_shutdown: bool = True) -> FastAPI:
     cfg, mc = instance.cfg, instance.loaded.config
-    prefill = PrefillService(instance.prefill, lambda rid: _discard(instance, rid), COLOCATED_ADDRESS, mc.vocab_size)
+    prefill = PrefillService(instance.prefill, instance.discard, COLOCATED_ADDRESS, mc.vocab_size)
 
     def handle_for(req: DecodeRequest) -> list[int]:
         return instance.take_blocks(req.kv.request_id)

@@ -114,7 +114,6 @@ def bind_socket(host: str = LOOPBACK, port: int = 0) -> socket.socket:
         sock.close()
         raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
     sock.listen(2048)
-    sock.set_inheritable(True)
     return sock
 
 

@@ -39,6 +39,10 @@ class KVRef(BaseModel):
     request_id: str
 
 
+class AbortRequest(BaseModel):
+    request_id: str
+
+
 class DecodeRequest(BaseModel):
     request_id: str = Field(min_length=1, max_length=256)
     prompt_len: int = Field(ge=1)
@@ -129,9 +133,9 @@ def decode_routes(svc: DecodeService) -> APIRouter:
         return svc.start(req)
 
     @r.post("/internal/decode_abort")
-    async def abort(body: dict[str, str]) -> dict[str, Any]:
-        rid = str(body.get("request_id", ""))
-        return {"request_id": rid, "aborted": svc.engine.abort(rid)}
+    async def abort(req: AbortRequest) -> dict[str, Any]:
+        """Explicit abort (closing the /internal/decode stream does the same)."""
+        return {"request_id": req.request_id, "aborted": svc.engine.abort(req.request_id)}
 
     return r
 

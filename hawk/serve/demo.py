@@ -9,6 +9,8 @@ OpenAI client would. Greedy sampling, so the answers are repeatable.
 from __future__ import annotations
 
 import json
+import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -16,6 +18,7 @@ from typing import Any
 
 import httpx
 from rich.console import Console
+from rich.table import Table
 
 from hawk.serve.launcher import instance_config, start_system
 
@@ -33,7 +36,7 @@ DEMO_REQUESTS: list[dict[str, Any]] = [
     {
         "title": "streamed chat",
         "path": "/v1/chat/completions",
-        "body": {"messages": [{"role": "user", "content": "Give me one tip for writing fast code."}], "max_tokens": 48, "stream": True},
+        "body": {"messages": [{"role": "user", "content": "Write a haiku about the ocean."}], "max_tokens": 40, "stream": True},
     },
 ]
 
@@ -109,7 +112,7 @@ def demo(
     are the embedded model on this machine: CPU prefill, emulated Blackhole p150a decode, bf16 KV,
     NIXL over loopback. ``kv_tokens`` sizes each instance's KV cache (smaller starts faster).
     """
-    console = Console(highlight=False)
+    console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 120)
     t0 = time.monotonic()
     cfg = instance_config(
         model=model, transfer=transfer, transport=transport, prefill_device=prefill_device,
@@ -121,7 +124,7 @@ def demo(
         f"{kv_dtype} KV · {transfer} over {transport}"
     )
     logs = tempfile.mkdtemp(prefix="hawk-demo-logs-")
-    console.print(f"[dim]starting prefill and decode processes (logs in {logs}) ...[/]")
+    console.print(f"[dim]starting prefill and decode processes (logs in {logs}, removed on success) ...[/]")
     results = []
     with start_system(cfg, threads=threads, log_dir=logs, default_temperature=0.0) as system:
         console.print(
@@ -133,9 +136,24 @@ def demo(
                 h = run_request(client, req, console)
                 console.print(f"[green]  {timing_line(h)}[/]")
                 results.append(h)
-        console.print("[dim]shutting down (children stop, buffers released) ...[/]")
-    console.print(f"[bold]done in {time.monotonic() - t0:.1f} s[/]  (the NPU is emulated: its timings are not real Tenstorrent numbers)")
+        console.print("\n[dim]shutting down (children stop, buffers released) ...[/]")
+    shutil.rmtree(logs, ignore_errors=True)
+    console.print(summary_table(results, npu))
+    console.print(f"[bold]done in {time.monotonic() - t0:.1f} s[/]  (the NPU is emulated on this machine: its timings are not Tenstorrent hardware numbers)")
     return results
+
+
+def summary_table(results: list[dict[str, Any]], npu: str) -> Table:
+    t = Table(title=f"per-request timings (decode on {npu})", title_justify="left")
+    for col in ("request", "TTFT ms", "TPOT ms", "tokens in/out", "KV MB", "KV ms", "KV reqs"):
+        t.add_column(col, justify="left" if col == "request" else "right")
+    for req, h in zip(DEMO_REQUESTS, results):
+        f = lambda v, k=1e3: "-" if v is None else f"{v * k:.1f}"  # noqa: E731
+        t.add_row(
+            req["title"], f(h.get("ttft_s")), f(h.get("tpot_s")), f"{h.get('prompt_tokens')}/{h.get('completion_tokens')}",
+            f(h.get("kv_bytes"), 1e-6), f(h.get("kv_transfer_s")), str(h.get("kv_requests", "-")),
+        )
+    return t
 
 
 if __name__ == "__main__":

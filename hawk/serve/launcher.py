@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -131,6 +132,7 @@ class Cluster:
     """Engine child processes, started and healthy; ``close`` stops them."""
 
     children: list[Child] = field(default_factory=list)
+    workdir: Path | None = None  # holds the children's ready files
 
     @property
     def prefill_urls(self) -> list[str]:
@@ -155,6 +157,8 @@ class Cluster:
                 c.proc.kill()
                 c.proc.wait(5)
             c.ready_file.unlink(missing_ok=True)
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> Cluster:
         return self
@@ -227,13 +231,17 @@ def start_cluster(
     "colocated") and wait until all are healthy. ``threads`` defaults to an even share of the
     cores per process."""
     roles = ["colocated"] if cfg.transfer == "colocated" else ["prefill"] * num_prefill + ["decode"] * num_decode
+    if cfg.transport == "local" and len(roles) > 1:
+        raise ValueError("transport 'local' works inside one process only; prefill and decode run as separate processes here (use nixl or mooncake)")
+    if num_prefill < 1 or num_decode < 1:
+        raise ValueError(f"need at least one prefill and one decode instance, got {num_prefill} and {num_decode}")
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // len(roles))
     workdir = Path(tempfile.mkdtemp(prefix="hawk-serve-"))
     logs = Path(log_dir) if log_dir is not None else None
     if logs is not None:
         logs.mkdir(parents=True, exist_ok=True)
-    cluster = Cluster()
+    cluster = Cluster(workdir=workdir)
     counts: dict[str, int] = {}
     try:
         for role in roles:
@@ -302,13 +310,11 @@ def instance_config(
 
     if transfer != "colocated":
         get_config(transfer)  # ValueError with the known names
-    cfg = InstanceConfig(
+    return InstanceConfig(
         model=model, dtype=dtype, transfer=transfer, transport=transport, prefill_device=prefill_device,
         decode_device=decode_device, arch=arch, kv_dtype=kv_dtype, kv_tokens=kv_tokens, staging_mb=staging_mb,
         rx_mb=rx_mb, landing_mode=landing_mode, post=post, host=kv_host, seed=seed,
-    )
-    cfg.torch_dtype  # noqa: B018 - raises for an unknown compute dtype
-    return cfg
+    ).validate()
 
 
 def serve(
@@ -380,11 +386,11 @@ def serve(
             if role in ENGINE_ROLES:
                 run_instance(role, cfg, host, port, threads, log_level=log_level)
                 return
-            if transport == "local":
-                raise ValueError("transport 'local' works inside one process only; role 'all' runs prefill and decode as separate processes")
             if host in (LOOPBACK, "localhost"):
                 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # keep UCX (NIXL) off other interfaces
             sock = bind_socket(host, port)  # fail fast on a busy port, before loading any model
+            n = 1 if transfer == "colocated" else num_prefill + num_decode
+            print(f"HAWK: starting {n} engine process(es) for {model} ({transfer}); the router opens {url_of(sock)} when they are up", flush=True)
             with start_cluster(cfg, num_prefill, num_decode, threads, LOOPBACK, log_dir, startup_timeout_s, log_level) as cluster:
                 app = create_router_app(RouterConfig(cluster.prefill_urls, cluster.decode_urls, default_temperature=default_temperature))
                 print(f"HAWK serving {model} ({transfer} over {transport}) at {url_of(sock)}/v1", flush=True)

@@ -16,7 +16,7 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,7 +47,6 @@ from hawk.serve.protocol import (
     ModelList,
     OpenAIError,
     Usage,
-    error_body,
     new_id,
 )
 from hawk.serve.tokenizer_wire import tokenizer_from_wire
@@ -207,8 +206,8 @@ class Router:
                 f"your prompt has {n_prompt} tokens. Please shorten the prompt.",
                 code="context_length_exceeded", param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
             )
-        if max_tokens is None:
-            max_tokens = max(1, min(default_max, limit - n_prompt))
+        if max_tokens is None:  # as much as fits, up to the default (it reserves decode KV)
+            max_tokens = max(1, min(default_max, min(limit, self.pool.max_kv_tokens) - n_prompt))
         if max_tokens > limit:
             raise OpenAIError(400, f"max_tokens={max_tokens} is larger than the model's context length ({limit} tokens)", param="max_tokens")
         if n_prompt + max_tokens > limit:
@@ -422,7 +421,7 @@ def create_router_app(cfg: RouterConfig, tokenizer: Tokenizer | None = None) -> 
     async def completions(req: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         router.check_model(req.model)
-        ids = router.completion_prompt(req.prompt)
+        ids = await asyncio.to_thread(router.completion_prompt, req.prompt)  # long prompts: keep the loop free
         params = router.sampling(req, len(ids), req.max_tokens, default_max=16)
         rid = new_id("cmpl")
         gen = router.new_generation(rid, ids, params, req.stop_list(), arrival)
@@ -432,7 +431,7 @@ def create_router_app(cfg: RouterConfig, tokenizer: Tokenizer | None = None) -> 
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         router.check_model(req.model)
-        ids = router.chat_prompt(req)
+        ids = await asyncio.to_thread(router.chat_prompt, req)
         params = router.sampling(req, len(ids), req.requested_max_tokens, default_max=cfg.default_chat_max_tokens)
         rid = new_id("chatcmpl")
         gen = router.new_generation(rid, ids, params, req.stop_list(), arrival)
