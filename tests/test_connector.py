@@ -156,3 +156,25 @@ def test_pull_from_a_dead_prefill_fails_cleanly():
         assert pair.freed == ["r"]  # closing the sender gave its blocks back
     finally:
         pair.close()
+
+
+def test_a_failing_transform_gives_everything_back():
+    pair = make_pair("gn-hawk", LocalTransport(), LocalTransport())
+    good = pair.sender.fmt.produce
+
+    def broken(plan, out):
+        raise RuntimeError("kernel fault")
+
+    try:
+        pair.add("bad", 40, [0, 1, 2])
+        pair.sender.fmt.produce = broken
+        with pytest.raises(KVTransferFailed, match="kernel fault"):
+            pair.receiver.pull(pair.sender.address, "bad", [0])
+        assert pair.freed == ["bad"]
+        assert pair.sender.accounting()["staging"] == []
+        pair.sender.fmt.produce = good
+        pair.add("good", 40, [0, 1, 2])
+        pair.receiver.pull(pair.sender.address, "good", [0])
+        assert pair.landed(40, [0, 1, 2], [0])
+    finally:
+        pair.close()

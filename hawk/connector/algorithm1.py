@@ -183,20 +183,20 @@ class KVSender:
             return Error(msg.request_id, f"unknown receiver {msg.receiver!r}: say hello first")
         if job is None:
             return Error(msg.request_id, f"no KV waiting for request {msg.request_id!r} (never prefilled, expired, or pulled already)")
+        res = None
         try:
             plan = self.fmt.plan(job.num_tokens, job.block_ids, receiver.info, msg.dst_block_ids)
             size = self.fmt.size(plan)
             res = self._reserve(size, msg.request_id) if size else None  # P4: reserve RDMA-buffer space
-            try:
-                if res is not None:
-                    self.fmt.produce(plan, self.staging.view(res))  # type: ignore[union-attr]  # P3 + P5
-                    _sync(self.staging.tensor)  # type: ignore[union-attr]
-            except BaseException:
-                self._release_reservation(res)
-                raise
-        except (ValueError, BufferFull) as e:
+            if res is not None:
+                self.fmt.produce(plan, self.staging.view(res))  # type: ignore[union-attr]  # P3 + P5
+                _sync(self.staging.tensor)  # type: ignore[union-attr]
+        except BaseException as e:  # the request fails; nothing it held may stay held
+            self._release_reservation(res)
             self._give_back_blocks(job)
-            return Error(msg.request_id, str(e))
+            if isinstance(e, (ValueError, BufferFull)):
+                return Error(msg.request_id, str(e))
+            raise
         in_place = self.fmt.reads_cache_in_place
         if not in_place:
             self._give_back_blocks(job)  # P6: the KV now lives in staging; the paged blocks can be reused
@@ -364,6 +364,7 @@ class KVReceiver:
         for name, tensor in landing.regions().items():
             transport.register(name, tensor)
         self._senders: dict[str, _Sender] = {}
+        self._connecting: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
         self._draining: list[tuple[float, Held]] = []
 
@@ -372,6 +373,17 @@ class KVReceiver:
         with self._lock:
             if address in self._senders:
                 return
+            gate = self._connecting.setdefault(address, threading.Lock())
+        with gate:  # one handshake per address, however many pulls start at once
+            with self._lock:
+                if address in self._senders:
+                    return
+            try:
+                self._handshake(address)
+            except PeerUnreachable as e:
+                raise KVTransferFailed(f"prefill at {address} did not answer the handshake: {e}") from e
+
+    def _handshake(self, address: str) -> None:
         client = ControlClient(address)
         layout, extra = self.landing.hello()
         hello = Hello("decode", self.config, self.transport.name, self.transport.metadata(), layout_to_wire(layout), {**extra, "format": self.landing.format, "receiver": self.transport.agent_name})
