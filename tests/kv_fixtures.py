@@ -29,6 +29,16 @@ class Pair:
     kv: object = None
     dcaches: list = field(default_factory=list)
     freed: list = field(default_factory=list)
+    dead_senders: list = field(default_factory=list)
+
+    def respawn_sender(self, transport) -> None:
+        """The prefill instance dies and a new one takes its place (same KV cache contents)."""
+        old, old_t = self.sender, self.tp
+        old.close()
+        old_t.close()
+        self.tp = transport
+        self.sender = make_sender(self.config, transport, self.caches, self.src, 1 << 20, ttl_s=old.ttl_s, reap_every_s=0.02)
+        self.dead_senders.append(old)
 
     def add(self, rid: str, tokens: int, blocks: list[int]) -> None:
         self.sender.add(rid, tokens, blocks, lambda rid=rid: self.freed.append(rid))

@@ -1,6 +1,7 @@
 """Algorithm 1 end to end: the five configurations, the push variant, and release on every path."""
 
 import random
+import threading
 import time
 
 import pytest
@@ -70,11 +71,12 @@ class FaultyLocal(LocalTransport):
 
 
 def test_reservations_released_after_many_faulty_transfers():
-    """220 transfers mixing successes with every fault kind; both ledgers end empty."""
+    """220 transfers mixing successes with every fault kind, including the prefill dying mid-transfer;
+    both ledgers (and every dead prefill's) end empty, and every prefill block comes back exactly once."""
     tp, td = LocalTransport(), FaultyLocal()
     pair = make_pair("gn-hawk", tp, td, ttl_s=0.5, timeout_s=0.3)
     rng = random.Random(7)
-    kinds = ["ok"] * 4 + ["fail", "hang", "bad-meta", "never-pulled", "receiver-vanishes", "unknown-request", "garbage"]
+    kinds = ["ok"] * 4 + ["fail", "hang", "bad-meta", "never-pulled", "receiver-vanishes", "unknown-request", "garbage", "prefill-dies"]
     seen = {k: 0 for k in kinds}
     good_extents = pair.sender.fmt.extents
     raw = ControlClient(pair.sender.address)
@@ -99,7 +101,10 @@ def test_reservations_released_after_many_faulty_transfers():
                 assert isinstance(reply, Error) and "unknown receiver" in reply.message
                 pair.sender.discard(rid)
                 continue
-            td.fault = kind if kind in ("fail", "hang") else "none"
+            td.fault = kind if kind in ("fail", "hang") else "hang" if kind == "prefill-dies" else "none"
+            if kind == "prefill-dies":  # the batch is in flight when the prefill process goes away
+                dying = pair.sender
+                threading.Timer(0.1, lambda: (dying.close(), dying.transport.close())).start()
             if kind == "bad-meta":
                 pair.sender.fmt.extents = lambda plan: [[0, 0, 64]]
             try:
@@ -113,11 +118,21 @@ def test_reservations_released_after_many_faulty_transfers():
             finally:
                 td.fault = "none"
                 pair.sender.fmt.extents = good_extents
+            if kind == "prefill-dies":
+                time.sleep(0.15)
+                pair.respawn_sender(LocalTransport())
+                good_extents = pair.sender.fmt.extents
+                raw.close()
+                raw = ControlClient(pair.sender.address)
+                pair.receiver.connect(pair.sender.address)
         assert all(seen.values()), seen
         time.sleep(0.6)  # past the TTL: un-pulled and abandoned requests expire
         s, r = _settled(pair, timeout=5)
         assert s == {"staging": [], "waiting": [], "in_flight": [], "draining": 0}, s
         assert r == {"reservations": [], "draining": 0}, r
+        assert len(pair.dead_senders) == seen["prefill-dies"]
+        for dead in pair.dead_senders:
+            assert dead.accounting() == {"staging": [], "waiting": [], "in_flight": [], "draining": 0}
         # Every prefill's blocks came back exactly once, whatever happened to its transfer.
         added = [f"q{i}" for i in range(220)]
         assert sorted(pair.freed) == sorted(x for x in added if x in pair.freed)
