@@ -159,6 +159,34 @@ def bench_transform(ctx: typer.Context) -> None:
     main(ctx.args)
 
 
+@bench_app.command("serving", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench_serving(ctx: typer.Context) -> None:
+    """Online serving against a running router: TTFT, TPOT, SLO attainment, throughput vs request rate (paper Figs. 10-13).
+
+    Options pass to ``python -m hawk.bench.serving`` (see ``--help`` there), e.g.
+    ``hawk bench serving --url http://127.0.0.1:8000 --workload chatbot-tiny --rates 0.5,1,2``.
+    """
+    from hawk.bench.serving import main
+
+    main(ctx.args)
+
+
+@bench_app.command("efficiency", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench_efficiency(ctx: typer.Context) -> None:
+    """Power and cost efficiency at 90 % SLO attainment from serving or simulation records (paper Tables 8-9)."""
+    from hawk.bench.efficiency import main
+
+    main(ctx.args)
+
+
+@app.command("sim", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def sim(ctx: typer.Context) -> None:
+    """Cluster-scale discrete-event simulation, calibrated by measured transfer curves (options: ``python -m hawk.sim --help``)."""
+    from hawk.sim.command import main
+
+    main(ctx.args)
+
+
 def main() -> None:
     app()
 

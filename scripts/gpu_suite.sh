@@ -5,9 +5,10 @@
 #     transform - transform throughput vs a plain copy (Triton and torch), 10-1280 MB
 #     transfer  - `hawk bench transfer`, the five configurations, 10-1280 MB, prefill GPU0 -> decode GPU1
 #     model     - Llama-3.1-8B-shaped model: disaggregated vs colocated tokens, TTFT/TPOT
+#     serving   - `hawk serve` (8B shape, bf16) under Poisson load: TTFT, TPOT, SLO attainment vs rate
 # Wheels missing on the box (nixl, nixl_cu13, pyzmq for cp312) are carried in .whl/ (see docs/gpu.md).
 set -uo pipefail
-parts=" ${*:-tests transform transfer model} "
+parts=" ${*:-tests transform transfer model serving} "
 want() { [[ "$parts" == *" $1 "* ]]; }
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -37,4 +38,18 @@ want transfer && \
 want model && \
   step model_8b 420 python3 -m hawk.bench.equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 \
     --decode-device npu-emu:cuda:$dec --configs gn-hawk,gg-direct --max-tokens 32 --kv-tokens 8192 --json "$OUT/e2e_8b_h200x2.json"
+serve_bench() {  # serve_bench CONFIG DECODE_DEVICE: one server, one load sweep, clean stop
+  local cfg=$1 dev=$2 port=8100
+  python3 -m hawk serve --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device "$dev" \
+    --transfer "$cfg" --port $port --kv-tokens 65536 --staging-mb 1024 --rx-mb 1024 > "$OUT/serve_$cfg.log" 2>&1 &
+  local spid=$!
+  for _ in $(seq 1 240); do curl -sf 127.0.0.1:$port/health > /dev/null && break; sleep 1; done
+  step "serving_$cfg" 200 python3 -m hawk.bench.serving --url http://127.0.0.1:$port --workload chatbot \
+    --rates 1,2,4 --num-requests 30 --output-scale 0.25 --json "$OUT/serving_$cfg.json"
+  kill -INT $spid; wait $spid
+}
+if want serving; then
+  serve_bench gn-hawk npu-emu:cuda:$dec
+  serve_bench gg-direct cuda:$dec
+fi
 exit 0

@@ -1,0 +1,378 @@
+"""``hawk bench serving``: online-serving load against HAWK's OpenAI-compatible router (paper §5.3).
+
+Requests arrive as a seeded Poisson process at each rate of a sweep; each is a streaming
+``/v1/completions`` call whose prompt is a list of token ids (so its length is exact) and whose
+output length is fixed with ``max_tokens`` + ``ignore_eos`` (a vLLM extension HAWK's router
+accepts). The client measures, per request:
+
+* TTFT — request sent → first chunk carrying a token;
+* TPOT — (last token chunk − first) / (n − 1), with n the server's ``usage.completion_tokens``;
+* E2E  — request sent → last token chunk;
+
+and aggregates them (``hawk.sim.metrics``) into P50/P90 TTFT and TPOT, SLO attainment, output
+throughput and goodput per rate. The router's own ``hawk`` timings (server-side TTFT/TPOT, KV
+transfer time and bytes, which decode device) are kept beside the client's numbers.
+
+Why token-id prompts: a text prompt's token count depends on the tokenizer; ids make the input
+length the workload's, on any model. The ids are drawn from ``token_id_range`` (inside any
+real vocabulary); their text is nonsense, which does not matter with ``ignore_eos``.
+
+    python -m hawk.bench.serving --url http://127.0.0.1:8000 --workload chatbot-tiny \
+        --rates 0.5,1,2 --num-requests 20 --json out.json --plot out.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import httpx
+import numpy as np
+
+from hawk.sim.metrics import RequestResult, summarize
+from hawk.sim.report import plot_sweep, print_table, save_json
+from hawk.sim.workload import RequestSpec, Workload, generate_requests, get_workload
+
+
+def prompt_ids(spec: RequestSpec, seed: int, token_id_range: tuple[int, int]) -> list[int]:
+    """The request's prompt: ``input_len`` token ids, fixed by (seed, request index)."""
+    rng = np.random.default_rng([seed, 7, spec.index])
+    lo, hi = token_id_range
+    return rng.integers(lo, hi, spec.input_len).tolist()
+
+
+def completion_body(
+    spec: RequestSpec,
+    ids: list[int],
+    model: str | None,
+    ignore_eos: bool = True,
+    temperature: float = 0.0,
+) -> dict[str, Any]:
+    """The OpenAI request for one spec; ``ignore_eos`` pins the output length to ``max_tokens``."""
+    body: dict[str, Any] = {
+        "prompt": ids,
+        "max_tokens": spec.output_len,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": temperature,
+        "ignore_eos": ignore_eos,
+    }
+    if model:
+        body["model"] = model
+    return body
+
+
+def _chunk_has_token(chunk: dict[str, Any]) -> bool:
+    """A chunk that carries generated text (or ends the choice) — i.e. it follows a token.
+    Chat's opening role-only chunk and the usage-only chunk carry none."""
+    for c in chunk.get("choices") or []:
+        delta = c.get("delta") or {}
+        if c.get("text") or delta.get("content") or c.get("finish_reason"):
+            return True
+    return False
+
+
+async def stream_one(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    spec: RequestSpec,
+    clock: Callable[[], float],
+) -> RequestResult:
+    """Send one streaming request and time its chunks (``clock`` = seconds since the run began)."""
+    res = RequestResult(spec.index, spec.input_len, spec.output_len, sent_s=clock())
+    chunks = 0
+    usage_tokens: int | None = None
+    hawk: dict[str, Any] = {}
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                res.error = f"HTTP {resp.status_code}: {text[:300]}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                now = clock()
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    res.error = str(chunk["error"].get("message", chunk["error"]))
+                    continue
+                if _chunk_has_token(chunk):
+                    res.first_s = now if res.first_s is None else res.first_s
+                    res.last_s = now
+                    chunks += 1
+                if chunk.get("usage"):
+                    usage_tokens = int(chunk["usage"].get("completion_tokens", 0))
+                if chunk.get("hawk"):
+                    hawk = chunk["hawk"]
+    except (httpx.HTTPError, ValueError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+        return res
+    n = usage_tokens if usage_tokens is not None else hawk.get("completion_tokens")
+    res.output_tokens = int(n) if n is not None else chunks
+    res.ok = res.error is None and res.first_s is not None
+    if res.ok and res.output_tokens == 0:
+        res.ok, res.error = False, "no tokens"
+    res.extra = {"chunks": chunks, "hawk": hawk} if hawk else {"chunks": chunks}
+    return res
+
+
+async def run_rate(
+    client: httpx.AsyncClient,
+    url: str,
+    specs: Sequence[RequestSpec],
+    bodies: Sequence[dict[str, Any]],
+    max_concurrency: int | None = None,
+) -> list[RequestResult]:
+    """Fire each request at its arrival time (open loop: arrivals never wait for completions,
+    unless ``max_concurrency`` caps requests in flight)."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+
+    def clock() -> float:
+        return loop.time() - t0
+
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async def one(spec: RequestSpec, body: dict[str, Any]) -> RequestResult:
+        if sem is None:
+            return await stream_one(client, url, body, spec, clock)
+        async with sem:
+            return await stream_one(client, url, body, spec, clock)
+
+    tasks = []
+    for spec, body in zip(specs, bodies):
+        delay = spec.arrival_s - clock()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(spec, body)))
+    return list(await asyncio.gather(*tasks))
+
+
+async def _server_info(client: httpx.AsyncClient, base_url: str) -> dict[str, Any]:
+    """Model name and context length from ``/v1/models`` (best effort)."""
+    try:
+        r = await client.get(f"{base_url}/v1/models", timeout=10.0)
+        data = r.json().get("data") or []
+        return data[0] if data else {}
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+def _fit(spec: RequestSpec, max_model_len: int | None) -> tuple[RequestSpec, bool]:
+    """Shrink the prompt so prompt + output fits the served context (recorded, never silent)."""
+    if not max_model_len or spec.input_len + spec.output_len <= max_model_len:
+        return spec, False
+    out = min(spec.output_len, max_model_len // 2)
+    return RequestSpec(spec.index, spec.arrival_s, max(1, max_model_len - out), out), True
+
+
+def _server_side(results: Sequence[RequestResult]) -> dict[str, Any]:
+    """Medians of the router's own ``hawk`` timings, and which devices served."""
+    hs = [r.extra["hawk"] for r in results if r.ok and r.extra and r.extra.get("hawk")]
+
+    def med(key: str) -> float | None:
+        xs = [h[key] for h in hs if h.get(key) is not None]
+        return float(np.median(xs)) * 1e3 if xs else None
+
+    return {
+        "server_ttft_p50_ms": med("ttft_s"),
+        "server_tpot_p50_ms": med("tpot_s"),
+        "kv_transfer_p50_ms": med("kv_transfer_s"),
+        "prefill_p50_ms": med("prefill_s"),
+        "kv_bytes_p50": (float(np.median([h["kv_bytes"] for h in hs if h.get("kv_bytes") is not None])) if any(h.get("kv_bytes") is not None for h in hs) else None),
+        "transfer": next((h.get("transfer") for h in hs if h.get("transfer")), None),
+        "decode_device": next((h.get("decode_device") for h in hs if h.get("decode_device")), None),
+        "kv_mode": next((h.get("kv_mode") for h in hs if h.get("kv_mode")), None),
+    }
+
+
+async def _bench(
+    base_url: str,
+    rates: Sequence[float],
+    wl: Workload,
+    num_requests: int,
+    seed: int,
+    slo_ttft_ms: float,
+    slo_tpot_ms: float,
+    model: str | None,
+    config: str | None,
+    max_concurrency: int | None,
+    timeout_s: float,
+    warmup_requests: int,
+    token_id_range: tuple[int, int],
+    ignore_eos: bool,
+    temperature: float,
+    cooldown_s: float,
+    per_request: bool,
+    transport: httpx.AsyncBaseTransport | None,
+    progress: Callable[[dict[str, Any]], None] | None,
+) -> list[dict[str, Any]]:
+    base_url = base_url.rstrip("/")
+    url = f"{base_url}/v1/completions"
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits, transport=transport, trust_env=False) as client:
+        info = await _server_info(client, base_url)
+        model = model or info.get("id")
+        max_len = info.get("max_model_len")
+        records = []
+        for w in range(warmup_requests):  # first requests pay one-off costs (allocation, caches)
+            spec, _ = _fit(generate_requests(wl, 1, 1.0, seed + 1000 + w)[0], max_len)
+            await stream_one(client, url, completion_body(spec, prompt_ids(spec, seed + 1000 + w, token_id_range), model, ignore_eos, temperature), spec, time.monotonic)
+        for rate in rates:
+            specs, clipped = [], 0
+            for s in generate_requests(wl, num_requests, rate, seed):
+                s2, c = _fit(s, max_len)
+                specs.append(s2)
+                clipped += c
+            bodies = [completion_body(s, prompt_ids(s, seed, token_id_range), model, ignore_eos, temperature) for s in specs]
+            t_wall = time.time()
+            results = await run_rate(client, url, specs, bodies, max_concurrency)
+            rec: dict[str, Any] = {
+                "simulated": False,
+                "config": config,
+                "workload": wl.name,
+                "rate": rate,
+                "seed": seed,
+                "model": model,
+                "base_url": base_url,
+                "started_at": t_wall,
+                "clipped_requests": clipped,
+                "input_len_mean": float(np.mean([s.input_len for s in specs])),
+                "output_len_mean": float(np.mean([s.output_len for s in specs])),
+                **summarize(results, slo_ttft_ms, slo_tpot_ms),
+                **_server_side(results),
+            }
+            rec["config"] = rec["config"] or rec.get("transfer") or "hawk"
+            errors = sorted({r.error for r in results if r.error})
+            rec["errors"] = errors[:5]
+            if per_request:
+                rec["requests"] = [r.to_dict() for r in results]
+            records.append(rec)
+            if progress is not None:
+                progress(rec)
+            if cooldown_s > 0:
+                await asyncio.sleep(cooldown_s)
+        return records
+
+
+def run_serving_bench(
+    base_url: str,
+    rates: Sequence[float],
+    workload: str | Workload = "chatbot-tiny",
+    num_requests: int = 20,
+    seed: int = 0,
+    slo_ttft_ms: float | None = None,
+    slo_tpot_ms: float | None = None,
+    *,
+    model: str | None = None,
+    config: str | None = None,
+    max_concurrency: int | None = None,
+    timeout_s: float = 600.0,
+    warmup_requests: int = 1,
+    token_id_range: tuple[int, int] = (1000, 10000),
+    ignore_eos: bool = True,
+    temperature: float = 0.0,
+    cooldown_s: float = 0.0,
+    per_request: bool = False,
+    transport: httpx.AsyncBaseTransport | None = None,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Run the sweep; one record per rate (see ``hawk.sim.metrics`` for the fields).
+
+    SLOs default to the workload's (the paper's 2000/200 ms chatbot, 15000/200 ms summarization).
+    ``config`` labels the records (default: the ``transfer`` the router reports, e.g. gn-hawk).
+    ``transport`` lets tests run against an in-process server."""
+    wl = get_workload(workload)
+    if not rates:
+        raise ValueError("give at least one request rate")
+    if any(not (r > 0) for r in rates):
+        raise ValueError(f"request rates must be positive (inf = all at once), got {list(rates)}")
+    return asyncio.run(_bench(
+        base_url, list(rates), wl, num_requests, seed,
+        wl.slo_ttft_ms if slo_ttft_ms is None else slo_ttft_ms, wl.slo_tpot_ms if slo_tpot_ms is None else slo_tpot_ms,
+        model, config, max_concurrency, timeout_s, warmup_requests, token_id_range, ignore_eos, temperature,
+        cooldown_s, per_request, transport, progress,
+    ))
+
+
+def run_serving_report(
+    base_url: str,
+    rates: Sequence[float],
+    workload: str = "chatbot-tiny",
+    num_requests: int = 20,
+    seed: int = 0,
+    slo_ttft_ms: float | None = None,
+    slo_tpot_ms: float | None = None,
+    *,
+    model: str | None = None,
+    config: str | None = None,
+    max_concurrency: int | None = None,
+    warmup_requests: int = 1,
+    input_scale: float = 1.0,
+    output_scale: float = 1.0,
+    token_id_range: tuple[int, int] = (1000, 10000),
+    json_path: str | None = None,
+    plot_path: str | None = None,
+    per_request: bool = False,
+) -> list[dict[str, Any]]:
+    """What ``hawk bench serving`` does: run, print the table, write JSON and the figure."""
+    wl = get_workload(workload)
+    if input_scale != 1.0 or output_scale != 1.0:
+        wl = wl.scaled(input_scale, output_scale)
+    records = run_serving_bench(
+        base_url, rates, wl, num_requests, seed, slo_ttft_ms, slo_tpot_ms, model=model, config=config,
+        max_concurrency=max_concurrency, warmup_requests=warmup_requests, per_request=per_request,
+        token_id_range=token_id_range, progress=lambda r: print(f"rate {r['rate']:g}: {r['completed']}/{r['num_requests']} done, SLO attainment {r['slo_attainment']:.0%}", flush=True),
+    )
+    print_table(records)
+    if json_path:
+        save_json(records, json_path)
+    if plot_path:
+        plot_sweep(records, plot_path)
+    return records
+
+
+def _floats(s: str) -> list[float]:
+    return [math.inf if x.strip() in ("inf", "max") else float(x) for x in s.split(",") if x.strip()]
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    p = argparse.ArgumentParser(prog="python -m hawk.bench.serving", description=__doc__.split("\n")[0])
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the router's base URL")
+    p.add_argument("--rates", default="0.5,1,2", help="comma-separated request rates (req/s); 'inf' = all at once")
+    p.add_argument("--workload", default="chatbot-tiny", help="chatbot, summarization, chatbot-tiny, summarization-tiny")
+    p.add_argument("--num-requests", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-ttft-ms", type=float, default=None, help="default: the workload's")
+    p.add_argument("--slo-tpot-ms", type=float, default=None, help="default: the workload's")
+    p.add_argument("--input-scale", type=float, default=1.0, help="scale the workload's input lengths")
+    p.add_argument("--output-scale", type=float, default=1.0, help="scale the workload's output lengths")
+    p.add_argument("--model", default=None)
+    p.add_argument("--config", default=None, help="label for the records (default: the router's transfer config)")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=1, help="sequential warm-up requests before the sweep")
+    p.add_argument("--token-ids", default="1000,10000", help="prompt token ids are drawn from [LO, HI): keep inside the vocabulary")
+    p.add_argument("--per-request", action="store_true", help="keep every request's timings in the JSON")
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None)
+    a = p.parse_args(argv)
+    return run_serving_report(
+        a.url, _floats(a.rates), a.workload, a.num_requests, a.seed, a.slo_ttft_ms, a.slo_tpot_ms,
+        model=a.model, config=a.config, max_concurrency=a.max_concurrency, warmup_requests=a.warmup,
+        input_scale=a.input_scale, output_scale=a.output_scale,
+        token_id_range=tuple(int(x) for x in a.token_ids.split(",")), json_path=a.json, plot_path=a.plot, per_request=a.per_request,
+    )
+
+
+if __name__ == "__main__":
+    main()

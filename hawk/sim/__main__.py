@@ -1,0 +1,5 @@
+"""``python -m hawk.sim``: see :mod:`hawk.sim.command`."""
+
+from hawk.sim.command import main
+
+main()

@@ -1,0 +1,129 @@
+"""A decode instance (NPU or GPU): admission control on KV memory, then continuous batching.
+
+Mirrors ``hawk.engine.decode_engine``:
+
+1. *Admission* (in arrival order): a request is admitted when a batch slot is free
+   (running + transferring + ready < ``max_batch``) and its whole KV reservation (prompt + output
+   tokens) fits the free KV memory. Admission reserves the memory and starts the pull (D1); the
+   head of the queue waits for memory, others wait behind it.
+2. *Transfer*: the KV moves (``transfer.py``); when it lands the prefill instance frees its copy.
+3. *Join*: at the next step boundary the request joins the batch and its first token (computed by
+   prefill) goes out — TTFT therefore includes prefill, the transfer and any admission wait.
+4. *Steps*: each step takes ``DecodeModel.step_time(batch, context)`` and gives every running
+   request one token; a request that has all its tokens leaves and frees its reservation.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import simpy
+
+from hawk.sim.compute import DecodeModel
+from hawk.sim.request import SimRequest
+from hawk.sim.transfer import KVTransferService
+
+
+class DecodeInstance:
+    def __init__(
+        self,
+        env: simpy.Environment,
+        index: int,
+        model: DecodeModel,
+        transfer: KVTransferService,
+        on_kv_landed: Callable[[SimRequest], None],
+        on_finished: Callable[[SimRequest], None],
+    ):
+        self.env, self.index, self.model, self.transfer = env, index, model, transfer
+        self.on_kv_landed, self.on_finished = on_kv_landed, on_finished
+        self.waiting: deque[SimRequest] = deque()
+        self.transferring = 0
+        self.ready: list[SimRequest] = []
+        self.running: list[SimRequest] = []
+        self.kv_used = 0
+        self.kv_peak = 0
+        self.batch_peak = 0
+        self.steps = 0
+        self.busy_s = 0.0
+        self._wake = env.event()
+        env.process(self._run())
+
+    @property
+    def load(self) -> int:
+        """Requests this instance holds in any state (for a least-loaded router)."""
+        return len(self.waiting) + self.transferring + len(self.ready) + len(self.running)
+
+    def fits(self, r: SimRequest) -> bool:
+        """Could this request ever be admitted here (an empty instance)?"""
+        return r.kv_reservation <= self.model.kv_capacity_tokens
+
+    def submit(self, r: SimRequest) -> None:
+        self.waiting.append(r)
+        self._admit()
+
+    def _slots_used(self) -> int:
+        return len(self.running) + self.transferring + len(self.ready)
+
+    def _admit(self) -> None:
+        while self.waiting and self._slots_used() < self.model.max_batch:
+            r = self.waiting[0]
+            if self.kv_used + r.kv_reservation > self.model.kv_capacity_tokens:
+                return  # memory is short: wait, in order, for running requests to finish
+            self.waiting.popleft()
+            self.kv_used += r.kv_reservation
+            self.kv_peak = max(self.kv_peak, self.kv_used)
+            self.transferring += 1
+            r.t_admitted = self.env.now
+            self.env.process(self._fetch(r))
+
+    def _fetch(self, r: SimRequest):  # simpy process
+        yield from self.transfer.move(r)
+        r.t_kv_done = self.env.now
+        self.transferring -= 1
+        self.ready.append(r)
+        self.on_kv_landed(r)
+        if not self._wake.triggered:
+            self._wake.succeed()
+
+    def _finish(self, r: SimRequest) -> None:
+        r.finished = True
+        self.kv_used -= r.kv_reservation
+        assert self.kv_used >= 0, "decode KV released twice"
+        self.on_finished(r)
+
+    def _join(self) -> None:
+        """Ready requests enter the batch; their first (prefill-computed) token goes out now."""
+        now = self.env.now
+        for r in self.ready:
+            r.t_first = r.t_last = now
+            r.tokens = 1
+            if r.tokens >= r.output_len:
+                self._finish(r)
+            else:
+                self.running.append(r)
+        self.ready = []
+        self.batch_peak = max(self.batch_peak, len(self.running))
+
+    def _run(self):  # simpy process
+        while True:
+            self._join()
+            self._admit()
+            if not self.running:
+                if not self.ready:
+                    yield self._wake
+                    self._wake = self.env.event()
+                continue
+            start = self.env.now
+            yield self.env.timeout(self.model.step_time(len(self.running), sum(r.context for r in self.running)))
+            self.steps += 1
+            self.busy_s += self.env.now - start
+            still = []
+            for r in self.running:
+                r.tokens += 1
+                r.t_last = self.env.now
+                if r.tokens >= r.output_len:
+                    self._finish(r)
+                else:
+                    still.append(r)
+            self.running = still

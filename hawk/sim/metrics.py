@@ -1,0 +1,156 @@
+"""Serving metrics, computed one way for the live benchmark and for the simulator.
+
+The paper (§5.3) reports TTFT, TPOT, SLO attainment and output throughput; §5.4 divides the
+throughput *at 90 % SLO attainment* by power and price. Keeping these definitions in one pure
+module (no simpy, no HTTP) means a simulated record and a measured one are directly comparable.
+
+Definitions (per request, times in seconds from the start of the run):
+
+* TTFT = first token received − request sent
+* TPOT = (last token − first token) / (n − 1); undefined (None) for n = 1, which then meets any TPOT SLO
+* E2E  = last token − request sent
+* a request *meets the SLO* when it finished without error, TTFT ≤ SLO_TTFT and TPOT ≤ SLO_TPOT;
+  SLO attainment = requests meeting it / requests sent (failures are misses)
+* output throughput = output tokens of finished requests / run duration (first send → last token);
+  goodput = the same, counting only SLO-meeting requests (DistServe's request goodput is also given)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class RequestResult:
+    """What one request did: enough to derive every per-request metric."""
+
+    index: int
+    input_len: int
+    output_len: int  # requested
+    sent_s: float
+    first_s: float | None = None
+    last_s: float | None = None
+    output_tokens: int = 0  # received
+    ok: bool = False
+    error: str | None = None
+    extra: dict[str, Any] | None = None  # e.g. the server's own ``hawk`` timings
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_s is None else self.first_s - self.sent_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.first_s is None or self.last_s is None or self.output_tokens < 2:
+            return None
+        return (self.last_s - self.first_s) / (self.output_tokens - 1)
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.last_s is None else self.last_s - self.sent_s
+
+    def meets(self, slo_ttft_ms: float, slo_tpot_ms: float) -> bool:
+        return self.ok and self.meets_ttft(slo_ttft_ms) and self.meets_tpot(slo_tpot_ms)
+
+    def meets_ttft(self, slo_ttft_ms: float) -> bool:
+        t = self.ttft_s
+        return t is not None and t * 1e3 <= slo_ttft_ms
+
+    def meets_tpot(self, slo_tpot_ms: float) -> bool:
+        t = self.tpot_s
+        return self.ok and (t is None or t * 1e3 <= slo_tpot_ms)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(ttft_s=self.ttft_s, tpot_s=self.tpot_s, e2e_s=self.e2e_s)
+        return d
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated percentile; None for no data (never a misleading 0)."""
+    return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else None
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else x * 1e3
+
+
+def summarize(results: Iterable[RequestResult], slo_ttft_ms: float, slo_tpot_ms: float) -> dict[str, Any]:
+    """Aggregate one run (one request rate) into the record the tables and plots read."""
+    rs = list(results)
+    done = [r for r in rs if r.ok]
+    ttft = [r.ttft_s for r in done if r.ttft_s is not None]
+    tpot = [r.tpot_s for r in done if r.tpot_s is not None]
+    e2e = [r.e2e_s for r in done if r.e2e_s is not None]
+    start = min((r.sent_s for r in rs), default=0.0)
+    end = max((r.last_s for r in done if r.last_s is not None), default=start)
+    duration = end - start
+    meet = [r for r in rs if r.meets(slo_ttft_ms, slo_tpot_ms)]
+    tokens = sum(r.output_tokens for r in done)
+    good_tokens = sum(r.output_tokens for r in meet)
+
+    def per_s(x: float) -> float | None:
+        return x / duration if duration > 0 else None
+
+    n = len(rs)
+    out: dict[str, Any] = {
+        "num_requests": n,
+        "completed": len(done),
+        "failed": n - len(done),
+        "duration_s": duration,
+        "output_tokens": tokens,
+        "slo_ttft_ms": slo_ttft_ms,
+        "slo_tpot_ms": slo_tpot_ms,
+        "slo_attainment": len(meet) / n if n else None,
+        "ttft_attainment": sum(r.meets_ttft(slo_ttft_ms) for r in done) / n if n else None,
+        "tpot_attainment": sum(r.meets_tpot(slo_tpot_ms) for r in done) / n if n else None,
+        "output_throughput_tok_s": per_s(tokens),
+        "goodput_tok_s": per_s(good_tokens),
+        "goodput_rps": per_s(len(meet)),
+        "request_throughput_rps": per_s(len(done)),
+    }
+    for name, xs in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)):
+        out[f"{name}_mean_ms"] = _ms(float(np.mean(xs))) if xs else None
+        for q in (50, 90, 99):
+            out[f"{name}_p{q}_ms"] = _ms(percentile(xs, q))
+    return out
+
+
+# ============================================================================ across rates
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def at_attainment(records: Sequence[dict[str, Any]], target: float = 0.9, key: str = "output_throughput_tok_s") -> dict[str, Any]:
+    """The operating point where SLO attainment falls to ``target`` (the paper's "at 90 % SLO
+    attainment", Fig. 13 and Tables 8–9), from one configuration's records over request rates.
+
+    Between the last rate at or above the target and the next one below it, rate and ``key`` are
+    linearly interpolated in attainment. ``status`` says how the point was found:
+    ``interpolated``, ``exact``, ``lower-bound`` (every rate met the target: the true point lies
+    beyond the sweep, so the values understate it) or ``none`` (no rate met it — the paper
+    excludes such a configuration, as it does GN-Host)."""
+    pts = sorted((r for r in records if _finite(r.get("rate")) and r.get("slo_attainment") is not None), key=lambda r: r["rate"])
+    if not pts:
+        return {"status": "none", "rate": None, key: None, "target": target}
+    passing = [i for i, r in enumerate(pts) if r["slo_attainment"] >= target]
+    if not passing:
+        return {"status": "none", "rate": None, key: None, "target": target}
+    i = passing[-1]
+    hi = pts[i]
+    if hi["slo_attainment"] == target or i + 1 == len(pts):
+        status = "exact" if hi["slo_attainment"] == target else "lower-bound"
+        return {"status": status, "rate": hi["rate"], key: hi.get(key), "target": target}
+    lo = pts[i + 1]  # first rate after the last passing one: attainment < target there
+    a0, a1 = hi["slo_attainment"], lo["slo_attainment"]
+    w = (a0 - target) / (a0 - a1)
+    v0, v1 = hi.get(key), lo.get(key)
+    value = None if v0 is None or v1 is None else v0 + w * (v1 - v0)
+    return {"status": "interpolated", "rate": hi["rate"] + w * (lo["rate"] - hi["rate"]), key: value, "target": target}

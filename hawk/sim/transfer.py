@@ -1,0 +1,52 @@
+"""KV transfer from a prefill instance to a decode instance, with link contention.
+
+A transfer of ``input_len x bytes_per_token`` bytes costs the calibrated curve's latency when
+alone; its *shared* part (bytes on the wire) is served by the link it crosses, fairly divided
+among overlapping transfers (``link.py``). Which transfers share a link is the ``scope``:
+
+* ``decode`` (default) — one link per decode instance: the decode node's NIC, into which it pulls
+  every request's KV (Algorithm 1 is decode-initiated);
+* ``prefill`` — one link per prefill instance (its NIC);
+* ``pair`` — one per (prefill, decode) pair;
+* ``none`` — no contention: every transfer takes its solo latency.
+"""
+
+from __future__ import annotations
+
+import simpy
+
+from hawk.sim.calibration import TransferCurve
+from hawk.sim.link import SharedLink
+from hawk.sim.request import SimRequest
+
+SCOPES = ("decode", "prefill", "pair", "none")
+
+
+class KVTransferService:
+    def __init__(self, env: simpy.Environment, curve: TransferCurve, bytes_per_token: int, scope: str = "decode"):
+        if scope not in SCOPES:
+            raise ValueError(f"contention scope {scope!r}: expected one of {SCOPES}")
+        self.env, self.curve, self.bytes_per_token, self.scope = env, curve, bytes_per_token, scope
+        self.links: dict[object, SharedLink] = {}
+
+    def _link(self, r: SimRequest) -> SharedLink | None:
+        key = {"decode": r.decode, "prefill": r.prefill, "pair": (r.prefill, r.decode), "none": None}[self.scope]
+        if key is None:
+            return None
+        if key not in self.links:
+            self.links[key] = SharedLink(self.env, f"{self.scope}:{key}")
+        return self.links[key]
+
+    def solo_latency(self, r: SimRequest) -> float:
+        return self.curve.latency(r.input_len * self.bytes_per_token)
+
+    def move(self, r: SimRequest):  # simpy process body: yields until the KV has landed
+        fixed, shared = self.curve.split(r.input_len * self.bytes_per_token)
+        if fixed > 0:
+            yield self.env.timeout(fixed)
+        link = self._link(r)
+        if link is None:
+            if shared > 0:
+                yield self.env.timeout(shared)
+        else:
+            yield link.transfer(shared)
