@@ -40,10 +40,11 @@ want model && \
     --decode-device npu-emu:cuda:$dec --configs gn-hawk,gg-direct --max-tokens 32 --kv-tokens 8192 --json "$OUT/e2e_8b_h200x2.json"
 serve_bench() {  # serve_bench CONFIG DECODE_DEVICE: one server, one load sweep, clean stop
   local cfg=$1 dev=$2 port=8100
+  python3 -c 'import fastapi, uvicorn, httpx, zmq' || { echo "serving needs fastapi/uvicorn/pydantic wheels (docs/gpu.md)"; return 1; }
   python3 -m hawk serve --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device "$dev" \
     --transfer "$cfg" --port $port --kv-tokens 65536 --staging-mb 1024 --rx-mb 1024 > "$OUT/serve_$cfg.log" 2>&1 &
   local spid=$!
-  for _ in $(seq 1 240); do curl -sf 127.0.0.1:$port/health > /dev/null && break; sleep 1; done
+  for _ in $(seq 1 240); do curl -sf 127.0.0.1:$port/health > /dev/null && break; kill -0 $spid 2> /dev/null || break; sleep 1; done
   step "serving_$cfg" 200 python3 -m hawk.bench.serving --url http://127.0.0.1:$port --workload chatbot \
     --rates 1,2,4 --num-requests 30 --output-scale 0.25 --json "$OUT/serving_$cfg.json"
   kill -INT $spid; wait $spid

@@ -5,6 +5,15 @@ curves), decode (admission + continuous batching), compute (time models), metric
 (``simulate`` / ``sweep``), report (tables/plots), defaults (calibration with sources).
 """
 
-from hawk.sim.cluster import SimConfig, make_config, simulate, sweep
+from typing import Any
 
 __all__ = ["SimConfig", "make_config", "simulate", "sweep"]
+
+
+def __getattr__(name: str) -> Any:
+    """Load the simulator (and simpy) on first use, so ``hawk.sim.metrics`` works without simpy."""
+    if name in __all__:
+        from hawk.sim import cluster
+
+        return getattr(cluster, name)
+    raise AttributeError(name)
