@@ -305,11 +305,8 @@ def instance_config(
     seed: int = 0,
 ) -> Any:
     """An ``InstanceConfig`` from the launcher's options (validated early, before any process starts)."""
-    from hawk.connector.configs import get_config
     from hawk.engine.instances import InstanceConfig
 
-    if transfer != "colocated":
-        get_config(transfer)  # ValueError with the known names
     return InstanceConfig(
         model=model, dtype=dtype, transfer=transfer, transport=transport, prefill_device=prefill_device,
         decode_device=decode_device, arch=arch, kv_dtype=kv_dtype, kv_tokens=kv_tokens, staging_mb=staging_mb,
