@@ -64,6 +64,7 @@ def serve(
     decode_device: str = typer.Option("npu-emu:cpu", help="npu-emu:cpu | npu-emu:cuda:N for gn-*; cpu | cuda:N for gg-*"),
     arch: str = typer.Option("blackhole-p150a", help="emulated NPU: blackhole-p150a | blackhole-p100a | wormhole-n150 | wormhole-n300"),
     kv_dtype: str = typer.Option("bf16", help="NPU KV dtype: bf16 | bfp8_b"),
+    npu_shard_pages: int = typer.Option(1, min=1, help="NPU cache page map: 1 = interleaved (tt-metal), N = block-cyclic shards of N pages"),
     dtype: str = typer.Option("fp32", help="compute dtype: fp32 | bf16 | fp16"),
     prefill_url: Optional[list[str]] = typer.Option(None, help="role=router: a prefill instance URL (repeatable)"),
     decode_url: Optional[list[str]] = typer.Option(None, help="role=router: a decode instance URL (repeatable)"),
@@ -84,7 +85,7 @@ def serve(
     try:
         run(
             host=host, port=port, role=role, model=model, transfer=transfer, transport=transport,
-            prefill_device=prefill_device, decode_device=decode_device, arch=arch, kv_dtype=kv_dtype, dtype=dtype,
+            prefill_device=prefill_device, decode_device=decode_device, arch=arch, kv_dtype=kv_dtype, npu_shard_pages=npu_shard_pages, dtype=dtype,
             prefill_urls=prefill_url, decode_urls=decode_url, num_prefill=num_prefill, num_decode=num_decode,
             threads=threads, kv_tokens=kv_tokens, staging_mb=staging_mb, rx_mb=rx_mb, landing_mode=landing_mode,
             post=post, kv_host=kv_host, log_dir=log_dir,
@@ -124,6 +125,7 @@ def bench_transfer(
     gpu_decode_device: str = typer.Option("cpu", help="decode device of the gg-* configurations"),
     arch: str = typer.Option("blackhole-p150a"),
     kv_dtype: str = typer.Option("bf16", help="NPU KV dtype: bf16 | bfp8_b"),
+    npu_shard_pages: int = typer.Option(1, min=1, help="NPU cache page map: 1 = interleaved, N = block-cyclic shards"),
     post: str = typer.Option("pull", help="who posts the batch: pull (decode READs) | push (prefill WRITEs)"),
     shuffle_blocks: bool = typer.Option(False, help="random block ids instead of contiguous"),
     json_path: Optional[str] = typer.Option(None, "--json", help="write records here"),
@@ -138,6 +140,7 @@ def bench_transfer(
         sizes_mb=tuple(int(s) for s in _csv(sizes_mb)), configs=tuple(_csv(configs)), transport=transport,
         repeats=repeats, warmup=warmup, prefill_device=prefill_device, npu_device=npu_device,
         gpu_decode_device=gpu_decode_device, arch=arch, kv_dtype=kv_dtype, post=post, shuffle_blocks=shuffle_blocks,
+        shard_pages=npu_shard_pages,
     )
     total = len(spec.configs) * len(spec.sizes_mb) * (spec.warmup + spec.repeats)
     with Progress() as prog:

@@ -44,9 +44,9 @@ def test_out_of_memory_names_the_channel():
 
 def test_emulated_pages_match_the_page_map():
     """Pages written through the cache's strided view sit where the layout's page map says."""
-    for arch in ("blackhole-p150a", "wormhole-n300", "blackhole-p100a"):
+    for arch, shard in (("blackhole-p150a", 1), ("wormhole-n300", 1), ("blackhole-p100a", 1), ("blackhole-p150a", 3)):
         npu = open_npu("npu-emu:cpu", arch, bank_capacity=1 << 20)
-        lay = NpuKVLayout(npu.arch, 1, 4, 2, 64, 64, "bfp8_b")
+        lay = NpuKVLayout(npu.arch, 1, 4, 2, 64, 64, "bfp8_b", shard_pages=shard)
         kv = NpuKVCacheMemory(npu, lay)
         x = torch.randn(lay.tensor_shape)
         sim = ChannelMemory(lay, list(kv.bases))

@@ -116,3 +116,22 @@ def test_kv_for_an_unknown_request_fails_that_request_only(tiny):
     assert col.info["finish_reason"] == "error" and "never-prefilled" in col.info["error"]
     ok = _submit(p, d, "fine", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
     assert ok.done.wait(20) and len(ok.tokens) == 4
+
+
+def test_a_block_cyclic_npu_layout_serves_the_same_tokens():
+    """Another NPU page map is a layout description, not a code path: the same greedy tokens come out."""
+    cfg = InstanceConfig(model="tiny", transfer="gn-hawk", transport="local", kv_tokens=512, staging_mb=8, rx_mb=8, npu_shard_pages=3)
+    p = PrefillInstance(cfg)
+    d = DecodeInstance(cfg)
+    c = ColocatedInstance(InstanceConfig(model="tiny", transfer="colocated", kv_tokens=1024), loaded=p.loaded)
+    try:
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+        prompt = [5, 17, 99, 3, 42] * 20
+        col = _submit(p, d, "sharded", prompt, params)
+        assert col.done.wait(60)
+        ref, _ = run_colocated(c, prompt, params, "ref")
+        assert col.tokens == ref
+    finally:
+        p.close()
+        d.close()
+        c.close()

@@ -35,7 +35,8 @@ def cases(draw):
     gids = draw(st.permutations(range(g_total)))[:g_needed]
     nids = draw(st.permutations(range(n_total)))[:n_needed]
     src = GpuKVLayout(layers, g_total, gbs, gpu_heads, head_dim, gdtype, order, gpu_start)
-    dst = NpuKVLayout(arch, layers, n_total, npu_heads, nbs, head_dim, ndtype, npu_start)
+    shard = draw(st.sampled_from([1, 1, 2, 3, 8]))  # 1 = tt-metal interleaved; more = block-cyclic (sharded)
+    dst = NpuKVLayout(arch, layers, n_total, npu_heads, nbs, head_dim, ndtype, npu_start, shard)
     gap = draw(st.sampled_from([0, 64, 4096]))
     per_bank = dst.tensor_buffer(0).bytes_per_bank
     bases = [t * (per_bank + gap) for t in range(2 * layers)]
@@ -220,3 +221,24 @@ def test_cost_model_picks_the_cheaper_landing():
     assert m.staging_time(plan) == pytest.approx(8e-5 + plan.total_bytes / 1e10 + 2 * plan.total_bytes / 1e11)
     with pytest.raises(ValueError, match="no cost figures"):
         cost_model_for("carrier-pigeon", "cpu")
+
+
+def test_sharded_placement_needs_fewer_direct_requests():
+    """Describing another page map is all it takes: block-cyclic shards of 8 pages cut direct requests 8x."""
+    arch = get_arch("blackhole-p150a")
+    src = GpuKVLayout(4, 64, 16, 2, 128)
+    for shard in (1, 8):
+        dst = NpuKVLayout(arch, 4, 16, 2, 64, 128, "bf16", shard_pages=shard)
+        per_bank = dst.tensor_buffer(0).bytes_per_bank
+        plan = plan_kv_transfer(1024, range(64), range(16), src, dst, [t * per_bank for t in range(8)])
+        # The whole cache, tensors back to back: each bank is one run across all 8 tensors.
+        assert len(plan.direct_requests()) == 8
+        assert len(plan.staging_requests({c: 0 for c in range(8)})) == 8
+    scattered = [0, 9, 3, 12]
+    counts = {}
+    for shard in (1, 8):
+        dst = NpuKVLayout(arch, 4, 16, 2, 64, 128, "bf16", shard_pages=shard)
+        per_bank = dst.tensor_buffer(0).bytes_per_bank
+        plan = plan_kv_transfer(256, range(16), scattered, src, dst, [t * per_bank for t in range(8)])
+        counts[shard] = len(plan.direct_requests())
+    assert counts[8] * 4 <= counts[1]  # scattered blocks: whole shards stay together

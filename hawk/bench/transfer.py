@@ -57,6 +57,7 @@ class BenchSpec:
     shape: ModelShape = field(default_factory=ModelShape)
     shuffle_blocks: bool = False
     transform_impl: str = "auto"
+    shard_pages: int = 1  # the NPU cache's page map (1 = interleaved)
 
     def tokens(self, size_mb: int) -> int:
         return max(1, size_mb * MiB // self.shape.bytes_per_token())
@@ -173,13 +174,13 @@ def _decode_side(spec: BenchSpec, config: str, mode: str) -> tuple[Any, Any]:
         return GpuSide(caches, layout, rx), None
     blocks = -(-spec.max_tokens // s.npu_block) + 1
     arch0 = get_arch(spec.arch)
-    probe = NpuKVLayout(arch0, s.layers, blocks, s.kv_heads, s.npu_block, s.head_dim, spec.kv_dtype)
+    probe = NpuKVLayout(arch0, s.layers, blocks, s.kv_heads, s.npu_block, s.head_dim, spec.kv_dtype, shard_pages=spec.shard_pages)
     per_bank = probe.num_tensors * probe.tensor_buffer(0).bytes_per_bank + -(-rx // arch0.num_banks) * (2 if config == "gn-direct-single" else 1)
     bank = -(-int(per_bank * 1.25 + 8 * MiB) // (64 * 1024)) * 64 * 1024
     if config == "gn-direct-single":  # the single buffer must fit in one bank
         bank = max(bank, rx + probe.num_tensors * probe.tensor_buffer(0).bytes_per_bank + 8 * MiB)
     npu = open_npu(spec.npu_device, spec.arch, bank_capacity=bank)
-    layout = NpuKVLayout(npu.arch, s.layers, blocks, s.kv_heads, s.npu_block, s.head_dim, spec.kv_dtype)
+    layout = NpuKVLayout(npu.arch, s.layers, blocks, s.kv_heads, s.npu_block, s.head_dim, spec.kv_dtype, shard_pages=spec.shard_pages)
     kv = NpuKVCacheMemory(npu, layout)
     memory = spec.npu_device.partition(":")[2] or "cpu"
     return NpuSide(npu, kv, rx, cost_model_for(spec.transport, memory), mode), kv

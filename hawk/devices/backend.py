@@ -46,7 +46,7 @@ class NpuBackend(ABC):
 
     @abstractmethod
     def interleaved_pages(self, base: int, aligned_page: int, slots: int) -> torch.Tensor:
-        """``[banks, slots, aligned_page]`` uint8 view of an interleaved buffer: page i is ``[i % banks, i // banks]``.
+        """``[banks, slots, aligned_page]`` uint8 view of a buffer's pages; page i is at ``[bank(i), slot(i)]`` of its page map.
 
         How decode kernels on the emulated device read and update tiles where they live.
         """

@@ -42,6 +42,7 @@ class InstanceConfig:
     arch: str = "blackhole-p150a"
     kv_dtype: str = "bf16"  # NPU KV dtype: bf16 | bfp8_b
     gpu_kv_dtype: str = "bf16"  # the paged GPU cache (vLLM's kv_cache_dtype)
+    npu_shard_pages: int = 1  # the NPU cache's page map: 1 = interleaved (tt-metal), more = block-cyclic
     gpu_block_size: int = 16
     npu_block_size: int = 64
     kv_tokens: int = 8192  # KV-cache capacity of each instance, in tokens
@@ -70,7 +71,7 @@ class InstanceConfig:
             raise ValueError(f"landing mode must be auto, staging or direct, got {self.landing_mode!r}")
         if self.post not in ("pull", "push"):
             raise ValueError(f"post must be pull or push, got {self.post!r}")
-        for name in ("kv_tokens", "staging_mb", "rx_mb", "gpu_block_size", "npu_block_size", "max_batch"):
+        for name in ("kv_tokens", "staging_mb", "rx_mb", "gpu_block_size", "npu_block_size", "max_batch", "npu_shard_pages"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.transfer == "colocated":
@@ -156,12 +157,12 @@ class DecodeInstance:
         if tc.decode_on == "npu":
             arch0 = get_arch(cfg.arch)
             blocks = -(-cfg.kv_tokens // cfg.npu_block_size)
-            probe = NpuKVLayout(arch0, mc.num_layers, blocks, mc.num_kv_heads, cfg.npu_block_size, mc.head_dim, cfg.kv_dtype)
+            probe = NpuKVLayout(arch0, mc.num_layers, blocks, mc.num_kv_heads, cfg.npu_block_size, mc.head_dim, cfg.kv_dtype, shard_pages=cfg.npu_shard_pages)
             kv_per_bank = probe.num_tensors * probe.tensor_buffer(0).bytes_per_bank
             rx_per_bank = rx if cfg.transfer == "gn-direct-single" else -(-rx // arch0.num_channels)
             bank = int((kv_per_bank + rx_per_bank) * 1.25) + 4 * MiB
             self.npu = open_npu(cfg.decode_device, cfg.arch, bank_capacity=-(-bank // MiB) * MiB)
-            layout = NpuKVLayout(self.npu.arch, mc.num_layers, blocks, mc.num_kv_heads, cfg.npu_block_size, mc.head_dim, cfg.kv_dtype)
+            layout = NpuKVLayout(self.npu.arch, mc.num_layers, blocks, mc.num_kv_heads, cfg.npu_block_size, mc.head_dim, cfg.kv_dtype, shard_pages=cfg.npu_shard_pages)
             self.kv = NpuKVCacheMemory(self.npu, layout)
             attn: Any = NpuTileAttention(self.kv)
             self.blocks = BlockManager(blocks, cfg.npu_block_size)

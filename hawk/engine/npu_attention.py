@@ -56,15 +56,15 @@ class NpuTileAttention:
         lay = self.layout
         n, h, wt = self._row_pages.shape  # type: ignore[union-attr]
         pages = self._row_pages.reshape(-1)  # type: ignore[union-attr]
-        nb = lay.arch.num_banks
+        bank, slot = lay.page_map.bank(pages), lay.page_map.slot(pages)
         view = self.kv.pages(t)
-        raw = view[pages % nb, pages // nb, : lay.page_size]
+        raw = view[bank, slot, : lay.page_size]
         tiles = from_tiles(bytes_to_tiles(raw, lay.dtype), (pages.numel(), TILE, TILE))
         tiles = tiles.view(n, h, wt, TILE, TILE)
         row = self._row_in_tile[:, None, None].expand(n, h, wt)  # type: ignore[index]
         new = values.to(torch.float32).reshape(n, h, wt, TILE)
         tiles[torch.arange(n)[:, None, None], torch.arange(h)[None, :, None], torch.arange(wt)[None, None, :], row] = new
-        view[pages % nb, pages // nb, : lay.page_size] = tiles_to_bytes(to_tiles(tiles.reshape(-1, TILE, TILE)), lay.dtype)
+        view[bank, slot, : lay.page_size] = tiles_to_bytes(to_tiles(tiles.reshape(-1, TILE, TILE)), lay.dtype)
 
     def _context(self, t: int, s: SeqSlice) -> torch.Tensor:
         """``[ctx, H, D]`` of one sequence, decoded from its tiles."""

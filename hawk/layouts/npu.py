@@ -93,19 +93,37 @@ def get_arch(name: str, bank_capacity: int | None = None) -> NpuArch:
 
 
 @dataclass(frozen=True)
-class Interleaved:
-    """tt-metal's interleaved page map: page i lives in bank ``i % N`` at slot ``i // N``."""
+class BlockCyclic:
+    """Pages dealt to banks in shards of ``shard_pages`` consecutive pages, round robin.
+
+    ``shard_pages == 1`` is tt-metal's interleaved buffer (page i in bank ``i % N``, slot ``i // N``);
+    larger shards keep runs of pages in one bank (DRAM-sharded placement), so the same request lands
+    in fewer, longer runs. Within a bank a buffer's slots are contiguous from its base either way.
+    Works on ints, numpy arrays and torch tensors alike.
+    """
 
     num_banks: int
+    shard_pages: int = 1
 
-    def bank(self, pages: np.ndarray) -> np.ndarray:
-        return pages % self.num_banks
+    def __post_init__(self) -> None:
+        if self.num_banks <= 0 or self.shard_pages <= 0:
+            raise ValueError(f"a page map needs positive num_banks and shard_pages, got {self.num_banks}, {self.shard_pages}")
 
-    def slot(self, pages: np.ndarray) -> np.ndarray:
-        return pages // self.num_banks
+    def bank(self, pages):
+        return (pages // self.shard_pages) % self.num_banks
+
+    def slot(self, pages):
+        s = self.shard_pages
+        return (pages // (s * self.num_banks)) * s + pages % s
 
     def slots_per_bank(self, num_pages: int) -> int:
-        return -(-num_pages // self.num_banks)
+        shards = -(-num_pages // self.shard_pages)
+        return -(-shards // self.num_banks) * self.shard_pages
+
+
+def Interleaved(num_banks: int) -> BlockCyclic:  # noqa: N802 - reads as the tt-metal term it is
+    """tt-metal's interleaved page map: page i in bank ``i % N`` at slot ``i // N``."""
+    return BlockCyclic(num_banks, 1)
 
 
 @dataclass(frozen=True)
@@ -116,11 +134,13 @@ class NpuBuffer:
     base: int
     page_size: int
     num_pages: int
-    page_map: Interleaved = field(default=None)  # type: ignore[assignment]
+    page_map: BlockCyclic = field(default=None)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         if self.page_map is None:
             object.__setattr__(self, "page_map", Interleaved(self.arch.num_banks))
+        if self.page_map.num_banks != self.arch.num_banks:
+            raise ValueError(f"page map spans {self.page_map.num_banks} banks, {self.arch.name} has {self.arch.num_banks}")
 
     @property
     def aligned_page(self) -> int:
@@ -143,7 +163,8 @@ class NpuBuffer:
 @dataclass(frozen=True)
 class NpuKVLayout:
     """The decode side's KV cache: per layer, K and V tensors ``[max_num_blocks, H, block_size, head_dim]``,
-    TILE layout, interleaved over all DRAM banks (tt_transformers / vLLM TT plugin).
+    TILE layout, interleaved over all DRAM banks (tt_transformers / vLLM TT plugin). ``shard_pages > 1``
+    describes a block-cyclic (DRAM-sharded) placement instead, with no change anywhere else.
 
     Tensors are numbered ``t = 2 * layer + kv``. Tile ``(block, head, row_tile, col_tile)`` is page
     ``block*strides[0] + head*strides[1] + row_tile*strides[2] + col_tile`` of its tensor.
@@ -157,9 +178,10 @@ class NpuKVLayout:
     head_dim: int = 128
     dtype: str = "bf16"
     head_start: int = 0
+    shard_pages: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "max_num_blocks", "num_kv_heads", "block_size", "head_dim"):
+        for name in ("num_layers", "max_num_blocks", "num_kv_heads", "block_size", "head_dim", "shard_pages"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"NpuKVLayout.{name} must be a positive int, got {v!r}")
@@ -214,9 +236,13 @@ class NpuKVLayout:
         s = self.tile_strides
         return block * s[0] + head * s[1] + row_tile * s[2] + col_tile * s[3]
 
+    @property
+    def page_map(self) -> BlockCyclic:
+        return BlockCyclic(self.arch.num_banks, self.shard_pages)
+
     def tensor_buffer(self, base: int) -> NpuBuffer:
-        """The interleaved buffer of one K or V tensor allocated at ``base``."""
-        return NpuBuffer(self.arch, base, self.page_size, self.pages_per_tensor)
+        """The DRAM buffer of one K or V tensor allocated at ``base``."""
+        return NpuBuffer(self.arch, base, self.page_size, self.pages_per_tensor, self.page_map)
 
     def bytes_per_token(self) -> int:
         """Device bytes one token costs across all layers (tiles amortized over the block)."""

@@ -27,15 +27,15 @@ class NpuKVCacheMemory:
         except BaseException:
             self.close()
             raise
-        self._slots = layout.pages_per_tensor and buf.page_map.slots_per_bank(layout.pages_per_tensor)
-        self._views = [npu.interleaved_pages(a.address, buf.aligned_page, self._slots) for a in self.allocs]
+        slots = buf.page_map.slots_per_bank(layout.pages_per_tensor)
+        self._views = [npu.interleaved_pages(a.address, buf.aligned_page, slots) for a in self.allocs]
 
     @property
     def bases(self) -> tuple[int, ...]:
         return tuple(a.address for a in self.allocs)
 
     def pages(self, t: int) -> torch.Tensor:
-        """``[banks, slots, aligned_page]`` view of tensor ``t``'s pages."""
+        """``[banks, slots, aligned_page]`` view of tensor ``t``'s pages (index it with the page map)."""
         return self._views[t]
 
     def read_blocks(self, t: int, blocks: torch.Tensor) -> torch.Tensor:
@@ -43,8 +43,8 @@ class NpuKVCacheMemory:
         lay = self.layout
         n = blocks.numel()
         page = (blocks.to(torch.int64)[:, None] * lay.tiles_per_block + torch.arange(lay.tiles_per_block, device=blocks.device)).reshape(-1)
-        nb = lay.arch.num_banks
-        raw = self._views[t][page % nb, page // nb, : lay.page_size]
+        pm = lay.page_map
+        raw = self._views[t][pm.bank(page), pm.slot(page), : lay.page_size]
         return from_tiles(bytes_to_tiles(raw, lay.dtype), (n, lay.num_kv_heads, lay.block_size, lay.head_dim))
 
     def read_tensor(self, t: int) -> torch.Tensor:
@@ -62,6 +62,6 @@ class NpuKVCacheMemory:
 
     def write_pages(self, t: int, pages: torch.Tensor, data: torch.Tensor) -> None:
         """Store encoded tiles ``data [n, page_size]`` as pages ``pages`` of tensor ``t`` (a scatter on the device)."""
-        nb = self.layout.arch.num_banks
+        pm = self.layout.page_map
         pages = pages.to(torch.int64)
-        self._views[t][pages % nb, pages // nb, : self.layout.page_size] = data
+        self._views[t][pm.bank(pages), pm.slot(pages), : self.layout.page_size] = data

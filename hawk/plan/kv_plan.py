@@ -135,7 +135,7 @@ class KVTransferPlan:
             return cached
         order = np.lexsort((self.rank, self.bank))  # bank-major, then rank (= slot order)
         bank, rank = self.bank[order], self.rank[order]
-        slot = self.page[order] // self.dst.arch.num_banks
+        slot = self.dst.page_map.slot(self.page[order])
         contiguous = self.dst.tensor_buffer(0).aligned_page == self.page_bytes
         start = np.ones(len(order), dtype=bool)
         if contiguous and len(order):

@@ -303,6 +303,7 @@ def instance_config(
     post: str = "pull",
     kv_host: str = LOOPBACK,
     seed: int = 0,
+    npu_shard_pages: int = 1,
 ) -> Any:
     """An ``InstanceConfig`` from the launcher's options (validated early, before any process starts)."""
     from hawk.engine.instances import InstanceConfig
@@ -310,7 +311,7 @@ def instance_config(
     return InstanceConfig(
         model=model, dtype=dtype, transfer=transfer, transport=transport, prefill_device=prefill_device,
         decode_device=decode_device, arch=arch, kv_dtype=kv_dtype, kv_tokens=kv_tokens, staging_mb=staging_mb,
-        rx_mb=rx_mb, landing_mode=landing_mode, post=post, host=kv_host, seed=seed,
+        rx_mb=rx_mb, landing_mode=landing_mode, post=post, host=kv_host, seed=seed, npu_shard_pages=npu_shard_pages,
     ).validate()
 
 
@@ -325,6 +326,7 @@ def serve(
     decode_device: str = "npu-emu:cpu",
     arch: str = "blackhole-p150a",
     kv_dtype: str = "bf16",
+    npu_shard_pages: int = 1,
     prefill_urls: list[str] | None = None,
     decode_urls: list[str] | None = None,
     num_prefill: int = 1,
@@ -356,6 +358,7 @@ def serve(
       colocated.  transport: nixl | mooncake | local (same process only).  prefill_device: cpu |
       cuda:N.  decode_device: npu-emu:cpu | npu-emu:cuda:N (gn-*) or cpu | cuda:N (gg-*).
       arch: the emulated NPU (blackhole-p150a, ...).  kv_dtype: the NPU KV dtype, bf16 | bfp8_b.
+      npu_shard_pages: the NPU cache's page map: 1 = tt-metal interleaved, more = block-cyclic shards.
     threads: torch threads per engine process (default: the cores shared evenly among them).
     kv_host: the address the prefill's KV control socket binds and advertises (default: host, or
       this machine's address when host is a wildcard).
@@ -378,7 +381,7 @@ def serve(
                 return
             cfg = instance_config(
                 model, transfer, transport, prefill_device, decode_device, arch, kv_dtype, dtype, kv_tokens,
-                staging_mb, rx_mb, landing_mode, post, kv_host or _advertised_host(host), seed,
+                staging_mb, rx_mb, landing_mode, post, kv_host or _advertised_host(host), seed, npu_shard_pages,
             )
             if role in ENGINE_ROLES:
                 run_instance(role, cfg, host, port, threads, log_level=log_level)
