@@ -104,7 +104,7 @@ def test_reservations_released_after_many_faulty_transfers():
             td.fault = kind if kind in ("fail", "hang") else "hang" if kind == "prefill-dies" else "none"
             if kind == "prefill-dies":  # the batch is in flight when the prefill process goes away
                 dying = pair.sender
-                threading.Timer(0.1, lambda: (dying.close(), dying.transport.close())).start()
+                threading.Timer(0.1, lambda d=dying: (d.close(), d.transport.close())).start()
             if kind == "bad-meta":
                 pair.sender.fmt.extents = lambda plan: [[0, 0, 64]]
             try:
