@@ -6,6 +6,7 @@
 #     transfer  - `hawk bench transfer`, the five configurations, 10-1280 MB, prefill GPU0 -> decode GPU1
 #     model     - Llama-3.1-8B-shaped model: disaggregated vs colocated tokens, TTFT/TPOT
 #     serving   - `hawk serve` (8B shape, bf16) under Poisson load: TTFT, TPOT, SLO attainment vs rate
+#     smoke     - a quick end-to-end check after changes: small transfers and a tiny model on the GPUs
 # Wheels missing on the box (nixl, nixl_cu13, pyzmq for cp312) are carried in .whl/ (see docs/gpu.md).
 set -uo pipefail
 parts=" ${*:-tests transform transfer model serving} "
@@ -38,6 +39,14 @@ want transfer && \
 want model && \
   step model_8b 420 python3 -m hawk.bench.equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 \
     --decode-device npu-emu:cuda:$dec --configs gn-hawk,gg-direct --max-tokens 32 --kv-tokens 8192 --json "$OUT/e2e_8b_h200x2.json"
+want smoke && \
+  step smoke_transfer 120 python3 -m hawk.cli bench transfer --transport nixl --prefill-device cuda:0 --npu-device npu-emu:cuda:$dec \
+    --gpu-decode-device cuda:$dec --sizes-mb 10,80 --repeats 2 --configs gn-host,gg-direct,gn-hawk --npu-shard-pages 2 \
+    --json "$OUT/smoke_transfer.json"
+want smoke && \
+  step smoke_model 150 python3 -m hawk.bench.equivalence --model tiny --dtype bf16 --prefill-device cuda:0 \
+    --decode-device npu-emu:cuda:$dec --configs gn-hawk,gn-host,gg-direct --max-tokens 16 --kv-tokens 2048 --json "$OUT/smoke_model.json"
+
 serve_bench() {  # serve_bench CONFIG DECODE_DEVICE: one server, one load sweep, clean stop
   local cfg=$1 dev=$2 port=8100
   python3 -c 'import fastapi, uvicorn, httpx, zmq' || { echo "serving needs fastapi/uvicorn/pydantic wheels (docs/gpu.md)"; return 1; }
