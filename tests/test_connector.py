@@ -95,6 +95,8 @@ def test_reservations_released_after_many_faulty_transfers():
             if kind == "receiver-vanishes":  # D1 sent, then the decode side is gone: no D9 ever
                 reply = raw.call(PullRequest(rid, pair.receiver._senders[pair.sender.address].receiver, dst), 2.0)
                 assert reply.TYPE == "ready"
+                held = [r for r in pair.sender.accounting()["staging"] if r.owner == rid]
+                assert len(held) == 1 and held[0].size == reply.total_bytes and held[0].since <= time.monotonic()
                 continue
             if kind == "garbage":
                 reply = raw.call(PullRequest(rid, "nobody", dst), 2.0)

@@ -26,7 +26,6 @@ from hawk.transport import (
     TRANSPORTS,
     ConnectError,
     Desc,
-    HostMirror,
     TransferError,
     TransferTimeout,
     TransportError,
@@ -477,31 +476,6 @@ def test_missing_engine_says_what_to_install(monkeypatch, engine, modules, hint)
 
 
 # ============================================================================ host staging
-def test_host_mirror_cpu_alias_and_copy():
-    dev = pattern(1000, 3)
-    m = HostMirror(dev)
-    assert m.aliased and m.host.data_ptr() == dev.data_ptr()
-    m.to_host(10, 20)
-    m.to_device()
-    m.synchronize()
-    assert m.done()
-    c = HostMirror(dev, copy_on_cpu=True)
-    assert not c.aliased and c.host.data_ptr() != dev.data_ptr()
-    c.host.fill_(0)
-    c.to_host(100, 50)
-    c.synchronize()
-    assert torch.equal(c.host[100:150], dev[100:150]) and int(c.host[:100].sum()) == 0
-    c.host[0:10] = 255
-    c.to_device(0, 10)
-    c.synchronize()
-    assert torch.equal(dev[:10], torch.full((10,), 255, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="offset=990 length=20"):
-        c.to_host(990, 20)
-    with pytest.raises(ValueError, match="offset=-1"):
-        c.to_device(-1, 5)
-
-
-# ============================================================================ GPU (skipped without CUDA)
 @pytest.mark.gpu
 @gpu
 def test_local_cpu_cuda_copies():
@@ -519,21 +493,6 @@ def test_local_cpu_cuda_copies():
             a.tensor(d.local_region).fill_(SENTINEL)
         check_read_channels(a, p2, None, 4)  # type: ignore[arg-type]  # cuda -> cuda
         c.close()
-
-
-@pytest.mark.gpu
-@gpu
-def test_host_mirror_cuda():
-    dev = pattern(1 << 20, 5, "cuda")
-    m = HostMirror(dev)
-    assert m.host.is_pinned() and not m.aliased
-    m.to_host()
-    m.synchronize()
-    assert torch.equal(m.host, dev.cpu())
-    m.host[:4096] = 7
-    m.to_device(0, 4096)
-    m.synchronize()
-    assert int((dev[:4096] == 7).sum()) == 4096 and torch.equal(dev[4096:].cpu(), pattern(1 << 20, 5)[4096:])
 
 
 @pytest.mark.gpu

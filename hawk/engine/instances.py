@@ -6,6 +6,7 @@ These are what the servers wrap and what tests and benchmarks drive directly.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +98,12 @@ class InstanceConfig:
         return self.decode_device
 
 
+def held(reservations: list[Any]) -> list[dict[str, Any]]:
+    """What is reserved, by which request, since when: the ledger rows as plain data."""
+    now = time.monotonic()
+    return [{"request": r.owner, "buffer": r.buffer, "offset": r.offset, "bytes": r.size, "held_s": round(now - r.since, 3)} for r in reservations]
+
+
 def _gpu_layout(cfg: InstanceConfig, mc: Any, tokens: int) -> GpuKVLayout:
     blocks = -(-tokens // cfg.gpu_block_size)
     return GpuKVLayout(mc.num_layers, blocks, cfg.gpu_block_size, mc.num_kv_heads, mc.head_dim, cfg.gpu_kv_dtype)
@@ -129,6 +136,7 @@ class PrefillInstance:
         return {
             "staging_reservations": len(a["staging"]),
             "staging_bytes": sum(r.size for r in a["staging"]),
+            "staging_held": held(a["staging"]),
             "kv_waiting": a["waiting"],
             "kv_in_flight": a["in_flight"],
             "draining": a["draining"],
@@ -183,6 +191,7 @@ class DecodeInstance:
         out = {
             "rx_reservations": len(a["reservations"]),
             "rx_bytes": sum(r.size for r in a["reservations"]),
+            "rx_held": held(a["reservations"]),
             "draining": a["draining"],
             "kv_blocks_used": self.blocks.num_blocks - self.blocks.num_free,
             "kv_blocks_total": self.blocks.num_blocks,

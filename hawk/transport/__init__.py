@@ -14,14 +14,12 @@ from hawk.transport.base import (
     TransportError,
     TransportUnavailable,
 )
-from hawk.transport.host_staging import HostMirror
 from hawk.transport.registry import TRANSPORTS, available, make_transport
 
 __all__ = [
     "TRANSPORTS",
     "ConnectError",
     "Desc",
-    "HostMirror",
     "RegionInfo",
     "TransferError",
     "TransferHandle",
