@@ -2,6 +2,7 @@
 
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from hawk.engine.sequence import SamplingParams
 def tiny():
     torch.set_num_threads(1)
     cfg = InstanceConfig(model="tiny", transfer="gn-hawk", transport="local", kv_tokens=512, staging_mb=8, rx_mb=8)
-    p = PrefillInstance(cfg)
+    p = PrefillInstance(replace(cfg, kv_tokens=2048))  # room for every prompt's KV while it waits to be pulled
     d = DecodeInstance(cfg)  # 512 tokens = 8 NPU blocks of 64
     c = ColocatedInstance(InstanceConfig(model="tiny", transfer="colocated", kv_tokens=2048), loaded=p.loaded)
     yield p, d, c
@@ -62,7 +63,13 @@ def test_more_requests_than_memory_all_finish_in_batches(tiny):
 
     w = threading.Thread(target=watch)
     w.start()
-    cols = [_submit(p, d, f"load{i}", x, params) for i, x in enumerate(prompts)]
+    # Prefill everything first, then hand all requests to decode at once, so memory is short for sure.
+    done = [(f"load{i}", p.engine.submit(f"load{i}", x, params).result(60)) for i, x in enumerate(prompts)]
+    cols = []
+    for rid, r in done:
+        col = Collector()
+        d.engine.submit(rid, r.num_prompt_tokens, r.first_token, params, KVHandle(p.kv_address, rid), col)
+        cols.append(col)
     for col in cols:
         assert col.done.wait(120), "a request never finished"
     stop.set()
