@@ -7,6 +7,7 @@
 #     model     - Llama-3.1-8B-shaped model: disaggregated vs colocated tokens, TTFT/TPOT
 #     serving   - `hawk serve` (8B shape, bf16) under Poisson load: TTFT, TPOT, SLO attainment vs rate
 #     smoke     - a quick end-to-end check after changes: small transfers and a tiny model on the GPUs
+#     reverse   - the reverse direction (ng-hawk: NPU prefill on GPU0's memory -> GPU decode on GPU1) beside gg-direct
 # Wheels missing on the box (nixl, nixl_cu13, pyzmq for cp312) are carried in .whl/ (see docs/gpu.md).
 set -uo pipefail
 parts=" ${*:-tests transform transfer model serving} "
@@ -46,6 +47,11 @@ want smoke && \
 want smoke && \
   step smoke_model 150 python3 -m hawk.bench.equivalence --model tiny --dtype bf16 --prefill-device cuda:0 \
     --decode-device npu-emu:cuda:$dec --configs gn-hawk,gn-host,gg-direct --max-tokens 16 --kv-tokens 2048 --json "$OUT/smoke_model.json"
+
+want reverse && \
+  step reverse 150 python3 -m hawk.cli bench transfer --transport nixl --prefill-device cuda:0 --npu-device npu-emu:cuda:$dec \
+    --gpu-decode-device cuda:$dec --sizes-mb 10,80,320,1280 --repeats 3 --configs gg-direct,gn-hawk,ng-hawk \
+    --json "$OUT/reverse_h200x2.json"
 
 serve_bench() {  # serve_bench CONFIG DECODE_DEVICE: one server, one load sweep, clean stop
   local cfg=$1 dev=$2 port=8100

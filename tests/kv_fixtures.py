@@ -6,11 +6,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hawk.connector.configs import GpuSide, NpuSide, get_config, make_receiver, make_sender
+from hawk.connector.configs import GpuSide, NpuSide, get_config, make_npu_sender, make_receiver, make_sender
 from hawk.devices.emulated import open_npu
 from hawk.layouts.gpu import GpuKVLayout
 from hawk.layouts.npu import NpuKVLayout
 from hawk.memory.npu_kv_cache import NpuKVCacheMemory
+from hawk.layouts.tt import tiles_to_bytes, to_tiles
 from hawk.plan.cost_model import cost_model_for
 
 L, H, D = 2, 2, 64
@@ -28,6 +29,7 @@ class Pair:
     td: object
     kv: object = None
     dcaches: list = field(default_factory=list)
+    src_kv: object = None  # reverse direction: the NPU cache the KV comes from
     freed: list = field(default_factory=list)
     dead_senders: list = field(default_factory=list)
 
@@ -43,11 +45,17 @@ class Pair:
     def add(self, rid: str, tokens: int, blocks: list[int]) -> None:
         self.sender.add(rid, tokens, blocks, lambda rid=rid: self.freed.append(rid))
 
+    def _source_rows(self, layer: int, kv: int, tokens: int, src_blocks: list[int]) -> torch.Tensor:
+        if self.src_kv is not None:  # reverse: decode the NPU tiles of the source blocks
+            x = self.src_kv.read_blocks(2 * layer + kv, torch.tensor(src_blocks[: -(-tokens // NPU_BLOCK)]))
+            return x.permute(0, 2, 1, 3).reshape(-1, H, D)[:tokens]
+        return torch.stack([self.caches[layer][kv, src_blocks[t // GPU_BLOCK], t % GPU_BLOCK] for t in range(tokens)]).float()
+
     def landed(self, tokens: int, gpu_blocks: list[int], dst_blocks: list[int]) -> bool:
         """Whether the destination holds exactly the request's rows."""
         for layer in range(L):
             for kv in range(2):
-                want = torch.stack([self.caches[layer][kv, gpu_blocks[t // GPU_BLOCK], t % GPU_BLOCK] for t in range(tokens)]).float()
+                want = self._source_rows(layer, kv, tokens, gpu_blocks)
                 if self.kv is not None:
                     got = self.kv.read_blocks(2 * layer + kv, torch.tensor(dst_blocks))
                     got = got.permute(0, 2, 1, 3).reshape(-1, H, D)[:tokens]
@@ -62,15 +70,26 @@ class Pair:
         self.sender.close()
         self.td.close()
         self.tp.close()
-        if self.kv is not None:
-            self.kv.close()
+        for kv in (self.kv, self.src_kv):
+            if kv is not None:
+                kv.close()
 
 
 def make_pair(config: str, tp, td, ttl_s: float = 30.0, timeout_s: float = 5.0, rx_bytes: int = 1 << 20, post: str = "pull", seed: int = 0) -> Pair:
     g = torch.Generator().manual_seed(seed)
     src = GpuKVLayout(L, 64, GPU_BLOCK, H, D)
     caches = [torch.randn(src.layer_shape, generator=g).to(torch.bfloat16) for _ in range(L)]
-    sender = make_sender(config, tp, caches, src, 1 << 20, ttl_s=ttl_s, reap_every_s=0.02)
+    src_kv = None
+    if get_config(config).prefill_on == "npu":  # reverse: the KV starts in an NPU cache full of tiles
+        npu = open_npu("npu-emu:cpu", "blackhole-p150a", bank_capacity=4 << 20)
+        src_kv = NpuKVCacheMemory(npu, NpuKVLayout(npu.arch, L, 16, H, NPU_BLOCK, D))
+        pages = torch.arange(src_kv.layout.pages_per_tensor)
+        for t in range(src_kv.layout.num_tensors):
+            tiles = torch.randn(len(pages), 32, 32, generator=g)
+            src_kv.write_pages(t, pages, tiles_to_bytes(to_tiles(tiles), "bf16"))
+        sender = make_npu_sender(config, tp, src_kv, 1 << 20, ttl_s=ttl_s, reap_every_s=0.02)
+    else:
+        sender = make_sender(config, tp, caches, src, 1 << 20, ttl_s=ttl_s, reap_every_s=0.02)
     kv, dcaches = None, []
     if get_config(config).decode_on == "npu":
         npu = open_npu("npu-emu:cpu", "blackhole-p150a", bank_capacity=4 << 20)
@@ -80,7 +99,7 @@ def make_pair(config: str, tp, td, ttl_s: float = 30.0, timeout_s: float = 5.0, 
         dcaches = src.allocate("cpu")
         side = GpuSide(dcaches, src, rx_bytes)
     receiver = make_receiver(config, td, side, post=post, timeout_s=timeout_s)
-    return Pair(config, caches, src, sender, receiver, tp, td, kv, dcaches)
+    return Pair(config, caches, src, sender, receiver, tp, td, kv, dcaches, src_kv=src_kv)
 
 
 def dst_blocks_for(config: str, tokens: int, start: int = 0) -> list[int]:

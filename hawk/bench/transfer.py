@@ -81,9 +81,27 @@ def split_config(name: str) -> tuple[str, str]:
 # -- the prefill process -----------------------------------------------------------------------
 
 
+def _npu_source(spec: BenchSpec, device: str) -> Any:
+    """Reverse direction: an emulated NPU (memory on ``device``) whose KV cache is full of random tiles."""
+    from hawk.devices.emulated import open_npu
+    from hawk.layouts.npu import NpuKVLayout, get_arch
+    from hawk.memory.npu_kv_cache import NpuKVCacheMemory
+
+    s = spec.shape
+    blocks = -(-spec.max_tokens // s.npu_block) + 1
+    probe = NpuKVLayout(get_arch(spec.arch), s.layers, blocks, s.kv_heads, s.npu_block, s.head_dim, spec.kv_dtype, shard_pages=spec.shard_pages)
+    send = spec.max_tokens * s.bytes_per_token() + 4 * MiB
+    per_bank = probe.num_tensors * probe.tensor_buffer(0).bytes_per_bank + -(-send // probe.arch.num_banks)
+    npu = open_npu(f"npu-emu:{device}", spec.arch, bank_capacity=-(-int(per_bank * 1.25 + 8 * MiB) // MiB) * MiB)
+    kv = NpuKVCacheMemory(npu, NpuKVLayout(npu.arch, s.layers, blocks, s.kv_heads, s.npu_block, s.head_dim, spec.kv_dtype, shard_pages=spec.shard_pages))
+    gen = torch.Generator(device=npu.torch_device).manual_seed(0)
+    npu.memory.random_(0, 64, generator=gen)  # bytes < 64: finite bf16 / bfloat8_b values in every page
+    return kv
+
+
 def _prefill_main(conn: Any, spec: BenchSpec) -> None:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    from hawk.connector.configs import make_sender
+    from hawk.connector.configs import get_config, make_npu_sender, make_sender
     from hawk.transport.registry import make_transport
 
     layout = spec.gpu_layout()
@@ -94,7 +112,7 @@ def _prefill_main(conn: Any, spec: BenchSpec) -> None:
         c = torch.empty(layout.layer_shape, dtype=torch.float32, device=dev).uniform_(-2, 2, generator=gen)
         caches.append(c.to(layout.torch_dtype))
     staging = spec.max_tokens * spec.shape.bytes_per_token() + 4 * MiB
-    sender = transport = None
+    sender = transport = npu_kv = None
     try:
         conn.send(("ready", None))
         while True:
@@ -104,7 +122,12 @@ def _prefill_main(conn: Any, spec: BenchSpec) -> None:
                     sender.close()
                     transport.close()
                 transport = make_transport(spec.transport)
-                sender = make_sender(split_config(args[0])[0], transport, caches, layout, staging, spec.transform_impl)
+                name = split_config(args[0])[0]
+                if get_config(name).prefill_on == "npu":
+                    npu_kv = npu_kv or _npu_source(spec, spec.prefill_device)
+                    sender = make_npu_sender(name, transport, npu_kv, staging)
+                else:
+                    sender = make_sender(name, transport, caches, layout, staging, spec.transform_impl)
                 conn.send(("ok", sender.address))
             elif cmd == "add":
                 rid, ntok, blocks = args
@@ -219,7 +242,8 @@ def run_transfer_bench(spec: BenchSpec, progress: Any = None) -> list[dict[str, 
             try:
                 for size in spec.sizes_mb:
                     ntok = spec.tokens(size)
-                    gblocks = _blocks(-(-ntok // spec.shape.gpu_block), spec.shuffle_blocks, size)
+                    sblock = spec.shape.npu_block if cfg.prefill_on == "npu" else spec.shape.gpu_block
+                    gblocks = _blocks(-(-ntok // sblock), spec.shuffle_blocks, size)
                     nblock = spec.shape.npu_block if cfg.decode_on == "npu" else spec.shape.gpu_block
                     dblocks = _blocks(-(-ntok // nblock), spec.shuffle_blocks, size + 1)
                     lat, parts, last = [], [], None
@@ -250,9 +274,9 @@ def run_transfer_bench(spec: BenchSpec, progress: Any = None) -> list[dict[str, 
                             "pair_ms": statistics.median(p["pair_s"] for p in parts) * 1e3,
                             "transfer_ms": statistics.median(p["transfer_s"] for p in parts) * 1e3,
                             "finish_ms": statistics.median(p["finish_s"] for p in parts) * 1e3,
-                            "prefill_device": spec.prefill_device,
+                            "prefill_device": f"npu-emu:{spec.prefill_device}" if cfg.prefill_on == "npu" else spec.prefill_device,
                             "decode_device": spec.npu_device if cfg.decode_on == "npu" else spec.gpu_decode_device,
-                            "npu": f"emulated {spec.arch}" if cfg.decode_on == "npu" else "",
+                            "npu": f"emulated {spec.arch}" if "npu" in (cfg.decode_on, cfg.prefill_on) else "",
                             "kv_dtype": spec.kv_dtype if cfg.decode_on == "npu" else "bf16",
                             "post": spec.post,
                             "repeats": spec.repeats,

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from hawk.connector.control import ControlClient, ControlServer, PeerUnreachable
-from hawk.connector.formats import SendFormat, cache_region
-from hawk.connector.landings import Held, Landing
+from hawk.connector.formats import Held, SendFormat, Staged
+from hawk.connector.landings import Landing
 from hawk.connector.messages import (
     Ack,
     Done,
@@ -52,13 +52,10 @@ from hawk.connector.messages import (
     layout_from_wire,
     layout_to_wire,
 )
-from hawk.memory.buffers import StagingBuffer
-from hawk.memory.reservations import BufferFull, Reservation
+from hawk.memory.reservations import BufferFull
 from hawk.transport.base import Desc, Transport, TransferError
 
 log = logging.getLogger(__name__)
-
-STAGING_REGION = "staging"
 
 
 class KVTransferFailed(RuntimeError):
@@ -82,7 +79,7 @@ class _Prefilled:
 class _Sent:
     """A request between P4 and P9: what the sender still holds for it."""
 
-    reservation: Reservation | None
+    held: Held
     held_blocks: _Prefilled | None  # gg-direct keeps the paged blocks until D9
     deadline: float
 
@@ -100,7 +97,6 @@ class KVSender:
         self,
         transport: Transport,
         fmt: SendFormat,
-        staging: StagingBuffer | None,
         config: str,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -108,20 +104,15 @@ class KVSender:
         reap_every_s: float = 0.2,
         staging_wait_s: float = 5.0,
     ):
-        if staging is None and not fmt.reads_cache_in_place:
-            raise ValueError(f"send format {fmt.name!r} needs a staging buffer")
-        self.transport, self.fmt, self.staging, self.config = transport, fmt, staging, config
+        self.transport, self.fmt, self.config = transport, fmt, config
         self.ttl_s, self.staging_wait_s = ttl_s, staging_wait_s
         self._lock = threading.Lock()
         self._prefilled: dict[str, _Prefilled] = {}
         self._sent: dict[str, _Sent] = {}
         self._receivers: dict[str, _Receiver] = {}
-        self._drain: list[tuple[float, Reservation]] = []
-        if fmt.reads_cache_in_place:
-            for i, c in enumerate(fmt.caches):
-                transport.register(cache_region(i), c)
-        else:
-            transport.register(STAGING_REGION, staging.tensor)  # type: ignore[union-attr]
+        self._drain: list[tuple[float, Held]] = []
+        for name, tensor in fmt.regions().items():
+            transport.register(name, tensor)
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, args=(reap_every_s,), name="hawk-kv-reaper", daemon=True)
         self._reaper.start()
@@ -170,7 +161,8 @@ class KVSender:
         receiver = str(msg.extra.get("receiver") or uuid.uuid4().hex)
         with self._lock:
             self._receivers[receiver] = _Receiver(peer, {"layout": layout, **msg.extra})
-        return Hello("prefill", self.config, self.transport.name, self.transport.metadata(), layout_to_wire(self.fmt.layout), {"format": self.fmt.name, "receiver": receiver})
+        extra = {**self.fmt.hello_extra(), "format": self.fmt.name, "receiver": receiver}
+        return Hello("prefill", self.config, self.transport.name, self.transport.metadata(), layout_to_wire(self.fmt.layout), extra)
 
     def _pull(self, msg: PullRequest) -> Message:
         # P1: receive the request.
@@ -183,16 +175,11 @@ class KVSender:
             return Error(msg.request_id, f"unknown receiver {msg.receiver!r}: say hello first")
         if job is None:
             return Error(msg.request_id, f"no KV waiting for request {msg.request_id!r} (never prefilled, expired, or pulled already)")
-        res = None
+        staged: Staged | None = None
         try:
             plan = self.fmt.plan(job.num_tokens, job.block_ids, receiver.info, msg.dst_block_ids)
-            size = self.fmt.size(plan)
-            res = self._reserve(size, msg.request_id) if size else None  # P4: reserve RDMA-buffer space
-            if res is not None:
-                self.fmt.produce(plan, self.staging.view(res))  # type: ignore[union-attr]  # P3 + P5
-                _sync(self.staging.tensor)  # type: ignore[union-attr]
+            staged = self._stage(plan, msg.request_id)  # P3 + P4 + P5: reserve, transform into it
         except BaseException as e:  # the request fails; nothing it held may stay held
-            self._release_reservation(res)
             self._give_back_blocks(job)
             if isinstance(e, (ValueError, BufferFull)):
                 return Error(msg.request_id, str(e))
@@ -201,17 +188,18 @@ class KVSender:
         if not in_place:
             self._give_back_blocks(job)  # P6: the KV now lives in staging; the paged blocks can be reused
         with self._lock:
-            self._sent[msg.request_id] = _Sent(res, job if in_place else None, time.monotonic() + self.ttl_s)
+            self._sent[msg.request_id] = _Sent(staged.held, job if in_place else None, time.monotonic() + self.ttl_s)
         # P7: send metadata: where the bytes are and how many.
         return KVReady(
             msg.request_id,
             self.fmt.name,
             job.num_tokens,
             list(job.block_ids),
-            STAGING_REGION if res is not None else "",
-            res.offset if res is not None else 0,
-            size,
+            staged.region,
+            staged.offset,
+            self.fmt.size(plan),
             self.fmt.extents(plan),
+            staged.sources,
         )
 
     def _push(self, msg: PushRequest) -> Message:
@@ -235,32 +223,25 @@ class KVSender:
         if sent is None:
             return
         if msg.ok:
-            self._release_reservation(sent.reservation)
+            self.fmt.release(sent.held)
         else:  # the engine may still touch a failed batch's memory for a while
-            self._release_later(sent.reservation)
+            with self._lock:
+                self._drain.append((time.monotonic() + self.transport.drain_s, sent.held))
         if sent.held_blocks is not None:
             self._give_back_blocks(sent.held_blocks)
 
     # -- reservations and expiry -------------------------------------------------------------
 
-    def _reserve(self, size: int, owner: str) -> Reservation:
+    def _stage(self, plan: Any, owner: str) -> Staged:
+        """Reserve and fill, waiting a while for room when staging is full (pulls free it)."""
         deadline = time.monotonic() + self.staging_wait_s
         while True:
             try:
-                return self.staging.reserve(size, owner, ttl_s=self.ttl_s)  # type: ignore[union-attr]
+                return self.fmt.stage(plan, owner, ttl_s=self.ttl_s)
             except BufferFull:
                 if time.monotonic() >= deadline:
                     raise
                 time.sleep(0.005)
-
-    def _release_reservation(self, res: Reservation | None) -> None:
-        if res is not None:
-            self.staging.ledger.release(res)  # type: ignore[union-attr]
-
-    def _release_later(self, res: Reservation | None) -> None:
-        if res is not None:
-            with self._lock:
-                self._drain.append((time.monotonic() + self.transport.drain_s, res))
 
     def _give_back_blocks(self, job: _Prefilled) -> None:
         if job.release_blocks is not None:
@@ -287,12 +268,12 @@ class KVSender:
         for j in jobs:
             self._give_back_blocks(j)
         for s in sent:
-            self._release_reservation(s.reservation)
+            self.fmt.release(s.held)
             if s.held_blocks is not None:
                 self._give_back_blocks(s.held_blocks)
-        for r in ready:
-            self._release_reservation(r)
-        expired = self.staging.ledger.expire(now) if self.staging is not None else []
+        for h in ready:
+            self.fmt.release(h)
+        expired = self.fmt.expire(now)
         return len(jobs) + len(sent) + len(ready) + len(expired)
 
     def _reap_loop(self, every_s: float) -> None:
@@ -306,7 +287,7 @@ class KVSender:
         """What the prefill side holds right now, and for whom."""
         with self._lock:
             return {
-                "staging": [] if self.staging is None else self.staging.ledger.live(),
+                "staging": self.fmt.live(),
                 "waiting": sorted(self._prefilled),
                 "in_flight": sorted(self._sent),
                 "draining": len(self._drain),
@@ -318,19 +299,14 @@ class KVSender:
         self._reaper.join(timeout=2)
         with self._lock:
             jobs = list(self._prefilled.values()) + [s.held_blocks for s in self._sent.values() if s.held_blocks]
-            res = [s.reservation for s in self._sent.values()] + [r for _, r in self._drain]
+            held = [s.held for s in self._sent.values()] + [h for _, h in self._drain]
             self._prefilled.clear()
             self._sent.clear()
             self._drain.clear()
         for j in jobs:
             self._give_back_blocks(j)
-        for r in res:
-            self._release_reservation(r)
-
-
-def _sync(t: torch.Tensor) -> None:
-    if t.is_cuda:
-        torch.cuda.current_stream(t.device).synchronize()
+        for h in held:
+            self.fmt.release(h)
 
 
 # ============================================================================ decode side
@@ -350,7 +326,7 @@ class PullResult:
 class _Sender:
     client: ControlClient
     peer: str
-    layout: Any
+    info: dict[str, Any]  # the sender's handshake: its layout and extras (e.g. NPU tensor bases)
     receiver: str
 
 
@@ -394,12 +370,12 @@ class KVReceiver:
             if not isinstance(reply, Hello) or reply.extra.get("format") != self.landing.format:
                 raise ProtocolError(f"prefill at {address} answered the handshake with {reply!r:.200}")
             peer = self.transport.connect(reply.transport_md)
-            src = layout_from_wire(reply.layout)
+            info = {**reply.extra, "layout": layout_from_wire(reply.layout)}
         except BaseException:
             client.close()
             raise
         with self._lock:
-            self._senders[address] = _Sender(client, peer, src, str(reply.extra["receiver"]))
+            self._senders[address] = _Sender(client, peer, info, str(reply.extra["receiver"]))
 
     def pull(self, address: str, request_id: str, dst_block_ids: Sequence[int], timeout_s: float | None = None) -> PullResult:
         """Bring request ``request_id``'s KV from the prefill at ``address`` into ``dst_block_ids``."""
@@ -421,7 +397,7 @@ class KVReceiver:
         try:
             if not isinstance(ready, KVReady) or ready.request_id != request_id or ready.format != self.landing.format:
                 raise ProtocolError(f"request {request_id}: unexpected reply {ready!r:.200}")
-            plan = self.landing.plan(ready, dst_block_ids, s.layout)
+            plan = self.landing.plan(ready, dst_block_ids, s.info)
             held = self.landing.reserve(plan, request_id, ttl_s=None)  # D3
             descs = self.landing.pair(plan, held, ready)  # D4
             t_paired = time.perf_counter()

@@ -7,6 +7,10 @@
 | gg-direct        | GPU (or CPU)  | nothing: blocks read in place   | straight into the GPU paged cache                     |
 | gn-direct-single | NPU           | NPU tiles (HAWK's transform)    | one contiguous buffer in one channel, then rearrange  |
 | gn-hawk          | NPU           | NPU tiles (HAWK's transform)    | per-channel buffers (+ intra-channel copy) or direct  |
+| ng-hawk          | GPU           | NPU pages gathered per channel  | one GPU buffer, one request per channel, then untile  |
+
+``ng-hawk`` is the reverse direction of the paper's §4.5.3: an NPU prefill instance sending to a GPU
+decode instance, HAWK's plan read backwards.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ from dataclasses import dataclass
 import torch
 
 from hawk.connector.algorithm1 import KVReceiver, KVSender
-from hawk.connector.formats import FORMATS, SendFormat
+from hawk.connector.formats import CompactBlocks, InPlace, NpuPages, NpuTiles, SendFormat
 from hawk.connector.landings import (
     ChannelLanding,
     GpuDirectLanding,
+    GpuFromTiles,
     HostRx,
     HostToGpuLanding,
     HostToNpuLanding,
@@ -40,8 +45,9 @@ class TransferConfig:
     name: str
     decode_on: str  # "npu" | "gpu"
     send_format: str
-    staging: str | None  # where the prefill stages: "device", "host", or None (read in place)
+    staging: str | None  # where the prefill stages: "device", "host", "npu-channels", or None (read in place)
     landing: str
+    prefill_on: str = "gpu"
 
 
 CONFIGS: dict[str, TransferConfig] = {
@@ -52,6 +58,7 @@ CONFIGS: dict[str, TransferConfig] = {
         TransferConfig("gg-direct", "gpu", "cache", None, "gpu-direct"),
         TransferConfig("gn-direct-single", "npu", "npu-tiles", "device", "single"),
         TransferConfig("gn-hawk", "npu", "npu-tiles", "device", "channels"),
+        TransferConfig("ng-hawk", "gpu", "npu-pages", "npu-channels", "gpu-from-tiles", prefill_on="npu"),
     )
 }
 
@@ -72,16 +79,27 @@ def make_sender(
     transform_impl: str = "auto",
     **kwargs,
 ) -> KVSender:
-    """The prefill side of ``config`` over ``transport``, with a staging buffer of ``staging_bytes``."""
+    """The GPU prefill side of ``config`` over ``transport``, with a staging buffer of ``staging_bytes``."""
     cfg = get_config(config)
-    fcls = FORMATS[cfg.send_format]
-    fmt: SendFormat = fcls(caches, layout, transform_impl) if cfg.send_format == "npu-tiles" else fcls(caches, layout)  # type: ignore[call-arg]
-    staging = None
-    if cfg.staging == "device":
-        staging = StagingBuffer(staging_bytes, caches[0].device)
-    elif cfg.staging == "host":
-        staging = StagingBuffer(staging_bytes, "cpu", pin=torch.cuda.is_available())
-    return KVSender(transport, fmt, staging, cfg.name, **kwargs)
+    if cfg.prefill_on != "gpu":
+        raise ValueError(f"{config} sends from an NPU: use make_npu_sender")
+    fmt: SendFormat
+    if cfg.send_format == "cache":
+        fmt = InPlace(caches, layout)
+    else:
+        on_host = cfg.staging == "host"
+        staging = StagingBuffer(staging_bytes, "cpu" if on_host else caches[0].device, pin=on_host and torch.cuda.is_available())
+        fmt = NpuTiles(caches, layout, staging, transform_impl) if cfg.send_format == "npu-tiles" else CompactBlocks(caches, layout, staging)
+    return KVSender(transport, fmt, cfg.name, **kwargs)
+
+
+def make_npu_sender(config: str, transport: Transport, kv: NpuKVCacheMemory, staging_bytes: int, **kwargs) -> KVSender:
+    """The NPU prefill side of a reverse configuration: per-channel send buffers of ``staging_bytes`` in all."""
+    cfg = get_config(config)
+    if cfg.prefill_on != "npu":
+        raise ValueError(f"{config} sends from a GPU: use make_sender")
+    per_channel = -(-staging_bytes // kv.npu.arch.num_channels)
+    return KVSender(transport, NpuPages(kv, ChannelBuffers(kv.npu, per_channel, owner="hawk-tx")), cfg.name, **kwargs)
 
 
 @dataclass
@@ -121,6 +139,8 @@ def make_landing(config: str, side: NpuSide | GpuSide) -> Landing:
         raise ValueError(f"{config} decodes on a GPU: give a GpuSide")
     if cfg.landing == "gpu-direct":
         return GpuDirectLanding(side.caches, side.layout)
+    if cfg.landing == "gpu-from-tiles":
+        return GpuFromTiles(side.caches, side.layout, side.rx_bytes)
     return HostToGpuLanding(side.caches, side.layout, HostRx(side.rx_bytes))
 
 

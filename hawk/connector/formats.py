@@ -1,14 +1,20 @@
-"""What the prefill side sends: the form a request's KV takes in the sender's registered memory.
+"""What the sending side sends: the form a request's KV takes in the sender's registered memory.
 
 - ``npu-tiles``: HAWK's transform output (NPU tiles grouped by channel) in a staging region.
 - ``compact``  : the request's vLLM blocks gathered in order, in a staging region (host for ``*-host``).
 - ``cache``    : nothing is produced; the peer reads blocks straight out of the paged cache (gg-direct).
+- ``npu-pages``: the reverse direction (paper §4.5.3): an NPU prefill gathers the request's pages into
+  its per-channel buffers, so each channel is one contiguous request toward the GPU.
+
+A format owns its staging memory: it reserves (P4), fills (P3 + P5), says where the bytes are (P7) and
+releases (P9). Algorithm 1 only sequences those calls.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -16,20 +22,66 @@ import torch
 from hawk.devices.batched_copy import copy_regions
 from hawk.layouts.gpu import GpuKVLayout
 from hawk.layouts.npu import NpuKVLayout
+from hawk.memory.buffers import ChannelBuffers, StagingBuffer
+from hawk.memory.npu_kv_cache import NpuKVCacheMemory
+from hawk.memory.reservations import Reservation
 from hawk.plan.block_plan import BlockCopyPlan, plan_block_copy
 from hawk.plan.kv_plan import KVTransferPlan, plan_kv_transfer
 from hawk.transform import transform
+
+#: Transport region name of a sender's staging buffer.
+STAGING_REGION = "staging"
+
+
+@dataclass
+class Held:
+    """What one request holds on one side between reserving and releasing."""
+
+    mode: str
+    reservations: dict[Any, Reservation] = field(default_factory=dict)
+
+
+@dataclass
+class Staged:
+    """Where a request's bytes wait in the sender's registered memory: what P7 reports.
+
+    ``sources`` is set when the bytes are spread over several regions (one per channel extent).
+    """
+
+    held: Held
+    region: str = ""
+    offset: int = 0
+    sources: list[list] = field(default_factory=list)
+
+
+def cache_region(layer: int) -> str:
+    """Transport region name of one layer's paged cache (both sides of gg-direct use it)."""
+    return f"kv-L{layer}"
+
+
+def channel_region(channel: int) -> str:
+    """Transport region name of one NPU DRAM channel's window."""
+    return f"npu-ch{channel}"
+
+
+def _sync(t: torch.Tensor) -> None:
+    if t.is_cuda:
+        torch.cuda.current_stream(t.device).synchronize()
 
 
 class SendFormat(ABC):
     name: ClassVar[str]
     #: True when the peer reads the paged cache itself, so the blocks stay allocated until D9.
     reads_cache_in_place: ClassVar[bool] = False
+    #: The sender's own KV layout (sent in the handshake).
+    layout: Any
 
-    def __init__(self, caches: Sequence[torch.Tensor], layout: GpuKVLayout):
-        layout.check_cache(list(caches))
-        self.caches = list(caches)
-        self.layout = layout
+    @abstractmethod
+    def regions(self) -> dict[str, torch.Tensor]:
+        """Memory to register with the transport."""
+
+    def hello_extra(self) -> dict[str, Any]:
+        return {}
 
     @abstractmethod
     def plan(self, num_tokens: int, block_ids: Sequence[int], peer: dict[str, Any], dst_block_ids: Sequence[int]) -> Any:
@@ -37,22 +89,67 @@ class SendFormat(ABC):
 
     @abstractmethod
     def size(self, plan: Any) -> int:
-        """Bytes to reserve in staging (0 when nothing is staged)."""
+        """Bytes the request occupies in the sender's memory."""
 
-    def produce(self, plan: Any, out: torch.Tensor) -> None:
-        """Write the request's bytes into ``out`` (the reserved staging range)."""
+    @abstractmethod
+    def stage(self, plan: Any, owner: str, ttl_s: float) -> Staged:
+        """P4 + P3/P5: reserve and fill; raises BufferFull when there is no room (yet)."""
+
+    def release(self, held: Held) -> None:
+        """P9: give back what ``stage`` reserved."""
+
+    def live(self) -> list[Reservation]:
+        return []
+
+    def expire(self, now: float) -> list[Reservation]:
+        return []
 
     def extents(self, plan: Any) -> list[list[int]]:
         return []
 
 
-class NpuTiles(SendFormat):
+class _InStagingBuffer(SendFormat):
+    """A format whose bytes go into one registered staging buffer."""
+
+    def __init__(self, caches: Sequence[torch.Tensor], layout: GpuKVLayout, staging: StagingBuffer):
+        layout.check_cache(list(caches))
+        self.caches, self.layout, self.staging = list(caches), layout, staging
+
+    def regions(self) -> dict[str, torch.Tensor]:
+        return {STAGING_REGION: self.staging.tensor}
+
+    @abstractmethod
+    def produce(self, plan: Any, out: torch.Tensor) -> None:
+        """Write the request's bytes into ``out`` (its reserved staging range)."""
+
+    def stage(self, plan: Any, owner: str, ttl_s: float) -> Staged:
+        res = self.staging.reserve(self.size(plan), owner, ttl_s)
+        try:
+            self.produce(plan, self.staging.view(res))
+            _sync(self.staging.tensor)
+        except BaseException:
+            self.staging.ledger.release(res)
+            raise
+        return Staged(Held("staging", {0: res}), STAGING_REGION, res.offset)
+
+    def release(self, held: Held) -> None:
+        for r in held.reservations.values():
+            self.staging.ledger.release(r)
+
+    def live(self) -> list[Reservation]:
+        return self.staging.ledger.live()
+
+    def expire(self, now: float) -> list[Reservation]:
+        return self.staging.ledger.expire(now)
+
+
+class NpuTiles(_InStagingBuffer):
     """HAWK: gather + re-block + tilize (+ bfloat8_b) + channel grouping, straight into staging."""
 
     name = "npu-tiles"
 
-    def __init__(self, caches: Sequence[torch.Tensor], layout: GpuKVLayout, impl: str = "auto"):
-        super().__init__(caches, layout)
+    def __init__(self, caches: Sequence[torch.Tensor], layout: GpuKVLayout, staging: StagingBuffer, impl: str = "auto"):
+        super().__init__(caches, layout, staging)
         self.impl = impl
 
     def plan(self, num_tokens, block_ids, peer, dst_block_ids) -> KVTransferPlan:
@@ -80,7 +177,7 @@ def gather_compact(caches: Sequence[torch.Tensor], plan: BlockCopyPlan) -> torch
     return torch.stack([c.index_select(1, ids) for c in caches])
 
 
-class CompactBlocks(SendFormat):
+class CompactBlocks(_InStagingBuffer):
     """The request's blocks as they are, gathered into staging (the host-staged baselines)."""
 
     name = "compact"
@@ -104,16 +201,74 @@ class InPlace(SendFormat):
     name = "cache"
     reads_cache_in_place = True
 
+    def __init__(self, caches: Sequence[torch.Tensor], layout: GpuKVLayout):
+        layout.check_cache(list(caches))
+        self.caches, self.layout = list(caches), layout
+
+    def regions(self) -> dict[str, torch.Tensor]:
+        return {cache_region(i): c for i, c in enumerate(self.caches)}
+
     def plan(self, num_tokens, block_ids, peer, dst_block_ids) -> BlockCopyPlan:
         return plan_block_copy(num_tokens, block_ids, self.layout)
 
     def size(self, plan: BlockCopyPlan) -> int:
-        return 0
+        return plan.total_bytes
+
+    def stage(self, plan: BlockCopyPlan, owner: str, ttl_s: float) -> Staged:
+        return Staged(Held("in-place"))
 
 
-FORMATS: dict[str, type[SendFormat]] = {f.name: f for f in (NpuTiles, CompactBlocks, InPlace)}
+class NpuPages(SendFormat):
+    """Reverse direction: the NPU gathers the request's pages into its per-channel buffers.
+
+    The bytes each channel holds are that channel's extent of the very send-buffer format the GPU
+    side would have produced, so the GPU receives one contiguous request per channel and untiles it.
+    """
+
+    name = "npu-pages"
+
+    def __init__(self, kv: NpuKVCacheMemory, buffers: ChannelBuffers):
+        self.kv, self.buffers, self.npu = kv, buffers, kv.npu
+        self.layout = kv.layout
+
+    def regions(self) -> dict[str, torch.Tensor]:
+        return {channel_region(c): self.npu.channel_memory(c) for c in range(self.npu.arch.num_channels)}
+
+    def hello_extra(self) -> dict[str, Any]:
+        return {"bases": list(self.kv.bases)}
+
+    def plan(self, num_tokens, block_ids, peer, dst_block_ids) -> KVTransferPlan:
+        gpu = peer["layout"]
+        if not isinstance(gpu, GpuKVLayout):
+            raise ValueError("npu-pages needs a GPU receiver layout")
+        return plan_kv_transfer(num_tokens, dst_block_ids, block_ids, gpu, self.layout, self.kv.bases)
+
+    def size(self, plan: KVTransferPlan) -> int:
+        return plan.total_bytes
+
+    def stage(self, plan: KVTransferPlan, owner: str, ttl_s: float) -> Staged:
+        held = Held("channels", dict(self.buffers.reserve(plan.channel_bytes(), owner, ttl_s)))
+        try:
+            addr = {c: self.buffers.address(r, c) for c, r in held.reservations.items()}
+            self.npu.copy(plan.gather_copy_runs(addr))
+            self.npu.synchronize()
+        except BaseException:
+            self.release(held)
+            raise
+        sources = [[channel_region(c), addr[c], n] for c, _, n in plan.channel_extents]
+        return Staged(held, sources=sources)
+
+    def release(self, held: Held) -> None:
+        self.buffers.release(held.reservations)
+
+    def live(self) -> list[Reservation]:
+        return self.buffers.live()
+
+    def expire(self, now: float) -> list[Reservation]:
+        return [r for led in self.buffers.ledgers.values() for r in led.expire(now)]
+
+    def extents(self, plan: KVTransferPlan) -> list[list[int]]:
+        return [list(e) for e in plan.channel_extents]
 
 
-def cache_region(layer: int) -> str:
-    """Transport region name of one layer's paged cache (both sides of gg-direct use it)."""
-    return f"kv-L{layer}"
+FORMATS: dict[str, type[SendFormat]] = {f.name: f for f in (NpuTiles, CompactBlocks, InPlace, NpuPages)}

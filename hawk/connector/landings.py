@@ -14,34 +14,19 @@ from typing import Any, ClassVar
 
 import torch
 
-from hawk.connector.formats import cache_region
+from hawk.connector.formats import Held, cache_region, channel_region
 from hawk.connector.messages import KVReady, ProtocolError
 from hawk.devices.backend import NpuBackend
 from hawk.devices.batched_copy import copy_regions
 from hawk.layouts.gpu import GpuKVLayout
-from hawk.memory.buffers import ChannelBuffers, SingleBuffer
+from hawk.memory.buffers import ChannelBuffers, SingleBuffer, StagingBuffer
 from hawk.memory.npu_kv_cache import NpuKVCacheMemory
 from hawk.memory.reservations import RangeReservations, Reservation
 from hawk.plan.block_plan import BlockCopyPlan, plan_block_copy
 from hawk.plan.cost_model import CostModel
 from hawk.plan.kv_plan import KVTransferPlan, plan_kv_transfer
-from hawk.transform import transform
+from hawk.transform import transform, untransform
 from hawk.transport.base import Desc
-
-
-@dataclass
-class Held:
-    """What one request holds on the decode side between D3 and D8."""
-
-    mode: str
-    reservations: dict[Any, Reservation] = field(default_factory=dict)
-
-    def address(self, key: Any, base: int) -> int:
-        return base + self.reservations[key].offset
-
-
-def channel_region(channel: int) -> str:
-    return f"npu-ch{channel}"
 
 
 def _check_extents(ready: KVReady, plan: KVTransferPlan) -> None:
@@ -65,8 +50,8 @@ class Landing(ABC):
         """``(kv layout, extra)`` for the handshake."""
 
     @abstractmethod
-    def plan(self, ready: KVReady, dst_block_ids: Sequence[int], src: GpuKVLayout) -> Any:
-        """D2: rebuild the plan from the sender's metadata and check it agrees."""
+    def plan(self, ready: KVReady, dst_block_ids: Sequence[int], peer: dict[str, Any]) -> Any:
+        """D2: rebuild the plan from the sender's metadata (and its handshake, ``peer``) and check it agrees."""
 
     def reserve(self, plan: Any, owner: str, ttl_s: float | None) -> Held:
         """D3: reserve receive space."""
@@ -105,8 +90,8 @@ class _NpuTilesLanding(Landing):
     def hello(self) -> tuple[Any, dict]:
         return self.kv.layout, {"bases": list(self.kv.bases)}
 
-    def plan(self, ready, dst_block_ids, src) -> KVTransferPlan:
-        plan = plan_kv_transfer(ready.num_tokens, ready.src_block_ids, dst_block_ids, src, self.kv.layout, self.kv.bases)
+    def plan(self, ready, dst_block_ids, peer) -> KVTransferPlan:
+        plan = plan_kv_transfer(ready.num_tokens, ready.src_block_ids, dst_block_ids, peer["layout"], self.kv.layout, self.kv.bases)
         _check_extents(ready, plan)
         return plan
 
@@ -253,8 +238,8 @@ class HostToNpuLanding(_HostLanding):
     def hello(self) -> tuple[Any, dict]:
         return self.kv.layout, {"bases": list(self.kv.bases)}
 
-    def plan(self, ready, dst_block_ids, src) -> _HostPlan:
-        blocks = self._blocks(ready, src)
+    def plan(self, ready, dst_block_ids, peer) -> _HostPlan:
+        blocks = self._blocks(ready, peer["layout"])
         compact = blocks.compact_layout
         fixup = plan_kv_transfer(ready.num_tokens, range(blocks.num_blocks), dst_block_ids, compact, self.kv.layout, self.kv.bases)
         return _HostPlan(blocks, fixup)
@@ -283,8 +268,8 @@ class HostToGpuLanding(_HostLanding):
     def hello(self) -> tuple[Any, dict]:
         return self.layout, {}
 
-    def plan(self, ready, dst_block_ids, src) -> _HostPlan:
-        blocks = self._blocks(ready, src)
+    def plan(self, ready, dst_block_ids, peer) -> _HostPlan:
+        blocks = self._blocks(ready, peer["layout"])
         blocks.scatter_copies(self.layout, dst_block_ids)  # validates the destination
         return _HostPlan(blocks, dst_block_ids=list(dst_block_ids)[: blocks.num_blocks])
 
@@ -312,8 +297,8 @@ class GpuDirectLanding(Landing):
     def hello(self) -> tuple[Any, dict]:
         return self.layout, {}
 
-    def plan(self, ready, dst_block_ids, src):
-        blocks = plan_block_copy(ready.num_tokens, ready.src_block_ids, src)
+    def plan(self, ready, dst_block_ids, peer):
+        blocks = plan_block_copy(ready.num_tokens, ready.src_block_ids, peer["layout"])
         return blocks.direct_requests(self.layout, dst_block_ids)
 
     def pair(self, plan, held, ready) -> list[Desc]:
@@ -323,3 +308,49 @@ class GpuDirectLanding(Landing):
         dev = self.caches[0].device
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
+
+
+class GpuFromTiles(Landing):
+    """Reverse direction: NPU tiles arrive channel by channel into one GPU buffer, then are untiled into
+    the paged cache (the GPU does the rest of the layout change, as the paper's §4.5.3 describes)."""
+
+    format = "npu-pages"
+    REGION = "rx-gpu"
+
+    def __init__(self, caches: Sequence[torch.Tensor], layout: GpuKVLayout, rx_bytes: int):
+        layout.check_cache(list(caches))
+        self.caches, self.layout = list(caches), layout
+        self.rx = StagingBuffer(rx_bytes, caches[0].device, name=self.REGION)
+
+    def regions(self) -> dict[str, torch.Tensor]:
+        return {self.REGION: self.rx.tensor}
+
+    def hello(self) -> tuple[Any, dict]:
+        return self.layout, {}
+
+    def plan(self, ready, dst_block_ids, peer) -> KVTransferPlan:
+        npu = peer["layout"]
+        plan = plan_kv_transfer(ready.num_tokens, dst_block_ids, ready.src_block_ids, self.layout, npu, peer["bases"])
+        _check_extents(ready, plan)
+        if len(ready.sources) != len(plan.channel_extents):
+            raise ProtocolError(f"request {ready.request_id}: {len(ready.sources)} sources for {len(plan.channel_extents)} channel extents")
+        return plan
+
+    def reserve(self, plan, owner, ttl_s) -> Held:
+        return Held("gpu-rx", {0: self.rx.reserve(plan.total_bytes, owner, ttl_s)})
+
+    def pair(self, plan, held, ready) -> list[Desc]:
+        base = held.reservations[0].offset
+        return [Desc(self.REGION, base + off, str(region), int(addr), n) for (_, off, n), (region, addr, _) in zip(plan.channel_extents, ready.sources)]
+
+    def finish(self, plan, held) -> None:
+        untransform(self.rx.view(held.reservations[0]), plan, self.caches)
+        if self.caches[0].is_cuda:
+            torch.cuda.synchronize(self.caches[0].device)
+
+    def release(self, held) -> None:
+        for r in held.reservations.values():
+            self.rx.ledger.release(r)
+
+    def live(self) -> list[Reservation]:
+        return self.rx.ledger.live()

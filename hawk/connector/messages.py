@@ -64,6 +64,7 @@ class KVReady(Message):
     offset: int
     total_bytes: int
     extents: list  # [[channel, offset, length], ...] for NPU tiles, [] otherwise
+    sources: list = field(default_factory=list)  # [[region, offset, length], ...] when spread over regions
 
 
 @dataclass(frozen=True)

@@ -190,6 +190,14 @@ class KVTransferPlan:
             shift[c] = channel_dst[c] - o  # send-buffer offset -> per-channel buffer address
         return merge_runs(chan, shift[chan] + off, chan, addr, length)
 
+    def gather_copy_runs(self, channel_dst: Mapping[int, int]) -> Runs:
+        """The reverse of :meth:`staging_copy_runs`: cache pages -> per-channel buffers (an NPU sender).
+
+        Afterwards channel ``c``'s buffer holds exactly channel ``c``'s extent of the send-buffer format.
+        """
+        r = self.staging_copy_runs(channel_dst)
+        return Runs(r.dst_region, r.dst_offset, r.src_region, r.src_offset, r.length)
+
     def single_requests(self, channel: int, address: int) -> list[Request]:
         """The whole send buffer as one request into one contiguous buffer (gn-direct-single)."""
         return [Request(SEND_BUFFER, 0, channel, address, self.total_bytes)]

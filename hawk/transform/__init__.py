@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from hawk.plan.kv_plan import KVTransferPlan
-from hawk.transform.reference import transform_reference
+from hawk.transform.reference import transform_reference, untransform_reference
 
 IMPLS = ("auto", "triton", "torch")
 
@@ -36,3 +36,11 @@ def transform(
 
         return transform_triton(caches, plan, out)
     return transform_reference(caches, plan, out)
+
+
+def untransform(send: torch.Tensor, plan: KVTransferPlan, caches: Sequence[torch.Tensor]) -> None:
+    """Reverse direction: tiles in send-buffer order -> the request's rows of the paged caches.
+
+    Torch on any device (no fused kernel yet: it reads and writes each byte once per pass, a few passes).
+    """
+    untransform_reference(send, plan, caches)

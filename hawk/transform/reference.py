@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hawk.layouts.tt import FACE, TILE, tiles_to_bytes
+from hawk.layouts.tt import FACE, TILE, bytes_to_tiles, tiles_to_bytes
 from hawk.plan.kv_plan import KVTransferPlan
 
 
@@ -68,3 +68,26 @@ def transform_reference(
             t = 2 * layer + kv
             pages[(a + t * b) // pb] = encoded[kv]
     return out
+
+
+def untransform_reference(send: torch.Tensor, plan: KVTransferPlan, caches: Sequence[torch.Tensor]) -> None:
+    """The inverse, for the reverse direction: decode a send buffer's tiles into the paged caches.
+
+    Only the request's rows are written; padding rows of the last NPU block are dropped.
+    """
+    plan.src.check_cache(list(caches))
+    if send.dtype != torch.uint8 or send.numel() < plan.total_bytes:
+        raise ValueError(f"send buffer must be uint8 with >= {plan.total_bytes} bytes, got {send.dtype} x {send.numel()}")
+    device = caches[0].device
+    pb, d, ct = plan.page_bytes, plan.src.head_dim, plan.dst.col_tiles
+    pages = send[: plan.total_bytes].to(device).view(-1, pb)
+    a, b = (torch.as_tensor(x, device=device) for x in plan.offset_terms())
+    rows, valid = _slab_rows(plan, device)
+    keep = valid.reshape(-1)
+    target = rows.reshape(-1)[keep]
+    for layer in range(plan.src.num_layers):
+        raw = torch.stack([pages[(a + (2 * layer + kv) * b) // pb] for kv in range(2)])  # [2, P, pb]
+        tiles = bytes_to_tiles(raw.reshape(-1, pb), plan.dst.dtype)
+        x = tiles.reshape(2, -1, ct, 2, 2, FACE, FACE).permute(0, 1, 3, 5, 2, 4, 6).reshape(2, -1, d)  # [2, S*32, D]
+        cache = caches[layer]
+        cache.reshape(2, -1, d)[:, target] = x[:, keep].to(cache.dtype)
