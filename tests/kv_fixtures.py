@@ -75,21 +75,31 @@ class Pair:
                 kv.close()
 
 
-def make_pair(config: str, tp, td, ttl_s: float = 30.0, timeout_s: float = 5.0, rx_bytes: int = 1 << 20, post: str = "pull", seed: int = 0) -> Pair:
+def sources(config: str, seed: int = 0):
+    """The sending side's KV, seeded: a paged GPU cache, or (reverse direction) an NPU cache full of tiles."""
     g = torch.Generator().manual_seed(seed)
     src = GpuKVLayout(L, 64, GPU_BLOCK, H, D)
     caches = [torch.randn(src.layer_shape, generator=g).to(torch.bfloat16) for _ in range(L)]
     src_kv = None
-    if get_config(config).prefill_on == "npu":  # reverse: the KV starts in an NPU cache full of tiles
+    if get_config(config).prefill_on == "npu":
         npu = open_npu("npu-emu:cpu", "blackhole-p150a", bank_capacity=4 << 20)
         src_kv = NpuKVCacheMemory(npu, NpuKVLayout(npu.arch, L, 16, H, NPU_BLOCK, D))
         pages = torch.arange(src_kv.layout.pages_per_tensor)
         for t in range(src_kv.layout.num_tensors):
             tiles = torch.randn(len(pages), 32, 32, generator=g)
             src_kv.write_pages(t, pages, tiles_to_bytes(to_tiles(tiles), "bf16"))
-        sender = make_npu_sender(config, tp, src_kv, 1 << 20, ttl_s=ttl_s, reap_every_s=0.02)
-    else:
-        sender = make_sender(config, tp, caches, src, 1 << 20, ttl_s=ttl_s, reap_every_s=0.02)
+    return src, caches, src_kv
+
+
+def make_source_sender(config: str, tp, src, caches, src_kv, **kw):
+    if src_kv is not None:
+        return make_npu_sender(config, tp, src_kv, 1 << 20, **kw)
+    return make_sender(config, tp, caches, src, 1 << 20, **kw)
+
+
+def make_pair(config: str, tp, td, ttl_s: float = 30.0, timeout_s: float = 5.0, rx_bytes: int = 1 << 20, post: str = "pull", seed: int = 0) -> Pair:
+    src, caches, src_kv = sources(config, seed)
+    sender = make_source_sender(config, tp, src, caches, src_kv, ttl_s=ttl_s, reap_every_s=0.02)
     kv, dcaches = None, []
     if get_config(config).decode_on == "npu":
         npu = open_npu("npu-emu:cpu", "blackhole-p150a", bank_capacity=4 << 20)

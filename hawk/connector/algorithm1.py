@@ -34,7 +34,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 
 from hawk.connector.control import ControlClient, ControlServer, PeerUnreachable
 from hawk.connector.formats import Held, SendFormat, Staged
