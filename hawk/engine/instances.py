@@ -77,6 +77,11 @@ class InstanceConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.transfer == "colocated":
             return self
+        if get_config(self.transfer).prefill_on == "npu":
+            raise ValueError(
+                f"{self.transfer} sends from an NPU prefill instance, and HAWK has no NPU prefill engine yet: "
+                "the reverse direction runs in `hawk bench transfer --configs ng-hawk` and the connector tests"
+            )
         on_npu = get_config(self.transfer).decode_on == "npu"
         if on_npu != self.decode_device.startswith("npu-emu"):
             want = "npu-emu:cpu or npu-emu:cuda:N" if on_npu else "cpu or cuda:N"
