@@ -174,7 +174,6 @@ class KVSender:
             return Error(msg.request_id, f"unknown receiver {msg.receiver!r}: say hello first")
         if job is None:
             return Error(msg.request_id, f"no KV waiting for request {msg.request_id!r} (never prefilled, expired, or pulled already)")
-        staged: Staged | None = None
         try:
             plan = self.fmt.plan(job.num_tokens, job.block_ids, receiver.info, msg.dst_block_ids)
             staged = self._stage(plan, msg.request_id)  # P3 + P4 + P5: reserve, transform into it
