@@ -35,7 +35,7 @@ import httpx
 import numpy as np
 
 from hawk.sim.metrics import RequestResult, summarize
-from hawk.sim.report import plot_sweep, print_table, save_json
+from hawk.sim.report import report
 from hawk.sim.workload import RequestSpec, Workload, generate_requests, get_workload
 
 
@@ -334,11 +334,7 @@ def run_serving_report(
         max_concurrency=max_concurrency, warmup_requests=warmup_requests, per_request=per_request,
         token_id_range=token_id_range, progress=lambda r: print(f"rate {r['rate']:g}: {r['completed']}/{r['num_requests']} done, SLO attainment {r['slo_attainment']:.0%}", flush=True),
     )
-    print_table(records)
-    if json_path:
-        save_json(records, json_path)
-    if plot_path:
-        plot_sweep(records, plot_path)
+    report(records, json_path, plot_path)
     return records
 
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hawk.sim.cluster import sweep
-from hawk.sim.report import plot_sweep, print_table, save_json
+from hawk.sim.report import report
 
 
 def parse_pd(s: str) -> list[tuple[int, int]]:
@@ -48,12 +48,7 @@ def run_sim(
         slo_tpot_ms=slo_tpot_ms, transfer_scale=transfer_scale, contention=contention, router_policy=router_policy,
         calibration=calibration,
     )
-    if not quiet:
-        print_table(records)
-    if json_path:
-        save_json(records, json_path)
-    if plot_path:
-        plot_sweep(records, plot_path)
+    report(records, json_path, plot_path, quiet)
     return records
 
 

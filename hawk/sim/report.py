@@ -120,6 +120,16 @@ def save_json(records: Sequence[dict[str, Any]], path: str | Path) -> Path:
     return out
 
 
+def report(records: Sequence[dict[str, Any]], json_path: str | Path | None = None, plot_path: str | Path | None = None, quiet: bool = False) -> None:
+    """What every sweep ends with: the table, and the JSON and plot when asked for."""
+    if not quiet:
+        print_table(records)
+    if json_path:
+        save_json(records, json_path)
+    if plot_path:
+        plot_sweep(records, plot_path)
+
+
 def load_json(path: str | Path) -> list[dict[str, Any]]:
     data = json.loads(Path(path).read_text())
     return data["records"] if isinstance(data, dict) else list(data)
