@@ -13,10 +13,20 @@ q/k/v by those lengths.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class SeqSlice:
+    """One sequence in a forward: its cache blocks, tokens already cached, and new tokens."""
+
+    block_ids: Sequence[int]
+    start: int
+    q_len: int
 
 
 @runtime_checkable
@@ -30,6 +40,29 @@ class AttentionBackend(Protocol):
     def __call__(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class PagedBackend(AttentionBackend, Protocol):
+    """A backend over block-addressed caches (the GPU's paged cache, the NPU's tiled pages).
+
+    The contract a CUDA graph relies on: ``begin`` writes the batch's metadata (block tables,
+    context lengths, slots of the new tokens) into device buffers the backend owns and keeps, at
+    the same addresses on every call, and ``__call__`` reads them without a host sync. A graph
+    captured after one ``begin(decode_batch, pad_to=B)`` therefore replays correctly after any
+    later ``begin(other_decode_batch, pad_to=B)``.
+    """
+
+    #: True when the contract above holds on this backend's device (a CUDA decode path).
+    graph_safe: bool
+
+    def begin(self, batch: Sequence[SeqSlice], pad_to: int | None = None) -> None:
+        """Declare the next forward's sequences, in the order their tokens are concatenated.
+
+        ``pad_to`` (decode batches only, every ``q_len == 1``): append dummy rows up to that many
+        sequences. A dummy row writes no KV and reads none; its output row is finite and ignored.
+        """
+        ...
 
 
 def attend(

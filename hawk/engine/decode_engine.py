@@ -22,7 +22,7 @@ import torch
 
 from hawk.engine.block_manager import BlockManager
 from hawk.engine.model import LlamaModel
-from hawk.engine.paged_attention import SeqSlice
+from hawk.engine.attention import SeqSlice
 from hawk.engine.runner import ModelRunner
 from hawk.engine.sampler import make_generator, sample
 from hawk.engine.sequence import SamplingParams, Sequence, Status

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from hawk.engine.attention import attend
-from hawk.engine.paged_attention import SeqSlice
+from hawk.engine.attention import SeqSlice
 from hawk.layouts.tt import TILE, bytes_to_tiles, from_tiles, tiles_to_bytes, to_tiles
 from hawk.memory.npu_kv_cache import NpuKVCacheMemory
 

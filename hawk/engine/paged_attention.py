@@ -7,21 +7,13 @@ one that continues reads its context back from the cache blocks (decode).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from hawk.engine.attention import attend
+from hawk.engine.attention import SeqSlice, attend
 from hawk.layouts.gpu import GpuKVLayout
 
-
-@dataclass(frozen=True)
-class SeqSlice:
-    """One sequence in a forward: its cache blocks, tokens already cached, and new tokens."""
-
-    block_ids: Sequence[int]
-    start: int
-    q_len: int
+__all__ = ["PagedAttention", "SeqSlice"]
 
 
 class PagedAttention:

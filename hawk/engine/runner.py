@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from hawk.engine.model import LlamaModel
-from hawk.engine.paged_attention import SeqSlice
+from hawk.engine.attention import SeqSlice
 
 
 class ModelRunner:
