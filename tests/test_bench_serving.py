@@ -185,3 +185,89 @@ def test_prompts_are_deterministic_and_in_range():
     assert prompt_ids(s, 1, (100, 200)) != a
     body = completion_body(s, a, None)
     assert "model" not in body and body["max_tokens"] == 5 and body["ignore_eos"] is True
+
+
+# ---- vLLM-style metrics: TTFT at the first text, ITL between text chunks, TPOT from E2EL ------
+
+
+def test_metrics_on_hand_made_records():
+    from hawk.sim.metrics import RequestResult, summarize
+
+    # request 0: sent at 0, text at 0.1, 0.3, 0.4, 0.7 → TTFT 100, ITL 200/100/300, E2EL 700, TPOT 600/3
+    # request 1: sent at 1.0, text at 1.5, 1.6 → TTFT 500, ITL 100, E2EL 600, TPOT 100/1
+    a = RequestResult(0, 10, 4, 0.0, 0.1, 0.7, 4, True, itl_s=[0.2, 0.1, 0.3])
+    b = RequestResult(1, 20, 2, 1.0, 1.5, 1.6, 2, True, itl_s=[0.1])
+    assert a.ttft_s == pytest.approx(0.1) and a.e2e_s == pytest.approx(0.7)
+    assert a.tpot_s == pytest.approx((a.e2e_s - a.ttft_s) / 3) and b.tpot_s == pytest.approx(0.1)
+    s = summarize([a, b], slo_ttft_ms=1000, slo_tpot_ms=1000)
+    assert s["ttft_mean_ms"] == pytest.approx(300) and s["ttft_median_ms"] == pytest.approx(300)
+    assert s["ttft_p90_ms"] == pytest.approx(100 + 0.9 * 400) and s["ttft_p99_ms"] == pytest.approx(100 + 0.99 * 400)
+    assert s["tpot_mean_ms"] == pytest.approx(150) and s["tpot_p50_ms"] == s["tpot_median_ms"]
+    # ITL pools every gap of every request: [200, 100, 300, 100]
+    assert s["itl_mean_ms"] == pytest.approx(175) and s["itl_median_ms"] == pytest.approx(150)
+    assert s["itl_p90_ms"] == pytest.approx(270) and s["itl_p99_ms"] == pytest.approx(297)
+    assert s["e2e_mean_ms"] == pytest.approx(650) and s["e2e_p99_ms"] == pytest.approx(700 - 0.01 * 100)
+    # duration = first send (0) → last token (1.6)
+    assert s["request_throughput_rps"] == pytest.approx(2 / 1.6)
+    assert s["output_throughput_tok_s"] == pytest.approx(6 / 1.6)
+    assert s["total_token_throughput_tok_s"] == pytest.approx(36 / 1.6)
+    # the simulator has no chunk times: ITL is unknown there, never a misleading 0
+    sim = summarize([RequestResult(0, 10, 4, 0.0, 0.1, 0.7, 4, True)], 1000, 1000)
+    assert sim["itl_mean_ms"] is None and sim["ttft_p50_ms"] == pytest.approx(100)
+
+
+def _stream_handler(script: list[tuple[float, dict]]):
+    """A MockTransport whose SSE chunks arrive at scripted times (seconds after the request)."""
+
+    class Body(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            t0 = time.monotonic()
+            for at, obj in script:
+                await asyncio.sleep(max(0.0, at - (time.monotonic() - t0)))
+                yield sse(obj).encode()
+            yield b"data: [DONE]\n\n"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m", "max_model_len": 4096}]})
+        return httpx.Response(200, stream=Body(), headers={"content-type": "text/event-stream"})
+
+    return handler
+
+
+def test_ttft_is_the_first_text_not_the_first_chunk():
+    """An empty chunk early and all the text at the end (what the 8B preset's router sent):
+    TTFT must equal E2EL, not the empty chunk's time."""
+    ch = ChunkMaker(False, "x", "m")
+    script = [(0.05, ch.delta("")), (0.30, ch.delta("all of it", "length", {"completion_tokens": 4}))]
+    script[0][1]["choices"][0]["text"] = ""
+    (r,) = run_serving_bench("http://fake", [math.inf], _workload(4, 4), 1, 0, warmup_requests=0, per_request=True,
+                             transport=_mock(_stream_handler(script)))
+    assert r["ttft_p50_ms"] == pytest.approx(r["e2e_p50_ms"], abs=1.0) and r["ttft_p50_ms"] >= 290
+    assert r["tpot_p50_ms"] == pytest.approx(0.0, abs=1.0) and r["itl_p50_ms"] is None
+
+
+def test_itl_and_tpot_from_streamed_chunks():
+    ch = ChunkMaker(True, "x", "m")
+    hawk = {"completion_tokens": 4, "ttft_s": 0.1, "tpot_s": 0.05}
+    script = [(0.0, ch.opening()), (0.10, ch.delta("a")), (0.15, ch.delta("b")), (0.30, ch.delta("c")),
+              (0.40, ch.delta("d", "stop", hawk)), (0.45, ch.usage(Usage.of(4, 4), hawk))]
+    (r,) = run_serving_bench("http://fake", [math.inf], _workload(4, 4), 1, 0, warmup_requests=0, per_request=True,
+                             transport=_mock(_stream_handler(script)))
+    (req,) = r["requests"]
+    assert [round(x, 2) for x in req["itl_s"]] == [0.05, 0.15, 0.1]
+    assert req["extra"]["chunks"] == 4 and req["output_tokens"] == 4
+    assert 95 <= r["ttft_p50_ms"] <= 160  # the role-only opening chunk at 0 does not count
+    assert r["tpot_p50_ms"] == pytest.approx((r["e2e_p50_ms"] - r["ttft_p50_ms"]) / 3)
+    assert r["itl_p50_ms"] == pytest.approx(100, abs=30) and r["itl_p99_ms"] >= 140
+    assert r["server_ttft_p50_ms"] == pytest.approx(100) and r["server_tpot_p50_ms"] == pytest.approx(50)
+
+
+def test_vllm_style_summary_lists_every_metric():
+    from hawk.bench.serving import format_result
+
+    text = format_result({"rate": 1.0, "completed": 2, "failed": 0, "ttft_mean_ms": 12.5, "itl_p99_ms": 3.0})
+    for label in ("Mean TTFT (ms):", "Median TPOT (ms):", "P90 ITL (ms):", "P99 E2EL (ms):",
+                  "Request throughput (req/s):", "Output token throughput (tok/s):"):
+        assert label in text
+    assert "12.50" in text and "n/a" in text

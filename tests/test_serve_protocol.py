@@ -118,3 +118,78 @@ def test_upstream_errors_keep_4xx_and_hide_5xx():
     assert e.status == 400 and e.message == "too long" and e.code == "context_length_exceeded"
     e = upstream_error(500, b"boom", "decode at x")
     assert e.status == 502 and "boom" in e.message
+
+
+# ---- seeds and lone surrogates: refused up front with a clear message ------------------------
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 10**30])
+def test_seed_must_fit_64_bits(seed):
+    msg = _message(CompletionRequest, {"prompt": "x", "seed": seed, "temperature": 1.0})
+    assert "seed" in msg and "2**64" in msg
+
+
+@pytest.mark.parametrize("seed", [0, 2**64 - 1, -(2**63), None])
+def test_seed_bounds_are_inclusive_exclusive(seed):
+    assert CompletionRequest.model_validate({"prompt": "x", "seed": seed}).seed == seed
+
+
+@pytest.mark.parametrize("cls, body, where", [
+    (CompletionRequest, {"prompt": "a\ud800b"}, "prompt"),
+    (CompletionRequest, {"prompt": ["\udfff"]}, "prompt[0]"),
+    (CompletionRequest, {"prompt": "x", "stop": ["ok", "\ud800"]}, "stop[1]"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi\ud83e"}]}, "messages[0].content"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udd85"}]}]}, "messages[0].content[0].text"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x", "name": "\ud800"}]}, "messages[0].name"),
+])
+def test_lone_surrogates_are_refused(cls, body, where):
+    msg = _message(cls, body)
+    assert msg.startswith(f"{where} contains a lone surrogate")
+
+
+def test_surrogate_pairs_are_fine():
+    r = CompletionRequest.model_validate({"prompt": "\ud83e\udd85".encode("utf-16", "surrogatepass").decode("utf-16")})
+    assert r.prompt == "🦅"
+
+
+# ---- the router's detokenisation: nothing held back at the end -------------------------------
+
+
+def _decode_stream(events: list[dict]) -> list:
+    """Run a Generation against a fake prefill + decode pair; returns its deltas."""
+    import asyncio
+    import json
+
+    import httpx
+
+    from hawk.engine.config import preset
+    from hawk.engine.sequence import SamplingParams
+    from hawk.engine.tokenizer import Tokenizer
+    from hawk.serve.generation import Generation
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/internal/prefill":
+            return httpx.Response(200, json={"num_prompt_tokens": 2, "first_token": 65, "kv": {"address": "x", "request_id": "r"}})
+        body = "".join(json.dumps(e) + "\n" for e in events)
+        return httpx.Response(200, text=body, headers={"content-type": "application/x-ndjson"})
+
+    async def go() -> list:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            tok = Tokenizer.byte_level(preset("tiny"))
+            gen = Generation(client, "http://p", "http://d", "r", [1, 2], SamplingParams(max_tokens=8), tok, [], 0.0)
+            await gen.start()
+            return [d async for d in gen.deltas()]
+
+    return asyncio.run(go())
+
+
+def test_router_flushes_an_unfinished_character_at_the_end():
+    ev = [{"token": 65}, {"token": 0xE2}, {"token": 0x82, "finish_reason": "length"}]
+    deltas = _decode_stream(ev)
+    assert "".join(d.text for d in deltas) == "A\ufffd" and deltas[-1].finish_reason == "length"
+
+
+def test_router_streams_invalid_bytes_without_waiting():
+    ev = [{"token": 0xFF}, {"token": 0xFE}, {"token": 65, "finish_reason": "length"}]
+    deltas = _decode_stream(ev)
+    assert [d.text for d in deltas] == ["\ufffd", "\ufffd", "A"]

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from hawk.engine.config import PRESETS, preset
 from hawk.engine.loader import RANDOM_PRESETS, embedded_path
-from hawk.engine.tokenizer import CHATML_TEMPLATE, Tokenizer
+from hawk.engine.tokenizer import CHATML_TEMPLATE, MAX_HELD_TOKENS, Tokenizer
 
 TEXTS = [
     "What is the capital of France?",
@@ -185,3 +185,94 @@ def test_hf_tokenizer_json_round_trip(tmp_path: Path, smol: Tokenizer) -> None:
 def test_hf_dir_without_tokenizer_json(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="tokenizer.json"):
         Tokenizer.from_hf_dir(tmp_path)
+
+
+# ---- streaming detokenisation: hold only what may still become a character -------------------
+
+
+def _deltas(tok: Tokenizer, ids: list[int], skip: bool = True) -> list[str]:
+    dec = tok.incremental_decoder(skip)
+    return [dec.step(i) for i in ids] + [dec.flush()]
+
+
+@pytest.mark.parametrize("text", ["é", "€", "🦅", "a€b🦅c日本"])
+def test_multibyte_characters_split_over_byte_tokens(byte_tok: Tokenizer, text: str) -> None:
+    ids = byte_tok.encode(text)
+    pieces = _deltas(byte_tok, ids)
+    assert "".join(pieces) == text and "\ufffd" not in "".join(pieces)
+    # each character comes out with its last byte, not later
+    dec, out = byte_tok.incremental_decoder(), []
+    for i in ids:
+        out.append(dec.step(i))
+    assert [p for p in out if p] == [c for c in text]
+
+
+def test_invalid_bytes_come_out_at_once_as_replacement(byte_tok: Tokenizer) -> None:
+    # 0xFF can never start a character; a lone continuation byte neither
+    assert _deltas(byte_tok, [0xFF]) == ["\ufffd", ""]
+    assert _deltas(byte_tok, [0x80, 0x80, 0x41]) == ["\ufffd", "\ufffd", "A", ""]
+    # a lead byte followed by a non-continuation: the lead is replaced when the next byte shows it
+    assert _deltas(byte_tok, [0xE2, 0x41]) == ["", "\ufffdA", ""]
+    # random bytes stream without waiting for a valid character to turn up
+    stream = _deltas(byte_tok, [0xC0, 0xFE, 0xF5, 0xFF])
+    assert all(stream[:4]) and "".join(stream) == byte_tok.decode([0xC0, 0xFE, 0xF5, 0xFF])
+
+
+def test_an_unfinished_character_is_flushed_at_the_end(byte_tok: Tokenizer) -> None:
+    assert _deltas(byte_tok, [0x41, 0xF0, 0x9F]) == ["A", "", "", "\ufffd"]
+    assert "".join(_deltas(byte_tok, [0x41, 0xF0, 0x9F])) == byte_tok.decode([0x41, 0xF0, 0x9F])
+
+
+@pytest.mark.parametrize("name", RANDOM_PRESETS)
+def test_every_id_of_a_preset_decodes_to_text(name: str) -> None:
+    """A random model samples the whole vocabulary: ids past the bytes and specials must stream
+    visible text, or a 128k-vocabulary preset streams nothing until the end."""
+    cfg = PRESETS[name]
+    tok = Tokenizer.byte_level(cfg)
+    assert tok.vocab_size == cfg.vocab_size
+    specials = {tok.bos_token_id, *tok.eos_token_ids, tok.token_to_id("<|im_start|>")}
+    for i in (256, 300, cfg.vocab_size // 2, cfg.vocab_size - 1):
+        if i not in specials:
+            assert _deltas(tok, [i])[0] == tok.decode([i]) != ""
+    assert tok.encode("<300>") == list(b"<300>")  # placeholders never come out of encode
+
+
+@pytest.mark.parametrize("which", ["tiny", "llama-3.1-8b", "smol"])
+def test_deltas_concatenate_to_decode_on_random_ids(smol: Tokenizer, which: str) -> None:
+    import random
+
+    tok = smol if which == "smol" else Tokenizer.byte_level(preset(which))
+    rng = random.Random(0)
+    for _ in range(200):
+        hi = rng.choice([300, tok.vocab_size])  # mostly bytes, or the whole vocabulary
+        ids = [rng.randrange(hi) for _ in range(rng.randrange(1, 25))]
+        for skip in (True, False):
+            assert "".join(_deltas(tok, ids, skip)) == tok.decode(ids, skip), ids
+
+
+def _byte_fallback_tokenizer() -> Tokenizer:
+    """A SentencePiece-style vocabulary (``<0xNN>`` byte pieces, ``▁`` for spaces) whose decoder
+    is not ``ByteLevel``: the re-decoding path."""
+    from tokenizers import decoders, models
+    import tokenizers
+
+    vocab = {f"<0x{b:02X}>": b for b in range(256)}
+    vocab.update({"▁hi": 256, "▁there": 257, "<unk>": 258})
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return Tokenizer(tok)
+
+
+def test_byte_fallback_decoder_streams_and_flushes() -> None:
+    tok = _byte_fallback_tokenizer()
+    euro = list("€".encode())
+    ids = [256, *euro, 257, 0xFF, 0x41, 0xE2, 0x82]
+    pieces = _deltas(tok, ids)
+    assert "".join(pieces) == tok.decode(ids)
+    assert pieces[0] == " hi" and pieces[1:4] == ["", "", "€"] and pieces[4] == " there"
+    # invalid bytes are held a bounded number of tokens, never until the end
+    held = _deltas(tok, [0xFF] * 8)
+    assert any(held[:MAX_HELD_TOKENS]) and "".join(held) == tok.decode([0xFF] * 8)
+    # an unfinished character is flushed when the sequence ends
+    tail = _deltas(tok, [256, 0xE2, 0x82])
+    assert tail[:3] == [" hi", "", ""] and tail[3] and set(tail[3]) == {"\ufffd"}

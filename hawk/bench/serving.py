@@ -5,13 +5,15 @@ Requests arrive as a seeded Poisson process at each rate of a sweep; each is a s
 output length is fixed with ``max_tokens`` + ``ignore_eos`` (a vLLM extension HAWK's router
 accepts). The client measures, per request:
 
-* TTFT — request sent → first chunk carrying a token;
-* TPOT — (last token chunk − first) / (n − 1), with n the server's ``usage.completion_tokens``;
-* E2E  — request sent → last token chunk;
+* TTFT — request sent → first chunk with non-empty text (the first streamed token);
+* ITL  — the gaps between consecutive text chunks;
+* E2EL — request sent → end of the stream (last chunk with text or the finish reason);
+* TPOT — (E2EL − TTFT) / (n − 1), with n the server's ``usage.completion_tokens``;
 
-and aggregates them (``hawk.sim.metrics``) into P50/P90 TTFT and TPOT, SLO attainment, output
-throughput and goodput per rate. The router's own ``hawk`` timings (server-side TTFT/TPOT, KV
-transfer time and bytes, which decode device) are kept beside the client's numbers.
+as ``vllm bench serve`` does, and aggregates them (``hawk.sim.metrics``) into mean / median /
+P90 / P99 of each, SLO attainment, request and output-token throughput and goodput per rate.
+The router's own ``hawk`` timings (server-side TTFT/TPOT, KV transfer time and bytes, which
+decode device) are kept beside the client's numbers.
 
 Why token-id prompts: a text prompt's token count depends on the tokenizer; ids make the input
 length the workload's, on any model. The ids are drawn from ``token_id_range`` (inside any
@@ -67,14 +69,44 @@ def completion_body(
     return body
 
 
-def _chunk_has_token(chunk: dict[str, Any]) -> bool:
-    """A chunk that carries generated text (or ends the choice) — i.e. it follows a token.
-    Chat's opening role-only chunk and the usage-only chunk carry none."""
+def chunk_text(chunk: dict[str, Any]) -> str:
+    """The generated text a chunk carries (completion ``text`` or chat ``delta.content``)."""
+    out = []
     for c in chunk.get("choices") or []:
-        delta = c.get("delta") or {}
-        if c.get("text") or delta.get("content") or c.get("finish_reason"):
-            return True
-    return False
+        out.append(c.get("text") or (c.get("delta") or {}).get("content") or "")
+    return "".join(out)
+
+
+def _chunk_finishes(chunk: dict[str, Any]) -> bool:
+    return any(c.get("finish_reason") for c in chunk.get("choices") or [])
+
+
+class ChunkTimer:
+    """Arrival times of one stream's chunks, turned into TTFT / ITL / E2EL inputs.
+
+    Only chunks with text count as tokens arriving: chat's opening role-only chunk, a usage-only
+    chunk and an empty finishing chunk carry none (a stream whose text all comes at the end then
+    shows TTFT = E2EL, as it should). The finishing chunk still marks the end of the stream."""
+
+    def __init__(self) -> None:
+        self.text_times: list[float] = []
+        self.end: float | None = None
+
+    def feed(self, chunk: dict[str, Any], now: float) -> None:
+        if chunk_text(chunk):
+            self.text_times.append(now)
+            self.end = now
+        elif _chunk_finishes(chunk) and self.text_times:
+            self.end = now
+
+    @property
+    def first(self) -> float | None:
+        return self.text_times[0] if self.text_times else None
+
+    @property
+    def itl(self) -> list[float]:
+        t = self.text_times
+        return [b - a for a, b in zip(t, t[1:])]
 
 
 async def stream_one(
@@ -86,7 +118,7 @@ async def stream_one(
 ) -> RequestResult:
     """Send one streaming request and time its chunks (``clock`` = seconds since the run began)."""
     res = RequestResult(spec.index, spec.input_len, spec.output_len, sent_s=clock())
-    chunks = 0
+    timer = ChunkTimer()
     usage_tokens: int | None = None
     hawk: dict[str, Any] = {}
     try:
@@ -106,10 +138,7 @@ async def stream_one(
                 if "error" in chunk:
                     res.error = str(chunk["error"].get("message", chunk["error"]))
                     continue
-                if _chunk_has_token(chunk):
-                    res.first_s = now if res.first_s is None else res.first_s
-                    res.last_s = now
-                    chunks += 1
+                timer.feed(chunk, now)
                 if chunk.get("usage"):
                     usage_tokens = int(chunk["usage"].get("completion_tokens", 0))
                 if chunk.get("hawk"):
@@ -117,9 +146,13 @@ async def stream_one(
     except (httpx.HTTPError, ValueError) as e:
         res.error = f"{type(e).__name__}: {e}"
         return res
+    chunks = len(timer.text_times)
+    res.first_s, res.last_s, res.itl_s = timer.first, timer.end, timer.itl
     n = usage_tokens if usage_tokens is not None else hawk.get("completion_tokens")
     res.output_tokens = int(n) if n is not None else chunks
     res.ok = res.error is None and res.first_s is not None
+    if res.error is None and res.first_s is None:
+        res.error = "no text was streamed"
     if res.ok and res.output_tokens == 0:
         res.ok, res.error = False, "no tokens"
     res.extra = {"chunks": chunks, "hawk": hawk} if hawk else {"chunks": chunks}
@@ -335,7 +368,43 @@ def run_serving_report(
         token_id_range=token_id_range, progress=lambda r: print(f"rate {r['rate']:g}: {r['completed']}/{r['num_requests']} done, SLO attainment {r['slo_attainment']:.0%}", flush=True),
     )
     report(records, json_path, plot_path)
+    for rec in records:
+        print(format_result(rec), flush=True)
     return records
+
+
+def format_result(rec: dict[str, Any]) -> str:
+    """One rate's result laid out like ``vllm bench serve`` prints it (client-side numbers)."""
+
+    def num(x: Any) -> str:
+        return "n/a" if x is None else f"{x:.2f}"
+
+    def row(label: str, value: Any) -> str:
+        return f"{label:<40}{value}"
+
+    title = f" Serving Benchmark Result (rate {rec.get('rate')} req/s) "
+    lines = [
+        f"{title:=^60}",
+        row("Successful requests:", rec.get("completed")),
+        row("Failed requests:", rec.get("failed")),
+        row("Benchmark duration (s):", num(rec.get("duration_s"))),
+        row("Total generated tokens:", rec.get("output_tokens")),
+        row("Request throughput (req/s):", num(rec.get("request_throughput_rps"))),
+        row("Output token throughput (tok/s):", num(rec.get("output_throughput_tok_s"))),
+        row("Total token throughput (tok/s):", num(rec.get("total_token_throughput_tok_s"))),
+    ]
+    sections = (
+        ("ttft", "TTFT", "Time to First Token"),
+        ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
+        ("itl", "ITL", "Inter-token Latency"),
+        ("e2e", "E2EL", "End-to-end Latency"),
+    )
+    for key, short, heading in sections:
+        lines.append(f"{' ' + heading + ' ':-^60}")
+        for stat, label in (("mean", "Mean"), ("median", "Median"), ("p90", "P90"), ("p99", "P99")):
+            lines.append(row(f"{label} {short} (ms):", num(rec.get(f"{key}_{stat}_ms"))))
+    lines.append("=" * 60)
+    return "\n".join(lines)
 
 
 def _floats(s: str) -> list[float]:

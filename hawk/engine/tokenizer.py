@@ -7,6 +7,7 @@ initialised presets. The engine only ever sees this class.
 
 from __future__ import annotations
 
+import codecs
 import datetime
 import json
 from collections.abc import Iterable, Sequence
@@ -95,6 +96,22 @@ class Tokenizer:
 
     def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
         return IncrementalDecoder(self, skip_special_tokens)
+
+    def token_bytes(self, i: int, skip_special_tokens: bool = True) -> bytes:
+        """The bytes one token contributes to ``decode`` under a ``ByteLevel`` decoder: unknown
+        ids and (when skipped) special tokens give none; a piece written in the byte alphabet
+        maps back byte by byte, any other piece (an added token) is its own UTF-8."""
+        piece = self.tok.id_to_token(int(i))
+        if piece is None or (skip_special_tokens and int(i) in self._special_ids):
+            return b""
+        table = _unicode_to_bytes()
+        if all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return piece.encode("utf-8")
+
+    @cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
@@ -211,6 +228,11 @@ class Tokenizer:
         Specials sit at the config's own ids so the model's bos/eos agree with the tokenizer:
         ``<|begin_of_text|>`` = bos, ``<|end_of_text|>`` = first eos, ``<|im_end|>`` = last eos
         (the end of a chat turn), ``<|im_start|>`` = the lowest free id from 256.
+
+        Every other id up to ``vocab_size`` decodes to a placeholder piece ``<id>``. A random
+        model samples the whole vocabulary; were those ids unknown, they would decode to nothing
+        and a 128k-vocabulary preset would stream no text at all until the end. Encoding never
+        produces a placeholder (there are no merges: text always encodes byte by byte).
         """
         if cfg.bos_token_id is None or len(cfg.eos_token_ids) < 2:
             raise ValueError("byte-level tokenizer needs a bos_token_id and two eos_token_ids")
@@ -228,6 +250,8 @@ class Tokenizer:
             )
         vocab = {c: b for b, c in _bytes_to_unicode().items()}
         vocab.update(specials)
+        taken = set(ids)
+        vocab.update({_placeholder(i): i for i in range(256, cfg.vocab_size) if i not in taken})
         tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         tok.decoder = decoders.ByteLevel()
@@ -241,21 +265,59 @@ class Tokenizer:
         )
 
 
-class IncrementalDecoder:
-    """Streams text as tokens arrive, never emitting half a UTF-8 character.
+#: Tokens the text path holds while its text ends in U+FFFD before it gives up waiting: a
+#: UTF-8 character is at most 4 bytes and every byte-carrying token carries at least one.
+MAX_HELD_TOKENS = 4
 
-    Byte-level BPE splits multi-byte characters over tokens; the library's ``DecodeStream``
-    holds those bytes back until the character is complete, and handles decoders (like
-    SentencePiece's leading space) whose output for a token depends on its neighbours.
+
+class IncrementalDecoder:
+    """Streams text as tokens arrive, holding back only what may still become a character.
+
+    Byte-level BPE splits multi-byte characters over tokens. For those vocabularies (the
+    ``ByteLevel`` decoder: GGUF, Llama-3-style ``tokenizer.json``, the random presets) each
+    token's bytes go through an incremental UTF-8 decoder: an incomplete but valid trailing
+    sequence (at most 3 bytes) waits for the next token, and bytes that can never form a
+    character come out at once as U+FFFD. The deltas therefore concatenate to exactly
+    ``decode(ids)``. Other decoders (SentencePiece with byte fallback) are streamed by
+    re-decoding a short window of recent tokens, waiting at most ``MAX_HELD_TOKENS`` tokens on
+    a trailing U+FFFD. Call :meth:`flush` when the sequence ends.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
-        self._tok = tokenizer.tok
-        self._stream = decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._bytes = isinstance(tokenizer.tok.decoder, decoders.ByteLevel)
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._ids: list[int] = []  # text path: the window [prefix:] is re-decoded
+        self._prefix = 0
+        self._read = 0
 
     def step(self, token_id: int) -> str:
-        """The text this token completes ("" while a character is still partial)."""
-        return self._stream.step(self._tok, int(token_id)) or ""
+        """The text this token adds ("" while a character is still partial)."""
+        if self._bytes:
+            return self._utf8.decode(self._tok.token_bytes(int(token_id), self._skip))
+        self._ids.append(int(token_id))
+        return self._window_text(final=False)
+
+    def flush(self) -> str:
+        """What is still held when the sequence ends (an unfinished character becomes U+FFFD)."""
+        if self._bytes:
+            return self._utf8.decode(b"", final=True)
+        return self._window_text(final=True)
+
+    def _window_text(self, final: bool) -> str:
+        ids = self._ids
+        if self._read == len(ids):
+            return ""
+        before = self._tok.decode(ids[self._prefix:self._read], self._skip)
+        text = self._tok.decode(ids[self._prefix:], self._skip)
+        held = len(ids) - self._read
+        if not final and text.endswith("\ufffd") and held < MAX_HELD_TOKENS:
+            return ""  # maybe half a character: wait for the next token
+        if not final and len(text) <= len(before) and held < MAX_HELD_TOKENS:
+            return ""  # nothing visible yet (a skipped special, or a decoder still deciding)
+        self._prefix, self._read = self._read, len(ids)
+        return text[len(before):]
 
 
 def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
@@ -288,6 +350,16 @@ def _bytes_to_unicode() -> dict[int, str]:
             table[b] = chr(256 + extra)
             extra += 1
     return table
+
+
+@lru_cache(maxsize=1)
+def _unicode_to_bytes() -> dict[str, int]:
+    return {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def _placeholder(i: int) -> str:
+    """The visible piece of a byte-level preset's id that is neither a byte nor a special."""
+    return f"<{i}>"
 
 
 def _normalize_message(m: Any, i: int) -> dict[str, Any]:

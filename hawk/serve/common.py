@@ -104,10 +104,17 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def bind_socket(host: str = LOOPBACK, port: int = 0) -> socket.socket:
-    """A listening TCP socket; port 0 lets the OS choose (read it back with ``getsockname``)."""
+    """A listening TCP socket; port 0 lets the OS choose (read it back with ``getsockname``).
+
+    The protocol is named (``IPPROTO_TCP``, not 0) and ``TCP_NODELAY`` set: asyncio only turns
+    Nagle's algorithm off on sockets whose ``proto`` says TCP, and accepted connections inherit
+    both from this socket. With Nagle on, each small streamed write after the first waits for
+    the client's delayed ACK (~40 ms), so tokens reach the client in bursts.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
     except OSError as e:

@@ -175,7 +175,10 @@ class Generation:
                     self.t_last = now
                     self.num_tokens += 1
                     self._got_token = True
-                    text, hit = stopper.feed(decoder.step(tok))
+                    piece = decoder.step(tok)
+                    if reason is not None and reason not in ("error", "abort"):
+                        piece += decoder.flush()  # the last token: nothing may stay held
+                    text, hit = stopper.feed(piece)
                     if hit:  # closing the stream (finally) makes the decode instance stop
                         self.finish_reason = "stop"
                         yield TextDelta(text, "stop")
@@ -188,6 +191,12 @@ class Generation:
                     detail = ev.get("error") or "the request was aborted on the decode instance"
                     raise OpenAIError(500, f"decode failed: {detail}", type="server_error")
                 self.finish_reason = reason
+                if tok is None:  # a finish without a token: still release what the decoder holds
+                    text, hit = stopper.feed(decoder.flush())
+                    if hit:
+                        self.finish_reason = "stop"
+                        yield TextDelta(text, "stop")
+                        return
                 yield TextDelta(text + stopper.flush(), reason)
                 return
             raise OpenAIError(502, f"decode instance {self.decode_url} ended the stream early", type="server_error")

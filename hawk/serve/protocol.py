@@ -17,6 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 # OpenAI's limits, kept so a request valid there is valid here.
 MAX_STOP_STRINGS = 16
 TEMPERATURE_MAX = 2.0
+# Seeds must fit a 64-bit integer, signed or unsigned: [-2**63, 2**64). Engines seed their
+# generators from it, and a larger value would fail there, after the request was accepted.
+SEED_MIN, SEED_MAX_EXCLUSIVE = -(2**63), 2**64
 
 
 class OpenAIError(Exception):
@@ -46,6 +49,33 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def find_lone_surrogate(value: Any, path: str = "") -> tuple[str, int] | None:
+    """Where a string in a parsed JSON value holds a lone surrogate (``"\\ud800"`` is valid
+    JSON but not Unicode text): the path and the code point, or None.
+
+    Such a string cannot be tokenized or encoded as UTF-8, so it is refused up front (a 400)
+    instead of failing deep inside the tokenizer (a 500)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return path or "body", ord(value[e.start])
+        return None
+    if isinstance(value, dict):
+        items: Any = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for k, v in items:
+        where = f"{path}[{k}]" if isinstance(k, int) else (f"{path}.{k}" if path else str(k))
+        hit = find_lone_surrogate(k, where) if isinstance(k, str) else None
+        hit = hit or find_lone_surrogate(v, where)
+        if hit:
+            return hit
+    return None
+
+
 # ============================================================================ requests
 
 
@@ -73,6 +103,25 @@ class _SamplingFields(BaseModel):
     # vLLM's extensions, handy for benchmarks (fixed output lengths) and chat stops.
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        hit = find_lone_surrogate(data)
+        if hit:
+            where, cp = hit
+            raise ValueError(
+                f"{where} contains a lone surrogate (U+{cp:04X}), which is not valid Unicode text: "
+                "send characters outside the BMP as a surrogate pair or as UTF-8"
+            )
+        return data
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_range(cls, v: int | None) -> int | None:
+        if v is not None and not SEED_MIN <= v < SEED_MAX_EXCLUSIVE:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64) (a 64-bit value), got {v}")
+        return v
 
     @field_validator("n")
     @classmethod

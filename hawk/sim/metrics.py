@@ -4,11 +4,13 @@ The paper (§5.3) reports TTFT, TPOT, SLO attainment and output throughput; §5.
 throughput *at 90 % SLO attainment* by power and price. Keeping these definitions in one pure
 module (no simpy, no HTTP) means a simulated record and a measured one are directly comparable.
 
-Definitions (per request, times in seconds from the start of the run):
+Definitions (per request, times in seconds from the start of the run), as ``vllm bench serve``:
 
-* TTFT = first token received − request sent
-* TPOT = (last token − first token) / (n − 1); undefined (None) for n = 1, which then meets any TPOT SLO
-* E2E  = last token − request sent
+* TTFT = first streamed token (the first chunk with non-empty text) − request sent
+* ITL  = the gaps between consecutive text chunks (pooled over requests for the percentiles)
+* E2E (E2EL) = end of the stream (the last chunk with text or the finish reason) − request sent
+* TPOT = (E2E − TTFT) / (n − 1), n = output tokens; undefined (None) for n = 1, which then meets
+  any TPOT SLO
 * a request *meets the SLO* when it finished without error, TTFT ≤ SLO_TTFT and TPOT ≤ SLO_TPOT;
   SLO attainment = requests meeting it / requests sent (failures are misses)
 * output throughput = output tokens of finished requests / run duration (first send → last token);
@@ -39,6 +41,7 @@ class RequestResult:
     ok: bool = False
     error: str | None = None
     extra: dict[str, Any] | None = None  # e.g. the server's own ``hawk`` timings
+    itl_s: list[float] | None = None  # gaps between text chunks; None where not streamed (simulator)
 
     @property
     def ttft_s(self) -> float | None:
@@ -46,6 +49,7 @@ class RequestResult:
 
     @property
     def tpot_s(self) -> float | None:
+        """(E2E − TTFT) / (n − 1): the decode time per token after the first."""
         if self.first_s is None or self.last_s is None or self.output_tokens < 2:
             return None
         return (self.last_s - self.first_s) / (self.output_tokens - 1)
@@ -80,6 +84,16 @@ def _ms(x: float | None) -> float | None:
     return None if x is None else x * 1e3
 
 
+def latency_stats(name: str, values_s: Sequence[float]) -> dict[str, float | None]:
+    """``{name}_mean_ms``, ``_median_ms``, ``_p50_ms``, ``_p90_ms``, ``_p99_ms`` of values in
+    seconds (``_p50`` and ``_median`` are the same number: both names have readers)."""
+    out: dict[str, float | None] = {f"{name}_mean_ms": _ms(float(np.mean(values_s))) if len(values_s) else None}
+    out[f"{name}_median_ms"] = _ms(percentile(values_s, 50))
+    for q in (50, 90, 99):
+        out[f"{name}_p{q}_ms"] = _ms(percentile(values_s, q))
+    return out
+
+
 def summarize(results: Iterable[RequestResult], slo_ttft_ms: float, slo_tpot_ms: float) -> dict[str, Any]:
     """Aggregate one run (one request rate) into the record the tables and plots read."""
     rs = list(results)
@@ -87,11 +101,13 @@ def summarize(results: Iterable[RequestResult], slo_ttft_ms: float, slo_tpot_ms:
     ttft = [r.ttft_s for r in done if r.ttft_s is not None]
     tpot = [r.tpot_s for r in done if r.tpot_s is not None]
     e2e = [r.e2e_s for r in done if r.e2e_s is not None]
+    itl = [g for r in done for g in (r.itl_s or ())]
     start = min((r.sent_s for r in rs), default=0.0)
     end = max((r.last_s for r in done if r.last_s is not None), default=start)
     duration = end - start
     meet = [r for r in rs if r.meets(slo_ttft_ms, slo_tpot_ms)]
     tokens = sum(r.output_tokens for r in done)
+    input_tokens = sum(r.input_len for r in done)
     good_tokens = sum(r.output_tokens for r in meet)
 
     def per_s(x: float) -> float | None:
@@ -110,14 +126,13 @@ def summarize(results: Iterable[RequestResult], slo_ttft_ms: float, slo_tpot_ms:
         "ttft_attainment": sum(r.meets_ttft(slo_ttft_ms) for r in done) / n if n else None,
         "tpot_attainment": sum(r.meets_tpot(slo_tpot_ms) for r in done) / n if n else None,
         "output_throughput_tok_s": per_s(tokens),
+        "total_token_throughput_tok_s": per_s(tokens + input_tokens),
         "goodput_tok_s": per_s(good_tokens),
         "goodput_rps": per_s(len(meet)),
         "request_throughput_rps": per_s(len(done)),
     }
-    for name, xs in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)):
-        out[f"{name}_mean_ms"] = _ms(float(np.mean(xs))) if xs else None
-        for q in (50, 90, 99):
-            out[f"{name}_p{q}_ms"] = _ms(percentile(xs, q))
+    for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
+        out.update(latency_stats(name, xs))
     return out
 
 
