@@ -1,72 +1,315 @@
 """Attention over a vLLM-layout paged KV cache (the GPU side: prefill, and decode for gg-* / colocated).
 
-New K/V go to their slots; a sequence starting at position 0 attends over its fresh K/V (prefill),
-one that continues reads its context back from the cache blocks (decode).
+On CUDA (with Triton) a forward layer is three launches at most and no Python loop over sequences:
+write the new K/V at their slots, then split-K decode attention (every ``q_len == 1``) or
+FlashAttention-style varlen attention over the paged cache (:mod:`hawk.engine.triton_attention`).
+Elsewhere the same metadata drives a torch fallback: batched gather + SDPA for decode, one
+:func:`attend` per sequence for prefill.
+
+``begin`` builds all metadata on the host with numpy and uploads it in two copies into device
+buffers allocated once, so the decode path is CUDA-graph safe (see :class:`PagedBackend`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain, islice
+from types import ModuleType
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
 from hawk.engine.attention import SeqSlice, attend
 from hawk.layouts.gpu import GpuKVLayout
 
 __all__ = ["PagedAttention", "SeqSlice"]
 
+#: Extra metadata room beyond ``3 * max_batch + 1``: prefill slots and the program map.
+_META_EXTRA = 3 * 8192
+
+
+def _load_triton() -> ModuleType | None:
+    """The Triton kernels, or None where Triton is not installed (CI, CPU-only hosts)."""
+    try:
+        from hawk.engine import triton_attention
+    except ImportError:
+        return None
+    return triton_attention
+
 
 class PagedAttention:
-    def __init__(self, layout: GpuKVLayout, caches: Sequence[torch.Tensor]):
-        layout.check_cache(list(caches))
-        self.layout, self.caches = layout, list(caches)
-        self._batch: list[SeqSlice] = []
-        self._slots: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._ctx: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    """A :class:`~hawk.engine.attention.PagedBackend` over one paged cache tensor per layer.
 
-    def begin(self, batch: Sequence[SeqSlice]) -> None:
-        """Declare the next forward's sequences, in the order their tokens are concatenated."""
-        bs, dev = self.layout.block_size, self.caches[0].device
-        blocks, slots, ctx = [], [], []
-        for s in batch:
-            need = -(-(s.start + s.q_len) // bs)
-            if len(s.block_ids) < need:
-                raise ValueError(f"sequence needs {need} blocks for {s.start + s.q_len} tokens, has {len(s.block_ids)}")
-            pos = torch.arange(s.start, s.start + s.q_len)
-            ids = torch.as_tensor(list(s.block_ids), dtype=torch.int64)
-            blocks.append(ids[pos // bs])
-            slots.append(pos % bs)
-            if s.start == 0:
-                ctx.append(None)
-            else:
-                n = s.start + s.q_len
-                p = torch.arange(n)
-                ctx.append((ids[p // bs].to(dev), (p % bs).to(dev)))
-        self._batch = list(batch)
-        self._slots = (torch.cat(blocks).to(dev), torch.cat(slots).to(dev))
-        self._ctx = ctx
+    ``max_batch`` sequences and ``max_model_len`` tokens per sequence (default: the whole cache)
+    size the block table; a larger batch regrows the buffers (bumping :attr:`generation`, which
+    invalidates captured graphs). ``use_triton`` forces the Triton path (True, e.g. on CPU under
+    ``TRITON_INTERPRET=1``) or the torch path (False); None picks Triton on CUDA when installed.
+    """
+
+    def __init__(
+        self,
+        layout: GpuKVLayout,
+        caches: Sequence[torch.Tensor],
+        max_batch: int = 256,
+        max_model_len: int | None = None,
+        *,
+        use_triton: bool | None = None,
+    ) -> None:
+        layout.check_cache(list(caches))
+        if max_batch <= 0:
+            raise ValueError(f"max_batch must be > 0, got {max_batch}")
+        self.layout, self.caches = layout, list(caches)
+        self.device = self.caches[0].device
+        cuda = self.device.type == "cuda"
+        self._ta = _load_triton() if (use_triton or (use_triton is None and cuda)) else None
+        if use_triton and self._ta is None:
+            raise RuntimeError("use_triton=True but triton is not importable")
+        #: The PagedBackend contract holds: CUDA caches and the Triton kernels.
+        self.graph_safe = cuda and self._ta is not None
+        bs = layout.block_size
+        self.max_blocks_per_seq = -(-max_model_len // bs) if max_model_len else layout.num_blocks
+        self.max_model_len = self.max_blocks_per_seq * bs
+        self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 4
+        self._block_m = self._ta.prefill_block_m(self.device, layout.head_dim) if self._ta else 0
+        #: Bumped whenever the device buffers are reallocated (their addresses change).
+        self.generation = 0
+        self._cap_batch = 0
+        self._alloc(max_batch, 3 * max_batch + 1 + _META_EXTRA)
+        # Host-side view of the current batch (set by begin).
+        self._n = self._n_real = self._tokens = 0
+        self._decode = False
+        self._q_lens: list[int] = []
+        self._starts: list[int] = []
+        self._views: dict[str, torch.Tensor] = {}
+        self._host: dict[str, torch.Tensor] = {}
+
+    # ---- buffers ------------------------------------------------------------------------------
+
+    def _alloc(self, cap_batch: int, cap_meta: int) -> None:
+        """(Re)allocate the device metadata buffers, their staging ring and the split partials."""
+        w, dev = self.max_blocks_per_seq, self.device
+        cuda = dev.type == "cuda"
+        self._cap_batch, self._cap_meta = cap_batch, cap_meta
+        self._bt_dev = torch.zeros((cap_batch, w), dtype=torch.int32, device=dev)
+        self._meta_dev = torch.zeros(cap_meta, dtype=torch.int32, device=dev)
+        if cuda:
+            # Two pinned staging slots: begin() fills one while the other's copy may still be queued.
+            self._stage = [
+                (torch.zeros((cap_batch, w), dtype=torch.int32, pin_memory=True),
+                 torch.zeros(cap_meta, dtype=torch.int32, pin_memory=True))
+                for _ in range(2)
+            ]
+            self._events: list[torch.cuda.Event | None] = [None, None]
+        else:
+            self._stage = [(self._bt_dev, self._meta_dev)]  # on the host the buffers are the staging
+            self._events = [None]
+        self._slot_idx = 0
+        # Split partials are sized per query head; the model's Hq is only known at the first call.
+        self._part_rows = max(b * self._splits(b) for b in range(1, cap_batch + 1))
+        self._part_out: torch.Tensor | None = None
+        self._part_lse: torch.Tensor | None = None
+        self.generation += 1
+
+    def _splits(self, batch: int) -> int:
+        if self._ta is None:
+            return 1
+        return self._ta.decode_num_splits(batch, self.layout.num_kv_heads, self._num_sms)
+
+    def _partials(self, n: int, hq: int, splits: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the persistent split scratch, allocated once for the largest batch."""
+        rows = self._part_rows * hq
+        if self._part_out is None or self._part_out.numel() < rows * d:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("PagedAttention: run one eager decode step before capturing a graph")
+            self._part_out = torch.empty(rows * d, dtype=torch.float32, device=self.device)
+            self._part_lse = torch.empty(rows, dtype=torch.float32, device=self.device)
+        assert self._part_lse is not None
+        m = n * hq * splits
+        return self._part_out[: m * d].view(n, hq, splits, d), self._part_lse[:m].view(n, hq, splits)
+
+    # ---- begin --------------------------------------------------------------------------------
+
+    def begin(self, batch: Sequence[SeqSlice], pad_to: int | None = None) -> None:
+        """Declare the next forward's sequences, in the order their tokens are concatenated.
+
+        ``pad_to`` (decode batches only) appends dummy rows up to that many sequences: slot -1
+        (no write) and context length 0 (no read, output 0).
+        """
+        n_real = len(batch)
+        if n_real == 0:
+            raise ValueError("begin() needs at least one sequence")
+        bs, w = self.layout.block_size, self.max_blocks_per_seq
+        q_lens = np.fromiter((s.q_len for s in batch), dtype=np.int64, count=n_real)
+        starts = np.fromiter((s.start for s in batch), dtype=np.int64, count=n_real)
+        if (q_lens <= 0).any() or (starts < 0).any():
+            raise ValueError(f"every q_len must be > 0 and start >= 0, got {[(s.start, s.q_len) for s in batch]}")
+        decode = bool((q_lens == 1).all())
+        n = n_real
+        if pad_to is not None:
+            if not decode:
+                raise ValueError("pad_to is for decode batches only (every q_len == 1)")
+            if pad_to < n_real:
+                raise ValueError(f"pad_to={pad_to} is smaller than the batch ({n_real})")
+            n = pad_to
+        ctx = starts + q_lens
+        need = -(-ctx // bs)
+        have = np.fromiter((len(s.block_ids) for s in batch), dtype=np.int64, count=n_real)
+        bad = np.nonzero(have < need)[0]
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(f"sequence needs {need[i]} blocks for {ctx[i]} tokens, has {have[i]}")
+        if (need > w).any():
+            raise ValueError(f"a sequence of {int(ctx.max())} tokens exceeds max_model_len={self.max_model_len}")
+
+        t_real = int(q_lens.sum())
+        t = t_real + (n - n_real)
+        progs = self._ta.prefill_programs(q_lens, starts, self._block_m) if (self._ta and not decode) else None
+        p = 0 if progs is None else len(progs[0])
+        meta_len = 2 * n + 1 + t + 2 * p
+        if n > self._cap_batch or meta_len > self._cap_meta:
+            self._alloc(max(n, self._cap_batch), max(meta_len, self._cap_meta))
+
+        bt_h, meta_h = self._stage_slot()
+        bt_np, meta_np = bt_h.numpy(), meta_h.numpy()
+        # Block table rows: only the blocks each context needs (the kernels never read further).
+        rows = np.repeat(np.arange(n_real), need)
+        cols = np.arange(int(need.sum())) - np.repeat(np.cumsum(need) - need, need)
+        bt_np[rows, cols] = np.fromiter(
+            chain.from_iterable(islice(s.block_ids, int(k)) for s, k in zip(batch, need)), dtype=np.int64
+        )
+        # Meta: seq_lens [n] | q_start [n+1] | slots [t] | prog_seq [p] | prog_blk [p]
+        seq_lens = meta_np[:n]
+        seq_lens[:n_real] = ctx
+        seq_lens[n_real:] = 0
+        q_start = meta_np[n : 2 * n + 1]
+        q_start[0] = 0
+        q_start[1 : n_real + 1] = np.cumsum(q_lens)
+        q_start[n_real + 1 :] = t_real + np.arange(1, n - n_real + 1)
+        tok_row = np.repeat(np.arange(n_real), q_lens)
+        tok_pos = np.repeat(starts, q_lens) + np.arange(t_real) - np.repeat(q_start[:n_real].astype(np.int64), q_lens)
+        slots = meta_np[2 * n + 1 : 2 * n + 1 + t]
+        slots[:t_real] = bt_np[tok_row, tok_pos // bs].astype(np.int64) * bs + tok_pos % bs
+        slots[t_real:] = -1
+        if progs is not None:
+            meta_np[2 * n + 1 + t : 2 * n + 1 + t + p] = progs[0]
+            meta_np[2 * n + 1 + t + p : meta_len] = progs[1]
+        self._upload(bt_h, meta_h, n, meta_len)
+
+        bt_d, meta_d = self._bt_dev, self._meta_dev
+        self._views = {
+            "block_tables": bt_d[:n],
+            "seq_lens": meta_d[:n],
+            "q_start": meta_d[n : 2 * n + 1],
+            "slots": meta_d[2 * n + 1 : 2 * n + 1 + t],
+            "prog_seq": meta_d[2 * n + 1 + t : 2 * n + 1 + t + p],
+            "prog_blk": meta_d[2 * n + 1 + t + p : meta_len],
+        }
+        self._n, self._n_real, self._tokens, self._decode = n, n_real, t, decode
+        self._q_lens, self._starts = q_lens.tolist(), starts.tolist()
+        if self._ta is None:
+            self._host_metadata(bt_np, slots[:t_real], need, ctx)
+
+    def _stage_slot(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next staging slot, once the copy that last used it has run."""
+        self._slot_idx = (self._slot_idx + 1) % len(self._stage)
+        ev = self._events[self._slot_idx]
+        if ev is not None:
+            ev.synchronize()  # normally long done: it is the copy of two steps ago
+        return self._stage[self._slot_idx]
+
+    def _upload(self, bt_h: torch.Tensor, meta_h: torch.Tensor, n: int, meta_len: int) -> None:
+        if self.device.type != "cuda":
+            return
+        self._bt_dev[:n].copy_(bt_h[:n], non_blocking=True)
+        self._meta_dev[:meta_len].copy_(meta_h[:meta_len], non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self._events[self._slot_idx] = ev
+
+    def _host_metadata(self, bt_np: np.ndarray, slots: np.ndarray, need: np.ndarray, ctx: np.ndarray) -> None:
+        """Index tensors for the torch path (on the cache's device)."""
+        dev, n_real = self.device, self._n_real
+        width = int(need.max())
+        self._host = {
+            "slots": torch.from_numpy(slots.astype(np.int64)).to(dev),
+            "block_tables": torch.from_numpy(bt_np[:n_real, :width].astype(np.int64)).to(dev),
+        }
+        self._need, self._ctx = need.tolist(), ctx.tolist()
+        if self._decode and n_real > 1 and (ctx != width * self.layout.block_size).any():
+            keys = torch.arange(width * self.layout.block_size, device=dev)
+            self._host["mask"] = (keys[None, :] < torch.from_numpy(ctx).to(dev)[:, None])[:, None, None, :]
+
+    # ---- forward ------------------------------------------------------------------------------
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if q.shape[0] != self._tokens:
+            raise ValueError(f"batch has {q.shape[0]} tokens but begin() declared {self._tokens}")
         cache = self.caches[layer_idx]
-        blk, slot = self._slots  # type: ignore[misc]
-        dt = cache.dtype
+        if self._ta is not None:
+            return self._forward_triton(cache, q, k, v)
+        self._write_torch(cache, k, v)
+        if self._decode:
+            return self._decode_torch(cache, q)
+        return self._prefill_torch(cache, q, k, v)
+
+    def _forward_triton(self, cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ta, vw, order = self._ta, self._views, self.layout.order
+        assert ta is not None
+        ta.write_kv(k, v, cache, vw["slots"], order)
+        if self._decode:
+            splits = self._splits(self._n)
+            part_out, part_lse = self._partials(self._n, q.shape[1], splits, q.shape[2])
+            return ta.paged_decode(q, cache, vw["block_tables"], vw["seq_lens"], order, splits,
+                                   part_out=part_out, part_lse=part_lse)
+        return ta.paged_prefill(q, cache, vw["block_tables"], vw["seq_lens"], vw["q_start"],
+                                vw["prog_seq"], vw["prog_blk"], order, self._block_m)
+
+    def _write_torch(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        slots, t_real = self._host["slots"], len(self._host["slots"])
+        bs, dt = self.layout.block_size, cache.dtype
+        k, v = k[:t_real].to(dt), v[:t_real].to(dt)
         if self.layout.order == "NHD":
-            cache[0, blk, slot] = k.to(dt)
-            cache[1, blk, slot] = v.to(dt)
+            flat = cache.view(2, -1, *cache.shape[3:])  # [2, blocks * block_size, H, D]
+            flat[0, slots], flat[1, slots] = k, v
         else:
-            cache[0, blk, :, slot] = k.to(dt)
-            cache[1, blk, :, slot] = v.to(dt)
-        out, off = [], 0
-        for s, ctx in zip(self._batch, self._ctx):
-            qs = q[off : off + s.q_len]
-            if ctx is None:
-                out.append(attend(qs, k[off : off + s.q_len], v[off : off + s.q_len]))
+            blk, off = slots // bs, slots % bs
+            cache[0, blk, :, off], cache[1, blk, :, off] = k, v
+
+    def _context(self, cache: torch.Tensor, kv: int, bt: torch.Tensor) -> torch.Tensor:
+        """Whole blocks of ``bt [N, nb]`` gathered as ``[N, nb * block_size, H, D]``."""
+        x = cache[kv][bt]
+        if self.layout.order == "HND":
+            x = x.transpose(2, 3)
+        return x.reshape(bt.shape[0], -1, *x.shape[3:])
+
+    def _decode_torch(self, cache: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """All real rows in one SDPA over a padded, masked context; pad rows get zeros."""
+        n_real, bt = self._n_real, self._host["block_tables"]
+        kc = self._context(cache, 0, bt).to(q.dtype)
+        vc = self._context(cache, 1, bt).to(q.dtype)
+        if n_real == 1:  # the common CPU case: no mask, no padding
+            ctx = self._ctx[0]
+            out = attend(q[:1], kc[0, :ctx], vc[0, :ctx])
+        else:
+            out = F.scaled_dot_product_attention(q[:n_real, :, None], kc.transpose(1, 2), vc.transpose(1, 2),
+                                                 attn_mask=self._host.get("mask"), enable_gqa=True)[:, :, 0]
+        if self._n > n_real:
+            out = torch.cat([out, out.new_zeros(self._n - n_real, *out.shape[1:])])
+        return out
+
+    def _prefill_torch(self, cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One :func:`attend` per sequence: fresh K/V for a prompt, the cache for a continuation."""
+        outs, off, bt = [], 0, self._host["block_tables"]
+        for i, (start, ql) in enumerate(zip(self._starts, self._q_lens)):
+            sl = slice(off, off + ql)
+            if start == 0:
+                outs.append(attend(q[sl], k[sl], v[sl]))
             else:
-                b, sl = ctx
-                if self.layout.order == "NHD":
-                    kc, vc = cache[0, b, sl], cache[1, b, sl]
-                else:
-                    kc, vc = cache[0, b, :, sl], cache[1, b, :, sl]
-                out.append(attend(qs, kc.to(q.dtype), vc.to(q.dtype)))
-            off += s.q_len
-        return torch.cat(out)
+                row = bt[i : i + 1, : self._need[i]]
+                ctx = self._ctx[i]
+                kc = self._context(cache, 0, row)[0, :ctx].to(q.dtype)
+                vc = self._context(cache, 1, row)[0, :ctx].to(q.dtype)
+                outs.append(attend(q[sl], kc, vc))
+            off += ql
+        return torch.cat(outs)

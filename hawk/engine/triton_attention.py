@@ -1,0 +1,439 @@
+"""Triton kernels for attention over the vLLM-style paged KV cache (NHD and HND), and their launchers.
+
+Three kernels, all reading metadata from int32 device tensors so a launch never needs a host sync:
+
+* :func:`write_kv` stores the new tokens' K/V at their flat slots (``block * block_size + offset``);
+  a slot ``< 0`` (a dummy pad row) writes nothing.
+* :func:`paged_decode` is split-K ("flash-decoding") attention for one query token per sequence.
+  The grid ``(batch, kv_heads, splits)`` depends only on the batch size, never on context lengths:
+  each program reads its sequence's length from ``seq_lens`` and covers ``ceil(len / splits)``
+  tokens (a program past the end writes a neutral partial), so a CUDA graph captured once per
+  padded batch size replays for any lengths. All query heads of one KV head share a program, so
+  K/V are read once (GQA). A small reduce kernel merges the splits.
+* :func:`paged_prefill` is FlashAttention-2 style attention for a packed batch of variable-length
+  query chunks over the paged cache (after their K/V were written), causal with bottom-right
+  alignment: query ``i`` of a sequence with ``c`` cached tokens sees keys ``0 .. c + i``. It serves
+  prompts, chunked prefill and mixed batches. One program per (query block of a sequence, q head).
+
+Every function takes the caller's tensors and allocates only its output (unless ``out`` is given)
+and, for decode, its split partials (unless given), so a benchmark can call them directly. The
+layer cache is one ``[2, num_blocks, block_size, H, D]`` (NHD) or ``[2, num_blocks, H,
+block_size, D]`` (HND) tensor of bf16, fp16 or fp32; q/k/v may be of another float dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "cache_strides",
+    "decode_num_splits",
+    "paged_decode",
+    "paged_prefill",
+    "prefill_block_m",
+    "prefill_config",
+    "prefill_programs",
+    "write_kv",
+]
+
+_LOG2E = 1.4426950408889634
+#: Masked scores and the running max start at a large finite negative (not -inf), so an
+#: all-masked row never computes ``-inf - -inf``.
+_NEG = tl.constexpr(-1.0e30)
+#: Two workarounds for Triton's interpreter (the CPU tests), both compiled out on the GPU: loops with
+#: tensor bounds run as ``while`` loops (its ``range`` calls ``int(array([x]))``, which numpy >= 2.3
+#: rejects; compiled kernels keep ``for`` loops, which the software pipeliner needs), and ``tl.dot``
+#: gets fp32 operands (it multiplies bf16 as raw integers).
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def cache_strides(cache: torch.Tensor, order: str) -> tuple[int, int, int, int]:
+    """Element strides ``(kv, block, slot, head)`` of one layer cache; the dim stride must be 1."""
+    if cache.dim() != 5 or cache.stride(4) != 1:
+        raise ValueError(f"expected a 5-d layer cache with contiguous head_dim, got {tuple(cache.shape)}")
+    s = cache.stride()
+    if order == "NHD":
+        return s[0], s[1], s[2], s[3]
+    if order == "HND":
+        return s[0], s[1], s[3], s[2]
+    raise ValueError(f"unknown cache order {order!r}")
+
+
+def _block_size(cache: torch.Tensor, order: str) -> int:
+    return cache.shape[2] if order == "NHD" else cache.shape[3]
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get exact products (tf32 would cost ~1e-3 relative error); 16-bit ones are exact anyway."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _pow2(n: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(n))
+
+
+# ---- KV write -------------------------------------------------------------------------------
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ckv, stride_cblk, stride_cslot, stride_chead,
+    H, D,
+    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    valid = slot >= 0
+    slot = tl.maximum(slot, 0)  # pads: a harmless address that the mask never touches
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < H) & (d < D) & valid
+    dst = cache_ptr + blk * stride_cblk + off * stride_cslot + h * stride_chead + d
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, order: str) -> None:
+    """Store ``k, v [T, Hkv, D]`` (any float dtype, last dim contiguous) into ``cache`` at ``slot_mapping``.
+
+    ``slot_mapping [>= T]`` int32 on the cache's device: flat slot ``block * block_size + offset``
+    per token, ``-1`` for a token that must write nothing. Grid ``(T,)``: graph-safe for a fixed T.
+    """
+    t, h, d = k.shape
+    if k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError("k and v need a contiguous last dim")
+    skv, sblk, sslot, shead = cache_strides(cache, order)
+    _write_kv_kernel[(t,)](
+        k, v, cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        skv, sblk, sslot, shead,
+        h, d,
+        BLOCK_SIZE=_block_size(cache, order), BLOCK_H=triton.next_power_of_2(h),
+        BLOCK_D=triton.next_power_of_2(d),
+    )
+
+
+@triton.jit
+def _attn_tile(
+    q, acc, m_i, l_i, k_base, bt_row, start, qpos, seq_len, qk_scale,
+    stride_ckv, stride_cblk, stride_cslot, offs_n, offs_d, dmask,
+    BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """One key tile of the online softmax; MASKED applies the causal and length masks."""
+    pos = start + offs_n
+    nmask = pos < seq_len
+    blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+    row = blk * stride_cblk + (pos % BLOCK_SIZE) * stride_cslot
+    kvmask = nmask[:, None] & dmask[None, :]
+    k = tl.load(k_base + row[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
+    if INTERPRET:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * qk_scale
+    else:
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * qk_scale
+    if MASKED:
+        s = tl.where((pos[None, :] <= qpos[:, None]) & nmask[None, :], s, _NEG)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(k_base + stride_ckv + row[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
+    if INTERPRET:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+# ---- decode ---------------------------------------------------------------------------------
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int, max_splits: int = 64) -> int:
+    """Splits per sequence so ``batch * kv_heads * splits`` programs fill the GPU about twice over.
+
+    A function of the (padded) batch size only: a captured graph keeps its grid.
+    """
+    return max(1, min(max_splits, -(-2 * num_sms // (batch * num_kv_heads))))
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_ckv, stride_cblk, stride_cslot, stride_chead,
+    stride_bt, num_splits, G, D,
+    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    hq = tl.num_programs(1) * G
+    seq_len = tl.load(seq_lens_ptr + b)
+    # This split's token range, rounded to whole tiles; empty for splits past the end.
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = sp * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    hmask = offs_h < G
+    dmask = offs_d < D
+    heads = kvh * G + offs_h
+    q = tl.load(
+        q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=hmask[:, None] & dmask[None, :], other=0.0,
+    )
+    m_i = tl.full([BLOCK_H], _NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    k_base = cache_ptr + kvh * stride_chead
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    qpos = tl.full([BLOCK_H], 0, tl.int32) + hi  # the one query sees the whole range
+    if INTERPRET:
+        start = lo
+        while start < hi:
+            acc, m_i, l_i = _attn_tile(q, acc, m_i, l_i, k_base, bt_row, start, qpos, hi, qk_scale,
+                                       stride_ckv, stride_cblk, stride_cslot, offs_n, offs_d, dmask,
+                                       BLOCK_SIZE, True, DOT_PREC, INTERPRET)
+            start += BLOCK_N
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            acc, m_i, l_i = _attn_tile(q, acc, m_i, l_i, k_base, bt_row, start, qpos, hi, qk_scale,
+                                       stride_ckv, stride_cblk, stride_cslot, offs_n, offs_d, dmask,
+                                       BLOCK_SIZE, True, DOT_PREC, INTERPRET)
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty range (pad row, idle split) gives 0, not NaN
+    o = acc / l_safe[:, None]
+    omask = hmask[:, None] & dmask[None, :]
+    if DIRECT:
+        tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=omask)
+    else:
+        # Partials [B, Hq, S, D] normalized, with their log2-sum-exp; an empty split is neutral.
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), _NEG)
+        prow = (b * hq + heads) * num_splits + sp
+        tl.store(part_out_ptr + prow[:, None].to(tl.int64) * D + offs_d[None, :], o, mask=omask)
+        tl.store(part_lse_ptr + prow, lse, mask=hmask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr,
+    stride_ot, stride_oh, num_splits, D,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = b * tl.num_programs(1) + h
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    smask = offs_s < num_splits
+    lse = tl.load(part_lse_ptr + row * num_splits + offs_s, mask=smask, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))  # the largest weight is 1, so the sum is >= 1
+    prow = (row * num_splits + offs_s).to(tl.int64)
+    o = tl.load(part_out_ptr + prow[:, None] * D + offs_d[None, :],
+                mask=smask[:, None] & (offs_d[None, :] < D), other=0.0)
+    res = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + b * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=offs_d < D)
+
+
+def paged_decode(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    order: str,
+    num_splits: int,
+    out: torch.Tensor | None = None,
+    part_out: torch.Tensor | None = None,
+    part_lse: torch.Tensor | None = None,
+    block_n: int = 64,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context; returns ``out``.
+
+    ``q [B, Hq, D]`` (last dim contiguous; bf16/fp16/fp32) where row ``b`` is sequence ``b``'s
+    newest token, already written to the cache. ``block_tables [B, W]`` int32 (row stride read
+    from the tensor), ``seq_lens [B]`` int32 = context length including the new token (0: a pad
+    row, output 0). ``num_splits`` (see :func:`decode_num_splits`) fixes the grid. ``out`` ``[B,
+    Hq, D]`` in q's dtype is allocated when None; ``part_out [B, Hq, S, D]`` and ``part_lse [B,
+    Hq, S]`` fp32 scratch likewise (only used when ``num_splits > 1``). No host sync.
+    """
+    b, hq, d = q.shape
+    hkv = cache.shape[3] if order == "NHD" else cache.shape[2]
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} not a multiple of kv heads {hkv}")
+    if out is None:
+        out = torch.empty_like(q)
+    direct = num_splits == 1
+    if not direct:
+        if part_out is None:
+            part_out = torch.empty((b, hq, num_splits, d), dtype=torch.float32, device=q.device)
+        if part_lse is None:
+            part_lse = torch.empty((b, hq, num_splits), dtype=torch.float32, device=q.device)
+    skv, sblk, sslot, shead = cache_strides(cache, order)
+    g = hq // hkv
+    _decode_kernel[(b, hkv, num_splits)](
+        q, cache, block_tables, seq_lens, out,
+        part_out if part_out is not None else out, part_lse if part_lse is not None else out,
+        _LOG2E / math.sqrt(d),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        skv, sblk, sslot, shead,
+        block_tables.stride(0), num_splits, g, d,
+        BLOCK_SIZE=_block_size(cache, order), BLOCK_H=_pow2(g), BLOCK_N=block_n, BLOCK_D=_pow2(d),
+        DIRECT=direct, DOT_PREC=_dot_precision(q.dtype), INTERPRET=_INTERPRET, num_warps=num_warps,
+    )
+    if not direct:
+        _decode_reduce_kernel[(b, hq)](
+            part_out, part_lse, out, out.stride(0), out.stride(1), num_splits, d,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(d),
+        )
+    return out
+
+
+# ---- prefill / mixed ------------------------------------------------------------------------
+
+
+def prefill_programs(q_lens: np.ndarray, starts: np.ndarray, block_m: int) -> tuple[np.ndarray, np.ndarray]:
+    """The per-program ``(sequence, query block)`` map for :func:`paged_prefill`, int32.
+
+    Heaviest blocks (most keys to read) first, so the long tail of a ragged batch starts early.
+    """
+    nqb = -(-q_lens // block_m)
+    seq = np.repeat(np.arange(len(q_lens), dtype=np.int64), nqb)
+    first = np.cumsum(nqb) - nqb
+    blk = np.arange(int(nqb.sum()), dtype=np.int64) - np.repeat(first, nqb)
+    work = starts[seq] + (blk + 1) * block_m
+    idx = np.argsort(-work, kind="stable")
+    return seq[idx].astype(np.int32), blk[idx].astype(np.int32)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, q_start_ptr, prog_seq_ptr, prog_blk_ptr, out_ptr,
+    qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_ckv, stride_cblk, stride_cslot, stride_chead,
+    stride_bt, G, D,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    seq = tl.load(prog_seq_ptr + pid)
+    qb = tl.load(prog_blk_ptr + pid)
+    q0 = tl.load(q_start_ptr + seq)
+    q_len = tl.load(q_start_ptr + seq + 1) - q0
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx0 = seq_len - q_len  # tokens cached before this chunk
+
+    offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mmask = offs_m < q_len
+    dmask = offs_d < D
+    tok = (q0 + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=mmask[:, None] & dmask[None, :], other=0.0)
+    qpos = ctx0 + offs_m
+    m_i = tl.full([BLOCK_M], _NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    k_base = cache_ptr + (h // G) * stride_chead
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+
+    # Keys every row of this block sees need no mask; the diagonal band after them does.
+    full_hi = ((ctx0 + qb * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
+    hi = ctx0 + tl.minimum((qb + 1) * BLOCK_M, q_len)
+    if INTERPRET:
+        start = 0
+        while start < hi:
+            acc, m_i, l_i = _attn_tile(q, acc, m_i, l_i, k_base, bt_row, start, qpos, seq_len, qk_scale,
+                                       stride_ckv, stride_cblk, stride_cslot, offs_n, offs_d, dmask,
+                                       BLOCK_SIZE, True, DOT_PREC, INTERPRET)
+            start += BLOCK_N
+    else:
+        for start in range(0, full_hi, BLOCK_N):
+            acc, m_i, l_i = _attn_tile(q, acc, m_i, l_i, k_base, bt_row, start, qpos, seq_len, qk_scale,
+                                       stride_ckv, stride_cblk, stride_cslot, offs_n, offs_d, dmask,
+                                       BLOCK_SIZE, False, DOT_PREC, INTERPRET)
+        for start in range(full_hi, hi, BLOCK_N):
+            acc, m_i, l_i = _attn_tile(q, acc, m_i, l_i, k_base, bt_row, start, qpos, seq_len, qk_scale,
+                                       stride_ckv, stride_cblk, stride_cslot, offs_n, offs_d, dmask,
+                                       BLOCK_SIZE, True, DOT_PREC, INTERPRET)
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + tok[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
+
+
+def prefill_block_m(device: torch.device, head_dim: int) -> int:
+    """Query rows per program of :func:`paged_prefill` (the program map in ``begin`` depends on it)."""
+    if device.type != "cuda":
+        return 16  # the interpreter: small tiles keep the CPU tests fast
+    return 128 if head_dim <= 128 else 64
+
+
+def prefill_config(q: torch.Tensor) -> tuple[int, int, int]:
+    """``(BLOCK_N, num_warps, num_stages)`` for :func:`paged_prefill` on q's device and dtype."""
+    if q.device.type != "cuda":
+        return 16, 4, 1
+    if q.dtype == torch.float32 or q.shape[2] > 128:
+        return 32, 8, 2
+    return 64, 8, 3
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    q_start: torch.Tensor,
+    prog_seq: torch.Tensor,
+    prog_blk: torch.Tensor,
+    order: str,
+    block_m: int,
+    out: torch.Tensor | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of a packed batch of query chunks over their paged contexts; returns ``out``.
+
+    ``q [T, Hq, D]``: sequence ``s``'s queries are rows ``q_start[s] .. q_start[s+1]`` (int32
+    ``[N+1]``), its newest tokens, whose K/V are already in the cache; ``seq_lens [N]`` int32 is
+    its context length including them. ``block_tables [N, W]`` int32. ``prog_seq, prog_blk [P]``
+    int32 from :func:`prefill_programs` with the same ``block_m`` (grid ``(P, Hq)``). ``out [T,
+    Hq, D]`` in q's dtype is allocated when None.
+    """
+    t, hq, d = q.shape
+    hkv = cache.shape[3] if order == "NHD" else cache.shape[2]
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} not a multiple of kv heads {hkv}")
+    if out is None:
+        out = torch.empty_like(q)
+    bn, nw, ns = prefill_config(q)
+    skv, sblk, sslot, shead = cache_strides(cache, order)
+    _prefill_kernel[(prog_seq.shape[0], hq)](
+        q, cache, block_tables, seq_lens, q_start, prog_seq, prog_blk, out,
+        _LOG2E / math.sqrt(d),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        skv, sblk, sslot, shead,
+        block_tables.stride(0), hq // hkv, d,
+        BLOCK_SIZE=_block_size(cache, order), BLOCK_M=block_m, BLOCK_N=block_n or bn, BLOCK_D=_pow2(d),
+        DOT_PREC=_dot_precision(q.dtype), INTERPRET=_INTERPRET, num_warps=num_warps or nw, num_stages=num_stages or ns,
+    )
+    return out

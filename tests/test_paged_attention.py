@@ -1,0 +1,345 @@
+"""PagedAttention equals the torch reference ``attend`` on every path: torch fallback, Triton kernels.
+
+Each case replays a few forwards over a shuffled paged cache: a ragged prefill, a mixed step
+(chunked-prefill continuations beside single-token decodes), then padded decode steps, and checks
+every output against ``attend`` over the sequence's whole K/V, and at the end every cache slot
+(written ones hold the K/V, all others, the pads' included, still hold a sentinel).
+
+The Triton kernels run on CPU through Triton's interpreter, which must be switched on before triton
+is imported: those cases run in one subprocess (``python -m tests.test_paged_attention``) printing
+a JSON verdict per case. ``gpu``-marked tests run them natively at the Llama-3.1-8B shape, and
+capture / replay a decode step in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from hawk.engine.attention import PagedBackend, SeqSlice, attend
+from hawk.engine.paged_attention import PagedAttention
+from hawk.layouts.gpu import GpuKVLayout
+
+REPO = Path(__file__).resolve().parents[1]
+SENTINEL = 7.0
+ATOL = {torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _case(name: str, order: str, kv: str, qd: str, hq: int, hkv: int, d: int, bs: int,
+          prompts: list[int], chunk: int = 5, decode_steps: int = 2, pad: int = 2) -> dict:
+    return dict(name=name, order=order, kv=kv, qd=qd, hq=hq, hkv=hkv, d=d, bs=bs, prompts=prompts,
+                chunk=chunk, decode_steps=decode_steps, pad=pad)
+
+
+CASES = [
+    _case("nhd-bf16-g3", "NHD", "bf16", "fp32", 6, 2, 32, 4, [5, 13, 1]),
+    _case("hnd-bf16-g3", "HND", "bf16", "fp32", 6, 2, 32, 4, [5, 13, 1]),
+    _case("nhd-fp32-g1", "NHD", "fp32", "fp32", 2, 2, 64, 8, [17, 3]),
+    _case("hnd-fp16-g4-onekv", "HND", "fp16", "fp32", 4, 1, 32, 16, [20, 2, 9], pad=1),
+    _case("nhd-bf16kv-bf16q-g5", "NHD", "bf16", "bf16", 10, 2, 32, 4, [9, 4]),
+    _case("nhd-fp32kv-fp16q-d96", "NHD", "fp32", "fp16", 4, 2, 96, 8, [6, 11], decode_steps=1, pad=0),
+]
+
+
+class _Ref:
+    """Each sequence's whole K/V (as the cache stores them) for the reference."""
+
+    def __init__(self) -> None:
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+
+    def length(self, s: int) -> int:
+        return 0 if s not in self.k else self.k[s].shape[0]
+
+
+def _rand(shape: tuple[int, ...], g: torch.Generator, kv_dt: torch.dtype, q_dt: torch.dtype) -> torch.Tensor:
+    """Values representable in both dtypes, so any rounding mode writes them exactly."""
+    return torch.randn(shape, generator=g).to(kv_dt).to(q_dt)
+
+
+def run_case(c: dict, device: str, use_triton: bool | None, num_layers: int = 1) -> dict:
+    """Replay the case's forwards; raise AssertionError on a mismatch, return the worst errors."""
+    kv_dt, q_dt = DTYPES[c["kv"]], DTYPES[c["qd"]]
+    hq, hkv, d, bs = c["hq"], c["hkv"], c["d"], c["bs"]
+    prompts = c["prompts"]
+    n_seq = len(prompts)
+    max_len = max(prompts) + c["chunk"] + c["decode_steps"] + 1
+    per_seq = -(-max_len // bs)
+    layout = GpuKVLayout(num_layers, per_seq * n_seq + 3, bs, hkv, d, c["kv"], c["order"])
+    caches = layout.allocate(device)
+    for cache in caches:
+        cache.fill_(SENTINEL)
+    attn = PagedAttention(layout, caches, max_batch=8, use_triton=use_triton)
+    g = torch.Generator().manual_seed(zlib.crc32(c["name"].encode()))
+    perm = torch.randperm(layout.num_blocks, generator=g).tolist()
+    blocks = {s: perm[s * per_seq : (s + 1) * per_seq] for s in range(n_seq)}
+    refs = [_Ref() for _ in range(num_layers)]
+    worst = 0.0
+
+    def forward(items: list[tuple[int, int]], pad_to: int | None = None) -> None:
+        nonlocal worst
+        slices = [SeqSlice(blocks[s], refs[0].length(s), ql) for s, ql in items]
+        t = sum(ql for _, ql in items) + ((pad_to or 0) - len(items) if pad_to else 0)
+        attn.begin(slices, pad_to=pad_to)
+        for layer in range(num_layers):
+            q = _rand((t, hq, d), g, kv_dt, q_dt).to(device)
+            k = _rand((t, hkv, d), g, kv_dt, q_dt).to(device)
+            v = _rand((t, hkv, d), g, kv_dt, q_dt).to(device)
+            out = attn(layer, q, k, v)
+            assert out.shape == q.shape and out.dtype == q_dt
+            assert torch.isfinite(out).all(), "non-finite output (pad rows included)"
+            ref, off = refs[layer], 0
+            for s, ql in items:
+                sl = slice(off, off + ql)
+                ref.k[s] = torch.cat([ref.k.get(s, k[:0]), k[sl]])
+                ref.v[s] = torch.cat([ref.v.get(s, v[:0]), v[sl]])
+                want = attend(q[sl].float(), ref.k[s].float(), ref.v[s].float())
+                err = (out[sl].float() - want).abs().max().item()
+                worst = max(worst, err)
+                assert err < ATOL[q_dt], f"{c['name']} seq {s} items {items}: max err {err:.3g}"
+                off += ql
+
+    # 1) ragged prefill, 2) chunked-prefill continuations (start > 0, q_len > 1) beside decodes,
+    # 3) padded decode steps (the last one with a sequence left out).
+    forward([(s, p) for s, p in enumerate(prompts)])
+    forward([(s, c["chunk"] if s % 2 == 0 else 1) for s in range(n_seq)])
+    for step in range(c["decode_steps"]):
+        items = [(s, 1) for s in range(n_seq)]
+        if step == c["decode_steps"] - 1 and n_seq > 1:
+            items = items[1:][::-1]  # another order, one fewer
+        forward(items, pad_to=n_seq + c["pad"] if c["pad"] else None)
+    _check_cache(layout, caches, refs, blocks)
+    return {"worst": worst}
+
+
+def _check_cache(layout: GpuKVLayout, caches: list[torch.Tensor], refs: list[_Ref], blocks: dict[int, list[int]]) -> None:
+    """Written slots hold the K/V; every other slot still holds the sentinel (pads wrote nothing)."""
+    bs = layout.block_size
+    for cache, ref in zip(caches, refs):
+        nhd = cache if layout.order == "NHD" else cache.transpose(2, 3)  # [2, nb, bs, H, D]
+        written = torch.zeros(layout.num_blocks * bs, dtype=torch.bool)
+        for s, ids in blocks.items():
+            n = ref.length(s)
+            pos = torch.arange(n)
+            blk = torch.tensor(ids)[pos // bs]
+            for kv, want in ((0, ref.k[s]), (1, ref.v[s])):
+                got = nhd[kv, blk.to(cache.device), (pos % bs).to(cache.device)]
+                assert torch.equal(got.float(), want.to(cache.dtype).float()), f"seq {s} kv {kv} cache mismatch"
+            written[blk * bs + pos % bs] = True
+        flat = nhd.reshape(2, layout.num_blocks * bs, -1)
+        untouched = flat[:, ~written.to(cache.device)]
+        assert (untouched == SENTINEL).all(), "a slot outside every sequence was written (a pad row?)"
+
+
+# ---- torch fallback (no triton needed) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_torch_path_matches_reference(case: dict) -> None:
+    run_case(case, "cpu", use_triton=False, num_layers=2)
+
+
+def test_is_a_paged_backend_and_keeps_the_two_arg_call() -> None:
+    layout = GpuKVLayout(1, 8, 4, 1, 32, "fp32")
+    attn = PagedAttention(layout, layout.allocate())
+    assert isinstance(attn, PagedBackend)
+    assert attn.graph_safe is False  # CPU caches
+
+
+def test_begin_validates() -> None:
+    layout = GpuKVLayout(1, 8, 4, 1, 32, "fp32")
+    attn = PagedAttention(layout, layout.allocate(), max_batch=4, max_model_len=16)
+    with pytest.raises(ValueError, match="needs 2 blocks"):
+        attn.begin([SeqSlice([0], 3, 2)])
+    with pytest.raises(ValueError, match="max_model_len"):
+        attn.begin([SeqSlice(list(range(8)), 16, 1)])
+    with pytest.raises(ValueError, match="decode batches only"):
+        attn.begin([SeqSlice([0, 1], 0, 5)], pad_to=2)
+    with pytest.raises(ValueError, match="smaller"):
+        attn.begin([SeqSlice([0], 0, 1), SeqSlice([1], 0, 1)], pad_to=1)
+    with pytest.raises(ValueError, match="q_len"):
+        attn.begin([SeqSlice([0], 0, 0)])
+    attn.begin([SeqSlice([0, 1], 3, 2)])
+    with pytest.raises(ValueError, match="declared 2"):
+        attn(0, torch.randn(3, 1, 32), torch.randn(3, 1, 32), torch.randn(3, 1, 32))
+
+
+def test_metadata_views_keep_their_addresses_per_padded_batch() -> None:
+    layout = GpuKVLayout(1, 32, 4, 1, 32, "fp32")
+    attn = PagedAttention(layout, layout.allocate(), max_batch=8)
+    attn.begin([SeqSlice([0, 1, 2], 9, 1)], pad_to=4)
+    first = {k: v.data_ptr() for k, v in attn._views.items()}
+    attn.begin([SeqSlice([0, 1], 1, 7)])  # a prefill in between
+    attn.begin([SeqSlice([5, 6], 4, 1), SeqSlice([9, 8, 7], 10, 1), SeqSlice([3], 2, 1)], pad_to=4)
+    assert {k: v.data_ptr() for k, v in attn._views.items()} == first
+    assert attn._views["slots"].tolist() == [6 * 4 + 0, 7 * 4 + 2, 3 * 4 + 2, -1]
+    assert attn._views["seq_lens"].tolist() == [5, 11, 3, 0]
+    # a batch beyond max_batch regrows the buffers and says so
+    gen = attn.generation
+    attn.begin([SeqSlice([i], 0, 1) for i in range(9)])
+    assert attn.generation == gen + 1
+
+
+# ---- Triton kernels under the interpreter ---------------------------------------------------
+
+
+def _run_all_interpreted() -> None:
+    """Subprocess entry: every case through the Triton path on CPU, one JSON line each."""
+    assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before importing triton"
+    for c in CASES:
+        t0 = time.perf_counter()
+        try:
+            res = {"name": c["name"], "ok": True, **run_case(c, "cpu", use_triton=True)}
+        except Exception as e:  # noqa: BLE001 - report every failure to the parent
+            res = {"name": c["name"], "ok": False, "error": f"{type(e).__name__}: {e}"}
+        res["s"] = round(time.perf_counter() - t0, 2)
+        print("CASE " + json.dumps(res), flush=True)
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, dict]:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "tests.test_paged_attention"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=280)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("CASE "):
+            r = json.loads(line[5:])
+            results[r["name"]] = r
+    if not results:
+        raise AssertionError(f"interpreter subprocess gave no results (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return results
+
+
+@pytest.mark.parametrize("name", [c["name"] for c in CASES])
+def test_triton_path_matches_reference_interpreted(interpreted: dict[str, dict], name: str) -> None:
+    r = interpreted.get(name)
+    assert r is not None, f"case {name} did not run (subprocess crashed?)"
+    assert r["ok"], r.get("error")
+
+
+# ---- GPU ------------------------------------------------------------------------------------
+
+_8B = dict(hq=32, hkv=8, d=128, bs=16)
+
+
+def _need_cuda() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_triton_small_cases_cuda(case: dict) -> None:
+    _need_cuda()
+    run_case(case, "cuda", use_triton=True, num_layers=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+@pytest.mark.parametrize("kv", ["bf16", "fp16"])
+def test_triton_8b_shape_cuda(order: str, kv: str) -> None:
+    """Llama-3.1-8B heads, ragged prompts up to 2k (several query blocks), chunks, long decodes."""
+    _need_cuda()
+    c = _case(f"8b-{order}-{kv}", order, kv, "bf16", prompts=[2048, 700, 1, 130, 1500], chunk=77,
+              decode_steps=3, pad=3, **_8B)
+    run_case(c, "cuda", use_triton=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,ctx", [(1, 8192), (64, 1024)])
+def test_triton_decode_long_and_wide_cuda(batch: int, ctx: int) -> None:
+    """Split-K decode at the benchmark shapes against attend, sequence by sequence."""
+    _need_cuda()
+    torch.manual_seed(0)
+    bs = 16
+    per = -(-ctx // bs)
+    layout = GpuKVLayout(1, per * batch, bs, 8, 128, "bf16")
+    caches = layout.allocate("cuda")
+    caches[0].normal_()
+    attn = PagedAttention(layout, caches, max_batch=64, max_model_len=ctx)
+    ids = torch.randperm(layout.num_blocks).view(batch, per).tolist()
+    lens = [ctx - (i * 37) % 300 for i in range(batch)]
+    attn.begin([SeqSlice(ids[i], lens[i] - 1, 1) for i in range(batch)])
+    q, k, v = (torch.randn(batch, h, 128, device="cuda", dtype=torch.bfloat16) for h in (32, 8, 8))
+    out = attn(0, q, k, v)
+    for i in range(batch):
+        kc, vc = _gather(layout, caches[0], ids[i], lens[i])
+        want = attend(q[i : i + 1].float(), kc.float(), vc.float())
+        assert (out[i : i + 1].float() - want).abs().max() < 3e-2
+
+
+def _gather(layout: GpuKVLayout, cache: torch.Tensor, ids: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    pos = torch.arange(n, device=cache.device)
+    blk = torch.tensor(ids, device=cache.device)[pos // layout.block_size]
+    off = pos % layout.block_size
+    if layout.order == "NHD":
+        return cache[0, blk, off], cache[1, blk, off]
+    return cache[0, blk, :, off], cache[1, blk, :, off]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+def test_decode_graph_replays_after_a_new_begin_cuda(order: str) -> None:
+    """Capture one decode layer after begin(pad_to=B), replay after begin() of another batch."""
+    _need_cuda()
+    torch.manual_seed(0)
+    B, bs, hq, hkv, d = 8, 16, 32, 8, 128
+    layout = GpuKVLayout(1, 2048, bs, hkv, d, "bf16", order)
+    caches = layout.allocate("cuda")
+    caches[0].normal_()
+    attn = PagedAttention(layout, caches, max_batch=B, max_model_len=4096)
+    assert attn.graph_safe
+    perm = torch.randperm(layout.num_blocks).tolist()
+    seqs = [perm[i * 256 : (i + 1) * 256] for i in range(8)]
+    q = torch.randn(B, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, hkv, d, device="cuda", dtype=torch.bfloat16)
+
+    def batch1() -> list[SeqSlice]:
+        return [SeqSlice(seqs[i], 100 + 50 * i, 1) for i in range(5)]
+
+    def batch2() -> list[SeqSlice]:  # other sequences, lengths and count; same padded size
+        return [SeqSlice(seqs[7 - i], 3000 + 13 * i, 1) for i in range(7)]
+
+    attn.begin(batch1(), pad_to=B)
+    attn(0, q, k, v)  # eager warm-up: compiles the kernels, allocates the split scratch
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attn(0, q, k, v)
+
+    for make in (batch2, batch1):
+        batch = make()
+        before = caches[0].clone()
+        attn.begin(batch, pad_to=B)
+        q.copy_(torch.randn_like(q))
+        k.copy_(torch.randn_like(k))
+        v.copy_(torch.randn_like(v))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all()
+        for i, s in enumerate(batch):
+            kc, vc = _gather(layout, caches[0], list(s.block_ids), s.start + 1)
+            assert torch.equal(kc[-1], k[i]) and torch.equal(vc[-1], v[i])
+            want = attend(q[i : i + 1].float(), kc.float(), vc.float())
+            assert (out[i : i + 1].float() - want).abs().max() < 3e-2
+        # only the real rows' slots changed (pads wrote nothing)
+        changed = (caches[0] != before).reshape(2, layout.num_blocks, -1).any(-1).sum().item()
+        assert changed <= 2 * len(batch)
+
+
+if __name__ == "__main__":
+    _run_all_interpreted()
