@@ -10,7 +10,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from hawk.sim.cluster import sweep
+from hawk.sim.cluster import SimConfig, sweep
 from hawk.sim.report import report
 
 
@@ -25,7 +25,7 @@ def parse_pd(s: str) -> list[tuple[int, int]]:
 
 
 def run_sim(
-    configs: Sequence[str] = ("gg-host", "gn-host", "gg-direct", "gn-hawk"),
+    configs: Sequence[str | SimConfig] = ("gg-host", "gn-host", "gg-direct", "gn-hawk"),
     rates: Sequence[float] = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0),
     workload: str = "chatbot",
     num_requests: int = 500,
@@ -57,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--configs", default="gg-host,gn-host,gg-direct,gn-hawk", help="gg-host, gn-host, gg-direct, gn-hawk, ggh-direct, gn-direct-single")
     p.add_argument("--rates", default="1,2,3,4,5,6", help="comma-separated request rates (req/s)")
     p.add_argument("--workload", default="chatbot")
-    p.add_argument("--num-requests", type=int, default=500)
+    p.add_argument("--num-requests", type=int, default=None, help="default 500 (--reproduce-paper: 1000)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pd", default="1:1", help="prefill:decode instance counts, comma-separated (e.g. 1:1,1:2,2:1)")
     p.add_argument("--slo-ttft-ms", type=float, default=None)
@@ -68,7 +68,26 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--calibration", default=None, help="JSON overriding compute models, presets or the transfer file (see hawk.sim.defaults)")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
+    p.add_argument("--testbed", default=None, help="paper | here (default: here, the --calibration tables)")
+    p.add_argument("--reproduce-paper", action="store_true", help="the paper's Figs. 9-13 and Tables 1, 8, 9 beside ours (--json: rows)")
+    p.add_argument("--plots", default=None, help="with --reproduce-paper: a folder for Figs. 9-13-shaped plots")
     a = p.parse_args(argv)
+    if a.reproduce_paper:
+        from hawk.sim.paper import reproduce_paper
+
+        n = 1000 if a.num_requests is None else a.num_requests
+        return [{"row": r} for r in reproduce_paper(n, a.seed, a.json, a.plots)]
+    if a.num_requests is None:
+        a.num_requests = 500
+    if a.testbed:
+        from hawk.sim.paper import config_for
+        from hawk.sim.testbeds import get_testbed
+
+        tb = get_testbed(a.testbed)
+        cfgs = [config_for(tb, c) for c in a.configs.split(",") if c]
+        return run_sim(cfgs, [float(x) for x in a.rates.split(",") if x], a.workload, a.num_requests, a.seed,
+                       pd_ratios=parse_pd(a.pd), slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms, contention=a.contention,
+                       router_policy=a.router, json_path=a.json, plot_path=a.plot)
     return run_sim(
         [c for c in a.configs.split(",") if c], [float(x) for x in a.rates.split(",") if x], a.workload, a.num_requests, a.seed,
         pd_ratios=parse_pd(a.pd), slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms, transfer_scale=a.transfer_scale,

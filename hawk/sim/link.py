@@ -13,7 +13,9 @@ import itertools
 
 import simpy
 
-_EPS = 1e-12
+#: remaining solo seconds below which a transfer counts as done: well above the float resolution
+#: of simulated time (~1e-11 s at t = 1e5 s), else a tiny remainder livelocks the loop
+_EPS = 1e-9
 
 
 class SharedLink:
@@ -69,5 +71,5 @@ class SharedLink:
             if self._wake.triggered:
                 self._wake = self.env.event()
             self._advance()
-            for key in [key for key, item in self._active.items() if item[0] <= _EPS * max(1.0, k)]:
+            for key in [key for key, item in self._active.items() if item[0] <= _EPS]:
                 self._active.pop(key)[1].succeed()
