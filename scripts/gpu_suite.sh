@@ -8,6 +8,7 @@
 #     serving   - `hawk serve` (8B shape, bf16) under Poisson load: TTFT, TPOT, SLO attainment vs rate
 #     smoke     - a quick end-to-end check after changes: small transfers and a tiny model on the GPUs
 #     reverse   - the reverse direction (ng-hawk: NPU prefill on GPU0's memory -> GPU decode on GPU1) beside gg-direct
+#     engine    - `hawk bench engine`: 8B decode step / prefill times vs read-bandwidth and GEMM ceilings (GPU0 only)
 # Wheels missing on the box (nixl, nixl_cu13, pyzmq for cp312) are carried in .whl/ (see docs/gpu.md).
 set -uo pipefail
 parts=" ${*:-tests transform transfer model serving} "
@@ -52,6 +53,14 @@ want reverse && \
   step reverse 150 python3 -m hawk.cli bench transfer --transport nixl --prefill-device cuda:0 --npu-device npu-emu:cuda:$dec \
     --gpu-decode-device cuda:$dec --sizes-mb 10,80,320,1280 --repeats 3 --configs gg-direct,gn-hawk,ng-hawk \
     --json "$OUT/reverse_h200x2.json"
+
+# One GPU: the model (16 GB of seeded random weights, built once), the paged caches and the emulated
+# NPU's memory all on GPU0. --time-budget-s skips whatever is left (with a note) so the part ends
+# within ~6 min; the JSON is rewritten after every point, so even a timeout keeps what was measured.
+want engine && \
+  step engine 390 python3 -m hawk.bench.engine --device cuda:0 --model llama-3.1-8b --dtype bf16 \
+    --batches 1,8,32,64 --contexts 1024,8192 --prefill-tokens 512,2048,8192 --paths gpu-paged,npu-tile \
+    --kv-dtypes bf16,bfp8_b --steps 30 --point-budget-s 8 --time-budget-s 320 --json "$OUT/engine_h200.json"
 
 serve_bench() {  # serve_bench CONFIG DECODE_DEVICE: one server, one load sweep, clean stop
   local cfg=$1 dev=$2 port=8100

@@ -1,0 +1,148 @@
+"""`hawk bench engine`: records, the floor's byte count, the prefill flops, skips, the CLI and the JSON file.
+
+Runs the "tiny" preset on the CPU with preset ceilings and one torch thread (the box is shared:
+spinning OpenMP threads make tiny matmuls slow), so the whole file takes a few seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from hawk.bench import engine as eb
+from hawk.engine.config import preset
+from hawk.engine.model import LlamaModel
+
+TINY = preset("tiny")  # vocab 512, hidden 128, ffn 256, 2 layers, 4 q heads, 2 kv heads, head_dim 32
+CEILINGS = {"read_gbps": 10.0, "gemm_tflops": 0.05}
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> LlamaModel:
+    return LlamaModel.from_config(TINY, dtype=torch.float32)
+
+
+def _spec(**kw) -> eb.EngineBenchSpec:
+    base = dict(model="tiny", device="cpu", batches=(1, 2), contexts=(40,), prefill_tokens=(16,), steps=2,
+                warmup=0, point_budget_s=1.0, hf_baseline="off", ceilings=dict(CEILINGS))
+    base.update(kw)
+    return eb.EngineBenchSpec(**base)
+
+
+def test_floor_bytes_match_a_hand_count() -> None:
+    # Per layer: q 128x128, k 128x64, v 128x64, o 128x128, gate/up/down 3 x 128x256, two norms of 128.
+    per_layer = 16384 + 8192 + 8192 + 16384 + 3 * 32768 + 2 * 128
+    weights = 2 * per_layer + 128 + 512 * 128  # + final norm + the whole LM head; no embedding table
+    assert eb.decode_weight_bytes(TINY, 4) == weights * 4 == 1_444_352
+    # Paged bf16: batch 2 x 100 tokens x 2 layers x (K, V) x 2 heads x 32 dims x 2 bytes.
+    assert eb.kv_read_bytes(TINY, "gpu-paged", "bf16", 2, 100) == 2 * 100 * 2 * 2 * 2 * 32 * 2
+    # NPU tiles: ceil(100 / 32) = 4 tile rows x 1 tile column per head; bfp8_b tiles are 1088 bytes.
+    tiles = 2 * 2 * 2 * 2 * 4 * 1
+    assert eb.kv_read_bytes(TINY, "npu-tile", "bfp8_b", 2, 100) == tiles * 1088
+    assert eb.kv_read_bytes(TINY, "npu-tile", "bf16", 2, 100) == tiles * 2048
+    assert eb.decode_floor_bytes(TINY, 2, "gpu-paged", "bf16", 2, 100) == weights * 2 + 102_400
+
+
+def test_weight_bytes_are_the_model_without_its_embedding_table(tiny_model: LlamaModel) -> None:
+    params = sum(p.numel() for n, p in tiny_model.named_parameters() if n != "embed.weight")
+    assert eb.decode_weight_bytes(TINY, 4) == params * 4
+    tied = preset("smollm2-135m")  # tied: the LM head is the embedding table, counted once
+    m = LlamaModel.from_config(tied, device="meta")
+    assert eb.decode_weight_bytes(tied, 2) == sum(p.numel() for p in m.parameters()) * 2
+
+
+def test_prefill_flops_hand_count() -> None:
+    t = 64
+    matmuls = 2 * 2 * (16384 + 8192 + 8192 + 16384 + 3 * 32768) * t + 2 * 128 * 512  # LM head: last token
+    attention = 2 * 2 * 4 * 32 * t * (t + 1)  # QK^T and PV over T(T+1)/2 causal pairs, 4 q heads
+    assert eb.prefill_flops(TINY, t) == matmuls + attention
+
+
+def test_records_have_the_fields_and_sane_values(tiny_model: LlamaModel) -> None:
+    recs = eb.run_benchmark(_spec(), model=tiny_model, verbose=False)
+    decode = [r for r in recs if r["kind"] == "decode"]
+    prefill = [r for r in recs if r["kind"] == "prefill"]
+    assert {(r["path"], r["kv_dtype"]) for r in decode} == {("gpu-paged", "bf16"), ("npu-tile", "bf16"), ("npu-tile", "bfp8_b")}
+    assert len(decode) == 3 * 2 and len(prefill) == 1
+    for r in recs:
+        assert not r.get("skipped")
+        assert r["ms"] > 0 and r["device"].startswith("cpu") and r["model"] == "tiny" and r["dtype"] == "fp32"
+        assert r["path"] in ("gpu-paged", "npu-tile") and "note" in r
+    for r in decode:
+        assert r["floor_ms"] > 0 and r["read_gbps"] == CEILINGS["read_gbps"] and r["context"] == 40
+        assert math.isclose(r["ratio"], r["ms"] / r["floor_ms"], rel_tol=1e-3)
+        nbytes = eb.decode_floor_bytes(TINY, 4, r["path"], r["kv_dtype"], r["batch"], 40)
+        assert r["floor_bytes"] == nbytes
+        assert math.isclose(r["floor_ms"], nbytes / 10e9 * 1e3, rel_tol=1e-3)
+        assert ("emulated NPU: memory on cpu" in r["note"]) == (r["path"] == "npu-tile")
+    (p,) = prefill
+    assert p["tokens"] == 16 and p["flops"] == eb.prefill_flops(TINY, 16) and p["gemm_tflops"] == CEILINGS["gemm_tflops"]
+    achieved = p["flops"] / (p["ms"] * 1e-3) / 1e12
+    assert math.isclose(p["ratio"], achieved / CEILINGS["gemm_tflops"], rel_tol=1e-2)
+
+
+def test_a_point_that_does_not_fit_is_skipped_with_a_note(tiny_model: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(eb, "free_bytes", lambda device: 1 << 20)
+    recs = eb.run_benchmark(_spec(paths=("npu-tile",), kv_dtypes=("bf16",), batches=(1,)), model=tiny_model, verbose=False)
+    assert len(recs) == 1 and recs[0]["skipped"] and recs[0]["ms"] is None
+    assert "skipped: needs" in recs[0]["note"] and recs[0]["floor_ms"] > 0
+
+
+def test_time_budget_skips_the_rest(tiny_model: LlamaModel) -> None:
+    recs = eb.run_benchmark(_spec(time_budget_s=1e-9), model=tiny_model, verbose=False)
+    assert recs and all(r["skipped"] and r["note"] == "skipped: time budget spent" for r in recs)
+
+
+def test_ceilings_are_measured() -> None:
+    cpu = torch.device("cpu")
+    assert eb.measure_read_gbps(cpu, 8 << 20, repeats=2) > 0
+    assert eb.measure_gemm_tflops(cpu, torch.float32, 128, repeats=2) > 0
+
+
+def test_cli_help_lists_every_option() -> None:
+    from hawk.cli import app
+
+    out = CliRunner().invoke(app, ["bench", "engine", "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"}, terminal_width=200)
+    assert out.exit_code == 0, out.output
+    opts = ("--model", "--device", "--dtype", "--batches", "--contexts", "--prefill-tokens", "--paths", "--kv-dtypes",
+            "--steps", "--json", "--hf-baseline")
+    for o in opts:
+        assert o in out.output, o
+    module_help = eb.build_parser().format_help()
+    for o in opts:
+        assert o in module_help, o
+
+
+def test_cli_writes_the_json_file(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hawk.cli import app
+
+    monkeypatch.setattr(eb, "measure_read_gbps", lambda device: 10.0)
+    monkeypatch.setattr(eb, "measure_gemm_tflops", lambda device, dtype: 0.05)
+    path = tmp_path / "out" / "engine.json"
+    args = ["bench", "engine", "--model", "tiny", "--device", "cpu", "--batches", "1", "--contexts", "32",
+            "--prefill-tokens", "16", "--paths", "gpu-paged", "--steps", "1", "--warmup", "0", "--json", str(path)]
+    out = CliRunner().invoke(app, args, terminal_width=200)
+    assert out.exit_code == 0, out.output
+    recs = json.loads(path.read_text())
+    assert [(r["kind"], r["path"]) for r in recs] == [("prefill", "gpu-paged"), ("decode", "gpu-paged")]
+    assert recs[0]["ratio"] > 0 and recs[1]["ratio"] > 0
+
+
+def test_bad_options_fail_clearly() -> None:
+    with pytest.raises(ValueError, match="unknown path"):
+        eb.resolve(eb.EngineBenchSpec(paths=("tpu",), device="cpu"))
+    with pytest.raises(ValueError, match="kv dtype"):
+        eb.resolve(eb.EngineBenchSpec(kv_dtypes=("int4",), device="cpu"))
