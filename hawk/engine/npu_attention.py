@@ -1,87 +1,257 @@
 """Decode attention over the NPU's tiled, interleaved KV cache, where the tiles live.
 
-Reading: a sequence's blocks are gathered page by page through the page map (page -> bank, slot)
-and decoded from their tile dtype; nothing keeps a row-major copy between steps. Writing: a new
-token's K/V row is put in place by read-modify-write of its tile, as the NPU does (untilize,
-replace the row, re-tilize; bfloat8_b re-derives that row's shared exponents).
+Reading: each sequence's context is read tile by tile through the page map (page -> bank, slot) and
+decoded from its tile dtype; nothing keeps a row-major copy between steps. Writing: a new token's K/V
+row is put in place, touching only that row's bytes, as the NPU does: a bf16 row is two runs of 16
+values per tile; a bfloat8_b row re-derives only its own shared exponents (one per face row).
+
+Two paths, one contract (``PagedBackend``):
+- Triton (``triton_npu_attention.py``) when the memory is on CUDA: metadata lives in persistent device
+  buffers written once per ``begin``; ``__call__`` launches fixed grids for a padded batch and never
+  syncs, so a CUDA graph captured after ``begin(.., pad_to=B)`` replays after any later one.
+- torch (CPU, or no triton): the same reads and writes vectorised over the batch; only the row tiles
+  up to each sequence's length are decoded.
+``hawk/layouts/tt.py`` is the oracle for both.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from hawk.engine.attention import attend
-from hawk.engine.attention import SeqSlice
-from hawk.layouts.tt import TILE, bytes_to_tiles, from_tiles, tiles_to_bytes, to_tiles
+from hawk.engine import triton_npu_attention as tk
+from hawk.engine.attention import SeqSlice, attend
+from hawk.layouts.tt import TILE, pack_bfp8_rows
 from hawk.memory.npu_kv_cache import NpuKVCacheMemory
+
+#: 2^(E-133) for every shared exponent byte (exact in fp32), and each value byte's signed magnitude.
+_BFP8_SCALE = torch.tensor([2.0 ** (e - 133) for e in range(256)], dtype=torch.float32)
+_BFP8_MAG = torch.tensor([(-1.0 if b & 0x80 else 1.0) * (b & 0x7F) for b in range(256)], dtype=torch.float32)
 
 
 class NpuTileAttention:
-    def __init__(self, kv: NpuKVCacheMemory):
-        self.kv = kv
-        self.layout = kv.layout
-        self.device = kv.npu.torch_device
-        self._batch: list[SeqSlice] = []
-        self._row_pages: torch.Tensor | None = None  # [n_new, H, Wt] pages holding each new row
-        self._row_in_tile: torch.Tensor | None = None  # [n_new]
+    """``PagedBackend`` over ``NpuKVCacheMemory``: decode only (the cache is filled by KV transfer).
 
-    def begin(self, batch: Sequence[SeqSlice]) -> None:
-        lay = self.layout
-        bs, wt = lay.block_size, lay.col_tiles
-        pages, rows = [], []
+    ``max_batch``: most rows (new tokens, pad rows included) one forward may have; ``max_model_len``
+    bounds the block table width (default: every block of the cache). ``backend``: ``"auto"`` (Triton
+    on CUDA memory when importable, else torch), ``"triton"`` (also on CPU under TRITON_INTERPRET, for
+    tests) or ``"torch"``. ``num_splits`` overrides the split-K factor of the Triton path.
+    """
+
+    def __init__(
+        self,
+        kv: NpuKVCacheMemory,
+        max_batch: int = 256,
+        max_model_len: int | None = None,
+        backend: str = "auto",
+        num_splits: int | None = None,
+    ):
+        if backend not in ("auto", "triton", "torch"):
+            raise ValueError(f"backend must be auto, triton or torch, got {backend!r}")
+        if max_batch <= 0:
+            raise ValueError(f"max_batch must be positive, got {max_batch}")
+        self.kv = kv
+        self.layout = lay = kv.layout
+        self.device = kv.pages(0).device
+        self.max_batch = max_batch
+        bs = lay.block_size
+        self.max_blocks = lay.max_num_blocks if max_model_len is None else min(lay.max_num_blocks, -(-max_model_len // bs))
+        geom = tk.tile_geometry(kv) if backend != "torch" else None
+        if backend == "triton" and geom is None:
+            raise ValueError(f"the Triton path cannot address this cache (triton missing, dtype {lay.dtype} or head_dim {lay.head_dim})")
+        use_triton = geom is not None and (backend == "triton" or self.device.type == "cuda")
+        self._geom = geom if use_triton else None
+        self.graph_safe = bool(use_triton and self.device.type == "cuda")
+        self.num_splits = num_splits
+        self._rows = 0
+        self._batch: list[SeqSlice] = []
+        if self._geom is not None:
+            self._meta = torch.zeros(max_batch, tk.META_BLOCKS + self.max_blocks, dtype=torch.int32, device=self.device)
+            self._meta[:, tk.META_ROW_LOC] = -1
+            self._ws: dict[tuple[int, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        else:
+            self._flat = torch.empty(0, dtype=torch.uint8, device=self.device).set_(kv.pages(0).untyped_storage())
+            self._bases = [kv.pages(t).storage_offset() for t in range(lay.num_tensors)]
+            self._scale = _BFP8_SCALE.to(self.device)
+            self._mag = _BFP8_MAG.to(self.device)
+
+    # ---- begin -------------------------------------------------------------------------------
+
+    def begin(self, batch: Sequence[SeqSlice], pad_to: int | None = None) -> None:
+        """Declare the next forward; validates, then builds all metadata on the host in one go."""
+        bs = self.layout.block_size
+        q_lens = [s.q_len for s in batch]
         for s in batch:
             if s.start == 0:
                 raise ValueError("the NPU decode cache is filled by KV transfer; prefill does not run here")
+            if s.q_len <= 0:
+                raise ValueError(f"every q_len must be > 0, got {s.q_len}")
             need = -(-(s.start + s.q_len) // bs)
             if len(s.block_ids) < need:
                 raise ValueError(f"sequence needs {need} NPU blocks for {s.start + s.q_len} tokens, has {len(s.block_ids)}")
-            for p in range(s.start, s.start + s.q_len):
-                r = p % bs
-                blk = s.block_ids[p // bs]
-                h = torch.arange(lay.num_kv_heads)[:, None]
-                c = torch.arange(wt)[None, :]
-                pages.append(lay.page_index(blk, h, r // TILE, c))
-                rows.append(r % TILE)
-        keys = [(s.block_ids[p // bs], p % bs) for s in batch for p in range(s.start, s.start + s.q_len)]
-        if len(set(keys)) != len(keys):
+        tokens = sum(q_lens)
+        rows = tokens
+        if pad_to is not None:
+            if any(n != 1 for n in q_lens):
+                raise ValueError("pad_to is for decode batches (every q_len == 1)")
+            if pad_to < len(batch):
+                raise ValueError(f"pad_to={pad_to} is smaller than the batch ({len(batch)})")
+            rows = pad_to
+        # every new token's (sequence, position) -> (npu block, row), without per-token Python work
+        seq_of = np.repeat(np.arange(len(batch)), q_lens)
+        starts = np.repeat(np.array([s.start for s in batch], dtype=np.int64), q_lens)
+        first = np.repeat(np.cumsum([0] + q_lens[:-1]), q_lens) if batch else np.zeros(0, np.int64)
+        pos = starts + np.arange(tokens) - first
+        nblk = [-(-(s.start + s.q_len) // bs) for s in batch]
+        table = np.zeros((len(batch), max(nblk, default=0)), dtype=np.int64)
+        for i, s in enumerate(batch):
+            table[i, : nblk[i]] = s.block_ids[: nblk[i]]
+        blk = table[seq_of, pos // bs] if tokens else np.zeros(0, np.int64)
+        loc = blk * bs + pos % bs
+        if np.unique(loc).size != loc.size:
             raise ValueError("two new tokens map to the same cache row")
         self._batch = list(batch)
-        self._row_pages = torch.stack(pages).to(self.device)
-        self._row_in_tile = torch.tensor(rows, device=self.device)
+        self._rows = rows
+        if self._geom is not None:
+            self._begin_triton(table, nblk, seq_of, pos, loc, rows)
+        else:
+            self._begin_torch(table, nblk, blk, pos)
 
-    def _write_rows(self, t: int, values: torch.Tensor) -> None:
-        """Put ``values [n_new, H, D]`` into their tile rows of tensor ``t`` (read-modify-write)."""
+    def _begin_triton(self, table: np.ndarray, nblk: list[int], seq_of: np.ndarray, pos: np.ndarray, loc: np.ndarray, rows: int) -> None:
+        """Fill rows ``[:rows]`` of the persistent metadata with one H2D copy (fresh host array: no reuse race)."""
+        if rows > self.max_batch:
+            raise ValueError(f"{rows} rows exceed max_batch={self.max_batch}")
+        if max(nblk, default=0) > self.max_blocks:
+            raise ValueError(f"a sequence needs {max(nblk)} blocks, more than max_model_len allows ({self.max_blocks})")
+        host = np.zeros((rows, tk.META_BLOCKS + self.max_blocks), dtype=np.int32)
+        host[:, tk.META_ROW_LOC] = -1
+        n = pos.size
+        host[:n, tk.META_SEQ_LEN] = pos + 1  # a query sees its own row and everything before it
+        host[:n, tk.META_ROW_LOC] = loc
+        host[:n, tk.META_BLOCKS : tk.META_BLOCKS + table.shape[1]] = table[seq_of]
+        if rows:
+            self._meta[:rows].copy_(torch.from_numpy(host), non_blocking=True)
+
+    def _begin_torch(self, table: np.ndarray, nblk: list[int], blk: np.ndarray, pos: np.ndarray) -> None:
+        """Byte offsets (from a tensor's base) of every new row's bytes and of every context tile."""
         lay = self.layout
-        n, h, wt = self._row_pages.shape  # type: ignore[union-attr]
-        pages = self._row_pages.reshape(-1)  # type: ignore[union-attr]
-        bank, slot = lay.page_map.bank(pages), lay.page_map.slot(pages)
-        view = self.kv.pages(t)
-        raw = view[bank, slot, : lay.page_size]
-        tiles = from_tiles(bytes_to_tiles(raw, lay.dtype), (pages.numel(), TILE, TILE))
-        tiles = tiles.view(n, h, wt, TILE, TILE)
-        row = self._row_in_tile[:, None, None].expand(n, h, wt)  # type: ignore[index]
-        new = values.to(torch.float32).reshape(n, h, wt, TILE)
-        tiles[torch.arange(n)[:, None, None], torch.arange(h)[None, :, None], torch.arange(wt)[None, None, :], row] = new
-        view[bank, slot, : lay.page_size] = tiles_to_bytes(to_tiles(tiles.reshape(-1, TILE, TILE)), lay.dtype)
+        bs, wt, h = lay.block_size, lay.col_tiles, lay.num_kv_heads
+        r = pos % bs
+        heads = np.arange(h)[None, :, None]
+        cols = np.arange(wt)[None, None, :]
+        tile = self._tile_bytes(lay.page_index(blk[:, None, None], heads, (r // TILE)[:, None, None], cols))
+        rr = r % TILE
+        face = ((rr // 16) * 2)[:, None, None, None] + np.arange(2)  # [n, 1, 1, 2]
+        ri = (rr % 16)[:, None, None, None]
+        if lay.dtype == "bf16":
+            elem = (face * 256 + ri * 16)[..., None] + np.arange(16)  # [n, 1, 1, 2, 16] elements
+            off = tile[..., None, None] + 2 * elem
+            off = off[..., None] + np.arange(2)  # both bytes of each value
+            self._w_idx = (torch.from_numpy(off.reshape(-1)).to(self.device),)
+        else:
+            exp = tile[..., None] + face * 16 + ri
+            val = tile[..., None, None] + 64 + (face * 256 + ri * 16)[..., None] + np.arange(16)
+            self._w_idx = (torch.from_numpy(exp.reshape(-1)).to(self.device), torch.from_numpy(val.reshape(-1)).to(self.device))
+        # context tiles: row tiles 0 .. ceil(len/32) of every sequence, concatenated
+        ntiles = [-(-(s.start + s.q_len) // TILE) for s in self._batch]
+        seq = np.repeat(np.arange(len(ntiles)), ntiles)
+        rt = np.arange(sum(ntiles)) - np.repeat(np.cumsum([0] + ntiles[:-1]), ntiles)
+        rpb = lay.row_tiles
+        cblk = table[seq, rt // rpb] if seq.size else np.zeros(0, np.int64)
+        pages = lay.page_index(cblk[:, None, None], heads, (rt % rpb)[:, None, None], cols)
+        self._r_tiles = torch.from_numpy(self._tile_bytes(pages)).to(self.device)  # [Ntiles, H, Wt]
+        self._r_first = np.cumsum([0] + ntiles[:-1]).tolist()
 
-    def _context(self, t: int, s: SeqSlice) -> torch.Tensor:
-        """``[ctx, H, D]`` of one sequence, decoded from its tiles."""
-        n = s.start + s.q_len
-        nblk = -(-n // self.layout.block_size)
-        blocks = torch.as_tensor(list(s.block_ids[:nblk]), device=self.device)
-        x = self.kv.read_blocks(t, blocks)  # [nblk, H, bs, D]
-        return x.permute(0, 2, 1, 3).reshape(-1, x.shape[1], x.shape[3])[:n]
+    def _tile_bytes(self, pages: np.ndarray) -> np.ndarray:
+        """Pages -> byte offset of each page from its tensor's base (through the page map)."""
+        pm = self.layout.page_map
+        st = self.kv.pages(0).stride()
+        return pm.bank(pages) * st[0] + pm.slot(pages) * st[1]
+
+    # ---- the forward -------------------------------------------------------------------------
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        tk, tv = 2 * layer_idx, 2 * layer_idx + 1
-        self._write_rows(tk, k.to(self.device))
-        self._write_rows(tv, v.to(self.device))
+        if q.shape[0] != self._rows:
+            raise ValueError(f"batch has {q.shape[0]} rows but begin() declared {self._rows}")
+        if self._geom is not None:
+            return self._call_triton(layer_idx, q, k, v)
+        return self._call_torch(layer_idx, q, k, v)
+
+    def _call_triton(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Two or three launches, fixed grids for a given row count, no host sync."""
+        g, rows = self._geom, self._rows
+        assert g is not None
+        if rows == 0:
+            return torch.empty_like(q)
+        dev = self.device
+        qd, kd, vd = (x.to(dev) for x in (q, k, v))
+        qd, kd, vd = (x if x.stride(-1) == 1 else x.contiguous() for x in (qd, kd, vd))
+        tk.write_rows(g, layer, kd, vd, self._meta, rows)
+        splits = self.num_splits or tk.choose_splits(rows, g.num_kv_heads, self.max_blocks * g.row_tiles, dev)
+        ws = None
+        if splits > 1:
+            key = (rows, q.shape[1], q.shape[2], splits)
+            ws = self._ws.get(key)
+            if ws is None:  # kept for reuse, so a captured graph keeps pointing at it
+                n = rows * q.shape[1] * splits
+                ws = (torch.empty(n * q.shape[2], dtype=torch.float32, device=dev), torch.empty(n * 2, dtype=torch.float32, device=dev))
+                self._ws[key] = ws
+        return tk.decode_attention(g, layer, qd, self._meta, rows, splits, ws).to(q.device)
+
+    def _call_torch(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        tk_, tv = 2 * layer, 2 * layer + 1
+        n = sum(s.q_len for s in self._batch)
+        if n == 0:
+            return torch.zeros_like(q)
+        self._write_rows(tk_, k[:n].to(self.device))
+        self._write_rows(tv, v[:n].to(self.device))
+        kc = self._context(tk_, q.dtype)
+        vc = self._context(tv, q.dtype)
         out, off = [], 0
-        for s in self._batch:
-            kc = self._context(tk, s).to(q.device, q.dtype)
-            vc = self._context(tv, s).to(q.device, q.dtype)
-            out.append(attend(q[off : off + s.q_len], kc, vc))
+        for s, f in zip(self._batch, self._r_first):
+            c0, c1 = f * TILE, f * TILE + s.start + s.q_len
+            out.append(attend(q[off : off + s.q_len], kc[c0:c1].to(q.device), vc[c0:c1].to(q.device)))
             off += s.q_len
+        if self._rows > n:  # pad rows: finite, ignored
+            out.append(torch.zeros(self._rows - n, *q.shape[1:], dtype=q.dtype, device=q.device))
         return torch.cat(out)
+
+    def _write_rows(self, t: int, values: torch.Tensor) -> None:
+        """Scatter the new rows ``[n, H, D]`` of tensor ``t``: only their own bytes change."""
+        if values.shape[0] == 0:
+            return
+        base = self._bases[t]
+        n, h, d = values.shape
+        if self.layout.dtype == "bf16":
+            data = values.to(torch.float32).to(torch.bfloat16).contiguous().view(torch.uint8).reshape(-1)
+            self._flat[self._w_idx[0] + base] = data
+            return
+        bits = values.to(torch.float32).contiguous().view(torch.int32).reshape(n, h, d // 16, 16)
+        exps, vals = pack_bfp8_rows(bits)
+        self._flat[self._w_idx[0] + base] = exps.reshape(-1)
+        self._flat[self._w_idx[1] + base] = vals.reshape(-1)
+
+    def _context(self, t: int, dtype: torch.dtype) -> torch.Tensor:
+        """All context row tiles of the batch decoded to ``[tiles*32, H, D]`` in ``dtype``."""
+        lay = self.layout
+        view = self.kv.pages(t)
+        idx = self._r_tiles  # [N, H, Wt] byte offsets
+        n, h, wt = idx.shape
+        ap = view.stride(1)
+        if ap % 8 == 0 and view.storage_offset() % 8 == 0 and view.stride(0) % 8 == 0:
+            # gather whole pages as int64 words: 8x fewer index operations than bytes
+            words = self._flat.view(torch.int64)
+            rows = words.as_strided((words.numel() - ap // 8 + 1, ap // 8), (1, 1))
+            raw = torch.index_select(rows, 0, (idx.reshape(-1) + view.storage_offset()) // 8).view(torch.uint8)[:, : lay.page_size]
+        else:
+            raw = torch.stack([self._flat[view.storage_offset() + o : view.storage_offset() + o + lay.page_size] for o in idx.reshape(-1).tolist()])
+        if lay.dtype == "bf16":
+            tiles = raw.contiguous().view(torch.bfloat16).reshape(n, h, wt, 2, 2, 16, 16).to(dtype)
+        else:
+            scale = self._scale[raw[:, :64].to(torch.int64)]  # [N*H*Wt, 64]
+            vals = self._mag[raw[:, 64:].to(torch.int64)].reshape(-1, 64, 16)
+            tiles = (vals * scale[..., None]).reshape(n, h, wt, 2, 2, 16, 16).to(dtype)
+        # (tile, head, col_tile, face_row, face_col, r, c) -> (tile, face_row, r, head, col_tile, face_col, c)
+        return tiles.permute(0, 3, 5, 1, 2, 4, 6).reshape(n * TILE, h, wt * TILE)
