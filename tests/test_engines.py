@@ -142,3 +142,107 @@ def test_a_block_cyclic_npu_layout_serves_the_same_tokens():
         p.close()
         d.close()
         c.close()
+
+
+# ---- robustness: one request's failure is that request's only ------------------------------
+
+
+def _threads_alive(p, d):
+    return p.engine._thread.is_alive() and d.engine._thread.is_alive()
+
+
+def test_odd_sampling_params_are_served_and_the_engines_live(tiny):
+    """Huge and negative seeds, vanishing and huge temperatures: answers, not dead threads."""
+    p, d, _ = tiny
+    odd = [
+        SamplingParams(max_tokens=5, temperature=1e-45, seed=2**70, ignore_eos=True),
+        SamplingParams(max_tokens=5, temperature=0.8, top_p=0.5, seed=-(2**70), ignore_eos=True),
+        SamplingParams(max_tokens=5, temperature=1e300, seed=2**64, ignore_eos=True),
+    ]
+    cols = [_submit(p, d, f"odd{i}", [1, 2, 3, 4], params) for i, params in enumerate(odd)]
+    for col in cols:
+        assert col.done.wait(30) and col.info["finish_reason"] == "length" and len(col.tokens) == 5
+    greedy = SamplingParams(max_tokens=5, ignore_eos=True)
+    ref = _submit(p, d, "odd-greedy", [1, 2, 3, 4], greedy)
+    assert ref.done.wait(30) and cols[0].tokens == ref.tokens  # a vanishing temperature is greedy
+    seeded = SamplingParams(max_tokens=6, temperature=1.0, seed=2**70 + 3, ignore_eos=True)
+    a, b = _submit(p, d, "seed-a", [9, 8, 7], seeded), _submit(p, d, "seed-b", [9, 8, 7], seeded)
+    assert a.done.wait(30) and b.done.wait(30) and a.tokens == b.tokens  # same seed, same tokens
+    assert _threads_alive(p, d)
+
+
+def test_nan_logits_fail_only_that_request(tiny, monkeypatch):
+    from hawk.engine.runner import StepOutput
+
+    p, d, _ = tiny
+    real = d.engine.runner.step
+
+    def nan_for_victim(tokens, slices):
+        out = real(tokens, slices)
+        victim = d.engine._entries.get("victim")
+        logits = out.logits.clone()
+        for i, s in enumerate(slices):
+            if victim is not None and list(s.block_ids) == victim.seq.block_ids:
+                logits[i] = float("nan")
+        return StepOutput(logits, None, out.path)
+
+    monkeypatch.setattr(d.engine.runner, "step", nan_for_victim)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    victim = _submit(p, d, "victim", [5, 6, 7], params)
+    other = _submit(p, d, "bystander", [5, 6, 8], params)
+    assert victim.done.wait(30) and victim.info["finish_reason"] == "error" and "finite" in victim.info["error"]
+    assert other.done.wait(30) and other.info["finish_reason"] == "length" and len(other.tokens) == 30
+    monkeypatch.undo()
+    assert _submit(p, d, "after-nan", [1, 2], SamplingParams(max_tokens=3, ignore_eos=True)).done.wait(30)
+    assert _threads_alive(p, d)
+
+
+def test_a_raising_callback_fails_only_its_request(tiny):
+    p, d, _ = tiny
+
+    class Raising(Collector):
+        def __call__(self, ev):
+            super().__call__(ev)
+            if len(self.tokens) >= 2:
+                raise RuntimeError("client went away")
+
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    r = p.engine.submit("raiser", [3, 3, 3], params).result(60)
+    bad = Raising()
+    d.engine.submit("raiser", r.num_prompt_tokens, r.first_token, params, KVHandle(p.kv_address, "raiser"), bad)
+    good = _submit(p, d, "calm", [3, 3, 4], params)
+    assert good.done.wait(30) and len(good.tokens) == 20
+    deadline = time.monotonic() + 5
+    while "raiser" in d.engine._entries and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "raiser" not in d.engine._entries and len(bad.tokens) == 2
+    assert _threads_alive(p, d)
+
+
+def test_a_first_token_failure_fails_that_prefill_and_frees_its_blocks(tiny, monkeypatch):
+    from hawk.engine.sampler import NonFiniteLogits
+
+    p, d, _ = tiny
+    real = p.engine.runner.forward
+    marker = [77, 77, 77, 77, 77]
+
+    def nan_for_marker(tokens, slices):
+        logits = real(tokens, slices).clone()
+        for i, t in enumerate(tokens):
+            if list(t) == marker:
+                logits[i] = float("nan")
+        return logits
+
+    monkeypatch.setattr(p.engine.runner, "forward", nan_for_marker)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    bad = p.engine.submit("marked", marker, params)
+    with pytest.raises(NonFiniteLogits):
+        bad.result(60)
+    monkeypatch.undo()
+    deadline = time.monotonic() + 5
+    while p.accounting()["gpu_blocks_used"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert p.accounting()["gpu_blocks_used"] == 0
+    ok = p.engine.submit("unmarked", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.5, seed=2**80)).result(60)
+    assert ok.first_token >= 0
+    assert _threads_alive(p, d)

@@ -11,9 +11,11 @@ from hawk.engine.attention import AttentionBackend, ContiguousKVAttention, atten
 from hawk.engine.config import HEAD_DIM_MULTIPLE, PRESETS, ModelConfig, RopeScaling, preset
 from hawk.engine.model import (
     LlamaModel,
+    RotaryTable,
     apply_rope,
     greedy_generate,
     rope_inv_freq,
+    rope_rolled,
 )
 
 
@@ -305,3 +307,94 @@ def test_forward_rejects_bad_shapes(tiny: LlamaModel) -> None:
     attn.begin([0], [2])
     with pytest.raises(ValueError, match=r"\[T\]"):
         tiny(torch.tensor([[1, 2]]), torch.tensor([[0, 1]]), attn)
+
+
+# ---- sync-free RoPE and fused projections ----------------------------------------------------
+
+
+def _old_rope_table(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The table as it was built before reserve(): float64 on the CPU, grown to cover max(positions)."""
+    n = max(1024, 1 << int(positions.max()).bit_length())
+    freqs = torch.arange(n, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().float()[positions], emb.sin().float()[positions]
+
+
+def test_rope_lookup_equals_the_old_table_and_never_reads_positions(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = preset("llama-3.1-8b")
+    model_rope = RotaryTable(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    pos = torch.tensor([0, 1, 5, 1023, 1024, 3000, 5000])
+    model_rope.reserve(5001)
+    want_cos, want_sin = _old_rope_table(model_rope.inv_freq, pos)
+
+    def no_reads(*_a: object, **_k: object) -> None:
+        raise AssertionError("the lookup read positions back")
+
+    for name in ("max", "item", "tolist", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, no_reads)
+    cos, sin = model_rope(pos, torch.float32)
+    cos2, signed = model_rope.lookup(pos, torch.float32)
+    monkeypatch.undo()
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin) and torch.equal(cos2, want_cos)
+    x = torch.randn(len(pos), 4, 128)
+    assert torch.equal(rope_rolled(x, cos2, signed), apply_rope(x, want_cos, want_sin))
+
+
+def test_rope_past_the_reserved_table_is_an_error_on_cpu(tiny: LlamaModel) -> None:
+    n = len(tiny.rope)
+    with pytest.raises(IndexError):
+        tiny.rope(torch.tensor([n]), torch.float32)
+    version = tiny.rope.version
+    tiny.rope.reserve(n + 1)
+    assert len(tiny.rope) == 2 * n and tiny.rope.version == version + 1
+    tiny.rope(torch.tensor([n]), torch.float32)
+
+
+def _unfused_copy(model: LlamaModel) -> LlamaModel:
+    with torch.device("meta"):
+        plain = LlamaModel(model.config)
+    plain.load_state_dict(model.state_dict(), assign=True, strict=False)
+    plain.tie_weights()
+    return plain.requires_grad_(False).eval()
+
+
+def _same_generation(fused: LlamaModel, plain: LlamaModel, prompt: list[int], steps: int) -> None:
+    assert fused.fused and not plain.fused
+    assert greedy_generate(fused, prompt, steps) == greedy_generate(plain, prompt, steps)
+    lf = fused.compute_logits(_run(fused, ContiguousKVAttention(fused.config.num_layers), {0: prompt}, {0: 0}))
+    lp = plain.compute_logits(_run(plain, ContiguousKVAttention(plain.config.num_layers), {0: prompt}, {0: 0}))
+    assert torch.allclose(lf, lp, atol=1e-4)
+
+
+def test_fused_projections_generate_what_unfused_ones_do(tiny: LlamaModel) -> None:
+    assert tiny.fused  # from_config fuses after the seeded init
+    _same_generation(tiny, LlamaModel.from_config(preset("tiny"), seed=0, fuse=False), [256, 72, 105, 33], 10)
+    # the parameters keep their names and values: only their storage is shared
+    plain = LlamaModel.from_config(preset("tiny"), seed=0, fuse=False)
+    for (n, p), (n2, p2) in zip(tiny.named_parameters(), plain.named_parameters()):
+        assert n == n2 and torch.equal(p, p2)
+    attn = tiny.layers[0].attn
+    assert attn.wk.weight.data_ptr() == attn.wqkv[attn.wq.weight.shape[0]:].data_ptr()
+
+
+def test_fused_smollm2_generates_what_unfused_does() -> None:
+    from hawk.engine.loader import load_model
+
+    smol = load_model("smollm2-135m")
+    _same_generation(smol.model, _unfused_copy(smol.model), [1, 504, 3458, 282, 4649, 314, 2986, 30], 3)
+
+
+def test_fusion_survives_moves_loads_and_saves() -> None:
+    m = LlamaModel.from_config(preset("tiny"), seed=0)
+    sd = m.state_dict()
+    assert sd["layers.0.attn.wq.weight"].data_ptr() != m.layers[0].attn.wq.weight.data_ptr()  # copies
+    half = m.to(torch.bfloat16)
+    mlp = half.layers[1].mlp
+    assert mlp.w_gate_up.dtype == torch.bfloat16 and mlp.gate.weight.data_ptr() == mlp.w_gate_up.data_ptr()
+    other = LlamaModel.from_config(preset("tiny"), seed=1)
+    other.load_state_dict(sd, assign=True)  # new parameters: the fused buffer is rebuilt
+    ids = [3, 1, 4, 1, 5]
+    assert greedy_generate(other, ids, 5) == greedy_generate(LlamaModel.from_config(preset("tiny"), seed=0), ids, 5)
+    with torch.no_grad():  # in-place edits reach the fused matmul
+        other.layers[0].attn.wv.weight.zero_()
+    assert other.layers[0].attn.wqkv[-other.config.kv_size :].abs().sum() == 0

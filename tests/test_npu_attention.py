@@ -207,7 +207,7 @@ def _gpu_setup(dtype: str, shard: int = 1, blocks: int = 160):
 
 def _long_batch(offset: int, n: int, ctx: int = 1000):
     """``n`` sequences of ~ctx tokens over disjoint NPU blocks (64 tokens each)."""
-    per = -(-(ctx + 2 * n + 1) // 64)
+    per = -(-(ctx + 7 * n + 1) // 64)
     return [SeqSlice(list(range(offset + i * per, offset + (i + 1) * per))[::-1], ctx + 7 * i, 1) for i in range(n)]
 
 

@@ -23,8 +23,8 @@ import torch
 from hawk.engine.block_manager import BlockManager
 from hawk.engine.model import LlamaModel
 from hawk.engine.attention import SeqSlice
-from hawk.engine.runner import ModelRunner
-from hawk.engine.sampler import make_generator, sample
+from hawk.engine.runner import ModelRunner, StepOutput
+from hawk.engine.sampler import NO_TOKEN, make_generator, sample, sample_batch
 from hawk.engine.sequence import SamplingParams, Sequence, Status
 
 log = logging.getLogger(__name__)
@@ -122,12 +122,16 @@ class DecodeEngine:
         eos_token_ids: tuple[int, ...] = (),
         max_batch: int = 64,
         transfer_threads: int = 4,
+        graphs: bool | None = None,
+        max_model_len: int | None = None,
     ):
-        self.runner = ModelRunner(model, attn)
+        """``graphs``: CUDA-graph decode steps (None = when the backend allows, see ModelRunner);
+        ``max_model_len``: the longest prompt + output accepted (default: the model's context)."""
+        self.max_len = min(max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings)
+        self.runner = ModelRunner(model, attn, max_batch=max_batch, graphs=graphs, max_model_len=self.max_len)
         self.kv = kv
         self.eos = set(eos_token_ids)
         self.max_batch = max_batch
-        self.max_len = model.config.max_position_embeddings
         self._lock = threading.Condition()
         self._waiting: deque[_Entry] = deque()
         self._transferring: dict[str, _Entry] = {}
@@ -208,30 +212,54 @@ class DecodeEngine:
             self._lock.notify()
         if error is not None or e.aborted:
             self.kv.release(e.seq)
-            e.on_event(TokenEvent(e.seq.request_id, finish_reason="abort" if e.aborted else "error", error=error, info=e.info))
+            self._notify(e, TokenEvent(e.seq.request_id, finish_reason="abort" if e.aborted else "error", error=error, info=e.info))
 
     def _loop(self) -> None:
+        """The engine thread: it must outlive any one request's failure, so every iteration is guarded."""
         while True:
-            with self._lock:
-                self._admit()
-                while not self._stop and not self._ready and not self._running:
-                    self._lock.wait(0.05)
-                    self._admit()
-                if self._stop:
+            try:
+                if not self._iterate():
                     return
-                newly = list(self._ready)
-                self._ready.clear()
-                self._running.extend(newly)
-                gone = [e for e in self._running if e.aborted]
-                self._running = [e for e in self._running if not e.aborted]
-            for e in gone:
-                self._finish(e, "abort")
-            for e in newly:  # the prefill's token goes out once the KV is here
+            except Exception:  # noqa: BLE001 - a bug here must not stop every other request
+                log.exception("decode loop iteration failed; continuing")
+                time.sleep(0.01)
+
+    def _iterate(self) -> bool:
+        """Admit, start the newly ready, run one step; False once the engine is stopping."""
+        with self._lock:
+            self._admit()
+            while not self._stop and not self._ready and not self._running:
+                self._lock.wait(0.05)
+                self._admit()
+            if self._stop:
+                return False
+            newly = list(self._ready)
+            self._ready.clear()
+            self._running.extend(newly)
+            gone = [e for e in self._running if e.aborted]
+            self._running = [e for e in self._running if not e.aborted]
+        for e in gone:
+            self._finish(e, "abort")
+        for e in newly:  # the prefill's token goes out once the KV is here
+            try:
                 e.seq.status = Status.RUNNING
-                self._generators[e.seq.request_id] = make_generator(e.seq.params)
+                # stream 1: the prefill drew the first token from stream 0 of the same seed
+                self._generators[e.seq.request_id] = make_generator(e.seq.params, stream=1)
                 self._emit(e, e.seq.output_ids[0], dict(e.info))
-            if self._running:
-                self._step()
+            except Exception as ex:  # noqa: BLE001
+                self._fail(e, f"starting the request failed: {ex}")
+        if self._running:
+            self._step()
+        return True
+
+    def _notify(self, e: _Entry, ev: TokenEvent) -> bool:
+        """Deliver an event; a raising callback is logged, never propagated (False)."""
+        try:
+            e.on_event(ev)
+            return True
+        except Exception:  # noqa: BLE001
+            log.exception("event callback for %s failed", e.seq.request_id)
+            return False
 
     def _emit(self, e: _Entry, token: int, info: dict[str, Any] | None = None) -> None:
         seq = e.seq
@@ -249,31 +277,69 @@ class DecodeEngine:
 
     def _finish(self, e: _Entry, reason: str | None) -> None:
         e.seq.status = Status.FINISHED
-        self.kv.release(e.seq)
-        self._generators.pop(e.seq.request_id, None)
-        with self._lock:
-            self._entries.pop(e.seq.request_id, None)
+        try:
+            self.kv.release(e.seq)
+        finally:
+            self._generators.pop(e.seq.request_id, None)
+            with self._lock:
+                self._entries.pop(e.seq.request_id, None)
         if reason is not None:
-            e.on_event(TokenEvent(e.seq.request_id, finish_reason=reason))
+            self._notify(e, TokenEvent(e.seq.request_id, finish_reason=reason))
+
+    def _fail(self, e: _Entry, error: str) -> None:
+        """End one request with an error; the others carry on."""
+        log.warning("request %s failed: %s", e.seq.request_id, error)
+        with self._lock:
+            if e in self._running:
+                self._running.remove(e)
+        if e.seq.status is not Status.FINISHED:
+            try:
+                self._finish(e, None)
+            except Exception:  # noqa: BLE001
+                log.exception("releasing %s failed", e.seq.request_id)
+        self._notify(e, TokenEvent(e.seq.request_id, finish_reason="error", error=error))
 
     def _step(self) -> None:
         batch = list(self._running)
         slices = [SeqSlice(e.seq.block_ids, e.seq.total_len - 1, 1) for e in batch]
         try:
-            logits = self.runner.forward([[e.seq.last_token] for e in batch], slices)
+            out = self.runner.step([[e.seq.last_token] for e in batch], slices)
         except Exception as ex:  # noqa: BLE001
             log.exception("decode step failed")
             for e in batch:
-                with self._lock:
-                    if e in self._running:
-                        self._running.remove(e)
-                self._finish(e, None)
-                e.on_event(TokenEvent(e.seq.request_id, finish_reason="error", error=f"decode step failed: {ex}"))
+                self._fail(e, f"decode step failed: {ex}")
             return
-        for e, lg in zip(batch, logits):
-            tok = sample(lg, e.seq.params, self._generators.get(e.seq.request_id))
-            e.seq.output_ids.append(tok)
-            self._emit(e, tok)
+        for e, tok in zip(batch, self._sample(batch, out)):
+            try:
+                if isinstance(tok, Exception):
+                    raise tok
+                if tok == NO_TOKEN:
+                    raise ValueError("the model produced no finite logit")
+                e.seq.output_ids.append(tok)
+                self._emit(e, tok)
+            except Exception as ex:  # noqa: BLE001 - this request only
+                self._fail(e, f"sampling failed: {ex}")
+
+    def _sample(self, batch: list[_Entry], out: StepOutput) -> list[int | Exception]:
+        """The batch's tokens with one host sync; if batched sampling fails, row by row, so that
+        only the rows that fail again fail (their exception in place of the token)."""
+        params = [e.seq.params for e in batch]
+        gens = [self._generators.get(e.seq.request_id) for e in batch]
+        try:
+            return list(sample_batch(out.logits, params, gens, out.greedy))
+        except Exception:  # noqa: BLE001
+            log.exception("batched sampling failed; sampling row by row")
+        toks: list[int | Exception] = []
+        for i, (p, g) in enumerate(zip(params, gens)):
+            try:
+                toks.append(sample(out.logits[i], p, g))
+            except Exception as ex:  # noqa: BLE001
+                toks.append(ex)
+        return toks
+
+    def warmup(self) -> list[int]:
+        """Capture the decode CUDA graphs now (before traffic); the batch sizes captured."""
+        return self.runner.warmup()
 
     # -- introspection -----------------------------------------------------------------------
 

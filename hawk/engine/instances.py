@@ -55,7 +55,9 @@ class InstanceConfig:
     kv_port: int = 0
     seed: int = 0
     kv_ttl_s: float = 30.0
-    max_batch: int = 64
+    max_batch: int = 64  # decode: sequences per step (and the largest CUDA-graph bucket)
+    max_model_len: int = 0  # decode: longest prompt + output accepted; 0 = the model's context length
+    graphs: bool | None = None  # decode CUDA graphs: None = when the device and backend allow
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> "InstanceConfig":
@@ -75,6 +77,8 @@ class InstanceConfig:
         for name in ("kv_tokens", "staging_mb", "rx_mb", "gpu_block_size", "npu_block_size", "max_batch", "npu_shard_pages"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be >= 0 (0 = the model's), got {self.max_model_len}")
         if self.transfer == "colocated":
             return self
         if get_config(self.transfer).prefill_on == "npu":
@@ -189,7 +193,10 @@ class DecodeInstance:
             side = GpuSide(self.caches, layout_g, rx)
         self.receiver = make_receiver(cfg.transfer, self.transport, side, post=cfg.post)
         eos = tuple(self.loaded.config.eos_token_ids)
-        self.engine = DecodeEngine(self.loaded.model, attn, RemoteKV(self.blocks, self.receiver), eos, cfg.max_batch)
+        self.engine = DecodeEngine(
+            self.loaded.model, attn, RemoteKV(self.blocks, self.receiver), eos, cfg.max_batch,
+            graphs=cfg.graphs, max_model_len=cfg.max_model_len or None,
+        )
 
     def accounting(self) -> dict[str, Any]:
         a = self.receiver.accounting()
@@ -226,7 +233,10 @@ class ColocatedInstance:
         self._handed: dict[str, list[int]] = {}
         self.prefill = PrefillEngine(self.loaded.model, self.layout, self.caches, self._handoff, block_manager=self.blocks)
         attn = PagedAttention(self.layout, self.caches)
-        self.decode = DecodeEngine(self.loaded.model, attn, LocalKV(self.blocks), tuple(mc.eos_token_ids), cfg.max_batch)
+        self.decode = DecodeEngine(
+            self.loaded.model, attn, LocalKV(self.blocks), tuple(mc.eos_token_ids), cfg.max_batch,
+            graphs=cfg.graphs, max_model_len=cfg.max_model_len or None,
+        )
 
     def _handoff(self, request_id: str, num_tokens: int, blocks: list[int], free: Any) -> None:
         self._handed[request_id] = blocks  # the decode engine takes these blocks over as they are

@@ -335,4 +335,4 @@ def _materialize(
     state = {n: t.to(device=device, dtype=dtype) for n, t in state.items()}
     model.load_state_dict(state, assign=True, strict=False)
     model.tie_weights()
-    return model.requires_grad_(False).eval()
+    return model.requires_grad_(False).eval().fuse_projections()

@@ -55,40 +55,91 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 
 
 class RotaryTable:
-    """cos/sin for positions, computed once on the CPU in float64 and cached per device.
+    """cos/sin for positions, computed once on the CPU in float64 and copied once per device.
 
     Building the table on the CPU makes it bit-identical on every device, so a prefill on a
-    GPU and a decode elsewhere rotate the same position the same way.
+    GPU and a decode elsewhere rotate the same position the same way. Looking positions up
+    never reads them back to the host (no ``positions.max()``, which would sync a GPU): whoever
+    knows the longest context (the runner, from Python ints) calls :meth:`reserve` first. A
+    lookup past the table is an IndexError on the CPU and a device-side assert on a GPU.
     """
+
+    MIN_LEN = 1024
 
     def __init__(self, inv_freq: torch.Tensor) -> None:
         self.inv_freq = inv_freq
         self._len = 0
-        self._cpu: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._dev: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._cpu: _RopeTables | None = None
+        self._dev: dict[tuple[torch.device, torch.dtype], _RopeTables] = {}
+        # Outgrown device tables stay alive: a CUDA graph captured over one still reads valid
+        # values (a position's row never changes) until its runner recaptures.
+        self._retired: list[_RopeTables] = []
+        #: Bumped whenever the table grows, so runners know their graphs cover fewer positions.
+        self.version = 0
+        self._grow(self.MIN_LEN)
+
+    def __len__(self) -> int:
+        return self._len
 
     def _grow(self, n: int) -> None:
-        self._len = max(1024, 1 << (n - 1).bit_length())
+        self._len = max(self.MIN_LEN, 1 << (n - 1).bit_length())
         pos = torch.arange(self._len, dtype=torch.float64, device="cpu")
         freqs = pos[:, None] * self.inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)  # rotate_half pairs dim i with i + D/2
-        self._cpu = (emb.cos().float(), emb.sin().float())
+        cos, sin = emb.cos().float(), emb.sin().float()
+        # rotate_half(x) * sin == roll(x, D/2) * sin_signed exactly (negation is exact).
+        self._cpu = (cos, _sign_first_half(sin))
+        in_use = list(self._dev)
+        self._retired.extend(self._dev.values())
         self._dev.clear()
+        for device, dtype in in_use:  # rebuild where already used, so lookups stay copy-free
+            self.table(device, dtype)
+        self.version += 1
+
+    def reserve(
+        self,
+        n_positions: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """Make positions ``0 .. n_positions - 1`` valid (and the table resident on ``device``)."""
+        if n_positions > self._len:
+            self._grow(n_positions)
+        if device is not None and dtype is not None:
+            self.table(torch.device(device), dtype)
+
+    def table(self, device: torch.device, dtype: torch.dtype) -> _RopeTables:
+        """The whole ``cos, sin_signed [len, head_dim]`` on ``device`` (copied there once)."""
+        key = (device, dtype)
+        t = self._dev.get(key)
+        if t is None:
+            assert self._cpu is not None
+            cos, signed = self._cpu
+            t = self._dev[key] = (cos.to(device, dtype), signed.to(device, dtype))
+        return t
 
     def __call__(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin [T, head_dim]`` for ``positions [T]``, in ``dtype`` on positions' device."""
-        need = int(positions.max()) + 1 if positions.numel() else 1
-        if need > self._len:
-            self._grow(need)
-        key = (positions.device, dtype)
-        if key not in self._dev:
-            assert self._cpu is not None
-            cos, sin = self._cpu
-            self._dev[key] = (cos.to(positions.device, dtype), sin.to(positions.device, dtype))
-        cos, sin = self._dev[key]
-        return cos[positions], sin[positions]
+        cos, signed = self.lookup(positions, dtype)
+        return cos, _sign_first_half(signed)
+
+    def lookup(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin_signed [T, head_dim]``: the form :func:`rope_rolled` (the model) takes."""
+        cos, signed = self.table(positions.device, dtype)
+        return cos[positions], signed[positions]
+
+
+_RopeTables = tuple[torch.Tensor, torch.Tensor]
+
+
+def _sign_first_half(x: torch.Tensor) -> torch.Tensor:
+    """Negate the first half of the last dim (its own inverse)."""
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., :half], x[..., half:]], dim=-1)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -101,7 +152,78 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
 
 
-class Attention(nn.Module):
+def rope_rolled(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rope` bit for bit in four ops instead of six: rotate_half's sign is folded
+    into ``sin_signed`` (:meth:`RotaryTable.lookup`), so the half swap is a single roll."""
+    return x * cos[:, None, :] + x.roll(x.shape[-1] // 2, -1) * sin_signed[:, None, :]
+
+
+class _Fusable(nn.Module):
+    """A module whose parallel projections (same input) can run as one matmul.
+
+    The per-projection ``nn.Linear`` children stay (their names are what the loaders, the
+    seeded init and ``state_dict`` use); fusing concatenates their weights into one buffer and
+    makes each weight a row view of it, so fusing costs no memory and in-place weight edits
+    reach the fused matmul. The outputs are split back, so every value is the same dot product.
+    Moving or casting the module (``.to``) and loading a state dict rebuild the buffer and the
+    views; ``state_dict`` hands out copies, because savers such as safetensors refuse tensors
+    that share storage.
+    """
+
+    _FUSED: str
+    _PARTS: tuple[str, ...]
+
+    def _init_fusion(self) -> None:
+        self.register_buffer(self._FUSED, None, persistent=False)
+        self.register_load_state_dict_post_hook(_Fusable._after_load)
+        self.register_state_dict_post_hook(_Fusable._copy_views)
+
+    @property
+    def fused(self) -> bool:
+        return getattr(self, self._FUSED) is not None
+
+    def fuse(self) -> None:
+        """Concatenate the projections (idempotent)."""
+        if not self.fused:
+            self._refuse(force=True)
+
+    def _refuse(self, force: bool = False) -> None:
+        """(Re)build the fused buffer from the parts' weights and make them views of it."""
+        if not (force or self.fused):
+            return
+        linears = [getattr(self, p) for p in self._PARTS]
+        with torch.inference_mode(False), torch.no_grad():
+            fused = torch.cat([lin.weight.detach() for lin in linears])
+            setattr(self, self._FUSED, fused)
+            row = 0
+            for lin in linears:
+                n = lin.weight.shape[0]
+                lin.weight = nn.Parameter(fused[row : row + n], requires_grad=False)
+                row += n
+
+    @staticmethod
+    def _after_load(mod: nn.Module, _incompatible: object) -> None:
+        assert isinstance(mod, _Fusable)
+        mod._refuse()
+
+    @staticmethod
+    def _copy_views(mod: nn.Module, state: dict, prefix: str, _meta: object) -> None:
+        assert isinstance(mod, _Fusable)
+        if mod.fused:
+            for p in mod._PARTS:
+                key = f"{prefix}{p}.weight"
+                if key in state:
+                    state[key] = state[key].clone()
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module's signature
+        out = super()._apply(fn, recurse)
+        self._refuse()  # .to() converted the buffer and the views separately: re-alias
+        return out
+
+
+class Attention(_Fusable):
+    _FUSED, _PARTS = "wqkv", ("wq", "wk", "wv")
+
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -110,30 +232,46 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=False)
         self.wv = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=False)
         self.wo = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.wqkv: torch.Tensor | None
+        self._init_fusion()
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+        self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.wq(x).view(t, self.n_heads, self.head_dim)
-        k = self.wk(x).view(t, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(t, self.n_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        t, hq, hkv, d = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
+        if self.wqkv is not None:
+            qkv = F.linear(x, self.wqkv).view(t, hq + 2 * hkv, d)
+            qk = rope_rolled(qkv[:, : hq + hkv], cos, sin_signed)  # q and k heads in one pass
+            # Contiguous, as the unfused path gives them (free for a single token).
+            q, k = qk[:, :hq].contiguous(), qk[:, hq:].contiguous()
+            v = qkv[:, hq + hkv :].contiguous()
+        else:
+            q = rope_rolled(F.linear(x, self.wq.weight).view(t, hq, d), cos, sin_signed)
+            k = rope_rolled(F.linear(x, self.wk.weight).view(t, hkv, d), cos, sin_signed)
+            v = F.linear(x, self.wv.weight).view(t, hkv, d)
         o = attn(self.layer_idx, q, k, v)
-        return self.wo(o.reshape(t, self.n_heads * self.head_dim))
+        return F.linear(o.reshape(t, hq * d), self.wo.weight)
 
 
-class MLP(nn.Module):
+class MLP(_Fusable):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    _FUSED, _PARTS = "w_gate_up", ("gate", "up")
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.w_gate_up: torch.Tensor | None
+        self._init_fusion()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        if self.w_gate_up is not None:
+            gate, up = F.linear(x, self.w_gate_up).chunk(2, dim=-1)
+        else:
+            gate, up = F.linear(x, self.gate.weight), F.linear(x, self.up.weight)
+        return F.linear(F.silu(gate) * up, self.down.weight)
 
 
 class Block(nn.Module):
@@ -145,9 +283,9 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+        self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, attn)
+        x = x + self.attn(self.attn_norm(x), cos, sin_signed, attn)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -167,6 +305,26 @@ class LlamaModel(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
 
+    def fuse_projections(self) -> LlamaModel:
+        """Run q/k/v as one matmul and gate/up as one, in every layer (idempotent; returns self).
+
+        Call it after the weights are final (seeded init and loaders hash / map the separate
+        parameter names, which keep existing as views). A model on the meta device is left as is.
+        """
+        if self.device.type != "meta":
+            for layer in self.layers:
+                layer.attn.fuse()
+                layer.mlp.fuse()
+        return self
+
+    @property
+    def fused(self) -> bool:
+        return all(layer.attn.fused and layer.mlp.fused for layer in self.layers)
+
+    def reserve_positions(self, n_positions: int) -> None:
+        """Make RoPE valid for positions below ``n_positions`` on this model's device (no sync later)."""
+        self.rope.reserve(n_positions, self.device, self.dtype)
+
     @property
     def device(self) -> torch.device:
         return self.embed.weight.device
@@ -185,9 +343,9 @@ class LlamaModel(nn.Module):
                 f"and {tuple(positions.shape)}"
             )
         x = self.embed(input_ids)
-        cos, sin = self.rope(positions, x.dtype)
+        cos, sin_signed = self.rope.lookup(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
+            x = layer(x, cos, sin_signed, attn)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -205,13 +363,15 @@ class LlamaModel(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         std: float = 0.02,
+        fuse: bool = True,
     ) -> LlamaModel:
         """A model with seeded random weights, identical on every device for a given seed.
 
         Weights come from an integer hash of (seed, parameter name, element index) rather than
         a torch Generator, whose streams differ between CPU and CUDA: a prefill instance on a
         GPU and a decode instance elsewhere must hold the same "random" model. Built on the
-        meta device first, so a 70B-shaped shard never exists twice in memory.
+        meta device first, so a 70B-shaped shard never exists twice in memory. ``fuse`` fuses
+        the projections after the init (which hashes the unfused parameter names).
         """
         with torch.device("meta"):
             model = cls(cfg)
@@ -225,7 +385,8 @@ class LlamaModel(nn.Module):
                     p.fill_(1.0)
                 else:
                     _fill_hash_uniform(p, seed, name, std)
-        return model.requires_grad_(False).eval()
+        model.requires_grad_(False).eval()
+        return model.fuse_projections() if fuse else model
 
 
 _MASK31 = (1 << 31) - 1
@@ -268,6 +429,7 @@ def greedy_generate(
     if not prompt_ids:
         raise ValueError("greedy_generate needs a non-empty prompt")
     attn = ContiguousKVAttention(model.config.num_layers)
+    model.reserve_positions(len(prompt_ids) + max_new_tokens)
     device = model.device
     ids = torch.tensor(list(prompt_ids), dtype=torch.long, device=device)
     positions = torch.arange(len(prompt_ids), device=device)

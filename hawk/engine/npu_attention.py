@@ -157,12 +157,12 @@ class NpuTileAttention:
         # context tiles: row tiles 0 .. ceil(len/32) of every sequence, concatenated
         ntiles = [-(-(s.start + s.q_len) // TILE) for s in self._batch]
         seq = np.repeat(np.arange(len(ntiles)), ntiles)
-        rt = np.arange(sum(ntiles)) - np.repeat(np.cumsum([0] + ntiles[:-1]), ntiles)
+        rt = np.arange(sum(ntiles)) - np.repeat(np.cumsum([0] + ntiles)[:-1], ntiles)
         rpb = lay.row_tiles
         cblk = table[seq, rt // rpb] if seq.size else np.zeros(0, np.int64)
         pages = lay.page_index(cblk[:, None, None], heads, (rt % rpb)[:, None, None], cols)
         self._r_tiles = torch.from_numpy(self._tile_bytes(pages)).to(self.device)  # [Ntiles, H, Wt]
-        self._r_first = np.cumsum([0] + ntiles[:-1]).tolist()
+        self._r_first = np.cumsum([0] + ntiles)[:-1].tolist()
 
     def _tile_bytes(self, pages: np.ndarray) -> np.ndarray:
         """Pages -> byte offset of each page from its tensor's base (through the page map)."""

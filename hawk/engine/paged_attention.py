@@ -137,8 +137,8 @@ class PagedAttention:
         (no write) and context length 0 (no read, output 0).
         """
         n_real = len(batch)
-        if n_real == 0:
-            raise ValueError("begin() needs at least one sequence")
+        if n_real == 0 and not pad_to:
+            raise ValueError("begin() needs at least one sequence (or pad_to: a batch of pad rows, for graph capture)")
         bs, w = self.layout.block_size, self.max_blocks_per_seq
         q_lens = np.fromiter((s.q_len for s in batch), dtype=np.int64, count=n_real)
         starts = np.fromiter((s.start for s in batch), dtype=np.int64, count=n_real)
@@ -230,7 +230,7 @@ class PagedAttention:
     def _host_metadata(self, bt_np: np.ndarray, slots: np.ndarray, need: np.ndarray, ctx: np.ndarray) -> None:
         """Index tensors for the torch path (on the cache's device)."""
         dev, n_real = self.device, self._n_real
-        width = int(need.max())
+        width = int(need.max(initial=0))
         self._host = {
             "slots": torch.from_numpy(slots.astype(np.int64)).to(dev),
             "block_tables": torch.from_numpy(bt_np[:n_real, :width].astype(np.int64)).to(dev),
@@ -248,6 +248,8 @@ class PagedAttention:
         cache = self.caches[layer_idx]
         if self._ta is not None:
             return self._forward_triton(cache, q, k, v)
+        if self._n_real == 0:  # pad rows only: nothing to write or read
+            return torch.zeros_like(q)
         self._write_torch(cache, k, v)
         if self._decode:
             return self._decode_torch(cache, q)

@@ -21,7 +21,7 @@ from hawk.engine.block_manager import BlockManager
 from hawk.engine.model import LlamaModel
 from hawk.engine.paged_attention import PagedAttention, SeqSlice
 from hawk.engine.runner import ModelRunner
-from hawk.engine.sampler import make_generator, sample
+from hawk.engine.sampler import NO_TOKEN, NonFiniteLogits, make_generator, sample, sample_batch
 from hawk.engine.sequence import SamplingParams
 from hawk.layouts.gpu import GpuKVLayout
 
@@ -62,7 +62,8 @@ class PrefillEngine:
     ):
         self.layout, self.caches = layout, list(caches)
         self.blocks = block_manager or BlockManager(layout.num_blocks, layout.block_size)
-        self.runner = ModelRunner(model, PagedAttention(layout, caches))
+        # Prefill batches are eager; a graph per batch of one-token prompts would be waste.
+        self.runner = ModelRunner(model, PagedAttention(layout, caches), graphs=False)
         self.handoff = handoff
         self.max_batch_tokens = max_batch_tokens
         self.max_prompt_tokens = min(model.config.max_position_embeddings, layout.num_blocks * layout.block_size)
@@ -114,19 +115,28 @@ class PrefillEngine:
         return batch
 
     def _loop(self) -> None:
+        """The prefill thread: guarded per iteration, so no one request's failure can stop it."""
         while True:
-            with self._cv:
-                while not self._stop and not self._queue:
-                    self._cv.wait()
-                if self._stop:
-                    return
-                batch = self._take_batch()
-            if not batch:
-                time.sleep(0.002)
-                continue
-            self._run(batch)
+            try:
+                with self._cv:
+                    while not self._stop and not self._queue:
+                        self._cv.wait()
+                    if self._stop:
+                        return
+                    batch = self._take_batch()
+                if not batch:
+                    time.sleep(0.002)
+                    continue
+                self._run(batch)
+            except Exception:  # noqa: BLE001
+                log.exception("prefill loop iteration failed; continuing")
+                time.sleep(0.01)
 
     def _run(self, batch: list[_Job]) -> None:
+        # A future cancelled by its client since it was queued is skipped (and can't be cancelled now).
+        batch = [j for j in batch if j.future.set_running_or_notify_cancel()]
+        if not batch:
+            return
         t0 = time.monotonic()
         allocated: list[list[int]] = []
         try:
@@ -144,8 +154,8 @@ class PrefillEngine:
                 j.future.set_exception(e)
             return
         t1 = time.monotonic()
-        for j, blocks, lg in zip(batch, allocated, logits):
-            first = sample(lg, j.params, make_generator(j.params))
+        firsts = self._sample(batch, logits)
+        for j, blocks, first in zip(batch, allocated, firsts):
             freed = threading.Event()
 
             def free(blocks: list[int] = blocks, freed: threading.Event = freed) -> None:
@@ -154,13 +164,35 @@ class PrefillEngine:
                     self.blocks.free(blocks)
 
             try:
+                if isinstance(first, Exception):
+                    raise first
+                if first == NO_TOKEN:
+                    raise NonFiniteLogits("the model produced no finite logit for the first token")
                 self.handoff(j.request_id, len(j.prompt_ids), blocks, free)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - this request only: its blocks come back
+                log.warning("prefill of %s failed: %s", j.request_id, e)
                 free()
                 j.future.set_exception(e)
                 continue
             timings = {"queue_s": t0 - j.arrival, "prefill_s": t1 - t0}
             j.future.set_result(PrefillResult(j.request_id, first, len(j.prompt_ids), blocks, timings))
+
+    @staticmethod
+    def _sample(batch: list[_Job], logits: torch.Tensor) -> list[int | Exception]:
+        """Each job's first token (one host sync); row by row if the batch fails, so only rows
+        that fail again carry their exception."""
+        try:
+            gens = [make_generator(j.params) for j in batch]
+            return list(sample_batch(logits, [j.params for j in batch], gens))
+        except Exception:  # noqa: BLE001
+            log.exception("batched first-token sampling failed; sampling row by row")
+        out: list[int | Exception] = []
+        for j, lg in zip(batch, logits):
+            try:
+                out.append(sample(lg, j.params, make_generator(j.params)))
+            except Exception as e:  # noqa: BLE001
+                out.append(e)
+        return out
 
     def close(self) -> None:
         with self._cv:

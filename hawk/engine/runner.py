@@ -1,26 +1,260 @@
-"""One forward of a ragged batch: token ids in, each sequence's next-token logits out."""
+"""One forward of a ragged batch: token ids in, each sequence's next-token logits out.
+
+Decode steps on a GPU are launch-bound: an 8B step is hundreds of small kernels whose launch
+cost dwarfs their run time. So a decode batch (every sequence brings one token) whose attention
+backend is graph-safe (see ``PagedBackend`` in attention.py) runs as a CUDA graph replay: the
+batch is padded to a bucket size, its ids and positions are copied into static device buffers,
+the backend writes its metadata into its own static buffers (``begin(batch, pad_to=bucket)``),
+and one graph per bucket, captured on first use, runs the model, the final norm, the LM head for
+every row and the greedy argmax. Everything else (prefill, mixed batches, CPU, backends without
+``pad_to``) runs eagerly. Neither path reads a device value back to the host.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import enum
+import inspect
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from hawk.engine.model import LlamaModel
 from hawk.engine.attention import SeqSlice
+from hawk.engine.model import LlamaModel
+from hawk.engine.sampler import greedy_tokens
+
+
+class GraphsUnavailable(RuntimeError):
+    """``graphs=True`` was asked for, but this model / backend cannot replay CUDA graphs."""
+
+
+class StepPath(enum.Enum):
+    """How the runner executed a step (for tests and metrics)."""
+
+    EAGER = "eager"
+    GRAPH = "graph"
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """One step's result.
+
+    ``logits [n, vocab]`` fp32. After a graph replay it is a view of the graph's output buffer,
+    valid until this runner's next step: consume (sample) it before then. ``greedy [n]`` int64,
+    :func:`~hawk.engine.sampler.greedy_tokens` of the logits when the graph already computed it.
+    """
+
+    logits: torch.Tensor
+    greedy: torch.Tensor | None
+    path: StepPath
+
+
+def decode_buckets(max_batch: int) -> list[int]:
+    """Batch sizes a decode graph is captured for: 1, 2, 4, 8, then 2**k and 1.5 * 2**k
+    (16, 24, 32, 48, 64, 96, ...) up to and including ``max_batch``. Padding costs at most a third."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be positive, got {max_batch}")
+    sizes = {1, 2, 4, 8}
+    b = 16
+    while b <= max_batch:
+        sizes.update((b, b * 3 // 2))
+        b *= 2
+    out = sorted(s for s in sizes if s <= max_batch)
+    if out[-1] != max_batch:
+        out.append(max_batch)
+    return out
+
+
+@dataclass
+class _Graph:
+    graph: Any  # torch.cuda.CUDAGraph
+    logits: torch.Tensor  # [bucket, vocab], the graph's output
+    greedy: torch.Tensor  # [bucket]
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, attn):
-        self.model, self.attn = model, attn
+    """Runs ragged batches of a model over one attention backend (one runner per backend)."""
+
+    #: Eager warm-up runs before a capture (cuBLAS workspaces, lazy inits), per torch's advice.
+    WARMUP_RUNS = 2
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        attn: Any,
+        max_batch: int = 64,
+        graphs: bool | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
+        """``graphs``: None = use CUDA graphs when possible, False = never, True = required
+        (raises :class:`GraphsUnavailable` otherwise). ``max_model_len`` (default: the model's
+        context length) sizes the RoPE table up front, so no step has to grow it."""
+        self.model, self.attn = model.fuse_projections(), attn
+        self.device = model.device
+        self.max_batch = max_batch
+        self.buckets = decode_buckets(max_batch)
+        self.max_model_len = max_model_len or model.config.max_position_embeddings
+        if self.device.type != "meta":
+            model.reserve_positions(self.max_model_len)
+        why_not = self._why_no_graphs()
+        if graphs and why_not:
+            raise GraphsUnavailable(why_not)
+        self.use_graphs = graphs is not False and why_not is None
+        self._lock = threading.Lock()
+        self._graphs: dict[int, _Graph] = {}
+        self._graph_rope_version = -1
+        self._pool: Any = None
+        self._io: torch.Tensor | None = None  # [2 * max bucket]: ids then positions, per bucket
+        if self.use_graphs:
+            self._io = torch.zeros(2 * self.buckets[-1], dtype=torch.int64, device=self.device)
+
+    def _why_no_graphs(self) -> str | None:
+        if self.device.type != "cuda":
+            return f"CUDA graphs need a CUDA model, this one is on {self.device}"
+        if not getattr(self.attn, "graph_safe", False):
+            return f"{type(self.attn).__name__} is not graph-safe"
+        try:
+            params = inspect.signature(self.attn.begin).parameters
+        except (TypeError, ValueError):
+            return f"cannot inspect {type(self.attn).__name__}.begin"
+        if "pad_to" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            return f"{type(self.attn).__name__}.begin takes no pad_to"
+        return None
+
+    # -- the public steps --------------------------------------------------------------------
+
+    def forward(self, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice]) -> torch.Tensor:
+        """``tokens[i]`` are sequence i's new tokens, at positions ``slices[i].start ...``;
+        returns each sequence's last-token logits ``[n, vocab]`` fp32 (the caller's to keep)."""
+        out = self.step(tokens, slices)
+        return out.logits.clone() if out.path is StepPath.GRAPH else out.logits
 
     @torch.inference_mode()
-    def forward(self, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice]) -> torch.Tensor:
-        """``tokens[i]`` are sequence i's new tokens, at positions ``slices[i].start ...``; returns ``[n, vocab]`` fp32."""
-        dev = self.model.device
-        ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.int64, device=dev)
-        pos = torch.cat([torch.arange(s.start, s.start + s.q_len) for s in slices]).to(dev)
+    def step(self, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice]) -> StepOutput:
+        """:meth:`forward` without the copy, plus the greedy tokens when a graph computed them."""
+        if not slices or len(tokens) != len(slices):
+            raise ValueError(f"need one token list per sequence, got {len(tokens)} for {len(slices)}")
+        with self._lock:
+            need = max(s.start + s.q_len for s in slices)
+            if need > len(self.model.rope):
+                self.model.reserve_positions(need)  # grows the table: graphs are recaptured
+            decode = all(s.q_len == 1 for s in slices)
+            if self.use_graphs and decode and len(slices) <= self.buckets[-1]:
+                return self._replay(tokens, slices)
+            return self._eager(tokens, slices, decode)
+
+    @torch.inference_mode()
+    def warmup(self, buckets: Iterable[int] | None = None) -> list[int]:
+        """Capture the decode graphs of ``buckets`` (default: all) now rather than on first use.
+
+        Runs all-padding batches (``attn.begin([], pad_to=b)``: no KV is read or written), largest
+        first so smaller graphs reuse its pool memory. Returns the buckets captured (none when
+        graphs are off).
+        """
+        if not self.use_graphs:
+            return []
+        wanted = sorted({self._bucket(b) for b in (buckets or self.buckets)}, reverse=True)
+        with self._lock:
+            for b in wanted:
+                self.attn.begin([], pad_to=b)
+                assert self._io is not None
+                self._io[: 2 * b].zero_()
+                self._graph_for(b)
+        return wanted
+
+    # -- eager -------------------------------------------------------------------------------
+
+    def _eager(self, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice], decode: bool) -> StepOutput:
+        ids = [t for seq in tokens for t in seq]
+        if decode:
+            pos = [s.start for s in slices]
+        else:
+            pos = [p for s in slices for p in range(s.start, s.start + s.q_len)]
+        if len(ids) != len(pos):
+            raise ValueError(f"{len(ids)} tokens given for {len(pos)} declared by the slices")
+        io = _to_device(torch.tensor([ids, pos], dtype=torch.int64), self.device)
         self.attn.begin(slices)
-        hidden = self.model(ids, pos, self.attn)
-        last = torch.cumsum(torch.tensor([s.q_len for s in slices], device=dev), 0) - 1
-        return self.model.compute_logits(hidden[last])
+        hidden = self.model(io[0], io[1], self.attn)
+        if not decode:  # only each sequence's last token goes through the LM head
+            last, end = [], 0
+            for s in slices:
+                end += s.q_len
+                last.append(end - 1)
+            hidden = hidden.index_select(0, _to_device(torch.tensor(last), self.device))
+        return StepOutput(self.model.compute_logits(hidden), None, StepPath.EAGER)
+
+    # -- graphs ------------------------------------------------------------------------------
+
+    def _bucket(self, n: int) -> int:
+        for b in self.buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"batch of {n} exceeds the largest decode bucket {self.buckets[-1]}")
+
+    def _replay(self, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice]) -> StepOutput:
+        n = len(slices)
+        b = self._bucket(n)
+        pad = [0] * (b - n)
+        ids = [seq[0] for seq in tokens]
+        if any(len(seq) != 1 for seq in tokens):
+            raise ValueError("a decode step takes exactly one token per sequence")
+        host = torch.tensor(ids + pad + [s.start for s in slices] + pad, dtype=torch.int64)
+        assert self._io is not None
+        self.attn.begin(slices, pad_to=b)
+        self._io[: 2 * b].copy_(host, non_blocking=True)  # pageable H2D: staged, no host sync
+        g = self._graph_for(b)
+        g.graph.replay()
+        return StepOutput(g.logits[:n], g.greedy[:n], StepPath.GRAPH)
+
+    def _graph_for(self, b: int) -> _Graph:
+        """The bucket's graph, captured now if missing (or stale: the RoPE table moved)."""
+        version = self.model.rope.version
+        if version != self._graph_rope_version:
+            self._graphs.clear()  # captured before the table grew: too short; start a fresh pool
+            self._pool = None
+            self._graph_rope_version = version
+        g = self._graphs.get(b)
+        if g is None:
+            g = self._graphs[b] = self._capture(b)
+        return g
+
+    def _graph_body(self, b: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        """What a bucket's graph runs: the model over the static ids/positions, the final norm,
+        the LM head for every row and the greedy tokens."""
+        assert self._io is not None
+        ids, pos = self._io[:b], self._io[b : 2 * b]
+
+        def body() -> tuple[torch.Tensor, torch.Tensor]:
+            logits = self.model.compute_logits(self.model(ids, pos, self.attn))
+            return logits, greedy_tokens(logits)
+
+        return body
+
+    def _capture(self, b: int) -> _Graph:
+        """Warm up on a side stream, then capture the step for bucket ``b`` into the shared pool.
+
+        The backend has been ``begin``-ed and the static ids/positions written, so the warm-up
+        runs are a real (idempotent: the same K/V to the same slots) forward of the batch.
+        """
+        body = self._graph_body(b)
+        dev = self.device
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(self.WARMUP_RUNS):
+                body()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: other threads (KV transfers, a colocated prefill) keep using the GPU.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            logits, greedy = body()
+        return _Graph(graph, logits, greedy)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without a host sync (pageable H2D is staged at once)."""
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)

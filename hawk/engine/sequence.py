@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 import time
 from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What to generate. Greedy when ``temperature == 0`` (the default, and what equality tests use)."""
+    """What to generate. Greedy when ``temperature == 0`` (the default, and what equality tests use).
+
+    ``seed`` is any integer (the sampler takes it modulo 2**64); temperatures below the
+    sampler's ``GREEDY_BELOW`` (1e-5) are greedy. Invalid values raise ValueError (HTTP 400).
+    """
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -21,10 +27,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.temperature, numbers.Real) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, numbers.Real) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
 
     def to_dict(self) -> dict:
         return {

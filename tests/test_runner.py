@@ -1,0 +1,362 @@
+"""The model runner: eager ragged batches, decode buckets, and the CUDA-graph decode path.
+
+The graph path is checked twice: on the CPU with a stand-in "graph" that replays the captured
+step eagerly (everything but the CUDA capture itself: buckets, padding, static buffers, output
+slices, recapture), and on a GPU (``@pytest.mark.gpu``) with real CUDA graphs against the eager
+path, with a small graph-safe backend of this file and with the real PagedAttention once its
+``begin`` takes ``pad_to``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hawk.engine.attention import ContiguousKVAttention, SeqSlice, attend
+from hawk.engine.config import ModelConfig, preset
+from hawk.engine.model import LlamaModel
+from hawk.engine.paged_attention import PagedAttention
+from hawk.engine.runner import GraphsUnavailable, ModelRunner, StepPath, _Graph, decode_buckets
+from hawk.engine.sampler import greedy_tokens, make_generator, sample_tokens
+from hawk.engine.sequence import SamplingParams
+from hawk.layouts.gpu import GpuKVLayout
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+BLOCK = 16
+
+
+class SlotCacheAttention:
+    """A minimal graph-safe ``PagedBackend`` for these tests.
+
+    K/V per layer live in ``[slots + 1, Hkv, D]`` (slot = block * BLOCK + offset; the extra slot
+    is where padding rows write). Decode metadata goes into fixed device buffers, and attention
+    runs over a fixed ``max_ctx`` window with a length mask, so a graph replays any later batch.
+    Prefill (``q_len > 1``) runs eagerly, sequence by sequence.
+    """
+
+    graph_safe = True
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, max_batch: int, max_ctx: int,
+                 device: torch.device | str, dtype: torch.dtype = torch.float32) -> None:
+        shape = (cfg.num_layers, num_blocks * BLOCK + 1, cfg.num_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.trash, self.max_ctx, self.device = num_blocks * BLOCK, max_ctx, torch.device(device)
+        self.write = torch.full((max_batch,), self.trash, dtype=torch.int64, device=device)
+        self.ctx = torch.full((max_batch, max_ctx), self.trash, dtype=torch.int64, device=device)
+        self.ctx_len = torch.ones(max_batch, dtype=torch.int64, device=device)
+        self.cols = torch.arange(max_ctx, device=device)
+        self._prefill: list[SeqSlice] | None = None
+        self.begins: list[int | None] = []  # pad_to of every begin, for the tests
+
+    @staticmethod
+    def _slot(s: SeqSlice, p: int) -> int:
+        return s.block_ids[p // BLOCK] * BLOCK + p % BLOCK
+
+    def begin(self, batch: Sequence[SeqSlice], pad_to: int | None = None) -> None:
+        self.begins.append(pad_to)
+        if any(s.q_len != 1 for s in batch):
+            if pad_to is not None:
+                raise ValueError("pad_to is for decode batches only")
+            self._prefill = list(batch)
+            return
+        self._prefill = None
+        rows, pad = pad_to or len(batch), (pad_to or len(batch)) - len(batch)
+        write = [self._slot(s, s.start) for s in batch] + [self.trash] * pad
+        ctx = [[self._slot(s, p) for p in range(s.start + 1)] + [self.trash] * (self.max_ctx - s.start - 1)
+               for s in batch] + [[self.trash] * self.max_ctx] * pad
+        lens = [s.start + 1 for s in batch] + [1] * pad
+        for buf, host in ((self.write, write), (self.ctx, ctx), (self.ctx_len, lens)):
+            buf[:rows].copy_(torch.tensor(host, dtype=torch.int64), non_blocking=True)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self._prefill is not None:
+            return self._prefill_attend(layer, q, k, v)
+        t = q.shape[0]
+        self.k[layer].index_copy_(0, self.write[:t], k.to(self.k.dtype))
+        self.v[layer].index_copy_(0, self.write[:t], v.to(self.v.dtype))
+        kc = self.k[layer][self.ctx[:t]].transpose(1, 2).to(q.dtype)  # [t, Hkv, max_ctx, D]
+        vc = self.v[layer][self.ctx[:t]].transpose(1, 2).to(q.dtype)
+        mask = (self.cols[None, :] < self.ctx_len[:t, None])[:, None, None, :]
+        out = F.scaled_dot_product_attention(q[:, :, None, :], kc, vc, attn_mask=mask, enable_gqa=True)
+        return out[:, :, 0, :]
+
+    def _prefill_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out, off = [], 0
+        for s in self._prefill or []:
+            n = s.start + s.q_len
+            new = torch.tensor([self._slot(s, p) for p in range(s.start, n)], device=self.device)
+            self.k[layer].index_copy_(0, new, k[off : off + s.q_len].to(self.k.dtype))
+            self.v[layer].index_copy_(0, new, v[off : off + s.q_len].to(self.v.dtype))
+            ctx = torch.tensor([self._slot(s, p) for p in range(n)], device=self.device)
+            out.append(attend(q[off : off + s.q_len], self.k[layer][ctx].to(q.dtype), self.v[layer][ctx].to(q.dtype)))
+            off += s.q_len
+        return torch.cat(out)
+
+
+class _ReplayEagerly:
+    """Stands in for torch.cuda.CUDAGraph on the CPU: replay runs the captured step again and
+    writes into the outputs the "capture" returned, as a real replay does."""
+
+    def __init__(self, body: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+                 outs: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.body, self.outs, self.replays = body, outs, 0
+
+    def replay(self) -> None:
+        for out, new in zip(self.outs, self.body()):
+            out.copy_(new)
+        self.replays += 1
+
+
+class CpuGraphRunner(ModelRunner):
+    """The runner's graph path with :class:`_ReplayEagerly` in place of CUDA graphs."""
+
+    def _why_no_graphs(self) -> str | None:
+        return None
+
+    def _capture(self, b: int) -> _Graph:
+        body = self._graph_body(b)
+        logits, greedy = body()
+        return _Graph(_ReplayEagerly(body, (logits, greedy)), logits, greedy)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LlamaModel:
+    torch.set_num_threads(1)
+    return LlamaModel.from_config(preset("tiny"), seed=0)
+
+
+# ---- buckets and options ----------------------------------------------------------------------
+
+
+def test_decode_buckets() -> None:
+    assert decode_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    assert decode_buckets(128) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128]
+    assert decode_buckets(40) == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert decode_buckets(1) == [1] and decode_buckets(3) == [1, 2, 3]
+    with pytest.raises(ValueError):
+        decode_buckets(0)
+
+
+def test_graphs_are_refused_where_they_cannot_run(tiny: LlamaModel) -> None:
+    attn = ContiguousKVAttention(2)
+    assert not ModelRunner(tiny, attn).use_graphs
+    with pytest.raises(GraphsUnavailable, match="CUDA"):
+        ModelRunner(tiny, attn, graphs=True)
+
+
+# ---- the eager path ---------------------------------------------------------------------------
+
+
+def _reference_logits(model: LlamaModel, seqs: list[list[int]]) -> torch.Tensor:
+    out = []
+    for toks in seqs:
+        attn = ContiguousKVAttention(model.config.num_layers)
+        attn.begin([0], [len(toks)])
+        with torch.inference_mode():
+            out.append(model.compute_logits(model(torch.tensor(toks), torch.arange(len(toks)), attn))[-1])
+    return torch.stack(out)
+
+
+def test_eager_ragged_prefill_then_decode_matches_the_reference(tiny: LlamaModel) -> None:
+    cfg = tiny.config
+    lay = GpuKVLayout(cfg.num_layers, 16, BLOCK, cfg.num_kv_heads, cfg.head_dim, "fp32")
+    runner = ModelRunner(tiny, PagedAttention(lay, lay.allocate("cpu")))
+    a, b = [5, 17, 300, 42, 7], [256, 99, 98, 97, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24]
+    sa, sb = SeqSlice([0, 1], 0, len(a)), SeqSlice([2, 3, 4], 0, len(b))
+    out = runner.step([a, b], [sa, sb])
+    assert out.path is StepPath.EAGER and out.greedy is None and out.logits.shape == (2, cfg.vocab_size)
+    assert torch.allclose(out.logits, _reference_logits(tiny, [a, b]), atol=1e-4)
+    ta, tb = int(out.logits[0].argmax()), int(out.logits[1].argmax())
+    dec = runner.forward([[ta], [tb]], [SeqSlice([0, 1], len(a), 1), SeqSlice([2, 3, 4], len(b), 1)])
+    assert torch.allclose(dec, _reference_logits(tiny, [a + [ta], b + [tb]]), atol=1e-4)
+    with pytest.raises(ValueError, match="tokens"):
+        runner.forward([[1, 2]], [SeqSlice([0], 0, 3)])
+
+
+def test_runner_grows_rope_for_long_contexts_without_reading_positions(tiny: LlamaModel) -> None:
+    """Positions past the table are reserved from the slices' Python ints, not from the tensor."""
+    cfg = tiny.config.replace(max_position_embeddings=4096)
+    model = LlamaModel.from_config(cfg, seed=0)
+    attn = SlotCacheAttention(cfg, num_blocks=200, max_batch=4, max_ctx=8, device="cpu")
+    runner = ModelRunner(model, attn, max_model_len=16)
+    assert len(model.rope) == 1024
+    runner.forward([[3, 4]], [SeqSlice(list(range(200)), 3000, 2)])
+    assert len(model.rope) >= 3002
+
+
+# ---- the graph path, on the CPU ----------------------------------------------------------------
+
+
+def _decode_script() -> list[list[int]]:
+    """Which sequences (of 6) decode at each step: batch sizes 1, 3, 4, 6, 5, 2, 6 cross buckets."""
+    return [[0], [0, 1, 2], [0, 1, 2, 3], [0, 1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [5, 3], [0, 1, 2, 3, 4, 5]]
+
+
+def _run_script(runner: ModelRunner, prompts: list[list[int]], steps: list[list[int]]) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Prefill every prompt, then decode the scripted batches greedily; tokens and logits per step."""
+    blocks = [[4 * i + j for j in range(4)] for i in range(len(prompts))]
+    first = runner.forward(prompts, [SeqSlice(blocks[i], 0, len(p)) for i, p in enumerate(prompts)])
+    toks = [[int(t)] for t in first.argmax(-1)]
+    lens = [len(p) for p in prompts]
+    logits = []
+    for rows in steps:
+        slices = [SeqSlice(blocks[i], lens[i], 1) for i in rows]
+        out = runner.step([[toks[i][-1]] for i in rows], slices)
+        chosen = greedy_tokens(out.logits) if out.greedy is None else out.greedy
+        logits.append(out.logits.clone())
+        for i, t in zip(rows, chosen.tolist()):
+            toks[i].append(t)
+            lens[i] += 1
+    return toks, logits
+
+
+PROMPTS = [[(13 * i + 7 * j) % 500 + 1 for j in range(5 + 3 * i)] for i in range(6)]
+
+
+def _pair(model: LlamaModel, device: str, graph_cls: type[ModelRunner]) -> tuple[ModelRunner, ModelRunner]:
+    cfg = model.config
+    mk = lambda: SlotCacheAttention(cfg, num_blocks=24, max_batch=8, max_ctx=64, device=device)  # noqa: E731
+    return ModelRunner(model, mk(), max_batch=8, graphs=False), graph_cls(model, mk(), max_batch=8)
+
+
+def test_graph_path_matches_eager_on_the_cpu(tiny: LlamaModel) -> None:
+    eager, graphed = _pair(tiny, "cpu", CpuGraphRunner)
+    assert graphed.use_graphs and graphed.buckets == [1, 2, 4, 8]
+    toks_e, logits_e = _run_script(eager, PROMPTS, _decode_script())
+    toks_g, logits_g = _run_script(graphed, PROMPTS, _decode_script())
+    assert toks_g == toks_e
+    for le, lg in zip(logits_e, logits_g):
+        assert torch.allclose(le, lg, atol=1e-5)
+    # one graph per bucket used (1, 4, 8, 2), each captured once and replayed after
+    assert sorted(graphed._graphs) == [1, 2, 4, 8]
+    assert sum(g.graph.replays for g in graphed._graphs.values()) == len(_decode_script())
+    assert [p for p in graphed.attn.begins if p is not None] == [1, 4, 4, 8, 8, 2, 8]
+
+
+def test_graph_outputs_are_sliced_and_forward_copies(tiny: LlamaModel) -> None:
+    _, graphed = _pair(tiny, "cpu", CpuGraphRunner)
+    blocks = [[0, 1], [2, 3], [4, 5]]
+    graphed.forward([[1, 2, 3]] * 3, [SeqSlice(b, 0, 3) for b in blocks])
+    slices = [SeqSlice(b, 3, 1) for b in blocks]
+    out = graphed.step([[4], [5], [6]], slices)
+    assert out.path is StepPath.GRAPH and out.logits.shape[0] == 3 and out.greedy.shape == (3,)
+    assert out.logits.data_ptr() == graphed._graphs[4].logits.data_ptr()  # a view, no copy
+    kept = graphed.forward([[7], [8], [9]], [SeqSlice(b, 4, 1) for b in blocks])
+    assert kept.data_ptr() != graphed._graphs[4].logits.data_ptr()  # forward() hands out a copy
+
+
+def test_graphs_are_recaptured_when_rope_grows(tiny: LlamaModel) -> None:
+    cfg = tiny.config.replace(max_position_embeddings=4096)
+    model = LlamaModel.from_config(cfg, seed=0)
+    attn = SlotCacheAttention(cfg, num_blocks=80, max_batch=2, max_ctx=1100, device="cpu")
+    runner = CpuGraphRunner(model, attn, max_batch=2, max_model_len=1024)
+    blocks = list(range(80))
+    runner.forward([[1] * 1000], [SeqSlice(blocks, 0, 1000)])
+    runner.step([[2]], [SeqSlice(blocks, 1000, 1)])
+    first = runner._graphs[1]
+    for p in range(1001, 1030):  # crosses position 1024: the table doubles
+        runner.step([[2]], [SeqSlice(blocks, p, 1)])
+    assert len(model.rope) == 2048 and runner._graphs[1] is not first
+
+
+def test_warmup_captures_every_bucket_with_padding_only(tiny: LlamaModel) -> None:
+    _, graphed = _pair(tiny, "cpu", CpuGraphRunner)
+    assert graphed.warmup() == [8, 4, 2, 1]
+    assert sorted(graphed._graphs) == [1, 2, 4, 8]
+    assert graphed.attn.k[:, : graphed.attn.trash].abs().sum() == 0  # no real slot written
+    assert ModelRunner(tiny, ContiguousKVAttention(2)).warmup() == []
+
+
+# ---- the graph path, on a GPU ------------------------------------------------------------------
+
+
+def _paged_supports_graphs() -> bool:
+    return "pad_to" in inspect.signature(PagedAttention.begin).parameters
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_decode_matches_eager(dtype: torch.dtype) -> None:
+    model = LlamaModel.from_config(preset("tiny"), seed=0, dtype=dtype, device="cuda")
+    eager, graphed = _pair(model, "cuda", ModelRunner)
+    assert graphed.use_graphs and not eager.use_graphs
+    toks_e, logits_e = _run_script(eager, PROMPTS, _decode_script())
+    toks_g, logits_g = _run_script(graphed, PROMPTS, _decode_script())
+    assert toks_g == toks_e
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    for le, lg in zip(logits_e, logits_g):
+        assert torch.allclose(le, lg, atol=tol)
+    # a batch that fills its bucket runs the same shapes either way: bit-identical
+    full = [i for i, rows in enumerate(_decode_script()) if len(rows) in graphed.buckets]
+    assert all(torch.equal(logits_e[i], logits_g[i]) for i in full if dtype == torch.float32)
+
+
+@gpu
+@needs_cuda
+def test_cuda_graph_step_and_sampling_do_not_sync() -> None:
+    """After capture, a decode step plus device sampling run with sync debugging set to error."""
+    model = LlamaModel.from_config(preset("tiny"), seed=0, device="cuda")
+    _, runner = _pair(model, "cuda", ModelRunner)
+    runner.warmup()
+    blocks = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    runner.forward([[1, 2, 3]] * 3, [SeqSlice(b, 0, 3) for b in blocks])
+    params = [SamplingParams(), SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.0, top_p=0.9, seed=2)]
+    gens = [make_generator(p) for p in params]
+    for g in gens:  # per-device generators are made (and seeded) on first use, outside the check
+        if g is not None:
+            g.generator(torch.device("cuda", torch.cuda.current_device()))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = runner.step([[4], [5], [6]], [SeqSlice(b, 3, 1) for b in blocks])
+        toks = sample_tokens(out.logits, params, gens, out.greedy)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.path is StepPath.GRAPH and len(toks.tolist()) == 3
+
+
+@gpu
+@needs_cuda
+@pytest.mark.skipif(not _paged_supports_graphs(), reason="PagedAttention.begin takes no pad_to yet")
+def test_cuda_graphs_over_the_real_paged_attention() -> None:
+    model = LlamaModel.from_config(preset("tiny"), seed=0, device="cuda")
+    cfg = model.config
+
+    def paged() -> PagedAttention:
+        lay = GpuKVLayout(cfg.num_layers, 24 * 4, BLOCK, cfg.num_kv_heads, cfg.head_dim, "fp32")
+        return PagedAttention(lay, lay.allocate("cuda"))
+
+    graphed = ModelRunner(model, paged(), max_batch=8)
+    if not graphed.use_graphs:
+        pytest.skip("PagedAttention is not graph-safe on this device")
+    eager = ModelRunner(model, paged(), max_batch=8, graphs=False)
+    assert graphed.warmup() == [8, 4, 2, 1]
+    toks_e, logits_e = _run_script(eager, PROMPTS, _decode_script())
+    toks_g, logits_g = _run_script(graphed, PROMPTS, _decode_script())
+    assert toks_g == toks_e
+    for le, lg in zip(logits_e, logits_g):
+        assert torch.allclose(le, lg, atol=1e-4)
+
+
+@gpu
+@needs_cuda
+def test_a_backend_without_pad_to_runs_eagerly_on_cuda() -> None:
+    model = LlamaModel.from_config(preset("tiny"), seed=0, device="cuda")
+
+    class NoPad(SlotCacheAttention):
+        def begin(self, batch: Sequence[SeqSlice]) -> None:  # type: ignore[override]
+            super().begin(batch)
+
+    attn = NoPad(model.config, num_blocks=4, max_batch=4, max_ctx=16, device="cuda")
+    runner = ModelRunner(model, attn, max_batch=4)
+    assert not runner.use_graphs
+    runner.forward([[1, 2]], [SeqSlice([0], 0, 2)])
+    assert runner.step([[3]], [SeqSlice([0], 2, 1)]).path is StepPath.EAGER
