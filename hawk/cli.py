@@ -10,7 +10,7 @@ import typer
 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # single-host runs stay on loopback unless told otherwise
 
 app = typer.Typer(help="HAWK: GPU-prefill / NPU-decode disaggregated LLM serving with heterogeneity-aware KV transfer.", no_args_is_help=True, add_completion=False)
-bench_app = typer.Typer(help="Benchmarks (transfer latency, transform throughput, serving).", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks (transfer latency, transform throughput, engine step times, serving).", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
 
@@ -78,6 +78,10 @@ def serve(
     post: str = typer.Option("pull", help="pull (decode READs) | push (prefill WRITEs)"),
     kv_host: Optional[str] = typer.Option(None, help="address the prefill's KV control socket binds and advertises"),
     log_dir: Optional[str] = typer.Option(None, help="keep engine logs here"),
+    api_key: Optional[str] = typer.Option(None, envvar="HAWK_API_KEY", show_envvar=True, help="clients must send 'Authorization: Bearer <key>' (default: none, open)"),
+    cluster_secret_file: Optional[str] = typer.Option(None, help="roles run separately: file holding the shared cluster secret (or env HAWK_CLUSTER_SECRET); role 'all' makes its own"),
+    allow_remote: bool = typer.Option(False, "--allow-remote", help="allow --host/--kv-host beyond loopback (listens on the network; use --api-key)"),
+    max_body_mb: Optional[float] = typer.Option(None, help="router request-size limit in MiB (default: 4, more for long-context models)"),
 ) -> None:
     """Serve an OpenAI-compatible endpoint: router -> GPU prefill -> HAWK KV transfer -> NPU decode."""
     from hawk.serve.launcher import serve as run
@@ -88,7 +92,8 @@ def serve(
             prefill_device=prefill_device, decode_device=decode_device, arch=arch, kv_dtype=kv_dtype, npu_shard_pages=npu_shard_pages, dtype=dtype,
             prefill_urls=prefill_url, decode_urls=decode_url, num_prefill=num_prefill, num_decode=num_decode,
             threads=threads, kv_tokens=kv_tokens, staging_mb=staging_mb, rx_mb=rx_mb, landing_mode=landing_mode,
-            post=post, kv_host=kv_host, log_dir=log_dir,
+            post=post, kv_host=kv_host, log_dir=log_dir, api_key=api_key, cluster_secret_file=cluster_secret_file,
+            allow_remote=allow_remote, max_body_mb=max_body_mb,
         )
     except (ValueError, OSError, RuntimeError) as e:
         _fail(e)
@@ -162,6 +167,44 @@ def bench_transform(ctx: typer.Context) -> None:
     main(ctx.args)
 
 
+@bench_app.command("engine")
+def bench_engine(
+    model: Optional[str] = typer.Option(None, help="model spec (default: smollm2-135m on CPU, llama-3.1-8b on GPU)"),
+    device: Optional[str] = typer.Option(None, help="cpu | cuda | cuda:N (default: cuda when available)"),
+    dtype: Optional[str] = typer.Option(None, help="compute dtype fp32 | bf16 | fp16 (default: fp32 on CPU, bf16 on GPU)"),
+    batches: Optional[str] = typer.Option(None, help="decode batch sizes (default: 1,4 on CPU; 1,8,32,64 on GPU)"),
+    contexts: Optional[str] = typer.Option(None, help="decode context lengths (default: 128,512 on CPU; 1024,8192 on GPU)"),
+    prefill_tokens: Optional[str] = typer.Option(None, help="prefill lengths, '' for none (default: 128,512 on CPU; 512,2048,8192 on GPU)"),
+    paths: str = typer.Option("gpu-paged,npu-tile", help="gpu-paged (PagedAttention, vLLM layout) and/or npu-tile (emulated NPU, tiled cache)"),
+    kv_dtypes: str = typer.Option("bf16,bfp8_b", help="KV dtypes; each path takes those it can hold (paged: bf16/fp16/fp32, npu-tile: bf16/bfp8_b)"),
+    steps: Optional[int] = typer.Option(None, min=1, help="timed decode steps per point, at most (default: 5 on CPU, 30 on GPU)"),
+    warmup: Optional[int] = typer.Option(None, min=0, help="untimed steps per point, after graph capture (default: 1 on CPU, 2 on GPU)"),
+    point_budget_s: Optional[float] = typer.Option(None, help="stop timing a point after this many seconds, once 3 steps are timed"),
+    time_budget_s: Optional[float] = typer.Option(None, help="skip the remaining points (with a note) once the run has taken this long"),
+    hf_baseline: str = typer.Option("auto", help="transformers' generate on the same model: auto (CPU + smollm2-135m + transformers importable) | on | off"),
+    hf_prompt_tokens: int = typer.Option(128, min=1, help="transformers baseline: prompt length"),
+    hf_new_tokens: int = typer.Option(32, min=2, help="transformers baseline: new tokens"),
+    threads: Optional[int] = typer.Option(None, min=1, help="torch CPU threads (default: torch's; 1 on a shared box avoids spinning threads)"),
+    json_path: Optional[str] = typer.Option(None, "--json", help="write the records here (a JSON list, rewritten after every point)"),
+) -> None:
+    """Model-level decode and prefill times against read-bandwidth and GEMM ceilings measured in the same run."""
+    from hawk.bench.engine import EngineBenchSpec, run_and_report
+
+    def ints(s: Optional[str]) -> Optional[tuple[int, ...]]:
+        return None if s is None else tuple(int(x) for x in _csv(s))
+
+    try:
+        spec = EngineBenchSpec(
+            model=model, device=device, dtype=dtype, batches=ints(batches), contexts=ints(contexts),
+            prefill_tokens=ints(prefill_tokens), paths=tuple(_csv(paths)), kv_dtypes=tuple(_csv(kv_dtypes)),
+            steps=steps, warmup=warmup, point_budget_s=point_budget_s, time_budget_s=time_budget_s,
+            hf_baseline=hf_baseline, hf_prompt_tokens=hf_prompt_tokens, hf_new_tokens=hf_new_tokens, threads=threads,
+        )
+        run_and_report(spec, json_path)
+    except ValueError as e:
+        _fail(e)
+
+
 @bench_app.command("serving", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench_serving(ctx: typer.Context) -> None:
     """Online serving against a running router: TTFT, TPOT, SLO attainment, throughput vs request rate (paper Figs. 10-13).
@@ -186,6 +229,14 @@ def bench_efficiency(ctx: typer.Context) -> None:
 def sim(ctx: typer.Context) -> None:
     """Cluster-scale discrete-event simulation, calibrated by measured transfer curves (options: ``python -m hawk.sim --help``)."""
     from hawk.sim.command import main
+
+    main(ctx.args)
+
+
+@app.command("report", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def report(ctx: typer.Context) -> None:
+    """One Markdown report (tables + plots) from result files, each recognised by its content (options: ``python -m hawk.bench.report --help``)."""
+    from hawk.bench.report import main
 
     main(ctx.args)
 

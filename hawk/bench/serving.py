@@ -21,6 +21,12 @@ real vocabulary); their text is nonsense, which does not matter with ``ignore_eo
 
     python -m hawk.bench.serving --url http://127.0.0.1:8000 --workload chatbot-tiny \
         --rates 0.5,1,2 --num-requests 20 --json out.json --plot out.png
+    python -m hawk.bench.serving --trace conversations.json --rates 1 --trace-tokenizer smollm2-135m
+
+A trace (``--trace``, see ``hawk.sim.traces``) replaces the synthetic workload: its lengths, and for
+Azure / Mooncake traces its arrival times (rescaled to each ``--rates`` value, or at its own rate
+when ``--rates`` is not given, times ``--trace-rate-scale``). Prompts are still token ids of the
+trace's lengths.
 """
 
 from __future__ import annotations
@@ -36,9 +42,11 @@ from typing import Any
 import httpx
 import numpy as np
 
+from hawk.sim.command import add_trace_options, workload_from_args
 from hawk.sim.metrics import RequestResult, summarize
 from hawk.sim.report import report
-from hawk.sim.workload import RequestSpec, Workload, generate_requests, get_workload
+from hawk.sim.traces import TraceWorkload
+from hawk.sim.workload import RequestSource, RequestSpec, Workload, generate_requests, get_workload
 
 
 def prompt_ids(spec: RequestSpec, seed: int, token_id_range: tuple[int, int]) -> list[int]:
@@ -232,7 +240,7 @@ def _server_side(results: Sequence[RequestResult]) -> dict[str, Any]:
 async def _bench(
     base_url: str,
     rates: Sequence[float],
-    wl: Workload,
+    wl: Workload | RequestSource,
     num_requests: int,
     seed: int,
     slo_ttft_ms: float,
@@ -301,7 +309,7 @@ async def _bench(
 def run_serving_bench(
     base_url: str,
     rates: Sequence[float],
-    workload: str | Workload = "chatbot-tiny",
+    workload: str | Workload | RequestSource = "chatbot-tiny",
     num_requests: int = 20,
     seed: int = 0,
     slo_ttft_ms: float | None = None,
@@ -341,7 +349,7 @@ def run_serving_bench(
 def run_serving_report(
     base_url: str,
     rates: Sequence[float],
-    workload: str = "chatbot-tiny",
+    workload: str | Workload | RequestSource = "chatbot-tiny",
     num_requests: int = 20,
     seed: int = 0,
     slo_ttft_ms: float | None = None,
@@ -367,6 +375,10 @@ def run_serving_report(
         max_concurrency=max_concurrency, warmup_requests=warmup_requests, per_request=per_request,
         token_id_range=token_id_range, progress=lambda r: print(f"rate {r['rate']:g}: {r['completed']}/{r['num_requests']} done, SLO attainment {r['slo_attainment']:.0%}", flush=True),
     )
+    trace = getattr(wl, "trace", None)
+    if trace is not None:  # say which trace, and how it was replayed
+        extra = {**trace.summary(), "trace_rate_scale": getattr(wl, "rate_scale", 1.0)}
+        records = [{**r, **extra} for r in records]
     report(records, json_path, plot_path)
     for rec in records:
         print(format_result(rec), flush=True)
@@ -407,6 +419,33 @@ def format_result(rec: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def trace_rates(asked: list[float] | None, wl: Any, num_requests: int) -> list[float]:
+    """The sweep's rates: as asked (default 0.5, 1, 2), or a trace's (``TraceWorkload.rates``)."""
+    if isinstance(wl, TraceWorkload):  # untimed traces (ShareGPT) sweep the default rates
+        return wl.rates(asked or (None if wl.trace.timed else [0.5, 1.0, 2.0]), num_requests)
+    return asked or [0.5, 1.0, 2.0]
+
+
+def trace_token_counter(model: str) -> Callable[[str], int]:
+    """Token counts from the served model's tokenizer (GGUF or a HF checkpoint directory)."""
+    from pathlib import Path
+
+    from hawk.engine.tokenizer import Tokenizer
+
+    p = Path(model)
+    if p.is_dir():
+        tok = Tokenizer.from_hf_dir(p)
+    elif p.suffix == ".gguf":
+        tok = Tokenizer.from_gguf(p)
+    else:
+        from hawk.engine.loader import EMBEDDED, embedded_path
+
+        if model not in EMBEDDED:
+            raise ValueError(f"--trace-tokenizer {model!r}: give a .gguf file, a HF checkpoint dir or one of {', '.join(EMBEDDED)}")
+        tok = Tokenizer.from_gguf(embedded_path(model))
+    return lambda text: max(1, len(tok.encode(text)))
+
+
 def _floats(s: str) -> list[float]:
     return [math.inf if x.strip() in ("inf", "max") else float(x) for x in s.split(",") if x.strip()]
 
@@ -414,7 +453,7 @@ def _floats(s: str) -> list[float]:
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p = argparse.ArgumentParser(prog="python -m hawk.bench.serving", description=__doc__.split("\n")[0])
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the router's base URL")
-    p.add_argument("--rates", default="0.5,1,2", help="comma-separated request rates (req/s); 'inf' = all at once")
+    p.add_argument("--rates", default=None, help="comma-separated request rates (req/s); 'inf' = all at once; default 0.5,1,2 (a timed trace: its own)")
     p.add_argument("--workload", default="chatbot-tiny", help="chatbot, summarization, chatbot-tiny, summarization-tiny")
     p.add_argument("--num-requests", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
@@ -430,9 +469,16 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--per-request", action="store_true", help="keep every request's timings in the JSON")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
+    add_trace_options(p)
+    p.add_argument("--trace-tokenizer", default=None, help="ShareGPT: count tokens with this model's tokenizer (a spec as for serve --model); default: 4 chars/token")
     a = p.parse_args(argv)
+    try:
+        wl = workload_from_args(a, trace_token_counter(a.trace_tokenizer) if a.trace_tokenizer else None)
+        rates = trace_rates(_floats(a.rates) if a.rates else None, wl, a.num_requests)
+    except ValueError as e:
+        p.error(str(e))
     return run_serving_report(
-        a.url, _floats(a.rates), a.workload, a.num_requests, a.seed, a.slo_ttft_ms, a.slo_tpot_ms,
+        a.url, rates, wl, a.num_requests, a.seed, a.slo_ttft_ms, a.slo_tpot_ms,
         model=a.model, config=a.config, max_concurrency=a.max_concurrency, warmup_requests=a.warmup,
         input_scale=a.input_scale, output_scale=a.output_scale,
         token_id_range=tuple(int(x) for x in a.token_ids.split(",")), json_path=a.json, plot_path=a.plot, per_request=a.per_request,

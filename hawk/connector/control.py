@@ -3,12 +3,18 @@
 Each side owns its socket in one I/O thread (ZeroMQ sockets are not thread-safe). Other threads
 hand frames to that thread over an inproc PUSH/PULL pair, so a reply leaves as soon as it is
 ready, with no polling delay. Requests and replies are matched by an 8-byte correlation id.
+
+Frames are ``[correlation id, tag, payload]``. With a cluster secret (the ``secret`` argument, or
+$HAWK_CLUSTER_SECRET, which the launcher gives its children), the tag is an HMAC of the frame
+(messages.sign); the server checks it before decoding and answers a bad one with an Error, and
+the client drops replies whose tag is wrong.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import struct
 import threading
 import uuid
@@ -17,11 +23,21 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import zmq
 
-from hawk.connector.messages import Error, Message, ProtocolError, decode, encode
+from hawk.connector.messages import AuthError, Error, Message, ProtocolError, decode, encode, sign, verify
 
 log = logging.getLogger(__name__)
 
 _NO_REPLY = struct.pack("<Q", 0)
+SECRET_ENV = "HAWK_CLUSTER_SECRET"
+
+
+def _secret(secret: str | bytes | None) -> bytes | None:
+    """The key for frame tags: the one given, else the cluster's from the environment, else none."""
+    if secret is None:
+        secret = os.environ.get(SECRET_ENV) or None
+    if isinstance(secret, str):
+        secret = secret.encode()
+    return secret or None
 
 
 class PeerUnreachable(TimeoutError):
@@ -96,8 +112,16 @@ class _Loop:
 class ControlServer:
     """Serves ``handler(message, peer_identity) -> reply`` on a ROUTER socket (127.0.0.1 by default)."""
 
-    def __init__(self, handler: Callable[[Message, bytes], Message | None], host: str = "127.0.0.1", port: int = 0, workers: int = 4):
+    def __init__(
+        self,
+        handler: Callable[[Message, bytes], Message | None],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        workers: int = 4,
+        secret: str | bytes | None = None,
+    ):
         self._handler = handler
+        self._key = _secret(secret)
         self._ctx = zmq.Context.instance()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -112,22 +136,29 @@ class ControlServer:
         self._loop = _Loop(self._ctx, sock, self._dispatch, "hawk-ctl-server")
 
     def _dispatch(self, frames: list[bytes]) -> None:
-        if len(frames) != 3:
+        if len(frames) != 4:
             return
-        ident, corr, payload = frames
-        self._pool.submit(self._serve, ident, corr, payload)
+        ident, corr, tag, payload = frames
+        self._pool.submit(self._serve, ident, corr, tag, payload)
 
-    def _serve(self, ident: bytes, corr: bytes, payload: bytes) -> None:
+    def _serve(self, ident: bytes, corr: bytes, tag: bytes, payload: bytes) -> None:
         try:
+            verify(self._key, corr, tag, payload)  # before decoding: a stranger changes nothing
             msg = decode(payload)
             reply = self._handler(msg, ident)
+        except AuthError as e:  # answered untagged: the peer's key (if any) is not ours
+            log.warning("control message refused: %s", e)
+            if corr != _NO_REPLY:
+                self._loop.post([ident, corr, b"", encode(Error("", f"rejected: {e}"))])
+            return
         except ProtocolError as e:
             reply = Error("", f"rejected: {e}")
         except Exception as e:  # noqa: BLE001 - the peer gets the error, the server keeps serving
             log.exception("control handler failed")
             reply = Error(getattr(locals().get("msg"), "request_id", ""), f"{type(e).__name__}: {e}")
         if reply is not None and corr != _NO_REPLY:
-            self._loop.post([ident, corr, encode(reply)])
+            out = encode(reply)
+            self._loop.post([ident, corr, sign(self._key, corr, out), out])
 
     def close(self) -> None:
         self._loop.close()
@@ -137,8 +168,9 @@ class ControlServer:
 class ControlClient:
     """Calls a :class:`ControlServer`; safe to use from many threads at once."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, secret: str | bytes | None = None):
         self.address = address
+        self._key = _secret(secret)
         self._ctx = zmq.Context.instance()
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -149,12 +181,19 @@ class ControlClient:
         self._loop = _Loop(self._ctx, sock, self._on_reply, "hawk-ctl-client")
 
     def _on_reply(self, frames: list[bytes]) -> None:
-        if len(frames) != 2:
+        if len(frames) != 3:
             return
+        corr, tag, payload = frames
+        if tag:  # an untagged reply is accepted only as an Error (see call)
+            try:
+                verify(self._key, corr, tag, payload)
+            except AuthError:
+                log.warning("dropped a control reply from %s with a bad tag", self.address)
+                return
         with self._lock:
-            fut = self._pending.pop(frames[0], None)
+            fut = self._pending.pop(corr, None)
         if fut is not None and not fut.done():
-            fut.set_result(frames[1])
+            fut.set_result((tag, payload))
 
     def call(self, msg: Message, timeout_s: float) -> Message:
         """Send ``msg`` and wait for its reply; :class:`PeerUnreachable` after ``timeout_s``."""
@@ -162,19 +201,24 @@ class ControlClient:
         fut: Future = Future()
         with self._lock:
             self._pending[corr] = fut
-        self._loop.post([corr, encode(msg)])
+        payload = encode(msg)
+        self._loop.post([corr, sign(self._key, corr, payload), payload])
         try:
-            payload = fut.result(timeout=timeout_s)
+            tag, payload = fut.result(timeout=timeout_s)
         except TimeoutError:
             raise PeerUnreachable(f"no reply to {msg.TYPE} from {self.address} within {timeout_s:.3g} s") from None
         finally:
             with self._lock:
                 self._pending.pop(corr, None)
-        return decode(payload)
+        reply = decode(payload)
+        if self._key and not tag and not isinstance(reply, Error):
+            raise AuthError(f"untagged {reply.TYPE} reply from {self.address}: the peer does not share this cluster's secret")
+        return reply
 
     def send(self, msg: Message) -> None:
         """Fire and forget (the server sends no reply)."""
-        self._loop.post([_NO_REPLY, encode(msg)])
+        payload = encode(msg)
+        self._loop.post([_NO_REPLY, sign(self._key, _NO_REPLY, payload), payload])
 
     def close(self) -> None:
         self._loop.close()

@@ -3,11 +3,17 @@
 Every message is a msgpack map ``{"v": VERSION, "type": ..., fields...}``. Decoding checks the
 version, the type and every field's type, so a malformed or mismatched peer is rejected with a
 message that says what was wrong, before any memory is touched.
+
+When the cluster has a secret, every frame also carries an HMAC-SHA256 tag of its correlation id
+and payload under that secret (``sign`` / ``verify``); a frame whose tag is missing or wrong is
+refused before it is decoded, so an unauthenticated peer can change nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, get_type_hints
 
@@ -21,6 +27,23 @@ VERSION = 1
 
 class ProtocolError(ValueError):
     """A control message that is malformed, of another version, or inconsistent with the plan."""
+
+
+class AuthError(ProtocolError):
+    """A control frame without a valid tag for this cluster's secret."""
+
+
+def sign(secret: bytes | None, corr: bytes, payload: bytes) -> bytes:
+    """The frame's tag: HMAC-SHA256 of correlation id and payload (empty without a secret)."""
+    if not secret:
+        return b""
+    return hmac.new(secret, corr + payload, hashlib.sha256).digest()
+
+
+def verify(secret: bytes | None, corr: bytes, tag: bytes, payload: bytes) -> None:
+    """Raises AuthError unless ``tag`` is this frame's tag (anything goes without a secret)."""
+    if secret and not hmac.compare_digest(tag, sign(secret, corr, payload)):
+        raise AuthError("missing or wrong cluster secret on the control channel" if tag else "unauthenticated control message (this cluster needs its secret)")
 
 
 @dataclass(frozen=True)

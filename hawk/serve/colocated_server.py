@@ -19,7 +19,7 @@ from hawk.serve.prefill_server import PrefillService, prefill_routes
 COLOCATED_ADDRESS = "colocated"
 
 
-def create_colocated_app(instance: ColocatedInstance, close_on_shutdown: bool = True) -> FastAPI:
+def create_colocated_app(instance: ColocatedInstance, close_on_shutdown: bool = True, cluster_secret: str | None = None) -> FastAPI:
     cfg, mc = instance.cfg, instance.loaded.config
     prefill = PrefillService(instance.prefill, instance.discard, COLOCATED_ADDRESS, mc.vocab_size)
 
@@ -49,5 +49,5 @@ def create_colocated_app(instance: ColocatedInstance, close_on_shutdown: bool = 
 
     return build_instance_app(
         "colocated", [prefill_routes(prefill), decode_routes(decode)], info, accounting, instance.loaded.tokenizer,
-        instance.close if close_on_shutdown else None,
+        instance.close if close_on_shutdown else None, [instance.prefill, instance.decode], cluster_secret,
     )

@@ -6,11 +6,14 @@ learns the real port without racing another process for it.
 
 from __future__ import annotations
 
+import hmac
+import json
 import logging
+import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import uvicorn
@@ -18,12 +21,129 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from hawk.serve.protocol import OpenAIError, error_body
+from hawk.serve.protocol import OpenAIError, RequestTooLarge, Unauthorized, error_body
 
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+#: Where children find the per-cluster secret (never on a command line, where ``ps`` shows it).
+CLUSTER_SECRET_ENV = "HAWK_CLUSTER_SECRET"
+#: The router's API key when --api-key is not given (as vLLM's VLLM_API_KEY).
+API_KEY_ENV = "HAWK_API_KEY"
+
+
+def is_loopback(host: str) -> bool:
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def cluster_secret_from_env() -> str | None:
+    return os.environ.get(CLUSTER_SECRET_ENV) or None
+
+
+# ============================================================================ engine liveness
+
+
+def engine_alive(engine: Any) -> bool:
+    """Whether an engine's worker thread still runs: a dead one answers nothing, ever.
+
+    Engines may grow ``is_alive()``; until then their ``_thread`` says it.
+    """
+    probe = getattr(engine, "is_alive", None)
+    if callable(probe):
+        return bool(probe())
+    thread = getattr(engine, "_thread", None)
+    return thread is None or thread.is_alive()
+
+
+# ============================================================================ ASGI guards
+
+
+async def send_error(send: Send, err: OpenAIError, headers: dict[str, str] | None = None) -> None:
+    """Answer with ``err`` as OpenAI's JSON, from a pure ASGI middleware."""
+    body = json.dumps(err.body()).encode()
+    hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    hdrs += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": err.status, "headers": hdrs})
+    await send({"type": "http.response.body", "body": body})
+
+
+def bearer_token(scope: Scope) -> str | None:
+    """The token of an ``Authorization: Bearer ...`` header, or None."""
+    for k, v in scope.get("headers", ()):
+        if k == b"authorization":
+            scheme, _, token = v.decode("latin-1").partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else None
+    return None
+
+
+class RequireBearer:
+    """Refuses (401) requests to the protected paths that lack ``Authorization: Bearer <token>``.
+
+    Pure ASGI so it runs before the body is read: an unauthenticated client cannot make the
+    server parse anything. The comparison is constant-time.
+    """
+
+    def __init__(self, app: ASGIApp, token: str | None, protected: Callable[[str], bool], what: str):
+        self.app, self.token, self.protected, self.what = app, token, protected, what
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.token or not self.protected(scope.get("path", "")):
+            await self.app(scope, receive, send)
+            return
+        got = bearer_token(scope)
+        if got is None or not hmac.compare_digest(got.encode(), self.token.encode()):
+            why = "missing" if got is None else "wrong"
+            err = Unauthorized(f"{why} {self.what}: send 'Authorization: Bearer <{self.what}>'")
+            await send_error(send, err, {"www-authenticate": "Bearer"})
+            return
+        await self.app(scope, receive, send)
+
+
+class LimitBody:
+    """Refuses (413) request bodies over ``limit()`` bytes before the app parses any of them.
+
+    The body is read here, counted, and replayed to the app, so at most ``limit`` bytes are ever
+    held; a declared Content-Length over the limit is refused without reading at all.
+    """
+
+    def __init__(self, app: ASGIApp, limit: Callable[[], int | None]):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        limit = self.limit() if scope["type"] == "http" else None
+        if not limit:
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers", ())).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await send_error(send, RequestTooLarge(int(declared), limit), {"connection": "close"})
+            return
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":  # the client left while sending
+                return
+            chunks.append(msg.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                await send_error(send, RequestTooLarge(None, limit), {"connection": "close"})
+                return
+            if not msg.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # after the body: disconnect detection still works
+
+        await self.app(scope, replay, send)
 
 
 # ============================================================================ errors
@@ -77,7 +197,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(OpenAIError)
     async def _openai(_: Request, exc: OpenAIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        retry = {"Retry-After": "2"} if exc.status == 503 else None  # e.g. an instance restarting
+        return JSONResponse(exc.body(), status_code=exc.status, headers=retry)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

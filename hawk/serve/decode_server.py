@@ -148,7 +148,7 @@ def device_label(decode_device: str, arch: str) -> str:
     return decode_device
 
 
-def create_decode_app(instance: DecodeInstance, close_on_shutdown: bool = True) -> FastAPI:
+def create_decode_app(instance: DecodeInstance, close_on_shutdown: bool = True, cluster_secret: str | None = None) -> FastAPI:
     """The HTTP face of a :class:`DecodeInstance`."""
     cfg, mc = instance.cfg, instance.loaded.config
     blocks = instance.blocks
@@ -175,5 +175,5 @@ def create_decode_app(instance: DecodeInstance, close_on_shutdown: bool = True) 
 
     return build_instance_app(
         "decode", [decode_routes(svc)], info, accounting, instance.loaded.tokenizer,
-        instance.close if close_on_shutdown else None,
+        instance.close if close_on_shutdown else None, [instance.engine], cluster_secret,
     )

@@ -20,7 +20,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from hawk.serve.launcher import instance_config, start_system
+from hawk.serve.launcher import check_model_spec, check_threads, instance_config, start_system
 
 DEMO_REQUESTS: list[dict[str, Any]] = [
     {
@@ -114,6 +114,8 @@ def demo(
     """
     console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 120)
     t0 = time.monotonic()
+    check_model_spec(model)  # a bad name fails here, in one line, not inside a child process
+    check_threads(threads)
     cfg = instance_config(
         model=model, transfer=transfer, transport=transport, prefill_device=prefill_device,
         decode_device=decode_device, arch=arch, kv_dtype=kv_dtype, kv_tokens=kv_tokens, staging_mb=32, rx_mb=32,

@@ -26,7 +26,7 @@ import httpx
 
 from hawk.engine.sequence import SamplingParams
 from hawk.engine.tokenizer import Tokenizer
-from hawk.serve.protocol import OpenAIError
+from hawk.serve.protocol import InstanceDown, OpenAIError
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class Generation:
         try:
             r = await self.client.post(f"{self.prefill_url}/internal/prefill", json=body)
         except httpx.HTTPError as e:
-            raise OpenAIError(503, f"prefill instance {self.prefill_url} unreachable: {e!r}", type="server_error") from None
+            raise InstanceDown(f"prefill instance {self.prefill_url} unreachable: {e!r}") from None
         if r.status_code != 200:
             raise upstream_error(r.status_code, r.content, f"prefill at {self.prefill_url}")
         self.prefill_reply = r.json()
@@ -146,7 +146,7 @@ class Generation:
         try:
             resp = await self.client.send(req, stream=True)
         except httpx.HTTPError as e:
-            raise OpenAIError(503, f"decode instance {self.decode_url} unreachable: {e!r}", type="server_error") from None
+            raise InstanceDown(f"decode instance {self.decode_url} unreachable: {e!r}") from None
         if resp.status_code != 200:
             content = await resp.aread()
             await resp.aclose()
@@ -256,7 +256,8 @@ class Generation:
 async def until_disconnected(receive_disconnect: Any, work: Any) -> Any:
     """Run ``work`` (a coroutine) unless the client disconnects first, in which case ``work`` is
     cancelled (its cleanup runs) and ``ClientGone`` is raised. ``receive_disconnect`` is a
-    coroutine function that returns when the client has gone."""
+    coroutine function that returns when the client has gone; if it raises instead (an instance
+    went down), ``work`` is cancelled the same way and that error is raised."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(receive_disconnect())
     try:
@@ -268,6 +269,8 @@ async def until_disconnected(receive_disconnect: Any, work: Any) -> Any:
             await task
         except BaseException:  # noqa: BLE001 - the client is gone; nobody reads this result
             pass
+        if not watch.cancelled() and watch.exception() is not None:
+            raise watch.exception()  # type: ignore[misc]
         raise ClientGone()
     except asyncio.CancelledError:
         task.cancel()

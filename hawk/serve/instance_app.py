@@ -4,21 +4,25 @@ The role-specific routes come from prefill_server / decode_server; this adds wha
 answers: /health, /internal/info (limits the router validates against), /internal/accounting
 (what it holds: staging and receive reservations, KV blocks), /internal/tokenizer and /metrics.
 Shutting the app down closes the instance, which releases its registered buffers.
+
+/health is truthful: 503 once an engine thread has died (nothing it was given will ever finish).
+With a cluster secret, every /internal/* route wants ``Authorization: Bearer <secret>`` (401
+otherwise, before the body is read); /health and /metrics stay open for probes and scrapers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, FastAPI
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from hawk.engine.tokenizer import Tokenizer
-from hawk.serve.common import install_error_handlers
+from hawk.serve.common import RequireBearer, cluster_secret_from_env, engine_alive, install_error_handlers
 from hawk.serve.metrics import CONTENT_TYPE, instance_registry
 from hawk.serve.tokenizer_wire import tokenizer_to_wire
 
@@ -32,8 +36,14 @@ def build_instance_app(
     accounting: Callable[[], dict[str, Any]],
     tokenizer: Tokenizer | None,
     close: Callable[[], None] | None,
+    engines: Sequence[Any] = (),
+    cluster_secret: str | None = None,
 ) -> FastAPI:
-    """An app serving ``routers`` plus the common instance endpoints; ``close`` runs at shutdown."""
+    """An app serving ``routers`` plus the common instance endpoints; ``close`` runs at shutdown.
+
+    ``engines`` are watched by /health; ``cluster_secret`` (default: $HAWK_CLUSTER_SECRET) guards
+    /internal/*.
+    """
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -44,14 +54,19 @@ def build_instance_app(
 
     app = FastAPI(title=f"HAWK {role} instance", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
+    secret = cluster_secret or cluster_secret_from_env()
+    app.add_middleware(RequireBearer, token=secret, protected=lambda p: p.startswith("/internal/"), what="cluster secret")
     for r in routers:
         app.include_router(r)
     registry = instance_registry(role, accounting)
     wire: dict[str, Any] | None = None
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok", "role": role}
+    async def health() -> JSONResponse:
+        dead = [type(e).__name__ for e in engines if not engine_alive(e)]
+        if dead:
+            return JSONResponse({"status": "engine_dead", "role": role, "dead": dead}, status_code=503)
+        return JSONResponse({"status": "ok", "role": role})
 
     @app.get("/internal/info")
     async def get_info() -> dict[str, Any]:

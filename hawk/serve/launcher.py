@@ -8,6 +8,14 @@ children (each closes its instance, which releases its registered buffers), then
 Children bind their own port (0 = any free one) and report it through a small "ready file", so
 nothing races for ports. Each child watches its parent and shuts down if the parent disappears,
 so a killed launcher leaves no orphans holding memory.
+
+Each child also watches its own engine threads and exits if one dies (a process whose engine is
+dead only looks alive). A supervisor thread in the launcher restarts any child that exits, on the
+same port, with backoff and a bounded number of attempts; meanwhile the router answers 503.
+
+The launcher makes a per-cluster secret and hands it to its children in $HAWK_CLUSTER_SECRET
+(never on a command line, where ``ps`` shows it); the router sends it on internal calls and the
+KV control channel tags its frames with it.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -33,12 +42,84 @@ from typing import Any
 
 import httpx
 
-from hawk.serve.common import LOOPBACK, ThreadedServer, bind_socket, serve_foreground, set_torch_threads, url_of
+from hawk.serve.common import (
+    CLUSTER_SECRET_ENV,
+    LOOPBACK,
+    ThreadedServer,
+    bind_socket,
+    cluster_secret_from_env,
+    engine_alive,
+    is_loopback,
+    serve_foreground,
+    set_torch_threads,
+    url_of,
+)
 
 log = logging.getLogger("hawk.serve")
 
 ROLES = ("all", "router", "prefill", "decode", "colocated")
 ENGINE_ROLES = ("prefill", "decode", "colocated")
+EXIT_ENGINE_DEAD = 75  # a child whose engine thread died exits with this, for the supervisor
+MAX_RESTARTS = 5  # attempts per child before the supervisor gives up on it
+RESTART_BACKOFF_S = (0.5, 10.0)  # first wait, longest wait (doubling in between)
+STABLE_S = 60.0  # a child up this long has its restart count forgotten
+
+
+class UsageError(ValueError):
+    """A bad option, found before anything starts; the CLI prints it on one line and exits 2."""
+
+
+# ============================================================================ checking options
+
+
+def check_model_spec(spec: str) -> None:
+    """Raises UsageError unless ``spec`` names a model the loader can find (nothing is loaded)."""
+    from hawk.engine.loader import EMBEDDED, RANDOM_PRESETS, embedded_path
+
+    if spec in EMBEDDED:
+        try:
+            embedded_path(spec)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        return
+    path = Path(spec).expanduser()
+    if spec in RANDOM_PRESETS or (path.is_file() and path.suffix == ".gguf") or (path.is_dir() and (path / "config.json").is_file()):
+        return
+    if spec and path.exists():
+        raise UsageError(f"--model {spec!r}: not a .gguf file nor a directory with config.json")
+    raise UsageError(f"unknown --model {spec!r}: expected one of {', '.join([*EMBEDDED, *RANDOM_PRESETS])}, a .gguf file, or a Hugging Face checkpoint directory")
+
+
+def check_port(port: int, what: str = "--port") -> None:
+    if not 0 <= port <= 65535:
+        raise UsageError(f"{what} must be in 0..65535 (0 = any free port), got {port}")
+
+
+def check_threads(threads: int | None) -> None:
+    if threads is not None and threads < 1:
+        raise UsageError(f"--threads must be at least 1, got {threads}")
+
+
+def check_bind(host: str, what: str, allow_remote: bool) -> None:
+    """Binding beyond loopback exposes a server to the network: only on purpose, and logged."""
+    if is_loopback(host):
+        return
+    if not allow_remote:
+        raise UsageError(f"{what} {host} is not a loopback address: it would listen on the network; pass --allow-remote to do that on purpose")
+    log.warning("%s %s: listening beyond loopback (--allow-remote); use --api-key and a cluster secret", what, host)
+
+
+def read_cluster_secret(path: str | None) -> str | None:
+    """The secret of a cluster run as separate roles: from ``path``, else $HAWK_CLUSTER_SECRET."""
+    if path is None:
+        return cluster_secret_from_env()
+    try:
+        secret = Path(path).read_text().strip()
+    except OSError as e:
+        raise UsageError(f"--cluster-secret-file {path}: {e.strerror or e}") from None
+    if not secret:
+        raise UsageError(f"--cluster-secret-file {path} is empty")
+    return secret
 
 
 # ============================================================================ one instance (a child)
@@ -57,19 +138,39 @@ def build_instance(role: str, cfg: Any) -> Any:
     raise ValueError(f"not an engine role: {role!r} (expected one of {ENGINE_ROLES})")
 
 
-def instance_app(role: str, instance: Any, close_on_shutdown: bool = True) -> Any:
+def instance_app(role: str, instance: Any, close_on_shutdown: bool = True, cluster_secret: str | None = None) -> Any:
     """The FastAPI app for an instance of ``role``."""
     if role == "prefill":
         from hawk.serve.prefill_server import create_prefill_app
 
-        return create_prefill_app(instance, close_on_shutdown)
+        return create_prefill_app(instance, close_on_shutdown, cluster_secret)
     if role == "decode":
         from hawk.serve.decode_server import create_decode_app
 
-        return create_decode_app(instance, close_on_shutdown)
+        return create_decode_app(instance, close_on_shutdown, cluster_secret)
     from hawk.serve.colocated_server import create_colocated_app
 
-    return create_colocated_app(instance, close_on_shutdown)
+    return create_colocated_app(instance, close_on_shutdown, cluster_secret)
+
+
+def instance_engines(role: str, instance: Any) -> list[Any]:
+    """The engines whose threads keep an instance of ``role`` alive."""
+    return [instance.prefill, instance.decode] if role == "colocated" else [instance.engine]
+
+
+def _watch_engines(role: str, engines: list[Any], interval_s: float = 0.5) -> None:
+    """Exit the process once an engine thread has died: nothing it holds will ever finish, and
+    an exit is what the supervisor sees and restarts (open connections break, so in-flight
+    requests fail at once instead of waiting out their timeouts)."""
+
+    def watch() -> None:
+        while all(engine_alive(e) for e in engines):
+            time.sleep(interval_s)
+        log.critical("%s engine thread died: exiting (%d) so the launcher restarts this instance", role, EXIT_ENGINE_DEAD)
+        logging.shutdown()
+        os._exit(EXIT_ENGINE_DEAD)
+
+    threading.Thread(target=watch, name="hawk-engine-watch", daemon=True).start()
 
 
 def run_instance(
@@ -81,17 +182,24 @@ def run_instance(
     ready_file: str | None = None,
     parent_pid: int | None = None,
     log_level: str = "warning",
+    cluster_secret: str | None = None,
 ) -> None:
-    """Serve one engine instance in the foreground until SIGINT/SIGTERM (or the parent's death)."""
+    """Serve one engine instance in the foreground until SIGINT/SIGTERM (or the parent's death).
+
+    ``cluster_secret`` (default: $HAWK_CLUSTER_SECRET) guards /internal/* and the KV control
+    channel, which reads it from the environment: it is put there for that."""
     set_torch_threads(threads)
     sock = bind_socket(host, port)  # before loading: a busy port fails in a second, not after the model
+    if cluster_secret:
+        os.environ[CLUSTER_SECRET_ENV] = cluster_secret  # for the control channel's ControlServer/Client
     instance = build_instance(role, cfg)
     try:
-        app = instance_app(role, instance)
+        app = instance_app(role, instance, cluster_secret=cluster_secret)
     except BaseException:
         instance.close()
         raise
     url = url_of(sock)
+    _watch_engines(role, instance_engines(role, instance))
     if parent_pid is not None:
         _watch_parent(parent_pid)
     if ready_file:
@@ -125,6 +233,10 @@ class Child:
     ready_file: Path
     log_path: Path | None
     url: str = ""
+    spec: dict[str, Any] = field(default_factory=dict)  # how to start it again
+    env: dict[str, str] = field(default_factory=dict)
+    restarts: int = 0
+    up_since: float = 0.0
 
 
 @dataclass
@@ -133,6 +245,9 @@ class Cluster:
 
     children: list[Child] = field(default_factory=list)
     workdir: Path | None = None  # holds the children's ready files
+    startup_timeout_s: float = 300.0
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _supervisor: threading.Thread | None = None
 
     @property
     def prefill_urls(self) -> list[str]:
@@ -142,8 +257,55 @@ class Cluster:
     def decode_urls(self) -> list[str]:
         return [c.url for c in self.children if c.role in ("decode", "colocated")]
 
+    def supervise(self, max_restarts: int = MAX_RESTARTS) -> Cluster:
+        """Restart children that exit, from a background thread, until ``close``."""
+        self._supervisor = threading.Thread(target=self._supervise, args=(max_restarts,), name="hawk-supervisor", daemon=True)
+        self._supervisor.start()
+        return self
+
+    def _supervise(self, max_restarts: int) -> None:
+        given_up: set[int] = set()
+        while not self._stop.wait(0.2):
+            for i, c in enumerate(self.children):
+                code = c.proc.poll()  # also reaps it: no zombie is left behind
+                if code is None:
+                    if c.restarts and time.monotonic() - c.up_since > STABLE_S:
+                        c.restarts = 0
+                    continue
+                if i in given_up:
+                    continue
+                if c.restarts >= max_restarts:
+                    log.error("%s instance %s exited (%s) and was restarted %d times: giving up on it", c.role, c.url, code, c.restarts)
+                    given_up.add(i)
+                    continue
+                wait = min(RESTART_BACKOFF_S[1], RESTART_BACKOFF_S[0] * 2**c.restarts)
+                c.restarts += 1
+                log.error("%s instance %s exited with code %s: restarting it in %.1f s (attempt %d/%d)", c.role, c.url, code, wait, c.restarts, max_restarts)
+                if self._stop.wait(wait):
+                    return
+                self._restart(c)
+
+    def _restart(self, c: Child) -> None:
+        """Start ``c`` again on its old port (so the router's URL for it stays right)."""
+        c.ready_file.unlink(missing_ok=True)
+        port = int(c.url.rsplit(":", 1)[1]) if c.url else 0
+        c.proc = _popen({**c.spec, "port": port}, c.env, c.log_path)
+        c.url = ""
+        try:
+            _wait_ready(c, time.monotonic() + self.startup_timeout_s)
+        except RuntimeError as e:  # it exited again (or hung): the loop sees it and tries again
+            log.error("restarting %s instance failed: %s", c.role, e)
+            if c.proc.poll() is None:
+                c.proc.kill()
+            return
+        c.up_since = time.monotonic()
+        log.warning("%s instance is back on %s", c.role, c.url)
+
     def close(self, timeout_s: float = 20.0) -> None:
         """SIGTERM each child (graceful: it closes its instance), then SIGKILL any that hang."""
+        self._stop.set()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout_s)
         for c in self.children:
             if c.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -167,7 +329,10 @@ class Cluster:
         self.close()
 
 
-def _spawn(role: str, cfg: Any, host: str, threads: int | None, workdir: Path, index: int, log_dir: Path | None, log_level: str) -> Child:
+def _spawn(
+    role: str, cfg: Any, host: str, threads: int | None, workdir: Path, index: int, log_dir: Path | None, log_level: str,
+    cluster_secret: str | None = None,
+) -> Child:
     ready = workdir / f"{role}-{index}.json"
     spec = {
         "role": role, "config": dataclasses.asdict(cfg), "host": host, "port": 0, "threads": threads,
@@ -176,20 +341,22 @@ def _spawn(role: str, cfg: Any, host: str, threads: int | None, workdir: Path, i
     env = dict(os.environ)
     if threads is not None:  # OpenMP reads this at import, before torch.set_num_threads runs
         env["OMP_NUM_THREADS"] = str(threads)
-    out = None
-    log_path = None
-    if log_dir is not None:
-        log_path = log_dir / f"{role}-{index}.log"
-        out = open(log_path, "ab")  # noqa: SIM115 - the child owns it; closed below after Popen
+    if cluster_secret:
+        env[CLUSTER_SECRET_ENV] = cluster_secret  # in the environment: a command line is public
+    log_path = log_dir / f"{role}-{index}.log" if log_dir is not None else None
+    return Child(role, _popen(spec, env, log_path), ready, log_path, spec=spec, env=env, up_since=time.monotonic())
+
+
+def _popen(spec: dict[str, Any], env: dict[str, str], log_path: Path | None) -> subprocess.Popen:
+    out = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115 - the child owns it
     try:
-        proc = subprocess.Popen(
+        return subprocess.Popen(
             [sys.executable, "-m", "hawk.serve.launcher", "--child", json.dumps(spec)],
             env=env, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True,
         )
     finally:
         if out is not None:
             out.close()
-    return Child(role, proc, ready, log_path)
 
 
 def _log_tail(path: Path | None, n: int = 30) -> str:
@@ -226,6 +393,7 @@ def start_cluster(
     log_dir: str | Path | None = None,
     startup_timeout_s: float = 300.0,
     log_level: str = "warning",
+    cluster_secret: str | None = None,
 ) -> Cluster:
     """Start the engine processes for ``cfg`` (one colocated engine when ``cfg.transfer`` is
     "colocated") and wait until all are healthy. ``threads`` defaults to an even share of the
@@ -241,12 +409,12 @@ def start_cluster(
     logs = Path(log_dir) if log_dir is not None else None
     if logs is not None:
         logs.mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(workdir=workdir)
+    cluster = Cluster(workdir=workdir, startup_timeout_s=startup_timeout_s)
     counts: dict[str, int] = {}
     try:
         for role in roles:
             counts[role] = counts.get(role, 0) + 1
-            cluster.children.append(_spawn(role, cfg, host, threads, workdir, counts[role] - 1, logs, log_level))
+            cluster.children.append(_spawn(role, cfg, host, threads, workdir, counts[role] - 1, logs, log_level, cluster_secret))
         deadline = time.monotonic() + startup_timeout_s
         for c in cluster.children:
             _wait_ready(c, deadline)
@@ -344,6 +512,11 @@ def serve(
     log_dir: str | None = None,
     log_level: str = "warning",
     startup_timeout_s: float = 300.0,
+    api_key: str | None = None,
+    cluster_secret_file: str | None = None,
+    allow_remote: bool = False,
+    max_body_mb: float | None = None,
+    max_restarts: int = MAX_RESTARTS,
 ) -> None:
     """Run HAWK (or one part of it) in the foreground until Ctrl-C / SIGTERM.
 
@@ -364,10 +537,36 @@ def serve(
       this machine's address when host is a wildcard).
     default_temperature: used when a request omits temperature (OpenAI's default is 1.0).
     log_dir: where children write their logs (default: they share this terminal).
+    api_key: clients of the router must send ``Authorization: Bearer <api_key>`` (default:
+      $HAWK_API_KEY; none = open).  cluster_secret_file: the secret shared by separately run roles
+      (default: $HAWK_CLUSTER_SECRET; role "all" makes its own).  allow_remote: permit binding a
+      non-loopback address.  max_body_mb: the router's request-size limit.
+    max_restarts: how often a crashed engine child is restarted before the launcher gives up.
     """
     if role not in ROLES:
-        raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
+        raise UsageError(f"unknown role {role!r}; expected one of {ROLES}")
+    check_port(port)
+    check_threads(threads)
+    check_bind(host, "--host", allow_remote)
+    if kv_host is not None:
+        check_bind(kv_host, "--kv-host", allow_remote)
+    if max_body_mb is not None and max_body_mb <= 0:
+        raise UsageError(f"--max-body-mb must be positive, got {max_body_mb}")
+    if role != "router":
+        check_model_spec(model)
+    secret = read_cluster_secret(cluster_secret_file)
+    if role == "all":
+        secret = secret or secrets.token_urlsafe(32)
+    elif not secret:
+        log.warning("no cluster secret (--cluster-secret-file or $%s): internal endpoints and the KV control channel are unauthenticated", CLUSTER_SECRET_ENV)
+    max_body = None if max_body_mb is None else int(max_body_mb * 2**20)
     from hawk.serve.router import RouterConfig, create_router_app
+
+    def router_config(p_urls: list[str], d_urls: list[str]) -> RouterConfig:
+        return RouterConfig(
+            list(p_urls), list(d_urls), default_temperature=default_temperature, startup_timeout_s=startup_timeout_s,
+            api_key=api_key, cluster_secret=secret, max_body_bytes=max_body,
+        )
 
     with _sigterm_as_interrupt():
         try:
@@ -375,7 +574,7 @@ def serve(
                 if not prefill_urls or not decode_urls:
                     raise ValueError("role 'router' needs prefill_urls and decode_urls")
                 sock = bind_socket(host, port)
-                app = create_router_app(RouterConfig(list(prefill_urls), list(decode_urls), default_temperature=default_temperature, startup_timeout_s=startup_timeout_s))
+                app = create_router_app(router_config(prefill_urls, decode_urls))
                 print(f"HAWK router on {url_of(sock)} -> prefill {prefill_urls}, decode {decode_urls}", flush=True)
                 serve_foreground(app, sock, log_level)
                 return
@@ -384,15 +583,16 @@ def serve(
                 staging_mb, rx_mb, landing_mode, post, kv_host or _advertised_host(host), seed, npu_shard_pages,
             )
             if role in ENGINE_ROLES:
-                run_instance(role, cfg, host, port, threads, log_level=log_level)
+                run_instance(role, cfg, host, port, threads, log_level=log_level, cluster_secret=secret)
                 return
             if host in (LOOPBACK, "localhost"):
                 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # keep UCX (NIXL) off other interfaces
             sock = bind_socket(host, port)  # fail fast on a busy port, before loading any model
             n = 1 if transfer == "colocated" else num_prefill + num_decode
             print(f"HAWK: starting {n} engine process(es) for {model} ({transfer}); the router opens {url_of(sock)} when they are up", flush=True)
-            with start_cluster(cfg, num_prefill, num_decode, threads, LOOPBACK, log_dir, startup_timeout_s, log_level) as cluster:
-                app = create_router_app(RouterConfig(cluster.prefill_urls, cluster.decode_urls, default_temperature=default_temperature))
+            with start_cluster(cfg, num_prefill, num_decode, threads, LOOPBACK, log_dir, startup_timeout_s, log_level, secret) as cluster:
+                cluster.supervise(max_restarts)
+                app = create_router_app(router_config(cluster.prefill_urls, cluster.decode_urls))
                 print(f"HAWK serving {model} ({transfer} over {transport}) at {url_of(sock)}/v1", flush=True)
                 serve_foreground(app, sock, log_level)
         except KeyboardInterrupt:
@@ -432,15 +632,23 @@ def start_system(
     log_dir: str | Path | None = None,
     default_temperature: float = 1.0,
     startup_timeout_s: float = 300.0,
+    api_key: str | None = None,
+    max_restarts: int = MAX_RESTARTS,
+    max_body_bytes: int | None = None,
 ) -> RunningSystem:
     """``serve(role="all")`` without taking over the foreground: for the demo and tests."""
     from hawk.serve.router import RouterConfig, create_router_app
 
     if cfg.transport != "local":
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    cluster = start_cluster(cfg, num_prefill, num_decode, threads, LOOPBACK, log_dir, startup_timeout_s)
+    secret = secrets.token_urlsafe(32)
+    cluster = start_cluster(cfg, num_prefill, num_decode, threads, LOOPBACK, log_dir, startup_timeout_s, cluster_secret=secret)
     try:
-        app = create_router_app(RouterConfig(cluster.prefill_urls, cluster.decode_urls, default_temperature=default_temperature))
+        cluster.supervise(max_restarts)
+        app = create_router_app(RouterConfig(
+            cluster.prefill_urls, cluster.decode_urls, default_temperature=default_temperature, api_key=api_key,
+            cluster_secret=secret, max_body_bytes=max_body_bytes,
+        ))
         router = ThreadedServer(app, LOOPBACK, port).start()
     except BaseException:
         cluster.close()
@@ -486,17 +694,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-tokens", type=int, default=8192)
     p.add_argument("--log-dir")
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--api-key")
+    p.add_argument("--cluster-secret-file")
+    p.add_argument("--allow-remote", action="store_true")
+    p.add_argument("--max-body-mb", type=float)
     a = p.parse_args(argv)
     if a.child:
         _child_main(a.child)
         return
     logging.basicConfig(level=getattr(logging, a.log_level.upper(), logging.WARNING))
-    serve(
-        host=a.host, port=a.port, role=a.role, model=a.model, transfer=a.transfer, transport=a.transport,
-        prefill_device=a.prefill_device, decode_device=a.decode_device, arch=a.arch, kv_dtype=a.kv_dtype,
-        prefill_urls=a.prefill_urls, decode_urls=a.decode_urls, num_prefill=a.num_prefill, num_decode=a.num_decode,
-        threads=a.threads, kv_tokens=a.kv_tokens, log_dir=a.log_dir, log_level=a.log_level,
-    )
+    try:
+        serve(
+            host=a.host, port=a.port, role=a.role, model=a.model, transfer=a.transfer, transport=a.transport,
+            prefill_device=a.prefill_device, decode_device=a.decode_device, arch=a.arch, kv_dtype=a.kv_dtype,
+            prefill_urls=a.prefill_urls, decode_urls=a.decode_urls, num_prefill=a.num_prefill, num_decode=a.num_decode,
+            threads=a.threads, kv_tokens=a.kv_tokens, log_dir=a.log_dir, log_level=a.log_level,
+            api_key=a.api_key, cluster_secret_file=a.cluster_secret_file, allow_remote=a.allow_remote, max_body_mb=a.max_body_mb,
+        )
+    except UsageError as e:
+        p.exit(2, f"{p.prog}: error: {e}\n")
 
 
 if __name__ == "__main__":

@@ -134,7 +134,7 @@ def prefill_routes(svc: PrefillService) -> APIRouter:
     return r
 
 
-def create_prefill_app(instance: PrefillInstance, close_on_shutdown: bool = True) -> FastAPI:
+def create_prefill_app(instance: PrefillInstance, close_on_shutdown: bool = True, cluster_secret: str | None = None) -> FastAPI:
     """The HTTP face of a :class:`PrefillInstance`; shutdown closes it unless told not to (tests
     that reuse one loaded instance across apps)."""
     cfg, mc = instance.cfg, instance.loaded.config
@@ -152,5 +152,5 @@ def create_prefill_app(instance: PrefillInstance, close_on_shutdown: bool = True
     }
     return build_instance_app(
         "prefill", [prefill_routes(svc)], info, lambda: {**instance.accounting(), **svc.aborts}, instance.loaded.tokenizer,
-        instance.close if close_on_shutdown else None,
+        instance.close if close_on_shutdown else None, [instance.engine], cluster_secret,
     )

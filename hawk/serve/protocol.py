@@ -40,6 +40,28 @@ class OpenAIError(Exception):
         return error_body(self.message, self.type, self.code, self.param)
 
 
+class Unauthorized(OpenAIError):
+    """Missing or wrong credentials (the router's API key, or the cluster secret internally)."""
+
+    def __init__(self, message: str):
+        super().__init__(401, message, "authentication_error", code="invalid_api_key")
+
+
+class RequestTooLarge(OpenAIError):
+    """A request body over the configured limit, refused before it is parsed."""
+
+    def __init__(self, size: int | None, limit: int):
+        got = f"{size} bytes" if size is not None else f"more than {limit} bytes"
+        super().__init__(413, f"request body too large: {got}, the limit is {limit} bytes (see --max-body-mb)", code="request_too_large")
+
+
+class InstanceDown(OpenAIError):
+    """An engine instance the request needs is down (crashed, restarting, or unreachable)."""
+
+    def __init__(self, message: str):
+        super().__init__(503, message, "server_error", code="instance_unavailable")
+
+
 def error_body(message: str, type: str = "invalid_request_error", code: str | None = None, param: str | None = None) -> dict[str, Any]:  # noqa: A002
     """OpenAI's error shape; clients (the ``openai`` package included) read ``error.message``."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}

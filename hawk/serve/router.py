@@ -7,6 +7,11 @@ are used round-robin. The router loads no weights: the tokenizer comes from a pr
 
 Every response carries a non-standard ``hawk`` object (in the last chunk when streaming) with the
 request's TTFT, TPOT and KV-transfer time and bytes, so a client can see what the transfer cost.
+
+Guards, outermost first: an API key on /v1/* (when set), a body-size limit (413 before parsing),
+a character-count bound on prompts (refused before tokenizing; tokenizing runs in a thread). A
+monitor polls each instance's /health: a request that needs an instance that is down gets a 503
+at once, and requests in flight on an instance that goes down fail with a 503 instead of waiting.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import asyncio
 import itertools
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -28,7 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hawk.engine.sequence import SamplingParams
 from hawk.engine.tokenizer import Tokenizer
-from hawk.serve.common import install_error_handlers
+from hawk.serve.common import API_KEY_ENV, LimitBody, RequireBearer, install_error_handlers
 from hawk.serve.generation import ClientGone, Generation, until_disconnected
 from hawk.serve.metrics import CONTENT_TYPE, RouterMetrics
 from hawk.serve.protocol import (
@@ -44,6 +50,7 @@ from hawk.serve.protocol import (
     CompletionResponse,
     Delta,
     ModelCard,
+    InstanceDown,
     ModelList,
     OpenAIError,
     Usage,
@@ -54,6 +61,10 @@ from hawk.serve.tokenizer_wire import tokenizer_from_wire
 log = logging.getLogger(__name__)
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never read by anyone
+#: No tokenizer HAWK serves has a token longer than this many characters, so a prompt of more than
+#: max_prompt_tokens x this is too long for sure, and is refused without being tokenized.
+MAX_CHARS_PER_TOKEN = 64
+MIN_BODY_BYTES = 4 << 20  # the default body limit is this, or more for long-context models
 
 
 @dataclass
@@ -68,6 +79,14 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     startup_timeout_s: float = 120.0
     aliases: list[str] = field(default_factory=list)  # more names clients may use for the model
+    api_key: str | None = None  # clients must send it as a Bearer token (default: $HAWK_API_KEY)
+    cluster_secret: str | None = None  # sent to the instances on every internal call
+    max_body_bytes: int | None = None  # default: derived from the context length (body_limit)
+    health_interval_s: float = 1.0  # how often instances' /health is polled
+
+    def body_limit(self, max_model_len: int) -> int:
+        """The configured limit, or room for a maximal prompt even as JSON-escaped text."""
+        return self.max_body_bytes or max(MIN_BODY_BYTES, max_model_len * MAX_CHARS_PER_TOKEN * 2)
 
 
 # ============================================================================ instances
@@ -93,11 +112,21 @@ class InstancePool:
         self.max_kv_tokens = min(int(i.info.get("max_kv_tokens", self.max_model_len)) for i in decode)
         self.vocab_size = min(int(i.info["vocab_size"]) for i in prefill)
 
-    def next_prefill(self) -> Instance:
-        return self.prefill[next(self._p) % len(self.prefill)]
+    def next_prefill(self, down: dict[str, str] | None = None) -> Instance:
+        return self._next(self.prefill, self._p, down or {}, "prefill")
 
-    def next_decode(self) -> Instance:
-        return self.decode[next(self._d) % len(self.decode)]
+    def next_decode(self, down: dict[str, str] | None = None) -> Instance:
+        return self._next(self.decode, self._d, down or {}, "decode")
+
+    @staticmethod
+    def _next(insts: list[Instance], counter: itertools.count, down: dict[str, str], role: str) -> Instance:
+        """Round-robin over the instances not known to be down."""
+        for _ in range(len(insts)):
+            inst = insts[next(counter) % len(insts)]
+            if inst.url not in down:
+                return inst
+        why = "; ".join(f"{u}: {down[u]}" for u in (i.url for i in insts))
+        raise InstanceDown(f"no {role} instance is available ({why}); it is being restarted, retry shortly")
 
     def all(self) -> list[Instance]:
         seen: dict[str, Instance] = {}
@@ -133,10 +162,16 @@ class Router:
         self.client: httpx.AsyncClient | None = None
         self.pool: InstancePool | None = None
         self.names: list[str] = []
+        self.max_body_bytes: int | None = None  # known once the instances' limits are
+        self.down: dict[str, str] = {}  # instance url -> why it is down
+        self._down_events: dict[str, asyncio.Event] = {}
+        self._monitor: asyncio.Task | None = None
 
     async def startup(self) -> None:
         cfg = self.cfg
+        auth = {"Authorization": f"Bearer {cfg.cluster_secret}"} if cfg.cluster_secret else {}
         self.client = httpx.AsyncClient(
+            headers=auth,
             timeout=httpx.Timeout(cfg.request_timeout_s, connect=5.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
             trust_env=False,  # internal loopback/cluster traffic must not go through an HTTP proxy
@@ -156,11 +191,51 @@ class Router:
             r = await self.client.get(f"{cfg.prefill_urls[0]}/internal/tokenizer", timeout=60.0)
             r.raise_for_status()
             self.tokenizer = await asyncio.to_thread(tokenizer_from_wire, r.json())
+        self.max_body_bytes = cfg.body_limit(self.pool.max_model_len)
+        self._monitor = asyncio.create_task(self._watch_instances(), name="hawk-health-monitor")
         log.info("router ready: model %s, prefill %s, decode %s", self.names[0], cfg.prefill_urls, cfg.decode_urls)
 
     async def shutdown(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
         if self.client is not None:
             await self.client.aclose()
+
+    # -- instance health ------------------------------------------------------------------------
+
+    async def _watch_instances(self) -> None:
+        """Poll every instance's /health; mark it down or up, and wake requests waiting on it."""
+        while True:
+            try:
+                res = await self.probe("/health")
+                for (role, url), ok in res.items():
+                    self.mark(url, None if ok is not None else f"{role} instance not healthy")
+            except Exception:  # noqa: BLE001 - the monitor must outlive any one probe
+                log.exception("health monitor")
+            await asyncio.sleep(self.cfg.health_interval_s)
+
+    def mark(self, url: str, down_reason: str | None) -> None:
+        """Record an instance as down (with why) or up; a new down wakes its in-flight requests."""
+        if down_reason is None:
+            if self.down.pop(url, None) is not None:
+                log.warning("instance %s is healthy again", url)
+                self._down_events.pop(url, None)
+            return
+        if url not in self.down:
+            log.error("instance %s is down: %s", url, down_reason)
+            self.down[url] = down_reason
+            self._down_events.setdefault(url, asyncio.Event()).set()
+
+    async def wait_down(self, *urls: str) -> str:
+        """Returns (why) when one of ``urls`` is marked down."""
+        waits = [asyncio.ensure_future(self._down_events.setdefault(u, asyncio.Event()).wait()) for u in urls]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        u = next((u for u in urls if u in self.down), urls[0])
+        return f"{u} went down: {self.down.get(u, 'unhealthy')}"
 
     # -- request checks -----------------------------------------------------------------------
 
@@ -172,10 +247,23 @@ class Router:
         if model is not None and model not in self.names:
             raise OpenAIError(404, f"The model `{model}` does not exist. This server serves: {', '.join(self.names)}", code="model_not_found", param="model")
 
+    def check_chars(self, n_chars: int, param: str) -> None:
+        """Refuse text that cannot fit the context whatever it tokenizes to, without tokenizing it."""
+        assert self.pool is not None
+        limit = self.pool.max_prompt_tokens * MAX_CHARS_PER_TOKEN
+        if n_chars > limit:
+            raise OpenAIError(
+                400,
+                f"your prompt has {n_chars} characters, more than any prompt of at most {self.pool.max_prompt_tokens} tokens "
+                f"can have (this model's maximum context length is {self.pool.max_model_len} tokens). Please shorten the prompt.",
+                code="context_length_exceeded", param=param,
+            )
+
     def completion_prompt(self, prompt: str | list[Any]) -> list[int]:
         assert self.tokenizer is not None and self.pool is not None
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one (protocol refuses longer batches)
+        self.check_chars(len(prompt), "prompt")  # ids too: a list that long is over the limit
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
@@ -189,6 +277,7 @@ class Router:
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         assert self.tokenizer is not None
+        self.check_chars(sum(_chars(m.content) for m in req.messages), "messages")
         try:
             text = self.tokenizer.apply_chat_template(req.message_dicts(), add_generation_prompt=True)
         except ValueError as e:
@@ -240,7 +329,7 @@ class Router:
 
     def new_generation(self, rid: str, prompt_ids: list[int], params: SamplingParams, stop: list[str], arrival: float) -> Generation:
         assert self.pool is not None and self.client is not None and self.tokenizer is not None
-        p, d = self.pool.next_prefill(), self.pool.next_decode()
+        p, d = self.pool.next_prefill(self.down), self.pool.next_decode(self.down)
         extra = {"transfer": d.info.get("transfer"), "decode_device": d.info.get("device_label", d.info.get("device")), "kv_dtype": d.info.get("kv_dtype")}
         return Generation(self.client, p.url, d.url, rid, prompt_ids, params, self.tokenizer, stop, arrival, extra)
 
@@ -253,7 +342,7 @@ class Router:
         include_usage: bool,
     ) -> Response:
         try:
-            await until_disconnected(lambda: wait_disconnect(request), gen.start())
+            await until_disconnected(lambda: self._stopper(request, gen), gen.start())
         except ClientGone:
             self.metrics.finished.labels("client_disconnected").inc()
             return Response(status_code=CLIENT_CLOSED)
@@ -264,13 +353,25 @@ class Router:
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         try:
-            text, reason = await until_disconnected(lambda: wait_disconnect(request), _collect(gen))
+            text, reason = await until_disconnected(lambda: self._stopper(request, gen), _collect(gen))
         except ClientGone:
             self.metrics.finished.labels("client_disconnected").inc()
             return Response(status_code=CLIENT_CLOSED)
         summary = gen.summary()
         self.metrics.observe(summary)
         return JSONResponse(chunks.full(text, reason, Usage.of(len(gen.prompt_ids), gen.num_tokens), summary))
+
+    async def _stopper(self, request: Request, gen: Generation) -> None:
+        """Returns when the client leaves; raises InstanceDown when an instance of ``gen`` goes down."""
+        leave = asyncio.ensure_future(wait_disconnect(request))
+        down = asyncio.ensure_future(self.wait_down(gen.prefill_url, gen.decode_url))
+        try:
+            await asyncio.wait({leave, down}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            leave.cancel()
+            down.cancel()
+        if down.done() and not down.cancelled() and not leave.done():
+            raise InstanceDown(f"the request failed: {down.result()}; retry shortly")
 
     async def _sse(self, gen: Generation, chunks: ChunkMaker, include_usage: bool) -> AsyncIterator[str]:
         done = False
@@ -323,6 +424,12 @@ async def wait_disconnect(request: Request) -> None:
         msg = await request.receive()
         if msg["type"] == "http.disconnect":
             return
+
+
+def _chars(content: str | list[Any] | None) -> int:
+    if content is None:
+        return 0
+    return len(content) if isinstance(content, str) else sum(len(p.text) for p in content)
 
 
 async def _collect(gen: Generation) -> tuple[str, str | None]:
@@ -415,7 +522,10 @@ def create_router_app(cfg: RouterConfig, tokenizer: Tokenizer | None = None) -> 
     app = FastAPI(title="HAWK router", lifespan=lifespan)
     app.state.router = router
     install_error_handlers(app)
-    app.add_middleware(CountRequests, metrics=router.metrics)
+    app.add_middleware(LimitBody, limit=lambda: router.max_body_bytes)
+    api_key = cfg.api_key or os.environ.get(API_KEY_ENV) or None
+    app.add_middleware(RequireBearer, token=api_key, protected=lambda p: p.startswith("/v1/"), what="API key")
+    app.add_middleware(CountRequests, metrics=router.metrics)  # last added = outermost: counts 401/413 too
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:

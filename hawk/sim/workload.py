@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -85,8 +85,29 @@ WORKLOADS: dict[str, Workload] = {
 }
 
 
-def get_workload(name: str | Workload) -> Workload:
-    if isinstance(name, Workload):
+@runtime_checkable
+class RequestSource(Protocol):
+    """Anything that yields a run's requests itself, e.g. a replayed trace (``traces.TraceWorkload``).
+
+    It stands where a :class:`Workload` does: it has a name, SLOs, and gives the first ``n``
+    requests at a mean ``rate``."""
+
+    @property
+    def name(self) -> str: ...
+
+    slo_ttft_ms: float
+    slo_tpot_ms: float
+
+    def requests(self, n: int, rate: float, seed: int = 0) -> list[RequestSpec]: ...
+
+    def scaled(self, input_scale: float = 1.0, output_scale: float = 1.0) -> Any: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+def get_workload(name: str | Workload | RequestSource) -> Workload | RequestSource:
+    """A workload by name; a Workload or a request source (trace) is returned as it is."""
+    if isinstance(name, (Workload, RequestSource)):
         return name
     try:
         return WORKLOADS[name]
@@ -104,6 +125,14 @@ class RequestSpec:
     output_len: int
 
 
+def unit_gaps(n: int, seed: int) -> np.ndarray:
+    """Seeded Poisson gaps at rate 1 (the first is 0: it starts the clock); divide by a rate."""
+    gaps = np.random.default_rng(seed).exponential(1.0, n)
+    if n:
+        gaps[0] = 0.0
+    return gaps
+
+
 @dataclass
 class ArrivalProcess:
     """Poisson arrivals at ``rate`` req/s (``inf``: all at t=0), seeded.
@@ -118,9 +147,7 @@ class ArrivalProcess:
 
     def _draws(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if n not in self._cache:
-            rng = np.random.default_rng(self.seed)
-            gaps = rng.exponential(1.0, n)
-            gaps[0] = 0.0  # the first request starts the clock
+            gaps = unit_gaps(n, self.seed)
             # one stream per quantity: a longer run keeps the first requests of a shorter one
             ins = self.workload.input.sample(np.random.default_rng([self.seed, 1]), n)
             outs = self.workload.output.sample(np.random.default_rng([self.seed, 2]), n)
@@ -135,6 +162,9 @@ class ArrivalProcess:
         return [RequestSpec(i, float(times[i]), int(ins[i]), int(outs[i])) for i in range(n)]
 
 
-def generate_requests(workload: str | Workload, num_requests: int, rate: float, seed: int = 0) -> list[RequestSpec]:
-    """The ``num_requests`` requests of one run (see :class:`ArrivalProcess`)."""
-    return ArrivalProcess(get_workload(workload), seed).requests(num_requests, rate)
+def generate_requests(workload: str | Workload | RequestSource, num_requests: int, rate: float, seed: int = 0) -> list[RequestSpec]:
+    """The ``num_requests`` requests of one run (see :class:`ArrivalProcess`; a trace replays its own)."""
+    wl = get_workload(workload)
+    if not isinstance(wl, Workload):
+        return wl.requests(num_requests, rate, seed)
+    return ArrivalProcess(wl, seed).requests(num_requests, rate)
