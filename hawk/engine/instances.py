@@ -113,6 +113,11 @@ def held(reservations: list[Any]) -> list[dict[str, Any]]:
     return [{"request": r.owner, "buffer": r.buffer, "offset": r.offset, "bytes": r.size, "held_s": round(now - r.since, 3)} for r in reservations]
 
 
+def _decode_len(cfg: InstanceConfig, mc: Any) -> int:
+    """Longest sequence a decode backend must address: sizes its block tables (copied every step)."""
+    return min(cfg.max_model_len or mc.max_position_embeddings, cfg.kv_tokens)
+
+
 def _gpu_layout(cfg: InstanceConfig, mc: Any, tokens: int) -> GpuKVLayout:
     blocks = -(-tokens // cfg.gpu_block_size)
     return GpuKVLayout(mc.num_layers, blocks, cfg.gpu_block_size, mc.num_kv_heads, mc.head_dim, cfg.gpu_kv_dtype)
@@ -181,14 +186,14 @@ class DecodeInstance:
             self.npu = open_npu(cfg.decode_device, cfg.arch, bank_capacity=-(-bank // MiB) * MiB)
             layout = NpuKVLayout(self.npu.arch, mc.num_layers, blocks, mc.num_kv_heads, cfg.npu_block_size, mc.head_dim, cfg.kv_dtype, shard_pages=cfg.npu_shard_pages)
             self.kv = NpuKVCacheMemory(self.npu, layout)
-            attn: Any = NpuTileAttention(self.kv)
+            attn: Any = NpuTileAttention(self.kv, max_batch=cfg.max_batch, max_model_len=_decode_len(cfg, mc))
             self.blocks = BlockManager(blocks, cfg.npu_block_size)
             memory = cfg.decode_device.partition(":")[2] or "cpu"
             side: Any = NpuSide(self.npu, self.kv, rx, cost_model_for(cfg.transport, memory), cfg.landing_mode)
         else:
             layout_g = _gpu_layout(cfg, mc, cfg.kv_tokens)
             self.caches = layout_g.allocate(compute)
-            attn = PagedAttention(layout_g, self.caches)
+            attn = PagedAttention(layout_g, self.caches, max_batch=cfg.max_batch, max_model_len=_decode_len(cfg, mc))
             self.blocks = BlockManager(layout_g.num_blocks, layout_g.block_size)
             side = GpuSide(self.caches, layout_g, rx)
         self.receiver = make_receiver(cfg.transfer, self.transport, side, post=cfg.post)
@@ -197,6 +202,7 @@ class DecodeInstance:
             self.loaded.model, attn, RemoteKV(self.blocks, self.receiver), eos, cfg.max_batch,
             graphs=cfg.graphs, max_model_len=cfg.max_model_len or None,
         )
+        self.engine.warmup()  # capture the decode graphs before traffic (none on a CPU)
 
     def accounting(self) -> dict[str, Any]:
         a = self.receiver.accounting()
@@ -232,11 +238,12 @@ class ColocatedInstance:
         self.blocks = BlockManager(self.layout.num_blocks, self.layout.block_size)
         self._handed: dict[str, list[int]] = {}
         self.prefill = PrefillEngine(self.loaded.model, self.layout, self.caches, self._handoff, block_manager=self.blocks)
-        attn = PagedAttention(self.layout, self.caches)
+        attn = PagedAttention(self.layout, self.caches, max_batch=cfg.max_batch, max_model_len=_decode_len(cfg, mc))
         self.decode = DecodeEngine(
             self.loaded.model, attn, LocalKV(self.blocks), tuple(mc.eos_token_ids), cfg.max_batch,
             graphs=cfg.graphs, max_model_len=cfg.max_model_len or None,
         )
+        self.decode.warmup()
 
     def _handoff(self, request_id: str, num_tokens: int, blocks: list[int], free: Any) -> None:
         self._handed[request_id] = blocks  # the decode engine takes these blocks over as they are

@@ -1,0 +1,78 @@
+"""Where an 8B decode step's time goes: per-kernel GPU time of one eager step, and the graph step.
+
+A tuning probe beside ``hawk bench engine``: the eager step under torch.profiler lists every kernel
+with its GPU time; the sum of kernel time against the replayed graph's step time says whether a
+step is bound by kernels (tune them) or by the gaps between them (fuse them).
+
+    python benchmarks/profile_decode.py --batches 1,64 --context 1024 [--path npu-tile --kv-dtype bfp8_b]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from hawk.bench import engine as eb
+from hawk.engine.attention import SeqSlice
+from hawk.engine.config import preset
+from hawk.engine.model import LlamaModel
+from hawk.engine.runner import ModelRunner
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="1,64")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--paths", default="gpu-paged:bf16,npu-tile:bfp8_b")
+    p.add_argument("--rows", type=int, default=25)
+    a = p.parse_args()
+    dev = torch.device("cuda:0")
+    cfg = preset("llama-3.1-8b")
+    model = LlamaModel.from_config(cfg, dtype=torch.bfloat16, device=dev, fuse=True)
+    for spec in a.paths.split(","):
+        path, kvd = spec.split(":")
+        for b in (int(x) for x in a.batches.split(",")):
+            build = eb.build_paged if path == "gpu-paged" else eb.build_npu
+            cache = build(cfg, kvd, b, a.context + 8, dev)
+            slices = [SeqSlice(blocks, a.context, 1) for blocks in cache.blocks]
+            toks = [[1] for _ in range(b)]
+            eager = ModelRunner(model, cache.attn, max_batch=max(b, 1), graphs=False)
+            for _ in range(3):
+                eager.step(toks, slices)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                eager.step(toks, slices)
+                torch.cuda.synchronize()
+            ev = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0) > 0]
+            total = sum(getattr(e, "self_device_time_total", 0) for e in ev) / 1e3
+            print(f"=== {path} {kvd} batch {b} context {a.context}: eager kernel time {total:.3f} ms")
+            print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=a.rows, max_name_column_width=70))
+            graphed = ModelRunner(model, cache.attn, max_batch=max(b, 1), graphs=True)
+            graphed.warmup([eb_bucket(b)])
+            for _ in range(3):
+                graphed.step(toks, slices).greedy.tolist()
+            torch.cuda.synchronize()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            times = []
+            for _ in range(20):
+                e0.record()
+                graphed.step(toks, slices).greedy.tolist()
+                e1.record()
+                e1.synchronize()
+                times.append(e0.elapsed_time(e1))
+            print(f"=== graph step median {sorted(times)[10]:.3f} ms (kernels alone {total:.3f} ms)")
+            cache.close()
+            del cache, eager, graphed
+            torch.cuda.empty_cache()
+
+
+def eb_bucket(b: int) -> int:
+    from hawk.engine.runner import decode_buckets
+
+    return min(x for x in decode_buckets(max(b, 1)) if x >= b)
+
+
+if __name__ == "__main__":
+    main()
