@@ -26,6 +26,7 @@ fi
 cat "$OUT/env.txt"
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 dec=1; [ "$ngpu" -lt 2 ] && dec=0  # one GPU: both roles on it (label the results so)
+post=pull; [ "$dec" = 0 ] && post=push  # NIXL READ within one GPU falls back to a slow path; WRITE does not
 
 step() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; local t0=$SECONDS; timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v "NIXL INFO"; echo "=== $name rc=${PIPESTATUS[0]} in $((SECONDS - t0))s"; }
 
@@ -66,11 +67,11 @@ serve_bench() {  # serve_bench CONFIG DECODE_DEVICE: one server, one load sweep,
   local cfg=$1 dev=$2 port=8100
   python3 -c 'import fastapi, uvicorn, httpx, zmq' || { echo "serving needs fastapi/uvicorn/pydantic wheels (docs/gpu.md)"; return 1; }
   python3 -m hawk serve --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device "$dev" \
-    --transfer "$cfg" --port $port --kv-tokens 65536 --staging-mb 1024 --rx-mb 1024 > "$OUT/serve_$cfg.log" 2>&1 &
+    --transfer "$cfg" --port $port --kv-tokens 65536 --staging-mb 1024 --rx-mb 1024 --post "$post" > "$OUT/serve_$cfg.log" 2>&1 &
   local spid=$!
   for _ in $(seq 1 240); do curl -sf 127.0.0.1:$port/health > /dev/null && break; kill -0 $spid 2> /dev/null || break; sleep 1; done
   step "serving_$cfg" 200 python3 -m hawk.bench.serving --url http://127.0.0.1:$port --workload chatbot \
-    --rates 1,2,4 --num-requests 30 --output-scale 0.25 --json "$OUT/serving_$cfg.json"
+    --rates 1,2,4,8 --num-requests 30 --output-scale 0.25 --json "$OUT/serving_$cfg.json"
   kill -INT $spid; wait $spid
 }
 if want serving; then
