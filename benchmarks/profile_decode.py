@@ -1,8 +1,10 @@
 """Where an 8B decode step's time goes: per-kernel GPU time of one eager step, and the graph step.
 
 A tuning probe beside ``hawk bench engine``: the eager step under torch.profiler lists every kernel
-with its GPU time; the sum of kernel time against the replayed graph's step time says whether a
-step is bound by kernels (tune them) or by the gaps between them (fuse them).
+with its GPU time and the number of kernels launched; the sum of kernel time against the replayed
+graph's step time says whether a step is bound by kernels (tune them) or by the gaps between them
+(fuse them). The host time of a graph step (``runner.step`` up to and including the replay launch,
+no sync) is printed too: it is what the GPU waits for when the step is short.
 
     python benchmarks/profile_decode.py --batches 1,64 --context 1024 [--path npu-tile --kv-dtype bfp8_b]
 """
@@ -10,6 +12,7 @@ step is bound by kernels (tune them) or by the gaps between them (fuse them).
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -47,7 +50,9 @@ def main() -> None:
                 torch.cuda.synchronize()
             ev = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0) > 0]
             total = sum(getattr(e, "self_device_time_total", 0) for e in ev) / 1e3
-            print(f"=== {path} {kvd} batch {b} context {a.context}: eager kernel time {total:.3f} ms")
+            kernels = sum(e.count for e in prof.events() if e.device_type.name == "CUDA")
+            print(f"=== {path} {kvd} batch {b} context {a.context}: eager kernel time {total:.3f} ms, "
+                  f"{kernels} GPU activities (kernels + copies) per step")
             print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=a.rows, max_name_column_width=70))
             graphed = ModelRunner(model, cache.attn, max_batch=max(b, 1), graphs=True)
             graphed.warmup([eb_bucket(b)])
@@ -55,14 +60,18 @@ def main() -> None:
                 graphed.step(toks, slices).greedy.tolist()
             torch.cuda.synchronize()
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            times = []
+            times, host = [], []
             for _ in range(20):
                 e0.record()
-                graphed.step(toks, slices).greedy.tolist()
+                h0 = time.perf_counter()
+                out = graphed.step(toks, slices)
+                host.append((time.perf_counter() - h0) * 1e6)
+                out.greedy.tolist()
                 e1.record()
                 e1.synchronize()
                 times.append(e0.elapsed_time(e1))
-            print(f"=== graph step median {sorted(times)[10]:.3f} ms (kernels alone {total:.3f} ms)")
+            print(f"=== graph step median {sorted(times)[10]:.3f} ms (kernels alone {total:.3f} ms); "
+                  f"host part of step() median {sorted(host)[10]:.0f} us")
             cache.close()
             del cache, eager, graphed
             torch.cuda.empty_cache()

@@ -359,3 +359,64 @@ def test_a_backend_without_pad_to_runs_eagerly_on_cuda() -> None:
     assert not runner.use_graphs
     runner.forward([[1, 2]], [SeqSlice([0], 0, 2)])
     assert runner.step([[3]], [SeqSlice([0], 2, 1)]).path is StepPath.EAGER
+
+
+# ---- host time per step ------------------------------------------------------------------------
+
+
+def test_finite_argmax_is_greedy_tokens() -> None:
+    from hawk.engine.runner import finite_argmax
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=g)
+    logits[1, 7] = float("nan")
+    logits[2, 3] = float("inf")
+    logits[3] = float("-inf")
+    logits[4] = float("nan")
+    logits[5, :] = 1.0  # ties: the first index
+    logits[0, 10] = logits[0, 20] = 9.0
+    assert torch.equal(finite_argmax(logits), greedy_tokens(logits))
+
+
+def _paged_triton_on_cpu(fast: bool) -> PagedAttention:
+    pytest.importorskip("triton")
+    lay = GpuKVLayout(1, 64, 4, 2, 32, "fp32")
+    attn = PagedAttention(lay, lay.allocate("cpu"), max_batch=4, max_model_len=64, use_triton=True)
+    attn.fast_decode = fast
+    return attn
+
+
+def test_paged_decode_shortcut_writes_what_the_general_begin_does() -> None:
+    """Rows cached per staging slot stay right when sequences grow, leave, join, get a new block
+    list, or a prefill rewrites the table in between (begin on CPU with the Triton path's buffers)."""
+    fast, slow = _paged_triton_on_cpu(True), _paged_triton_on_cpu(False)
+    a, b, c = list(range(0, 8)), list(range(8, 16)), list(range(16, 24))
+    refill = list(range(24, 32))
+    steps: list[tuple[list[SeqSlice], int | None]] = [
+        ([SeqSlice(a, 5, 1), SeqSlice(b, 3, 1)], 4),
+        ([SeqSlice(a, 6, 1), SeqSlice(b, 4, 1)], 4),  # b crosses into its second block
+        ([SeqSlice(a, 7, 1), SeqSlice(b, 5, 1)], 2),
+        ([SeqSlice(b, 6, 1)], 1),  # a leaves: b moves to row 0
+        ([SeqSlice(c, 0, 1), SeqSlice(b, 7, 1), SeqSlice(a, 8, 1)], 4),  # joins, other order
+        ([SeqSlice(c, 1, 3), SeqSlice(b, 8, 1)], None),  # a prefill chunk: the general path
+        ([SeqSlice(c, 4, 1), SeqSlice(b, 9, 1)], None),
+        ([SeqSlice(c, 5, 1), SeqSlice(b, 10, 1)], 2),
+        ([SeqSlice(refill, 9, 1), SeqSlice(b, 11, 1)], 2),  # a new list in row 0
+        ([SeqSlice(refill, 13, 1), SeqSlice(b, 12, 1)], 2),
+        ([], 4),  # padding only (capture)
+        ([SeqSlice(b, 13, 1)], 2),
+    ]
+    for i, (batch, pad) in enumerate(steps):
+        for attn in (fast, slow):
+            attn.begin(batch, pad_to=pad)
+        fv, sv = fast._views, slow._views
+        for key in ("seq_lens", "q_start", "slots", "prog_seq", "prog_blk"):
+            assert torch.equal(fv[key], sv[key]), (i, key)
+        for row, s in enumerate(batch):
+            need = (s.start + s.q_len + 3) // 4
+            assert torch.equal(fv["block_tables"][row, :need], sv["block_tables"][row, :need]), (i, row)
+        assert (fast._n, fast._n_real, fast._tokens, fast._decode) == (slow._n, slow._n_real, slow._tokens, slow._decode)
+    with pytest.raises(ValueError, match="blocks"):
+        fast.begin([SeqSlice([0], 4, 1)], pad_to=1)
+    with pytest.raises(ValueError, match="pad_to"):
+        fast.begin([SeqSlice(a, 1, 1), SeqSlice(b, 1, 1)], pad_to=1)

@@ -4,6 +4,10 @@ Inputs are a flattened ragged batch: ``input_ids [T]`` and ``positions [T]`` hol
 tokens of several sequences back to back. Attention storage is the caller's: each layer hands
 its RoPE'd q/k/v to an ``AttentionBackend`` (see attention.py), which writes k/v to whatever
 cache layout it keeps and returns the attention output.
+
+Each block carries ``(hidden, residual)``: the residual adds happen inside the norms. On CUDA the
+norms, RoPE and SiLU run as fused Triton kernels (:mod:`hawk.engine.triton_ops`, ~11 launches per
+layer instead of ~31); elsewhere the same steps run as the torch ops those kernels are tested against.
 """
 
 from __future__ import annotations
@@ -11,13 +15,16 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hawk.engine import triton_ops
 from hawk.engine.attention import AttentionBackend, ContiguousKVAttention
 from hawk.engine.config import ModelConfig, RopeScaling
+from hawk.engine.triton_ops import add_rms_norm_ref, rms_norm_ref, silu_mul_ref
 
 
 class RMSNorm(nn.Module):
@@ -28,9 +35,16 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 even for bf16 weights: the mean of squares loses too much in bf16.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm_ref(x, self.weight, self.eps)
+
+    def add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, fused: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``, the residual updated in place; the first layer
+        has none yet (``x`` becomes it). ``fused``: one Triton kernel instead of ~7 torch ops."""
+        if fused:
+            return triton_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        return add_rms_norm_ref(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -158,6 +172,24 @@ def rope_rolled(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) ->
     return x * cos[:, None, :] + x.roll(x.shape[-1] // 2, -1) * sin_signed[:, None, :]
 
 
+class RopeArgs(NamedTuple):
+    """What a layer needs to rotate q and k, in one of two forms.
+
+    Torch path: ``cos, sin_signed [T, D]`` gathered once per forward, ``positions`` None. Fused
+    path (:attr:`kernels`): the whole tables ``[L, D]`` and ``positions [T]``; the Triton kernel
+    gathers the rows itself, so a step has no gather kernels and no host sync.
+    """
+
+    cos: torch.Tensor
+    sin_signed: torch.Tensor
+    positions: torch.Tensor | None = None
+
+    @property
+    def kernels(self) -> bool:
+        """True when this forward runs the fused Triton kernels (norms, RoPE, SiLU)."""
+        return self.positions is not None
+
+
 class _Fusable(nn.Module):
     """A module whose parallel projections (same input) can run as one matmul.
 
@@ -235,11 +267,14 @@ class Attention(_Fusable):
         self.wqkv: torch.Tensor | None
         self._init_fusion()
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, attn: AttentionBackend
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RopeArgs, attn: AttentionBackend) -> torch.Tensor:
         t, hq, hkv, d = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
-        if self.wqkv is not None:
+        cos, sin_signed = rope.cos, rope.sin_signed
+        if rope.kernels:  # one kernel: RoPE on q and k, and q/k/v out as contiguous tensors
+            assert self.wqkv is not None and rope.positions is not None
+            qkv = F.linear(x, self.wqkv)
+            q, k, v = triton_ops.qkv_rope(qkv, rope.positions, cos, sin_signed, hq, hkv)
+        elif self.wqkv is not None:
             qkv = F.linear(x, self.wqkv).view(t, hq + 2 * hkv, d)
             qk = rope_rolled(qkv[:, : hq + hkv], cos, sin_signed)  # q and k heads in one pass
             # Contiguous, as the unfused path gives them (free for a single token).
@@ -266,12 +301,13 @@ class MLP(_Fusable):
         self.w_gate_up: torch.Tensor | None
         self._init_fusion()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kernels: bool = False) -> torch.Tensor:
         if self.w_gate_up is not None:
-            gate, up = F.linear(x, self.w_gate_up).chunk(2, dim=-1)
+            gate_up = F.linear(x, self.w_gate_up)
+            act = triton_ops.silu_mul(gate_up) if kernels else silu_mul_ref(gate_up)
         else:
-            gate, up = F.linear(x, self.gate.weight), F.linear(x, self.up.weight)
-        return F.linear(F.silu(gate) * up, self.down.weight)
+            act = F.silu(F.linear(x, self.gate.weight)) * F.linear(x, self.up.weight)
+        return F.linear(act, self.down.weight)
 
 
 class Block(nn.Module):
@@ -283,10 +319,14 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, attn: AttentionBackend
-    ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin_signed, attn)
-        return x + self.mlp(self.mlp_norm(x))
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeArgs, attn: AttentionBackend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``: the previous sublayer's output, not yet added to ``residual`` (the stream; None
+        before the first layer). The adds happen inside the norms (one kernel each when fused);
+        returns this block's MLP output and the residual stream, for the next norm to add."""
+        h, residual = self.attn_norm.add_norm(x, residual, rope.kernels)
+        h, residual = self.mlp_norm.add_norm(self.attn(h, rope, attn), residual, rope.kernels)
+        return self.mlp(h, rope.kernels), residual
 
 
 class LlamaModel(nn.Module):
@@ -299,6 +339,9 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.rope = RotaryTable(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        #: Fused Triton kernels for norms / RoPE / SiLU: None = on CUDA when Triton is installed;
+        #: True forces them (e.g. on CPU under ``TRITON_INTERPRET=1``), False forbids them.
+        self.use_triton: bool | None = None
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head if the config says so (redo after materialising)."""
@@ -320,6 +363,15 @@ class LlamaModel(nn.Module):
     @property
     def fused(self) -> bool:
         return all(layer.attn.fused and layer.mlp.fused for layer in self.layers)
+
+    def uses_kernels(self) -> bool:
+        """Whether a forward runs the fused Triton kernels (they need the fused projections).
+
+        The CPU keeps the torch ops: the kernels only pay off where launches cost (a GPU).
+        """
+        if self.use_triton is False or not triton_ops.AVAILABLE or not self.fused:
+            return False
+        return bool(self.use_triton) or self.device.type == "cuda"
 
     def reserve_positions(self, n_positions: int) -> None:
         """Make RoPE valid for positions below ``n_positions`` on this model's device (no sync later)."""
@@ -343,10 +395,14 @@ class LlamaModel(nn.Module):
                 f"and {tuple(positions.shape)}"
             )
         x = self.embed(input_ids)
-        cos, sin_signed = self.rope.lookup(positions, x.dtype)
+        if self.uses_kernels():
+            rope = RopeArgs(*self.rope.table(x.device, x.dtype), positions=positions.contiguous())
+        else:
+            rope = RopeArgs(*self.rope.lookup(positions, x.dtype))
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin_signed, attn)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, attn)
+        return self.norm.add_norm(x, residual, rope.kernels)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[T, vocab]`` in fp32, so sampling is the same whatever the weights' dtype.

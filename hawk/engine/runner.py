@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import enum
 import inspect
+import operator
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from hawk.engine.attention import SeqSlice
 from hawk.engine.model import LlamaModel
-from hawk.engine.sampler import greedy_tokens
+from hawk.engine.sampler import NO_TOKEN
 
 
 class GraphsUnavailable(RuntimeError):
@@ -72,6 +73,8 @@ class _Graph:
     graph: Any  # torch.cuda.CUDAGraph
     logits: torch.Tensor  # [bucket, vocab], the graph's output
     greedy: torch.Tensor  # [bucket]
+    #: ``(logits[:n], greedy[:n])`` per real batch size n, sliced once (views cost host time).
+    views: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -107,8 +110,15 @@ class ModelRunner:
         self._graph_rope_version = -1
         self._pool: Any = None
         self._io: torch.Tensor | None = None  # [2 * max bucket]: ids then positions, per bucket
+        # Pinned staging for _io (two slots, each reused once its last copy ran), as numpy views.
+        self._io_stage: list[tuple[torch.Tensor, Any]] = []
+        self._io_slot = 0
         if self.use_graphs:
             self._io = torch.zeros(2 * self.buckets[-1], dtype=torch.int64, device=self.device)
+            if self.device.type == "cuda":
+                for _ in range(2):
+                    host = torch.zeros(2 * self.buckets[-1], dtype=torch.int64, pin_memory=True)
+                    self._io_stage.append((host, torch.cuda.Event()))
 
     def _why_no_graphs(self) -> str | None:
         if self.device.type != "cuda":
@@ -137,12 +147,14 @@ class ModelRunner:
         if not slices or len(tokens) != len(slices):
             raise ValueError(f"need one token list per sequence, got {len(tokens)} for {len(slices)}")
         with self._lock:
-            need = max(s.start + s.q_len for s in slices)
+            starts = [s.start for s in slices]
+            q_lens = [s.q_len for s in slices]
+            need = max(map(operator.add, starts, q_lens))
             if need > len(self.model.rope):
                 self.model.reserve_positions(need)  # grows the table: graphs are recaptured
-            decode = all(s.q_len == 1 for s in slices)
+            decode = q_lens.count(1) == len(q_lens)
             if self.use_graphs and decode and len(slices) <= self.buckets[-1]:
-                return self._replay(tokens, slices)
+                return self._replay(tokens, slices, starts)
             return self._eager(tokens, slices, decode)
 
     @torch.inference_mode()
@@ -193,20 +205,41 @@ class ModelRunner:
                 return b
         raise ValueError(f"batch of {n} exceeds the largest decode bucket {self.buckets[-1]}")
 
-    def _replay(self, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice]) -> StepOutput:
+    def _replay(self, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice], starts: list[int]) -> StepOutput:
         n = len(slices)
         b = self._bucket(n)
-        pad = [0] * (b - n)
-        ids = [seq[0] for seq in tokens]
-        if any(len(seq) != 1 for seq in tokens):
-            raise ValueError("a decode step takes exactly one token per sequence")
-        host = torch.tensor(ids + pad + [s.start for s in slices] + pad, dtype=torch.int64)
-        assert self._io is not None
+        try:
+            ids = [t for (t,) in tokens]  # unpacking checks one token per sequence
+        except ValueError:
+            raise ValueError("a decode step takes exactly one token per sequence") from None
         self.attn.begin(slices, pad_to=b)
-        self._io[: 2 * b].copy_(host, non_blocking=True)  # pageable H2D: staged, no host sync
+        self._write_io(ids, starts, b)
         g = self._graph_for(b)
         g.graph.replay()
-        return StepOutput(g.logits[:n], g.greedy[:n], StepPath.GRAPH)
+        outs = g.views.get(n)
+        if outs is None:
+            outs = g.views[n] = (g.logits[:n], g.greedy[:n])
+        return StepOutput(outs[0], outs[1], StepPath.GRAPH)
+
+    def _write_io(self, ids: list[int], starts: list[int], b: int) -> None:
+        """ids then positions, each padded with zeros to ``b``, into the static ``_io[:2b]``:
+        through a pinned staging slot and one async H2D copy on CUDA, in place on the host."""
+        assert self._io is not None
+        n = len(ids)
+        if not self._io_stage:  # host buffers (the CPU stand-in for graphs): write them directly
+            io = self._io.numpy()
+        else:
+            self._io_slot ^= 1
+            host, ev = self._io_stage[self._io_slot]
+            ev.synchronize()  # the copy that last used this slot (two steps ago): long done
+            io = host.numpy()
+        io[:n] = ids
+        io[n:b] = 0
+        io[b : b + n] = starts
+        io[b + n : 2 * b] = 0
+        if self._io_stage:
+            self._io[: 2 * b].copy_(host[: 2 * b], non_blocking=True)
+            ev.record()
 
     def _graph_for(self, b: int) -> _Graph:
         """The bucket's graph, captured now if missing (or stale: the RoPE table moved)."""
@@ -228,7 +261,7 @@ class ModelRunner:
 
         def body() -> tuple[torch.Tensor, torch.Tensor]:
             logits = self.model.compute_logits(self.model(ids, pos, self.attn))
-            return logits, greedy_tokens(logits)
+            return logits, finite_argmax(logits)
 
         return body
 
@@ -253,6 +286,16 @@ class ModelRunner:
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits, greedy = body()
         return _Graph(graph, logits, greedy)
+
+
+def finite_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """:func:`~hawk.engine.sampler.greedy_tokens` in four kernels instead of seven (a graph's
+    tail runs it over ``[bucket, vocab]`` every step). NaN and +inf become -inf (-inf must be
+    named too, or nan_to_num makes it finite), so a row's max is finite exactly when the row has
+    a finite value, and max returns the first maximal index, as argmax does."""
+    clean = torch.nan_to_num(logits, nan=float("-inf"), posinf=float("-inf"), neginf=float("-inf"))
+    best, idx = clean.max(-1)
+    return torch.where(best > float("-inf"), idx, NO_TOKEN)
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
