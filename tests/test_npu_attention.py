@@ -89,8 +89,11 @@ def _qkv(rows: int, hq: int, hkv: int, d: int, seed: int, dtype=torch.float32, d
 
 
 def _compare(dtype: str, shard: int, batch, hq: int = 4, backend: str = "torch", splits: int | None = None,
-             pad_to: int | None = None, atol: float = 1e-5) -> None:
-    """Backend vs oracle: every byte of memory after the writes, and the outputs, over two layers."""
+             pad_to: int | None = None, atol: float = 1e-5, fast: bool = False) -> None:
+    """Backend vs oracle: every byte of memory after the writes, and the outputs, over two layers.
+
+    ``fast``: give the Triton path an explicit launch shape, which routes bf16 to the chunked kernel too.
+    """
     from hawk.engine.npu_attention import NpuTileAttention
 
     npu, kv = _cache(dtype, shard)
@@ -103,6 +106,10 @@ def _compare(dtype: str, shard: int, batch, hq: int = 4, backend: str = "torch",
         mem_want = npu.memory.clone()
         npu.memory.copy_(mem0)
         attn = NpuTileAttention(kv, max_batch=8, backend=backend, num_splits=splits)
+        if fast:
+            from hawk.engine.triton_npu_attention import DecodeConfig
+
+            attn.decode_config = DecodeConfig()
         attn.begin(batch, pad_to=pad_to)
         got = [attn(layer, q, k, v) for layer in range(2)]
         assert torch.equal(npu.memory, mem_want), "row writes differ from the codecs (or touched other bytes)"
@@ -162,6 +169,10 @@ _INTERP_CASES = {
     "bfp8-blockcyclic2-split2": dict(dtype="bfp8_b", shard=2, batch="BATCH", splits=2),
     "bf16-pad-gqa": dict(dtype="bf16", shard=1, batch="BATCH", pad_to=5, hq=8, splits=2),
     "bfp8-rows-sharing-a-tile-gqa3": dict(dtype="bfp8_b", shard=1, batch="BATCH_MULTI", hq=6),
+    "bfp8-blockcyclic3-generic": dict(dtype="bfp8_b", shard=3, batch="BATCH", splits=2),
+    "bf16-blockcyclic3-generic": dict(dtype="bf16", shard=3, batch="BATCH"),
+    "bf16-chunked-kernel-split2": dict(dtype="bf16", shard=2, batch="BATCH", splits=2, fast=True),
+    "bf16-chunked-kernel-pad-gqa": dict(dtype="bf16", shard=1, batch="BATCH", pad_to=5, hq=8, fast=True),
 }
 
 

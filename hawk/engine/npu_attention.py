@@ -65,6 +65,10 @@ class NpuTileAttention:
         self._geom = geom if use_triton else None
         self.graph_safe = bool(use_triton and self.device.type == "cuda")
         self.num_splits = num_splits
+        #: launch shape of the fast Triton kernel (None: ``tk.decode_config``); ``generic`` forces the
+        #: per-row-tile kernel. Both are for probes and tests; fix them before capturing a graph.
+        self.decode_config: tk.DecodeConfig | None = None
+        self.generic = False
         self._rows = 0
         self._batch: list[SeqSlice] = []
         if self._geom is not None:
@@ -198,7 +202,7 @@ class NpuTileAttention:
                 n = rows * q.shape[1] * splits
                 ws = (torch.empty(n * q.shape[2], dtype=torch.float32, device=dev), torch.empty(n * 2, dtype=torch.float32, device=dev))
                 self._ws[key] = ws
-        return tk.decode_attention(g, layer, qd, self._meta, rows, splits, ws).to(q.device)
+        return tk.decode_attention(g, layer, qd, self._meta, rows, splits, ws, self.decode_config, self.generic).to(q.device)
 
     def _call_torch(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         tk_, tv = 2 * layer, 2 * layer + 1
