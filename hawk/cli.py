@@ -14,6 +14,10 @@ bench_app = typer.Typer(help="Benchmarks (transfer latency, transform throughput
 app.add_typer(bench_app, name="bench")
 
 
+#: Commands whose options belong to another parser: everything, ``--help`` included, goes to it.
+PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+
 def _csv(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
@@ -44,78 +48,32 @@ def info() -> None:
     con.print("transports: " + ", ".join(f"{n} ({'available' if available(n) else 'not available'})" for n in TRANSPORTS))
 
 
-TRANSFERS = "gn-hawk | gn-host | gn-direct-single | gg-direct | gg-host | colocated"
-
-
 def _fail(e: Exception) -> None:
     typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
 
 
-@app.command()
-def serve(
-    host: str = typer.Option("127.0.0.1", help="address the router (or the single role) binds"),
-    port: int = typer.Option(8000, help="router port (or the single role's port)"),
-    role: str = typer.Option("all", help="all | router | prefill | decode | colocated"),
-    model: str = typer.Option("smollm2-135m", help="embedded default, a preset (tiny, llama-3.1-8b, llama-3.1-70b-tp4), a .gguf file or a HF checkpoint dir"),
-    transfer: str = typer.Option("gn-hawk", help=TRANSFERS),
-    transport: str = typer.Option("nixl", help="nixl | mooncake"),
-    prefill_device: str = typer.Option("cpu", help="cpu or cuda:N (the GPU role)"),
-    decode_device: str = typer.Option("npu-emu:cpu", help="npu-emu:cpu | npu-emu:cuda:N for gn-*; cpu | cuda:N for gg-*"),
-    arch: str = typer.Option("blackhole-p150a", help="emulated NPU: blackhole-p150a | blackhole-p100a | wormhole-n150 | wormhole-n300"),
-    kv_dtype: str = typer.Option("bf16", help="NPU KV dtype: bf16 | bfp8_b"),
-    npu_shard_pages: int = typer.Option(1, min=1, help="NPU cache page map: 1 = interleaved (tt-metal), N = block-cyclic shards of N pages"),
-    dtype: str = typer.Option("fp32", help="compute dtype: fp32 | bf16 | fp16"),
-    prefill_url: Optional[list[str]] = typer.Option(None, help="role=router: a prefill instance URL (repeatable)"),
-    decode_url: Optional[list[str]] = typer.Option(None, help="role=router: a decode instance URL (repeatable)"),
-    num_prefill: int = typer.Option(1, min=1),
-    num_decode: int = typer.Option(1, min=1),
-    threads: Optional[int] = typer.Option(None, help="torch threads per engine process (default: cores shared evenly)"),
-    kv_tokens: int = typer.Option(8192, help="KV-cache capacity of each instance, in tokens"),
-    staging_mb: int = typer.Option(64, help="prefill staging (GPU RDMA) buffer"),
-    rx_mb: int = typer.Option(64, help="decode receive buffers (split over NPU channels for gn-hawk)"),
-    landing_mode: str = typer.Option("auto", help="gn-hawk landing: auto (cost model) | staging | direct"),
-    post: str = typer.Option("pull", help="pull (decode READs) | push (prefill WRITEs)"),
-    kv_host: Optional[str] = typer.Option(None, help="address the prefill's KV control socket binds and advertises"),
-    log_dir: Optional[str] = typer.Option(None, help="keep engine logs here"),
-    api_key: Optional[str] = typer.Option(None, envvar="HAWK_API_KEY", show_envvar=True, help="clients must send 'Authorization: Bearer <key>' (default: none, open)"),
-    cluster_secret_file: Optional[str] = typer.Option(None, help="roles run separately: file holding the shared cluster secret (or env HAWK_CLUSTER_SECRET); role 'all' makes its own"),
-    allow_remote: bool = typer.Option(False, "--allow-remote", help="allow --host/--kv-host beyond loopback (listens on the network; use --api-key)"),
-    max_body_mb: Optional[float] = typer.Option(None, help="router request-size limit in MiB (default: 4, more for long-context models)"),
-) -> None:
-    """Serve an OpenAI-compatible endpoint: router -> GPU prefill -> HAWK KV transfer -> NPU decode."""
-    from hawk.serve.launcher import serve as run
+def _serve_commands(app: typer.Typer, bench: typer.Typer) -> None:
+    """``serve``, ``demo`` and ``bench equivalence``: their options are generated from ``ServeConfig``."""
+    from hawk.bench.equivalence_cli import equivalence_command
+    from hawk.serve.demo import demo_command
+    from hawk.serve.launcher import serve_command
 
-    try:
-        run(
-            host=host, port=port, role=role, model=model, transfer=transfer, transport=transport,
-            prefill_device=prefill_device, decode_device=decode_device, arch=arch, kv_dtype=kv_dtype, npu_shard_pages=npu_shard_pages, dtype=dtype,
-            prefill_urls=prefill_url, decode_urls=decode_url, num_prefill=num_prefill, num_decode=num_decode,
-            threads=threads, kv_tokens=kv_tokens, staging_mb=staging_mb, rx_mb=rx_mb, landing_mode=landing_mode,
-            post=post, kv_host=kv_host, log_dir=log_dir, api_key=api_key, cluster_secret_file=cluster_secret_file,
-            allow_remote=allow_remote, max_body_mb=max_body_mb,
-        )
-    except (ValueError, OSError, RuntimeError) as e:
-        _fail(e)
+    app.command("serve")(serve_command())
+    app.command("demo")(demo_command())
+    bench.command("equivalence")(equivalence_command())
 
 
-@app.command()
-def demo(
-    model: str = typer.Option("smollm2-135m"),
-    transfer: str = typer.Option("gn-hawk", help=TRANSFERS),
-    transport: str = typer.Option("nixl"),
-    prefill_device: str = typer.Option("cpu"),
-    decode_device: str = typer.Option("npu-emu:cpu"),
-    arch: str = typer.Option("blackhole-p150a"),
-    kv_dtype: str = typer.Option("bf16"),
-) -> None:
-    """Start the whole system on the embedded default, send a few requests, print answers and timings, stop."""
-    from hawk.serve.demo import demo as run
+_serve_commands(app, bench_app)
 
-    try:
-        run(model=model, transfer=transfer, transport=transport, prefill_device=prefill_device, decode_device=decode_device, arch=arch, kv_dtype=kv_dtype)
-    except (ValueError, OSError, RuntimeError) as e:
-        _fail(e)
+
+def build_app() -> typer.Typer:
+    """A fresh ``hawk`` app whose generated commands read the config's defaults now (for tests)."""
+    fresh = typer.Typer(help=app.info.help, no_args_is_help=True, add_completion=False)
+    bench = typer.Typer(help=bench_app.info.help, no_args_is_help=True)
+    fresh.add_typer(bench, name="bench")
+    _serve_commands(fresh, bench)
+    return fresh
 
 
 @bench_app.command("transfer")
@@ -140,6 +98,7 @@ def bench_transfer(
     from rich.progress import Progress
 
     from hawk.bench.transfer import BenchSpec, plot, print_table, run_transfer_bench, save_json
+    from hawk.layouts.device import parse_device
 
     spec = BenchSpec(
         sizes_mb=tuple(int(s) for s in _csv(sizes_mb)), configs=tuple(_csv(configs)), transport=transport,
@@ -155,11 +114,11 @@ def bench_transfer(
     if json_path:
         save_json(records, json_path)
     if plot_path:
-        where = f"prefill {prefill_device}; NPU = emulated {arch} on {npu_device.partition(':')[2] or 'cpu'}; {transport}"
+        where = f"prefill {prefill_device}; NPU = {parse_device(npu_device).label(arch)}; {transport}"
         plot(records, plot_path, f"KV transfer latency ({where})")
 
 
-@bench_app.command("transform", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@bench_app.command("transform", context_settings=PASS_THROUGH)
 def bench_transform(ctx: typer.Context) -> None:
     """Transform throughput vs a plain device copy (passes options to ``python -m hawk.bench.transform``)."""
     from hawk.bench.transform import main
@@ -205,7 +164,7 @@ def bench_engine(
         _fail(e)
 
 
-@bench_app.command("serving", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@bench_app.command("serving", context_settings=PASS_THROUGH)
 def bench_serving(ctx: typer.Context) -> None:
     """Online serving against a running router: TTFT, TPOT, SLO attainment, throughput vs request rate (paper Figs. 10-13).
 
@@ -217,7 +176,7 @@ def bench_serving(ctx: typer.Context) -> None:
     main(ctx.args)
 
 
-@bench_app.command("efficiency", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@bench_app.command("efficiency", context_settings=PASS_THROUGH)
 def bench_efficiency(ctx: typer.Context) -> None:
     """Power and cost efficiency at 90 % SLO attainment from serving or simulation records (paper Tables 8-9)."""
     from hawk.bench.efficiency import main
@@ -225,7 +184,7 @@ def bench_efficiency(ctx: typer.Context) -> None:
     main(ctx.args)
 
 
-@app.command("sim", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command("sim", context_settings=PASS_THROUGH)
 def sim(ctx: typer.Context) -> None:
     """Cluster-scale discrete-event simulation, calibrated by measured transfer curves (options: ``python -m hawk.sim --help``)."""
     from hawk.sim.command import main
@@ -233,7 +192,7 @@ def sim(ctx: typer.Context) -> None:
     main(ctx.args)
 
 
-@app.command("report", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command("report", context_settings=PASS_THROUGH)
 def report(ctx: typer.Context) -> None:
     """One Markdown report (tables + plots) from result files, each recognised by its content (options: ``python -m hawk.bench.report --help``)."""
     from hawk.bench.report import main

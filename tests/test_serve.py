@@ -22,6 +22,7 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 from hawk.engine.instances import ColocatedInstance, DecodeInstance, InstanceConfig, PrefillInstance  # noqa: E402
 from hawk.serve.colocated_server import create_colocated_app  # noqa: E402
 from hawk.serve.common import ThreadedServer  # noqa: E402
+from hawk.serve.contract import CONTRACT_VERSION  # noqa: E402
 from hawk.serve.decode_server import create_decode_app  # noqa: E402
 from hawk.serve.prefill_server import create_prefill_app  # noqa: E402
 from hawk.serve.router import RouterConfig, create_router_app  # noqa: E402
@@ -275,8 +276,9 @@ def test_other_bad_requests(system):
     _error(system.http.get("/v1/completions"), 405)
     _error(system.http.post("/v1/nothing", json={}), 404, "no route")
     # the instances' own endpoints validate too
-    _error(httpx.post(f"{system.prefill.url}/internal/prefill", json={"request_id": "x", "prompt_ids": []}, trust_env=False), 400)
-    _error(httpx.post(f"{system.decode.url}/internal/decode", json={"request_id": "x", "prompt_len": 3, "first_token": 1, "kv": {"address": "tcp://127.0.0.1:1", "request_id": "x"}, "params": {"max_tokens": 100000}}, trust_env=False), 400, "exceeds")
+    _error(httpx.post(f"{system.prefill.url}/internal/prefill", json={"version": CONTRACT_VERSION, "request_id": "x", "prompt_ids": []}, trust_env=False), 400)
+    _error(httpx.post(f"{system.prefill.url}/internal/prefill", json={"version": 99, "request_id": "x", "prompt_ids": [1]}, trust_env=False), 400, "contract version 99")
+    _error(httpx.post(f"{system.decode.url}/internal/decode", json={"version": CONTRACT_VERSION, "request_id": "x", "prompt_len": 3, "first_token": 1, "kv": {"address": "tcp://127.0.0.1:1", "request_id": "x"}, "params": {"max_tokens": 100000}}, trust_env=False), 400, "exceeds")
 
 
 def test_still_serving_after_bad_input(system):

@@ -24,6 +24,7 @@ from hawk.connector.messages import Ack, Done, Error  # noqa: E402
 from hawk.engine.instances import DecodeInstance, InstanceConfig, PrefillInstance  # noqa: E402
 from hawk.engine.loader import load_model  # noqa: E402
 from hawk.serve.common import ThreadedServer  # noqa: E402
+from hawk.serve.contract import CONTRACT_VERSION  # noqa: E402
 from hawk.serve.decode_server import create_decode_app  # noqa: E402
 from hawk.serve.prefill_server import create_prefill_app  # noqa: E402
 from hawk.serve.router import RouterConfig, create_router_app  # noqa: E402
@@ -116,8 +117,8 @@ def test_api_key_from_the_environment(monkeypatch):
 
 def test_internal_endpoints_want_the_cluster_secret_and_change_nothing(tiny):
     before = _internal(tiny.prefill.url, "/internal/accounting", token=SECRET).json()
-    prefill = {"request_id": "intruder", "prompt_ids": [1, 2, 3], "params": {"max_tokens": 2}}
-    decode = {"request_id": "intruder", "prompt_len": 3, "first_token": 1, "params": {}, "kv": {"address": tiny.prefill_inst.kv_address, "request_id": "intruder"}}
+    prefill = {"version": CONTRACT_VERSION, "request_id": "intruder", "prompt_ids": [1, 2, 3], "params": {"max_tokens": 2}}
+    decode = {"version": CONTRACT_VERSION, "request_id": "intruder", "prompt_len": 3, "first_token": 1, "params": {}, "kv": {"address": tiny.prefill_inst.kv_address, "request_id": "intruder"}}
     for token in (None, "wrong-secret"):
         _error(_internal(tiny.prefill.url, "/internal/prefill", prefill, token), 401, "cluster secret")
         _error(_internal(tiny.prefill.url, "/internal/abort", {"request_id": "x"}, token), 401)
@@ -130,7 +131,7 @@ def test_internal_endpoints_want_the_cluster_secret_and_change_nothing(tiny):
     assert _internal(tiny.decode.url, "/health").status_code == 200
     r = _internal(tiny.prefill.url, "/internal/prefill", {**prefill, "request_id": "insider"}, SECRET)
     assert r.status_code == 200, r.text
-    assert _internal(tiny.prefill.url, "/internal/abort", {"request_id": "insider"}, SECRET).json()["result"] == "discarded"
+    assert _internal(tiny.prefill.url, "/internal/abort", {"version": CONTRACT_VERSION, "request_id": "insider"}, SECRET).json()["result"] == "discarded"
 
 
 def test_control_channel_refuses_unauthenticated_messages():

@@ -165,12 +165,13 @@ def _decode_stream(events: list[dict]) -> list:
     from hawk.engine.config import preset
     from hawk.engine.sequence import SamplingParams
     from hawk.engine.tokenizer import Tokenizer
+    from hawk.serve.contract import CONTRACT_VERSION
     from hawk.serve.generation import Generation
 
     def handler(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/internal/prefill":
-            return httpx.Response(200, json={"num_prompt_tokens": 2, "first_token": 65, "kv": {"address": "x", "request_id": "r"}})
-        body = "".join(json.dumps(e) + "\n" for e in events)
+            return httpx.Response(200, json={"version": CONTRACT_VERSION, "request_id": "r", "num_prompt_tokens": 2, "first_token": 65, "kv": {"address": "x", "request_id": "r"}})
+        body = "".join(json.dumps({"version": CONTRACT_VERSION, **e}) + "\n" for e in events)
         return httpx.Response(200, text=body, headers={"content-type": "application/x-ndjson"})
 
     async def go() -> list:

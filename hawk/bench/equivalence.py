@@ -11,7 +11,6 @@ measured at the engine API, without HTTP in between.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import threading
@@ -23,9 +22,11 @@ from typing import Any
 import torch
 
 from hawk.engine.decode_engine import KVHandle, TokenEvent
-from hawk.engine.instances import ColocatedInstance, DecodeInstance, InstanceConfig, PrefillInstance
+from hawk.config import TRANSFERS
+from hawk.engine.instances import ColocatedInstance, DecodeInstance, InstanceConfig, PrefillInstance, compute_dtype
 from hawk.engine.loader import load_model
 from hawk.engine.sequence import SamplingParams
+from hawk.layouts.device import parse_device
 
 PROMPTS = (
     "What is the capital of France?",
@@ -85,7 +86,7 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[str]) -> list[list[int]]:
 def run(base: InstanceConfig, configs: Sequence[str], prompts: Sequence[str] = PROMPTS, max_tokens: int = 24) -> list[dict[str, Any]]:
     """One record per (configuration, prompt): tokens equal to the oracle's, TTFT, TPOT, KV bytes."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=False)
-    oracle_model = load_model(base.model, base.prefill_device, base.torch_dtype, base.seed)
+    oracle_model = load_model(base.model, base.prefill_device, compute_dtype(base), base.seed)
     oracle = ColocatedInstance(replace(base, transfer="colocated"), loaded=oracle_model)
     ids = encode_prompts(oracle_model.tokenizer, prompts)
     reference = []
@@ -98,8 +99,9 @@ def run(base: InstanceConfig, configs: Sequence[str], prompts: Sequence[str] = P
     records = []
     for name in configs:
         cfg = replace(base, transfer=name)
-        if name.startswith("gg") and cfg.decode_device.startswith("npu-emu"):
-            cfg = replace(cfg, decode_device=cfg.decode_compute_device)
+        decode = parse_device(cfg.decode_device)
+        if TRANSFERS[name] == "gpu" and decode.is_npu:
+            cfg = replace(cfg, decode_device=decode.torch_device)
         p = PrefillInstance(cfg, loaded=oracle_model)
         d = DecodeInstance(cfg)
         try:
@@ -126,7 +128,7 @@ def run(base: InstanceConfig, configs: Sequence[str], prompts: Sequence[str] = P
                         "dtype": base.dtype,
                         "kv_dtype": cfg.kv_dtype if name.startswith("gn") else cfg.gpu_kv_dtype,
                         "prefill_device": cfg.prefill_device,
-                        "decode_device": cfg.decode_device + (" (emulated NPU)" if cfg.decode_device.startswith("npu-emu") else ""),
+                        "decode_device": cfg.decode_device + (" (emulated NPU)" if parse_device(cfg.decode_device).is_npu else ""),
                         "transport": cfg.transport,
                         "text": oracle_model.tokenizer.decode(toks),
                     }
@@ -151,35 +153,25 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    ap = argparse.ArgumentParser(prog="python -m hawk.bench.equivalence", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--dtype", default="fp32")
-    ap.add_argument("--configs", default="gn-hawk,gg-direct")
-    ap.add_argument("--transport", default="nixl")
-    ap.add_argument("--prefill-device", default="cpu")
-    ap.add_argument("--decode-device", default="npu-emu:cpu")
-    ap.add_argument("--kv-dtype", default="bf16")
-    ap.add_argument("--kv-tokens", type=int, default=4096)
-    ap.add_argument("--max-tokens", type=int, default=24)
-    ap.add_argument("--json", default=None)
-    a = ap.parse_args(argv)
+def equivalence(base: InstanceConfig, configs: Sequence[str], max_tokens: int = 24, json_path: str | None = None) -> list[dict[str, Any]]:
+    """Run ``configs`` against the colocated oracle built from ``base``; print a summary per
+    configuration and write the records to ``json_path`` when given."""
     torch.manual_seed(0)
-    base = InstanceConfig(
-        model=a.model, dtype=a.dtype, transport=a.transport, prefill_device=a.prefill_device, decode_device=a.decode_device,
-        kv_dtype=a.kv_dtype, kv_tokens=a.kv_tokens, staging_mb=256, rx_mb=256,
-    )
-    records = run(base, [c for c in a.configs.split(",") if c], max_tokens=a.max_tokens)
+    records = run(base, list(configs), max_tokens=max_tokens)
     for name, s in summarize(records).items():
         print(name, json.dumps(s))
-    if a.json:
-        with open(a.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(records, f, indent=1)
     return records
 
 
 if __name__ == "__main__":
-    main()
+    import typer
+
+    from hawk.bench.equivalence_cli import equivalence_command
+
+    typer.run(equivalence_command())
 
 
 def teacher_forced_divergence(loaded: Any, prompt_ids: list[int], steps: int, kv_dtype: str, arch: str = "blackhole-p150a") -> dict[str, float]:

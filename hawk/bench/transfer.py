@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from hawk.layouts.device import parse_device
 from hawk.layouts.gpu import GpuKVLayout
 
 MiB = 1 << 20
@@ -205,7 +206,7 @@ def _decode_side(spec: BenchSpec, config: str, mode: str) -> tuple[Any, Any]:
     npu = open_npu(spec.npu_device, spec.arch, bank_capacity=bank)
     layout = NpuKVLayout(npu.arch, s.layers, blocks, s.kv_heads, s.npu_block, s.head_dim, spec.kv_dtype, shard_pages=spec.shard_pages)
     kv = NpuKVCacheMemory(npu, layout)
-    memory = spec.npu_device.partition(":")[2] or "cpu"
+    memory = parse_device(spec.npu_device).memory_kind
     return NpuSide(npu, kv, rx, cost_model_for(spec.transport, memory), mode), kv
 
 

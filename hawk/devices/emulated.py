@@ -14,6 +14,7 @@ import torch
 from hawk.devices.backend import NpuBackend
 from hawk.devices.batched_copy import batched_copy
 from hawk.devices.dram_allocator import DramAllocator
+from hawk.layouts.device import parse_device
 from hawk.layouts.npu import NpuArch, get_arch
 from hawk.plan.requests import Copy, Runs
 
@@ -86,12 +87,15 @@ class EmulatedNpu(NpuBackend):
 
 def open_npu(spec: str, arch: str = "blackhole-p150a", bank_capacity: int | None = None) -> NpuBackend:
     """Open an NPU by name: ``npu-emu:cpu``, ``npu-emu:cuda:1``; ``ttnn:<id>`` is the real-hardware seam."""
-    kind, _, where = spec.partition(":")
-    if kind == "npu-emu":
-        if bank_capacity is None and not where.startswith("cuda"):
+    try:
+        device = parse_device(spec)
+    except ValueError:
+        device = None
+    if device is not None and device.kind == "npu-emu":
+        if bank_capacity is None and device.memory_kind != "cuda":
             bank_capacity = DEFAULT_EMULATED_BANK_BYTES
-        return EmulatedNpu(get_arch(arch, bank_capacity), where or "cpu")
-    if kind == "ttnn":
+        return EmulatedNpu(get_arch(arch, bank_capacity), device.torch_device)
+    if device is not None and device.kind == "ttnn":
         raise RuntimeError(
             "a real Tenstorrent backend needs ttnn/tt-umd and tt-kmd >= 2.10 (per-bank dma-buf export); "
             "neither is available here - use npu-emu:cpu or npu-emu:cuda:N"

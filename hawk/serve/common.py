@@ -23,6 +23,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from hawk.errors import HawkError
+from hawk.serve.errors import http_error
 from hawk.serve.protocol import OpenAIError, RequestTooLarge, Unauthorized, error_body
 
 log = logging.getLogger(__name__)
@@ -199,6 +201,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _openai(_: Request, exc: OpenAIError) -> JSONResponse:
         retry = {"Retry-After": "2"} if exc.status == 503 else None  # e.g. an instance restarting
         return JSONResponse(exc.body(), status_code=exc.status, headers=retry)
+
+    @app.exception_handler(HawkError)
+    async def _named(request: Request, exc: HawkError) -> JSONResponse:  # a named fault: the table says how
+        return await _openai(request, http_error(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -13,42 +13,25 @@ freed, wherever it was: queued for memory, transferring, or generating.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, Field
 from starlette.background import BackgroundTask
 
 from hawk.engine.decode_engine import DecodeEngine, KVHandle, TokenEvent
 from hawk.engine.instances import DecodeInstance
 from hawk.engine.sequence import SamplingParams
+from hawk.layouts.device import parse_device
+from hawk.errors import BadRequest, PromptTooLong, UnknownKV
+from hawk.serve.contract import AbortRequest, DecodeAbortReply, DecodeRequest, InstanceInfo, TokenLine
 from hawk.serve.instance_app import build_instance_app
-from hawk.serve.protocol import OpenAIError
 
 log = logging.getLogger(__name__)
 
 NDJSON = "application/x-ndjson"
-
-
-class KVRef(BaseModel):
-    address: str
-    request_id: str
-
-
-class AbortRequest(BaseModel):
-    request_id: str
-
-
-class DecodeRequest(BaseModel):
-    request_id: str = Field(min_length=1, max_length=256)
-    prompt_len: int = Field(ge=1)
-    first_token: int = Field(ge=0)
-    params: dict[str, Any] = Field(default_factory=dict)
-    kv: KVRef
 
 
 #: Turns the KV reference of a request into what ``DecodeEngine.submit`` takes as its handle, and
@@ -61,13 +44,10 @@ def remote_handle(req: DecodeRequest) -> KVHandle:
     return KVHandle(req.kv.address, req.kv.request_id)
 
 
-def event_json(ev: TokenEvent) -> dict[str, Any]:
-    d: dict[str, Any] = {"token": ev.token, "finish_reason": ev.finish_reason}
-    if ev.error:
-        d["error"] = ev.error
-    if ev.info:
-        d["info"] = ev.info
-    return d
+def event_line(ev: TokenEvent) -> bytes:
+    """One NDJSON line of the decode stream (unset fields are left out)."""
+    line = TokenLine.of(token=ev.token, finish_reason=ev.finish_reason, error=ev.error or None, info=ev.info or None)
+    return (line.model_dump_json(exclude_none=True) + "\n").encode()
 
 
 class DecodeService:
@@ -79,11 +59,13 @@ class DecodeService:
         try:
             params = SamplingParams.from_dict(req.params)
         except (ValueError, TypeError) as e:
-            raise OpenAIError(400, f"params: {e}") from None
+            raise BadRequest(f"params: {e}") from None
+        if req.prompt_len + params.max_tokens > self.engine.max_len:  # before the handle: nothing to give back
+            raise PromptTooLong(f"prompt ({req.prompt_len}) + max_tokens ({params.max_tokens}) exceeds the context length {self.engine.max_len}")
         try:
             handle = self.handle_for(req)
         except (KeyError, ValueError) as e:
-            raise OpenAIError(400, f"no KV for request {req.kv.request_id!r}: {e}") from None
+            raise UnknownKV(f"no KV for request {req.kv.request_id!r}: {e}") from None
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
@@ -96,10 +78,12 @@ class DecodeService:
         rid = req.request_id
         try:
             self.engine.submit(rid, req.prompt_len, req.first_token, params, handle, on_event)
-        except ValueError as e:
+        except ValueError as e:  # the engine's own refusals (a duplicate id, a cache too small)
             if self.give_back is not None:
                 self.give_back(req, handle)
-            raise OpenAIError(400, str(e), code="context_length_exceeded" if "exceeds" in str(e) else None) from None
+            if isinstance(e, BadRequest):
+                raise
+            raise BadRequest(str(e)) from None
         state = {"finished": False}
 
         async def lines() -> AsyncIterator[bytes]:
@@ -108,7 +92,7 @@ class DecodeService:
                     ev = await queue.get()
                     if ev.finish_reason is not None:
                         state["finished"] = True
-                    yield (json.dumps(event_json(ev)) + "\n").encode()
+                    yield event_line(ev)
                     if state["finished"]:
                         return
             finally:  # cancelled because the reader disconnected: stop the request
@@ -133,19 +117,11 @@ def decode_routes(svc: DecodeService) -> APIRouter:
         return svc.start(req)
 
     @r.post("/internal/decode_abort")
-    async def abort(req: AbortRequest) -> dict[str, Any]:
+    async def abort(req: AbortRequest) -> DecodeAbortReply:
         """Explicit abort (closing the /internal/decode stream does the same)."""
-        return {"request_id": req.request_id, "aborted": svc.engine.abort(req.request_id)}
+        return DecodeAbortReply.of(request_id=req.request_id, aborted=svc.engine.abort(req.request_id))
 
     return r
-
-
-def device_label(decode_device: str, arch: str) -> str:
-    """How the decode device is named to users: an emulated NPU says so."""
-    if decode_device.startswith("npu-emu"):
-        where = decode_device.partition(":")[2] or "cpu"
-        return f"emulated {arch} NPU (memory on {where})"
-    return decode_device
 
 
 def create_decode_app(instance: DecodeInstance, close_on_shutdown: bool = True, cluster_secret: str | None = None) -> FastAPI:
@@ -153,20 +129,12 @@ def create_decode_app(instance: DecodeInstance, close_on_shutdown: bool = True, 
     cfg, mc = instance.cfg, instance.loaded.config
     blocks = instance.blocks
     on_npu = instance.npu is not None
-    info = {
-        "role": "decode",
-        "model": instance.loaded.name,
-        "transfer": cfg.transfer,
-        "transport": cfg.transport,
-        "device": cfg.decode_device,
-        "device_label": device_label(cfg.decode_device, cfg.arch) if on_npu else cfg.decode_compute_device,
-        "arch": cfg.arch if on_npu else None,
-        "kv_dtype": cfg.kv_dtype if on_npu else cfg.gpu_kv_dtype,
-        "emulated_npu": on_npu,
-        "max_model_len": instance.engine.max_len,
-        "max_kv_tokens": blocks.num_blocks * blocks.block_size,
-        "vocab_size": mc.vocab_size,
-    }
+    info = InstanceInfo.of(
+        role="decode", model=instance.loaded.name, transfer=cfg.transfer, transport=cfg.transport, device=cfg.decode_device,
+        device_label=parse_device(cfg.decode_device).label(cfg.arch), arch=cfg.arch if on_npu else None,
+        kv_dtype=cfg.kv_dtype if on_npu else cfg.gpu_kv_dtype, emulated_npu=on_npu,
+        max_model_len=instance.engine.max_len, max_kv_tokens=blocks.num_blocks * blocks.block_size, vocab_size=mc.vocab_size,
+    )
 
     svc = DecodeService(instance.engine)
 

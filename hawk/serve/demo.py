@@ -13,14 +13,17 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 from rich.console import Console
 from rich.table import Table
 
-from hawk.serve.launcher import check_model_spec, check_threads, instance_config, start_system
+from hawk.config import ServeConfig, defaults
+from hawk.config_cli import config_command
+from hawk.layouts.device import parse_device
+from hawk.serve.launcher import check_model_spec, start_system
 
 DEMO_REQUESTS: list[dict[str, Any]] = [
     {
@@ -95,40 +98,31 @@ def timing_line(h: dict[str, Any]) -> str:
     )
 
 
-def demo(
-    model: str = "smollm2-135m",
-    transfer: str = "gn-hawk",
-    transport: str = "nixl",
-    prefill_device: str = "cpu",
-    decode_device: str = "npu-emu:cpu",
-    arch: str = "blackhole-p150a",
-    kv_dtype: str = "bf16",
-    threads: int | None = None,
-    kv_tokens: int = 4096,
-) -> list[dict[str, Any]]:
-    """Start HAWK, send the demo requests, print answers and per-request timings, shut down.
+#: Where the demo differs from ``hawk serve``: a smaller cache starts faster, and greedy answers repeat.
+DEMO_DEFAULTS: dict[str, Any] = {"kv_tokens": 4096, "staging_mb": 32, "rx_mb": 32, "default_temperature": 0.0}
 
-    Returns each request's ``hawk`` timings (TTFT, TPOT, KV-transfer time and bytes). The defaults
-    are the embedded model on this machine: CPU prefill, emulated Blackhole p150a decode, bf16 KV,
-    NIXL over loopback. ``kv_tokens`` sizes each instance's KV cache (smaller starts faster).
+
+def demo(cfg: ServeConfig | None = None) -> list[dict[str, Any]]:
+    """Start the whole system on the embedded default, send a few requests, print answers and timings, stop.
+
+    Returns each request's ``hawk`` timings (TTFT, TPOT, KV-transfer time and bytes). Without a
+    config, the defaults of ``hawk/config.py`` with ``DEMO_DEFAULTS``: CPU prefill, emulated
+    Blackhole p150a decode, bf16 KV, NIXL over loopback.
     """
+    cfg = (cfg or defaults(**DEMO_DEFAULTS)).validate()
     console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 120)
     t0 = time.monotonic()
-    check_model_spec(model)  # a bad name fails here, in one line, not inside a child process
-    check_threads(threads)
-    cfg = instance_config(
-        model=model, transfer=transfer, transport=transport, prefill_device=prefill_device,
-        decode_device=decode_device, arch=arch, kv_dtype=kv_dtype, kv_tokens=kv_tokens, staging_mb=32, rx_mb=32,
-    )
-    npu = f"emulated {arch} NPU" if decode_device.startswith("npu-emu") else decode_device
+    check_model_spec(cfg.model)  # a bad name fails here, in one line, not inside a child process
+    decode = parse_device(cfg.decode_device)
+    npu = decode.label(cfg.arch) if decode.is_npu else cfg.decode_device
     console.print(
-        f"[bold]HAWK demo[/]: {model} · prefill on {prefill_device} (GPU role) · decode on {npu} · "
-        f"{kv_dtype} KV · {transfer} over {transport}"
+        f"[bold]HAWK demo[/]: {cfg.model} · prefill on {cfg.prefill_device} (GPU role) · decode on {npu} · "
+        f"{cfg.kv_dtype} KV · {cfg.transfer} over {cfg.transport}"
     )
     logs = tempfile.mkdtemp(prefix="hawk-demo-logs-")
     console.print(f"[dim]starting prefill and decode processes (logs in {logs}, removed on success) ...[/]")
     results = []
-    with start_system(cfg, threads=threads, log_dir=logs, default_temperature=0.0) as system:
+    with start_system(cfg, log_dir=logs) as system:
         console.print(
             f"[dim]up in {time.monotonic() - t0:.1f} s: router {system.url}, prefill {system.cluster.prefill_urls[0]}, "
             f"decode {system.cluster.decode_urls[0]}[/]"
@@ -143,6 +137,11 @@ def demo(
     console.print(summary_table(results, npu))
     console.print(f"[bold]done in {time.monotonic() - t0:.1f} s[/]  (the NPU is emulated on this machine: its timings are not Tenstorrent hardware numbers)")
     return results
+
+
+def demo_command() -> Callable[..., None]:
+    """``hawk demo``: the engine options of ``ServeConfig``, with the demo's own defaults."""
+    return config_command(demo, "demo", overrides=DEMO_DEFAULTS, doc="Start the whole system on the embedded default, send a few requests, print answers and timings, stop.")
 
 
 def summary_table(results: list[dict[str, Any]], npu: str) -> Table:

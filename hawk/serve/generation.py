@@ -26,11 +26,14 @@ import httpx
 
 from hawk.engine.sequence import SamplingParams
 from hawk.engine.tokenizer import Tokenizer
+from hawk.errors import BadUpstream
+from hawk.serve.contract import AbortRequest, DecodeRequest, PrefillRequest, PrefillResponse, TokenLine, receive
 from hawk.serve.protocol import InstanceDown, OpenAIError
 
 log = logging.getLogger(__name__)
 
 CLEANUP_TIMEOUT_S = 5.0
+_JSON = {"content-type": "application/json"}
 
 
 @dataclass
@@ -101,7 +104,7 @@ class Generation:
         self._prefilled = False
         self._got_token = False
         self._closed = False
-        self.prefill_reply: dict[str, Any] = {}
+        self.prefill_reply: PrefillResponse | None = None
         self.kv_info: dict[str, Any] = {}
         self.t_prefilled: float | None = None
         self.t_first: float | None = None
@@ -122,27 +125,25 @@ class Generation:
             raise
 
     async def _prefill(self) -> None:
-        body = {"request_id": self.request_id, "prompt_ids": self.prompt_ids, "params": self.params.to_dict()}
+        body = PrefillRequest.of(request_id=self.request_id, prompt_ids=self.prompt_ids, params=self.params.to_dict())
         self._prefilled = True  # from here on the prefill may hold something for this request
         try:
-            r = await self.client.post(f"{self.prefill_url}/internal/prefill", json=body)
+            r = await self.client.post(f"{self.prefill_url}/internal/prefill", content=body.model_dump_json(), headers=_JSON)
         except httpx.HTTPError as e:
             raise InstanceDown(f"prefill instance {self.prefill_url} unreachable: {e!r}") from None
         if r.status_code != 200:
             raise upstream_error(r.status_code, r.content, f"prefill at {self.prefill_url}")
-        self.prefill_reply = r.json()
+        self.prefill_reply = receive(PrefillResponse, r.content, f"prefill at {self.prefill_url}")
         self.t_prefilled = time.monotonic()
 
     async def _open_decode(self) -> None:
         pre = self.prefill_reply
-        body = {
-            "request_id": self.request_id,
-            "prompt_len": pre["num_prompt_tokens"],
-            "first_token": pre["first_token"],
-            "params": self.params.to_dict(),
-            "kv": pre["kv"],
-        }
-        req = self.client.build_request("POST", f"{self.decode_url}/internal/decode", json=body)
+        assert pre is not None
+        body = DecodeRequest.of(
+            request_id=self.request_id, prompt_len=pre.num_prompt_tokens, first_token=pre.first_token,
+            params=self.params.to_dict(), kv=pre.kv,
+        )
+        req = self.client.build_request("POST", f"{self.decode_url}/internal/decode", content=body.model_dump_json(), headers=_JSON)
         try:
             resp = await self.client.send(req, stream=True)
         except httpx.HTTPError as e:
@@ -164,10 +165,10 @@ class Generation:
             async for line in self._resp.aiter_lines():
                 if not line:
                     continue
-                ev = json.loads(line)
-                if ev.get("info"):
-                    self.kv_info.update(ev["info"])
-                tok, reason = ev.get("token"), ev.get("finish_reason")
+                ev = receive(TokenLine, line, f"decode at {self.decode_url}")
+                if ev.info:
+                    self.kv_info.update(ev.info)
+                tok, reason = ev.token, ev.finish_reason
                 text = ""
                 if tok is not None:
                     now = time.monotonic()
@@ -188,7 +189,7 @@ class Generation:
                         yield TextDelta(text)
                     continue
                 if reason in ("error", "abort"):
-                    detail = ev.get("error") or "the request was aborted on the decode instance"
+                    detail = ev.error or "the request was aborted on the decode instance"
                     raise OpenAIError(500, f"decode failed: {detail}", type="server_error")
                 self.finish_reason = reason
                 if tok is None:  # a finish without a token: still release what the decoder holds
@@ -199,9 +200,9 @@ class Generation:
                         return
                 yield TextDelta(text + stopper.flush(), reason)
                 return
-            raise OpenAIError(502, f"decode instance {self.decode_url} ended the stream early", type="server_error")
+            raise BadUpstream(f"decode instance {self.decode_url} ended the stream early")
         except httpx.HTTPError as e:
-            raise OpenAIError(502, f"decode stream from {self.decode_url} broke: {e!r}", type="server_error") from None
+            raise BadUpstream(f"decode stream from {self.decode_url} broke: {e!r}") from None
         finally:
             await self.aclose()
 
@@ -220,13 +221,14 @@ class Generation:
 
     async def _abort_prefill(self) -> None:
         try:
-            await self.client.post(f"{self.prefill_url}/internal/abort", json={"request_id": self.request_id})
+            body = AbortRequest.of(request_id=self.request_id)
+            await self.client.post(f"{self.prefill_url}/internal/abort", content=body.model_dump_json(), headers=_JSON)
         except httpx.HTTPError as e:
             log.warning("could not tell %s to abort %s: %r", self.prefill_url, self.request_id, e)
 
     def summary(self) -> dict[str, Any]:
         """Per-request timings for the client (``hawk`` in the response) and for /metrics."""
-        pre_t = self.prefill_reply.get("timings", {})
+        pre_t = self.prefill_reply.timings if self.prefill_reply is not None else {}
         n = self.num_tokens
         now = self.t_last or time.monotonic()
         out: dict[str, Any] = {

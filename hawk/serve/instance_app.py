@@ -22,6 +22,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from hawk.engine.tokenizer import Tokenizer
+from hawk.serve.contract import Accounting, Health, InstanceInfo
 from hawk.serve.common import RequireBearer, cluster_secret_from_env, engine_alive, install_error_handlers
 from hawk.serve.metrics import CONTENT_TYPE, instance_registry
 from hawk.serve.tokenizer_wire import tokenizer_to_wire
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 def build_instance_app(
     role: str,
     routers: list[APIRouter],
-    info: dict[str, Any],
+    info: InstanceInfo,
     accounting: Callable[[], dict[str, Any]],
     tokenizer: Tokenizer | None,
     close: Callable[[], None] | None,
@@ -64,17 +65,16 @@ def build_instance_app(
     @app.get("/health")
     async def health() -> JSONResponse:
         dead = [type(e).__name__ for e in engines if not engine_alive(e)]
-        if dead:
-            return JSONResponse({"status": "engine_dead", "role": role, "dead": dead}, status_code=503)
-        return JSONResponse({"status": "ok", "role": role})
+        body = Health.of(status="engine_dead" if dead else "ok", role=role, dead=dead)
+        return JSONResponse(body.model_dump(), status_code=503 if dead else 200)
 
     @app.get("/internal/info")
-    async def get_info() -> dict[str, Any]:
+    async def get_info() -> InstanceInfo:
         return info
 
     @app.get("/internal/accounting")
-    def get_accounting() -> dict[str, Any]:  # sync: runs in the threadpool, off the event loop
-        return accounting()
+    def get_accounting() -> Accounting:  # sync: runs in the threadpool, off the event loop
+        return Accounting.of(role=role, **accounting())
 
     @app.get("/internal/tokenizer")
     def get_tokenizer() -> dict[str, Any]:

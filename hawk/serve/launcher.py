@@ -1,7 +1,9 @@
 """One command for the whole system, or one part of it per host.
 
-``serve(role="all")`` starts each engine instance (prefill, decode, or one colocated engine) as a
-child process running ``python -m hawk.serve.launcher --child ...``, waits until each answers
+``serve(cfg)`` with ``cfg.role == "all"`` starts each engine instance (prefill, decode, or one
+colocated engine) as a child process running ``python -m hawk.serve.launcher`` with
+$HAWK_CHILD_SPEC naming a JSON file (a :class:`ChildSpec`: the role and the whole
+``ServeConfig``, serialised, never an option list rebuilt by hand), waits until each answers
 /health, then runs the router in the foreground. Ctrl-C or SIGTERM stops the router, then the
 children (each closes its instance, which releases its registered buffers), then returns.
 
@@ -20,7 +22,6 @@ KV control channel tags its frames with it.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
@@ -35,13 +36,16 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+import typer
 
+from hawk.config_cli import config_command
+from hawk.config import ENGINE_ROLES, ConfigError, ServeConfig, defaults
 from hawk.serve.common import (
     CLUSTER_SECRET_ENV,
     LOOPBACK,
@@ -57,16 +61,14 @@ from hawk.serve.common import (
 
 log = logging.getLogger("hawk.serve")
 
-ROLES = ("all", "router", "prefill", "decode", "colocated")
-ENGINE_ROLES = ("prefill", "decode", "colocated")
+CHILD_SPEC_ENV = "HAWK_CHILD_SPEC"  # a child's spec file (the environment: argv is public and short)
 EXIT_ENGINE_DEAD = 75  # a child whose engine thread died exits with this, for the supervisor
-MAX_RESTARTS = 5  # attempts per child before the supervisor gives up on it
 RESTART_BACKOFF_S = (0.5, 10.0)  # first wait, longest wait (doubling in between)
 STABLE_S = 60.0  # a child up this long has its restart count forgotten
 
 
-class UsageError(ValueError):
-    """A bad option, found before anything starts; the CLI prints it on one line and exits 2."""
+class UsageError(ConfigError):
+    """A bad option found by a check that needs more than the config (files, the network)."""
 
 
 # ============================================================================ checking options
@@ -88,16 +90,6 @@ def check_model_spec(spec: str) -> None:
     if spec and path.exists():
         raise UsageError(f"--model {spec!r}: not a .gguf file nor a directory with config.json")
     raise UsageError(f"unknown --model {spec!r}: expected one of {', '.join([*EMBEDDED, *RANDOM_PRESETS])}, a .gguf file, or a Hugging Face checkpoint directory")
-
-
-def check_port(port: int, what: str = "--port") -> None:
-    if not 0 <= port <= 65535:
-        raise UsageError(f"{what} must be in 0..65535 (0 = any free port), got {port}")
-
-
-def check_threads(threads: int | None) -> None:
-    if threads is not None and threads < 1:
-        raise UsageError(f"--threads must be at least 1, got {threads}")
 
 
 def check_bind(host: str, what: str, allow_remote: bool) -> None:
@@ -175,20 +167,18 @@ def _watch_engines(role: str, engines: list[Any], interval_s: float = 0.5) -> No
 
 def run_instance(
     role: str,
-    cfg: Any,
+    cfg: ServeConfig,
     host: str = LOOPBACK,
     port: int = 0,
-    threads: int | None = None,
     ready_file: str | None = None,
     parent_pid: int | None = None,
-    log_level: str = "warning",
     cluster_secret: str | None = None,
 ) -> None:
     """Serve one engine instance in the foreground until SIGINT/SIGTERM (or the parent's death).
 
     ``cluster_secret`` (default: $HAWK_CLUSTER_SECRET) guards /internal/* and the KV control
     channel, which reads it from the environment: it is put there for that."""
-    set_torch_threads(threads)
+    set_torch_threads(cfg.threads)
     sock = bind_socket(host, port)  # before loading: a busy port fails in a second, not after the model
     if cluster_secret:
         os.environ[CLUSTER_SECRET_ENV] = cluster_secret  # for the control channel's ControlServer/Client
@@ -208,7 +198,7 @@ def run_instance(
         os.replace(tmp, ready_file)
     else:
         print(f"HAWK {role} instance on {url} ({cfg.model}, {cfg.transfer})", flush=True)
-    serve_foreground(app, sock, log_level)
+    serve_foreground(app, sock, cfg.log_level)
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -233,7 +223,7 @@ class Child:
     ready_file: Path
     log_path: Path | None
     url: str = ""
-    spec: dict[str, Any] = field(default_factory=dict)  # how to start it again
+    spec: ChildSpec | None = None  # how to start it again
     env: dict[str, str] = field(default_factory=dict)
     restarts: int = 0
     up_since: float = 0.0
@@ -257,7 +247,7 @@ class Cluster:
     def decode_urls(self) -> list[str]:
         return [c.url for c in self.children if c.role in ("decode", "colocated")]
 
-    def supervise(self, max_restarts: int = MAX_RESTARTS) -> Cluster:
+    def supervise(self, max_restarts: int) -> Cluster:
         """Restart children that exit, from a background thread, until ``close``."""
         self._supervisor = threading.Thread(target=self._supervise, args=(max_restarts,), name="hawk-supervisor", daemon=True)
         self._supervisor.start()
@@ -289,7 +279,8 @@ class Cluster:
         """Start ``c`` again on its old port (so the router's URL for it stays right)."""
         c.ready_file.unlink(missing_ok=True)
         port = int(c.url.rsplit(":", 1)[1]) if c.url else 0
-        c.proc = _popen({**c.spec, "port": port}, c.env, c.log_path)
+        assert c.spec is not None
+        c.proc = _popen(dataclasses.replace(c.spec, port=port), c.env, c.log_path)
         c.url = ""
         try:
             _wait_ready(c, time.monotonic() + self.startup_timeout_s)
@@ -329,29 +320,45 @@ class Cluster:
         self.close()
 
 
-def _spawn(
-    role: str, cfg: Any, host: str, threads: int | None, workdir: Path, index: int, log_dir: Path | None, log_level: str,
-    cluster_secret: str | None = None,
-) -> Child:
-    ready = workdir / f"{role}-{index}.json"
-    spec = {
-        "role": role, "config": dataclasses.asdict(cfg), "host": host, "port": 0, "threads": threads,
-        "ready_file": str(ready), "parent_pid": os.getpid(), "log_level": log_level,
-    }
+@dataclass
+class ChildSpec:
+    """What an engine child needs: its role, where to listen, where to report, and the config."""
+
+    role: str
+    config: ServeConfig
+    host: str
+    port: int
+    ready_file: str
+    parent_pid: int
+
+    def to_json(self) -> str:
+        return json.dumps({**dataclasses.asdict(self), "config": self.config.to_dict()})
+
+    @classmethod
+    def from_json(cls, text: str) -> ChildSpec:
+        d = json.loads(text)
+        return cls(**{**d, "config": ServeConfig.from_dict(d["config"])})
+
+
+def _spawn(role: str, cfg: ServeConfig, host: str, workdir: Path, index: int, cluster_secret: str | None) -> Child:
+    name = f"{role}-{index}"
+    spec = ChildSpec(role, cfg, host, 0, str(workdir / f"{name}.ready.json"), os.getpid())
     env = dict(os.environ)
-    if threads is not None:  # OpenMP reads this at import, before torch.set_num_threads runs
-        env["OMP_NUM_THREADS"] = str(threads)
+    env[CHILD_SPEC_ENV] = str(workdir / f"{name}.spec.json")
+    if cfg.threads is not None:  # OpenMP reads this at import, before torch.set_num_threads runs
+        env["OMP_NUM_THREADS"] = str(cfg.threads)
     if cluster_secret:
         env[CLUSTER_SECRET_ENV] = cluster_secret  # in the environment: a command line is public
-    log_path = log_dir / f"{role}-{index}.log" if log_dir is not None else None
-    return Child(role, _popen(spec, env, log_path), ready, log_path, spec=spec, env=env, up_since=time.monotonic())
+    log_path = Path(cfg.log_dir) / f"{name}.log" if cfg.log_dir is not None else None
+    return Child(role, _popen(spec, env, log_path), Path(spec.ready_file), log_path, spec=spec, env=env, up_since=time.monotonic())
 
 
-def _popen(spec: dict[str, Any], env: dict[str, str], log_path: Path | None) -> subprocess.Popen:
+def _popen(spec: ChildSpec, env: dict[str, str], log_path: Path | None) -> subprocess.Popen:
+    Path(env[CHILD_SPEC_ENV]).write_text(spec.to_json())
     out = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115 - the child owns it
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", "hawk.serve.launcher", "--child", json.dumps(spec)],
+            [sys.executable, "-m", "hawk.serve.launcher"],
             env=env, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True,
         )
     finally:
@@ -384,44 +391,32 @@ def _wait_ready(c: Child, deadline: float) -> None:
         time.sleep(0.1)
 
 
-def start_cluster(
-    cfg: Any,
-    num_prefill: int = 1,
-    num_decode: int = 1,
-    threads: int | None = None,
-    host: str = LOOPBACK,
-    log_dir: str | Path | None = None,
-    startup_timeout_s: float = 300.0,
-    log_level: str = "warning",
-    cluster_secret: str | None = None,
-) -> Cluster:
+def start_cluster(cfg: ServeConfig, cluster_secret: str | None = None, host: str = LOOPBACK) -> Cluster:
     """Start the engine processes for ``cfg`` (one colocated engine when ``cfg.transfer`` is
-    "colocated") and wait until all are healthy. ``threads`` defaults to an even share of the
-    cores per process."""
-    roles = ["colocated"] if cfg.transfer == "colocated" else ["prefill"] * num_prefill + ["decode"] * num_decode
+    "colocated") and wait until all are healthy. ``cfg.threads`` defaults to an even share of
+    the cores per process."""
+    roles = ["colocated"] if cfg.transfer == "colocated" else ["prefill"] * cfg.num_prefill + ["decode"] * cfg.num_decode
     if cfg.transport == "local" and len(roles) > 1:
-        raise ValueError("transport 'local' works inside one process only; prefill and decode run as separate processes here (use nixl or mooncake)")
-    if num_prefill < 1 or num_decode < 1:
-        raise ValueError(f"need at least one prefill and one decode instance, got {num_prefill} and {num_decode}")
-    if threads is None:
-        threads = max(1, (os.cpu_count() or 1) // len(roles))
+        raise ConfigError("transport 'local' works inside one process only; prefill and decode run as separate processes here (use nixl or mooncake)")
+    if cfg.threads is None:
+        cfg = dataclasses.replace(cfg, threads=max(1, (os.cpu_count() or 1) // len(roles)))
     workdir = Path(tempfile.mkdtemp(prefix="hawk-serve-"))
-    logs = Path(log_dir) if log_dir is not None else None
-    if logs is not None:
-        logs.mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(workdir=workdir, startup_timeout_s=startup_timeout_s)
+    if cfg.log_dir is not None:
+        Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
+    cluster = Cluster(workdir=workdir, startup_timeout_s=cfg.startup_timeout_s)
     counts: dict[str, int] = {}
     try:
         for role in roles:
             counts[role] = counts.get(role, 0) + 1
-            cluster.children.append(_spawn(role, cfg, host, threads, workdir, counts[role] - 1, logs, log_level, cluster_secret))
-        deadline = time.monotonic() + startup_timeout_s
+            cluster.children.append(_spawn(role, cfg, host, workdir, counts[role] - 1, cluster_secret))
+        deadline = time.monotonic() + cfg.startup_timeout_s
         for c in cluster.children:
             _wait_ready(c, deadline)
     except BaseException:
         cluster.close()
         raise
     return cluster
+
 
 
 # ============================================================================ serve
@@ -455,148 +450,81 @@ def _advertised_host(host: str) -> str:
     return host
 
 
-def instance_config(
-    model: str = "smollm2-135m",
-    transfer: str = "gn-hawk",
-    transport: str = "nixl",
-    prefill_device: str = "cpu",
-    decode_device: str = "npu-emu:cpu",
-    arch: str = "blackhole-p150a",
-    kv_dtype: str = "bf16",
-    dtype: str = "fp32",
-    kv_tokens: int = 8192,
-    staging_mb: int = 64,
-    rx_mb: int = 64,
-    landing_mode: str = "auto",
-    post: str = "pull",
-    kv_host: str = LOOPBACK,
-    seed: int = 0,
-    npu_shard_pages: int = 1,
-) -> Any:
-    """An ``InstanceConfig`` from the launcher's options (validated early, before any process starts)."""
-    from hawk.engine.instances import InstanceConfig
-
-    return InstanceConfig(
-        model=model, dtype=dtype, transfer=transfer, transport=transport, prefill_device=prefill_device,
-        decode_device=decode_device, arch=arch, kv_dtype=kv_dtype, kv_tokens=kv_tokens, staging_mb=staging_mb,
-        rx_mb=rx_mb, landing_mode=landing_mode, post=post, host=kv_host, seed=seed, npu_shard_pages=npu_shard_pages,
-    ).validate()
+def instance_config(**overrides: Any) -> ServeConfig:
+    """A validated config: the defaults of ``hawk/config.py`` with ``overrides`` (tests, scripts)."""
+    return defaults(**overrides).validate()
 
 
-def serve(
-    host: str = LOOPBACK,
-    port: int = 8000,
-    role: str = "all",
-    model: str = "smollm2-135m",
-    transfer: str = "gn-hawk",
-    transport: str = "nixl",
-    prefill_device: str = "cpu",
-    decode_device: str = "npu-emu:cpu",
-    arch: str = "blackhole-p150a",
-    kv_dtype: str = "bf16",
-    npu_shard_pages: int = 1,
-    prefill_urls: list[str] | None = None,
-    decode_urls: list[str] | None = None,
-    num_prefill: int = 1,
-    num_decode: int = 1,
-    threads: int | None = None,
-    dtype: str = "fp32",
-    kv_tokens: int = 8192,
-    staging_mb: int = 64,
-    rx_mb: int = 64,
-    landing_mode: str = "auto",
-    post: str = "pull",
-    kv_host: str | None = None,
-    seed: int = 0,
-    default_temperature: float = 1.0,
-    log_dir: str | None = None,
-    log_level: str = "warning",
-    startup_timeout_s: float = 300.0,
-    api_key: str | None = None,
-    cluster_secret_file: str | None = None,
-    allow_remote: bool = False,
-    max_body_mb: float | None = None,
-    max_restarts: int = MAX_RESTARTS,
-) -> None:
+def check_serve(cfg: ServeConfig) -> str | None:
+    """The checks that need more than the config (files, names, the network); returns the
+    cluster secret to use, if any."""
+    cfg.validate()
+    check_bind(cfg.host, "--host", cfg.allow_remote)
+    if cfg.kv_host is not None:
+        check_bind(cfg.kv_host, "--kv-host", cfg.allow_remote)
+    if cfg.role != "router":
+        check_model_spec(cfg.model)
+    secret = read_cluster_secret(cfg.cluster_secret_file)
+    if cfg.role == "all":
+        return secret or secrets.token_urlsafe(32)
+    if not secret:
+        log.warning("no cluster secret (--cluster-secret-file or $%s): internal endpoints and the KV control channel are unauthenticated", CLUSTER_SECRET_ENV)
+    return secret
+
+
+def router_config(cfg: ServeConfig, prefill_urls: list[str], decode_urls: list[str], secret: str | None) -> Any:
+    """The router's settings for ``cfg`` in front of these instances."""
+    from hawk.serve.router import RouterConfig
+
+    names = cfg.served_model_name
+    return RouterConfig(
+        list(prefill_urls), list(decode_urls), model=names[0] if names else None, aliases=list(names[1:]),
+        default_temperature=cfg.default_temperature, startup_timeout_s=cfg.startup_timeout_s, api_key=cfg.api_key,
+        cluster_secret=secret, max_body_bytes=None if cfg.max_body_mb is None else int(cfg.max_body_mb * 2**20),
+    )
+
+
+def serve(cfg: ServeConfig) -> None:
     """Run HAWK (or one part of it) in the foreground until Ctrl-C / SIGTERM.
 
-    role:
+    ``cfg.role``:
       "all"        router on host:port + engine children on free loopback ports (prefill and decode,
                    or one colocated engine when transfer="colocated").
       "router"     only the router, in front of ``prefill_urls`` and ``decode_urls``.
       "prefill" / "decode" / "colocated"
                    one engine instance on host:port, for a router elsewhere.
-    model: "smollm2-135m" (embedded default), a preset (tiny, llama-3.1-8b, ...), a .gguf file or an
-      HF checkpoint directory.  transfer: gn-hawk | gn-host | gn-direct-single | gg-direct | gg-host |
-      colocated.  transport: nixl | mooncake | local (same process only).  prefill_device: cpu |
-      cuda:N.  decode_device: npu-emu:cpu | npu-emu:cuda:N (gn-*) or cpu | cuda:N (gg-*).
-      arch: the emulated NPU (blackhole-p150a, ...).  kv_dtype: the NPU KV dtype, bf16 | bfp8_b.
-      npu_shard_pages: the NPU cache's page map: 1 = tt-metal interleaved, more = block-cyclic shards.
-    threads: torch threads per engine process (default: the cores shared evenly among them).
-    kv_host: the address the prefill's KV control socket binds and advertises (default: host, or
-      this machine's address when host is a wildcard).
-    default_temperature: used when a request omits temperature (OpenAI's default is 1.0).
-    log_dir: where children write their logs (default: they share this terminal).
-    api_key: clients of the router must send ``Authorization: Bearer <api_key>`` (default:
-      $HAWK_API_KEY; none = open).  cluster_secret_file: the secret shared by separately run roles
-      (default: $HAWK_CLUSTER_SECRET; role "all" makes its own).  allow_remote: permit binding a
-      non-loopback address.  max_body_mb: the router's request-size limit.
-    max_restarts: how often a crashed engine child is restarted before the launcher gives up.
+    Every option is described once, in ``hawk/config.py``.
     """
-    if role not in ROLES:
-        raise UsageError(f"unknown role {role!r}; expected one of {ROLES}")
-    check_port(port)
-    check_threads(threads)
-    check_bind(host, "--host", allow_remote)
-    if kv_host is not None:
-        check_bind(kv_host, "--kv-host", allow_remote)
-    if max_body_mb is not None and max_body_mb <= 0:
-        raise UsageError(f"--max-body-mb must be positive, got {max_body_mb}")
-    if role != "router":
-        check_model_spec(model)
-    secret = read_cluster_secret(cluster_secret_file)
-    if role == "all":
-        secret = secret or secrets.token_urlsafe(32)
-    elif not secret:
-        log.warning("no cluster secret (--cluster-secret-file or $%s): internal endpoints and the KV control channel are unauthenticated", CLUSTER_SECRET_ENV)
-    max_body = None if max_body_mb is None else int(max_body_mb * 2**20)
-    from hawk.serve.router import RouterConfig, create_router_app
-
-    def router_config(p_urls: list[str], d_urls: list[str]) -> RouterConfig:
-        return RouterConfig(
-            list(p_urls), list(d_urls), default_temperature=default_temperature, startup_timeout_s=startup_timeout_s,
-            api_key=api_key, cluster_secret=secret, max_body_bytes=max_body,
-        )
+    secret = check_serve(cfg)
+    from hawk.serve.router import create_router_app
 
     with _sigterm_as_interrupt():
         try:
-            if role == "router":
-                if not prefill_urls or not decode_urls:
-                    raise ValueError("role 'router' needs prefill_urls and decode_urls")
-                sock = bind_socket(host, port)
-                app = create_router_app(router_config(prefill_urls, decode_urls))
-                print(f"HAWK router on {url_of(sock)} -> prefill {prefill_urls}, decode {decode_urls}", flush=True)
-                serve_foreground(app, sock, log_level)
+            if cfg.role == "router":
+                if not cfg.prefill_urls or not cfg.decode_urls:
+                    raise ConfigError("role 'router' needs --prefill-url and --decode-url")
+                sock = bind_socket(cfg.host, cfg.port)
+                app = create_router_app(router_config(cfg, cfg.prefill_urls, cfg.decode_urls, secret))
+                print(f"HAWK router on {url_of(sock)} -> prefill {cfg.prefill_urls}, decode {cfg.decode_urls}", flush=True)
+                serve_foreground(app, sock, cfg.log_level)
                 return
-            cfg = instance_config(
-                model, transfer, transport, prefill_device, decode_device, arch, kv_dtype, dtype, kv_tokens,
-                staging_mb, rx_mb, landing_mode, post, kv_host or _advertised_host(host), seed, npu_shard_pages,
-            )
-            if role in ENGINE_ROLES:
-                run_instance(role, cfg, host, port, threads, log_level=log_level, cluster_secret=secret)
+            cfg = dataclasses.replace(cfg, kv_host=cfg.kv_host or _advertised_host(cfg.host))
+            if cfg.role in ENGINE_ROLES:
+                run_instance(cfg.role, cfg, cfg.host, cfg.port, cluster_secret=secret)
                 return
-            if host in (LOOPBACK, "localhost"):
+            if is_loopback(cfg.host):
                 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # keep UCX (NIXL) off other interfaces
-            sock = bind_socket(host, port)  # fail fast on a busy port, before loading any model
-            n = 1 if transfer == "colocated" else num_prefill + num_decode
-            print(f"HAWK: starting {n} engine process(es) for {model} ({transfer}); the router opens {url_of(sock)} when they are up", flush=True)
-            with start_cluster(cfg, num_prefill, num_decode, threads, LOOPBACK, log_dir, startup_timeout_s, log_level, secret) as cluster:
-                cluster.supervise(max_restarts)
-                app = create_router_app(router_config(cluster.prefill_urls, cluster.decode_urls))
-                print(f"HAWK serving {model} ({transfer} over {transport}) at {url_of(sock)}/v1", flush=True)
-                serve_foreground(app, sock, log_level)
+            sock = bind_socket(cfg.host, cfg.port)  # fail fast on a busy port, before loading any model
+            n = 1 if cfg.transfer == "colocated" else cfg.num_prefill + cfg.num_decode
+            print(f"HAWK: starting {n} engine process(es) for {cfg.model} ({cfg.transfer}); the router opens {url_of(sock)} when they are up", flush=True)
+            with start_cluster(cfg, secret) as cluster:
+                cluster.supervise(cfg.max_restarts)
+                app = create_router_app(router_config(cfg, cluster.prefill_urls, cluster.decode_urls, secret))
+                print(f"HAWK serving {cfg.model} ({cfg.transfer} over {cfg.transport}) at {url_of(sock)}/v1", flush=True)
+                serve_foreground(app, sock, cfg.log_level)
         except KeyboardInterrupt:
             pass  # Ctrl-C / SIGTERM: children were stopped by the ``with`` block
+
 
 
 @dataclass
@@ -623,33 +551,19 @@ class RunningSystem:
         self.close()
 
 
-def start_system(
-    cfg: Any,
-    num_prefill: int = 1,
-    num_decode: int = 1,
-    threads: int | None = None,
-    port: int = 0,
-    log_dir: str | Path | None = None,
-    default_temperature: float = 1.0,
-    startup_timeout_s: float = 300.0,
-    api_key: str | None = None,
-    max_restarts: int = MAX_RESTARTS,
-    max_body_bytes: int | None = None,
-) -> RunningSystem:
-    """``serve(role="all")`` without taking over the foreground: for the demo and tests."""
-    from hawk.serve.router import RouterConfig, create_router_app
+def start_system(cfg: ServeConfig, port: int = 0, **overrides: Any) -> RunningSystem:
+    """``serve`` with role "all" without taking over the foreground: for the demo and tests.
+    ``overrides`` replace config fields (e.g. ``threads=1``, ``log_dir=...``)."""
+    from hawk.serve.router import create_router_app
 
+    cfg = dataclasses.replace(cfg, **overrides).validate()
     if cfg.transport != "local":
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
     secret = secrets.token_urlsafe(32)
-    cluster = start_cluster(cfg, num_prefill, num_decode, threads, LOOPBACK, log_dir, startup_timeout_s, cluster_secret=secret)
+    cluster = start_cluster(cfg, secret)
     try:
-        cluster.supervise(max_restarts)
-        app = create_router_app(RouterConfig(
-            cluster.prefill_urls, cluster.decode_urls, default_temperature=default_temperature, api_key=api_key,
-            cluster_secret=secret, max_body_bytes=max_body_bytes,
-        ))
-        router = ThreadedServer(app, LOOPBACK, port).start()
+        cluster.supervise(cfg.max_restarts)
+        router = ThreadedServer(create_router_app(router_config(cfg, cluster.prefill_urls, cluster.decode_urls, secret)), LOOPBACK, port).start()
     except BaseException:
         cluster.close()
         raise
@@ -659,60 +573,37 @@ def start_system(
 # ============================================================================ python -m
 
 
-def _child_main(spec_json: str) -> None:
-    from hawk.engine.instances import InstanceConfig
-
-    spec = json.loads(spec_json)
-    cfg = InstanceConfig(**spec["config"])
-    logging.basicConfig(level=getattr(logging, spec.get("log_level", "warning").upper(), logging.WARNING))
+def _child_main(spec_path: str) -> None:
+    """An engine child: read the spec the launcher wrote, serve the instance it names."""
+    spec = ChildSpec.from_json(Path(spec_path).read_text())
+    cfg = spec.config
+    logging.basicConfig(level=getattr(logging, cfg.log_level.upper(), logging.WARNING))
     with _sigterm_as_interrupt():
         try:
-            run_instance(spec["role"], cfg, spec["host"], spec["port"], spec["threads"], spec["ready_file"], spec["parent_pid"], spec["log_level"])
+            run_instance(spec.role, cfg, spec.host, spec.port, spec.ready_file, spec.parent_pid)
         except KeyboardInterrupt:
             pass
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``python -m hawk.serve.launcher [--role ...]``: the same options as :func:`serve`."""
-    p = argparse.ArgumentParser(prog="python -m hawk.serve.launcher", description="Run HAWK's servers.")
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--role", default="all", choices=ROLES)
-    p.add_argument("--host", default=LOOPBACK)
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--transfer", default="gn-hawk")
-    p.add_argument("--transport", default="nixl")
-    p.add_argument("--prefill-device", default="cpu")
-    p.add_argument("--decode-device", default="npu-emu:cpu")
-    p.add_argument("--arch", default="blackhole-p150a")
-    p.add_argument("--kv-dtype", default="bf16")
-    p.add_argument("--prefill-url", action="append", dest="prefill_urls")
-    p.add_argument("--decode-url", action="append", dest="decode_urls")
-    p.add_argument("--num-prefill", type=int, default=1)
-    p.add_argument("--num-decode", type=int, default=1)
-    p.add_argument("--threads", type=int)
-    p.add_argument("--kv-tokens", type=int, default=8192)
-    p.add_argument("--log-dir")
-    p.add_argument("--log-level", default="warning")
-    p.add_argument("--api-key")
-    p.add_argument("--cluster-secret-file")
-    p.add_argument("--allow-remote", action="store_true")
-    p.add_argument("--max-body-mb", type=float)
-    a = p.parse_args(argv)
-    if a.child:
-        _child_main(a.child)
+def _serve_from_cli(cfg: ServeConfig) -> None:
+    """Serve an OpenAI-compatible endpoint: router -> GPU prefill -> HAWK KV transfer -> NPU decode."""
+    logging.basicConfig(level=getattr(logging, cfg.log_level.upper(), logging.WARNING))
+    serve(cfg)
+
+
+def serve_command() -> Callable[..., None]:
+    """``hawk serve``: every option generated from ``ServeConfig``."""
+    return config_command(_serve_from_cli, "serve")
+
+
+def main() -> None:
+    """``python -m hawk.serve.launcher``: an engine child when $HAWK_CHILD_SPEC names its spec,
+    otherwise ``hawk serve`` itself (the same generated command line)."""
+    spec_path = os.environ.pop(CHILD_SPEC_ENV, None)
+    if spec_path:
+        _child_main(spec_path)
         return
-    logging.basicConfig(level=getattr(logging, a.log_level.upper(), logging.WARNING))
-    try:
-        serve(
-            host=a.host, port=a.port, role=a.role, model=a.model, transfer=a.transfer, transport=a.transport,
-            prefill_device=a.prefill_device, decode_device=a.decode_device, arch=a.arch, kv_dtype=a.kv_dtype,
-            prefill_urls=a.prefill_urls, decode_urls=a.decode_urls, num_prefill=a.num_prefill, num_decode=a.num_decode,
-            threads=a.threads, kv_tokens=a.kv_tokens, log_dir=a.log_dir, log_level=a.log_level,
-            api_key=a.api_key, cluster_secret_file=a.cluster_secret_file, allow_remote=a.allow_remote, max_body_mb=a.max_body_mb,
-        )
-    except UsageError as e:
-        p.exit(2, f"{p.prog}: error: {e}\n")
+    typer.run(serve_command())
 
 
 if __name__ == "__main__":

@@ -13,30 +13,19 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError as FutureCancelled
-from typing import Any
 
 from fastapi import APIRouter, FastAPI
-from pydantic import BaseModel, Field
 
 from hawk.engine.instances import PrefillInstance
 from hawk.engine.prefill_engine import PrefillEngine
 from hawk.engine.sequence import SamplingParams
+from hawk.errors import Aborted, BadRequest, DuplicateRequest, PromptTooLong
+from hawk.serve.contract import AbortRequest, InstanceInfo, KVRef, PrefillAbortReply, PrefillRequest, PrefillResponse
 from hawk.serve.instance_app import build_instance_app
-from hawk.serve.protocol import OpenAIError
 
 log = logging.getLogger(__name__)
 
 ABORT_MEMORY_S = 120.0  # how long an abort for a running prefill is remembered
-
-
-class PrefillRequest(BaseModel):
-    request_id: str = Field(min_length=1, max_length=256)
-    prompt_ids: list[int] = Field(min_length=1)
-    params: dict[str, Any] = Field(default_factory=dict)
-
-
-class AbortRequest(BaseModel):
-    request_id: str
 
 
 class PrefillService:
@@ -59,46 +48,47 @@ class PrefillService:
         # how aborts ended, for /internal/accounting and /metrics
         self.aborts = {"aborts_cancelled": 0, "aborts_discarded": 0, "aborts_pending": 0, "aborts_unknown": 0, "aborts_discarded_after_prefill": 0}
 
-    async def prefill(self, req: PrefillRequest) -> dict[str, Any]:
+    async def prefill(self, req: PrefillRequest) -> PrefillResponse:
         try:
             params = SamplingParams.from_dict(req.params)
         except (ValueError, TypeError) as e:
-            raise OpenAIError(400, f"params: {e}") from None
+            raise BadRequest(f"params: {e}") from None
         bad = next((t for t in req.prompt_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:  # an out-of-range id would fail the whole batch it lands in
-            raise OpenAIError(400, f"prompt token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
+            raise BadRequest(f"prompt token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if len(req.prompt_ids) > self.engine.max_prompt_tokens:
+            raise PromptTooLong(f"prompt of {len(req.prompt_ids)} tokens exceeds this instance's limit of {self.engine.max_prompt_tokens}")
         rid = req.request_id
         if rid in self._running:
-            raise OpenAIError(409, f"request {rid!r} is already being prefilled", code="duplicate_request_id")
+            raise DuplicateRequest(f"request {rid!r} is already being prefilled")
         try:
             fut = self.engine.submit(rid, req.prompt_ids, params)
         except ValueError as e:
-            raise OpenAIError(400, str(e), code="context_length_exceeded") from None
+            raise BadRequest(str(e)) from None
         self._running.add(rid)
         try:
             result = await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
             if fut.cancelled():  # cancelled by /internal/abort while queued
-                raise OpenAIError(499, f"request {rid!r} was aborted", code="aborted") from None
+                raise Aborted(f"request {rid!r} was aborted") from None
             self.abort(rid)  # this handler itself was cancelled: don't leave its KV behind
             raise
-        except ValueError as e:  # e.g. the sender already holds KV under this id
-            raise OpenAIError(409, str(e), code="duplicate_request_id") from None
         except FutureCancelled:
-            raise OpenAIError(499, f"request {rid!r} was aborted", code="aborted") from None
+            raise Aborted(f"request {rid!r} was aborted") from None
+        except DuplicateRequest:
+            raise
+        except ValueError as e:  # the sender's refusal of KV already waiting under rid (see kv_connector.py)
+            raise DuplicateRequest(str(e)) from None
         finally:
             self._running.discard(rid)
         if self._aborted.pop(rid, None) is not None:
             if self.discard(rid):
                 self.aborts["aborts_discarded_after_prefill"] += 1
-            raise OpenAIError(499, f"request {rid!r} was aborted", code="aborted")
-        return {
-            "request_id": rid,
-            "first_token": result.first_token,
-            "num_prompt_tokens": result.num_prompt_tokens,
-            "kv": {"address": self.kv_address, "request_id": rid},
-            "timings": result.timings,
-        }
+            raise Aborted(f"request {rid!r} was aborted")
+        return PrefillResponse.of(
+            request_id=rid, first_token=result.first_token, num_prompt_tokens=result.num_prompt_tokens,
+            kv=KVRef(address=self.kv_address, request_id=rid), timings=result.timings,
+        )
 
     def abort(self, rid: str) -> str:
         """Release whatever ``rid`` holds here; says which of the three cases it was."""
@@ -124,12 +114,12 @@ def prefill_routes(svc: PrefillService) -> APIRouter:
     r = APIRouter()
 
     @r.post("/internal/prefill")
-    async def prefill(req: PrefillRequest) -> dict[str, Any]:
+    async def prefill(req: PrefillRequest) -> PrefillResponse:
         return await svc.prefill(req)
 
     @r.post("/internal/abort")
-    async def abort(req: AbortRequest) -> dict[str, str]:
-        return {"request_id": req.request_id, "result": svc.abort(req.request_id)}
+    async def abort(req: AbortRequest) -> PrefillAbortReply:
+        return PrefillAbortReply.of(request_id=req.request_id, result=svc.abort(req.request_id))
 
     return r
 
@@ -139,17 +129,11 @@ def create_prefill_app(instance: PrefillInstance, close_on_shutdown: bool = True
     that reuse one loaded instance across apps)."""
     cfg, mc = instance.cfg, instance.loaded.config
     svc = PrefillService(instance.engine, instance.sender.discard, instance.kv_address, mc.vocab_size)
-    info = {
-        "role": "prefill",
-        "model": instance.loaded.name,
-        "transfer": cfg.transfer,
-        "transport": cfg.transport,
-        "device": cfg.prefill_device,
-        "kv_address": instance.kv_address,
-        "max_prompt_tokens": instance.engine.max_prompt_tokens,
-        "max_model_len": mc.max_position_embeddings,
-        "vocab_size": mc.vocab_size,
-    }
+    info = InstanceInfo.of(
+        role="prefill", model=instance.loaded.name, transfer=cfg.transfer, transport=cfg.transport, device=cfg.prefill_device,
+        kv_address=instance.kv_address, max_prompt_tokens=instance.engine.max_prompt_tokens,
+        max_model_len=mc.max_position_embeddings, vocab_size=mc.vocab_size,
+    )
     return build_instance_app(
         "prefill", [prefill_routes(svc)], info, lambda: {**instance.accounting(), **svc.aborts}, instance.loaded.tokenizer,
         instance.close if close_on_shutdown else None, [instance.engine], cluster_secret,

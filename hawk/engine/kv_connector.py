@@ -1,0 +1,75 @@
+"""The named interface between the engines and the KV connector: who owns which blocks, and when.
+
+vLLM splits its ``KVConnectorBase_V1`` into a scheduler side and a worker side; HAWK's engines
+need less, because Algorithm 1 (``hawk/connector/algorithm1.py``) runs the whole transfer. What
+they need is said here, once, as two protocols the engines already call by shape:
+
+* :class:`PrefillKVConnector` — the prefill engine's ``Handoff`` (``prefill_engine.py``), today
+  ``HawkSender.add`` or the colocated instance's ``_handoff``.
+* :class:`DecodeKVConnector` — the decode engine's ``KVSource`` (``decode_engine.py``), today
+  ``RemoteKV`` (pull over HAWK) or ``LocalKV`` (colocated, take the blocks over).
+
+Ownership, in one line each:
+  prefill: the engine allocates; ``hand_off`` transfers ownership; the connector frees, exactly once.
+  decode:  the engine allocates; ``admit`` fills; the engine frees through ``release``, exactly once.
+
+The engines keep their own aliases (``Handoff``, ``KVSource``) until their owners switch to these
+names; the two are the same shape, so either annotation accepts the same objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from hawk.engine.block_manager import BlockManager
+from hawk.engine.sequence import Sequence as Seq
+
+#: Frees a prefilled request's paged blocks; the connector calls it exactly once.
+FreeBlocks = Callable[[], None]
+
+
+class PrefillKVConnector(Protocol):
+    """Where the prefill engine hands a finished prompt's KV (its paged blocks) to be sent.
+
+    Called as ``connector(request_id, num_tokens, block_ids, free)`` from the engine thread,
+    right after the forward pass that wrote the blocks.
+    """
+
+    def __call__(self, request_id: str, num_tokens: int, block_ids: list[int], free: FreeBlocks) -> None:
+        """Take ownership of ``block_ids`` (holding ``num_tokens`` tokens of KV) for ``request_id``.
+
+        From this call on the engine never touches those blocks again; the connector calls
+        ``free`` exactly once, when the decode side has pulled them (or had them pushed), when
+        they are discarded (the client left: ``discard(request_id)``), when they wait past
+        their TTL, or when the connector closes. Raising instead of returning means the
+        connector did not take them and the engine frees them itself: an id that already has
+        KV waiting should raise ``hawk.errors.DuplicateRequest``.
+        """
+        ...
+
+
+class DecodeKVConnector(Protocol):
+    """How the decode engine gets a sequence's prompt KV into blocks it has allocated."""
+
+    #: The decode cache's allocator: the engine allocates from it before ``admit``.
+    blocks: BlockManager
+
+    def blocks_needed(self, seq: Seq) -> int:
+        """Blocks the engine must allocate for ``seq`` (prompt + all outputs, or only the
+        outputs when the prompt's blocks are taken over, as colocated does)."""
+        ...
+
+    def admit(self, seq: Seq, block_ids: list[int], handle: Any) -> dict[str, Any]:
+        """Fill ``block_ids`` with the prompt KV named by ``handle`` (blocking, on the engine's
+        admission path); returns what the client sees about the transfer (time, bytes, requests,
+        mode). Blocks stay the engine's throughout: on an exception the engine still owns them
+        and must ``release``; the connector has already released its own transfer reservations
+        (receive buffers, the prefill's staging) on every path, as Algorithm 1 requires."""
+        ...
+
+    def release(self, seq: Seq) -> None:
+        """Return ``seq``'s blocks to ``blocks`` (finished, aborted or failed); idempotent, so
+        the engine may call it on every exit path."""
+        ...
+

@@ -1,0 +1,45 @@
+"""Faults with names, raised where they are found; the serving layer maps each class to an HTTP
+status in one table (``hawk/serve/errors.py``) instead of reading exception types or message text.
+
+They subclass ``ValueError`` / ``RuntimeError`` where callers already catch those, so a component
+can start raising them without breaking anyone. This module imports nothing: every layer may
+raise them.
+"""
+
+from __future__ import annotations
+
+
+class HawkError(Exception):
+    """Base of the named faults."""
+
+
+class BadRequest(HawkError, ValueError):
+    """The caller sent something this component refuses (a bad id, bad parameters)."""
+
+
+class PromptTooLong(BadRequest):
+    """The prompt (or prompt + output) does not fit a limit of this instance."""
+
+
+class DuplicateRequest(HawkError, ValueError):
+    """A request id that is already in use here (being prefilled, holding KV, being decoded)."""
+
+
+class UnknownKV(BadRequest):
+    """No KV is held here under the id the caller named (never prefilled, pulled, or expired)."""
+
+
+class Aborted(HawkError):
+    """The request was aborted (its client went away) before it finished."""
+
+
+class EngineUnavailable(HawkError, RuntimeError):
+    """An engine or instance that the request needs is down, restarting or unreachable."""
+
+
+class ContractMismatch(HawkError, ValueError):
+    """A router <-> instance message of another contract version, or missing what it must carry."""
+
+
+class BadUpstream(HawkError, RuntimeError):
+    """An instance answered something that breaks the contract (the router's view)."""
