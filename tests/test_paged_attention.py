@@ -9,6 +9,12 @@ The Triton kernels run on CPU through Triton's interpreter, which must be switch
 is imported: those cases run in one subprocess (``python -m tests.test_paged_attention``) printing
 a JSON verdict per case. ``gpu``-marked tests run them natively at the Llama-3.1-8B shape, and
 capture / replay a decode step in a CUDA graph.
+
+Every Triton case runs on both decode paths: fused (one launch per layer: KV write, split-K
+attention and the split merge by the last split to finish) and the three-launch one. The
+interpreter runs a launch's programs one after another, so the fused path's cross-program
+ordering (partials visible before the counter's acq_rel atomic, the cache write beside other
+splits' reads) is only really exercised by the ``gpu`` tests.
 """
 
 from __future__ import annotations
@@ -19,7 +25,10 @@ import subprocess
 import sys
 import time
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -47,7 +56,12 @@ CASES = [
     _case("hnd-fp16-g4-onekv", "HND", "fp16", "fp32", 4, 1, 32, 16, [20, 2, 9], pad=1),
     _case("nhd-bf16kv-bf16q-g5", "NHD", "bf16", "bf16", 10, 2, 32, 4, [9, 4]),
     _case("nhd-fp32kv-fp16q-d96", "NHD", "fp32", "fp16", 4, 2, 96, 8, [6, 11], decode_steps=1, pad=0),
+    # One KV head and a few rows: several splits per row, most of them non-empty (on CPU the
+    # backend assumes 4 SMs and 16-key tiles), so the split merge really merges.
+    _case("nhd-bf16-g8-splits", "NHD", "bf16", "fp32", 8, 1, 32, 4, [70, 33], decode_steps=3, pad=1),
 ]
+#: The two Triton decode paths every Triton case runs on (``PagedAttention(fused_decode=...)``).
+DECODE_PATHS = {"fused": True, "3launch": False}
 
 
 class _Ref:
@@ -66,8 +80,13 @@ def _rand(shape: tuple[int, ...], g: torch.Generator, kv_dt: torch.dtype, q_dt: 
     return torch.randn(shape, generator=g).to(kv_dt).to(q_dt)
 
 
-def run_case(c: dict, device: str, use_triton: bool | None, num_layers: int = 1) -> dict:
-    """Replay the case's forwards; raise AssertionError on a mismatch, return the worst errors."""
+def run_case(c: dict, device: str, use_triton: bool | None, num_layers: int = 1,
+             fused_decode: bool | None = None) -> dict:
+    """Replay the case's forwards; raise AssertionError on a mismatch, return the worst errors.
+
+    After every forward the fused decode's split counters must be back at zero (else the next
+    launch, or graph replay, would merge too early or never).
+    """
     kv_dt, q_dt = DTYPES[c["kv"]], DTYPES[c["qd"]]
     hq, hkv, d, bs = c["hq"], c["hkv"], c["d"], c["bs"]
     prompts = c["prompts"]
@@ -78,7 +97,7 @@ def run_case(c: dict, device: str, use_triton: bool | None, num_layers: int = 1)
     caches = layout.allocate(device)
     for cache in caches:
         cache.fill_(SENTINEL)
-    attn = PagedAttention(layout, caches, max_batch=8, use_triton=use_triton)
+    attn = PagedAttention(layout, caches, max_batch=8, use_triton=use_triton, fused_decode=fused_decode)
     g = torch.Generator().manual_seed(zlib.crc32(c["name"].encode()))
     perm = torch.randperm(layout.num_blocks, generator=g).tolist()
     blocks = {s: perm[s * per_seq : (s + 1) * per_seq] for s in range(n_seq)}
@@ -107,6 +126,7 @@ def run_case(c: dict, device: str, use_triton: bool | None, num_layers: int = 1)
                 worst = max(worst, err)
                 assert err < ATOL[q_dt], f"{c['name']} seq {s} items {items}: max err {err:.3g}"
                 off += ql
+            assert not attn._counters.any(), "split counters not reset after a forward"
 
     # 1) ragged prefill, 2) chunked-prefill continuations (start > 0, q_len > 1) beside decodes,
     # 3) padded decode steps (the last one with a sequence left out).
@@ -192,16 +212,74 @@ def test_metadata_views_keep_their_addresses_per_padded_batch() -> None:
 # ---- Triton kernels under the interpreter ---------------------------------------------------
 
 
+class _CountedKernel:
+    """Stands in for a Triton kernel: logs each launch (``kernel[grid](...)``), then launches."""
+
+    def __init__(self, kernel: Any, name: str, log: list[str]) -> None:
+        self.kernel, self.name, self.log = kernel, name, log
+
+    def __getitem__(self, grid: Any) -> Any:
+        self.log.append(self.name)
+        return self.kernel[grid]
+
+
+@contextmanager
+def _logged_launches() -> Iterator[list[str]]:
+    """Every kernel launch of :mod:`hawk.engine.triton_attention` inside the block, by kernel name."""
+    from hawk.engine import triton_attention as ta
+
+    names = ["_write_kv_kernel", "_decode_kernel", "_decode_reduce_kernel", "_prefill_kernel"]
+    saved = {n: getattr(ta, n) for n in names}
+    log: list[str] = []
+    try:
+        for n, k in saved.items():
+            setattr(ta, n, _CountedKernel(k, n, log))
+        yield log
+    finally:
+        for n, k in saved.items():
+            setattr(ta, n, k)
+
+
+def decode_layer_launches(device: str, fused_decode: bool) -> list[str]:
+    """The launches of one padded decode layer with several splits (checked against attend too)."""
+    layout = GpuKVLayout(1, 16, 16, 1, 32, "bf16")
+    caches = layout.allocate(device)
+    attn = PagedAttention(layout, caches, max_batch=2, use_triton=True, fused_decode=fused_decode)
+    ctx = 40
+    attn.begin([SeqSlice([3, 9, 4], ctx - 1, 1)], pad_to=2)
+    assert attn._splits(2) > 1
+    kc = torch.randn(ctx, 1, 32).to(torch.bfloat16)
+    for pos in range(ctx - 1):  # the cached context, written directly
+        caches[0][:, [3, 9, 4][pos // 16], pos % 16] = torch.stack([kc[pos], kc[pos]]).to(device)
+    q, k, v = (torch.randn(2, h, 32, device=device) for h in (4, 1, 1))
+    k[0], v[0] = kc[-1].float(), kc[-1].float()
+    with _logged_launches() as log:
+        out = attn(0, q, k, v)
+    want = attend(q[:1].float().cpu(), kc.float(), kc.float())
+    assert (out[:1].float().cpu() - want).abs().max() < 2e-2
+    assert (out[1] == 0).all()
+    return log
+
+
 def _run_all_interpreted() -> None:
-    """Subprocess entry: every case through the Triton path on CPU, one JSON line each."""
+    """Subprocess entry: every case through both Triton decode paths on CPU, one JSON line each."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before importing triton"
     for c in CASES:
-        t0 = time.perf_counter()
+        for path, fused in DECODE_PATHS.items():
+            name = f"{c['name']}/{path}"
+            t0 = time.perf_counter()
+            try:
+                res = {"name": name, "ok": True, **run_case(c, "cpu", use_triton=True, fused_decode=fused)}
+            except Exception as e:  # noqa: BLE001 - report every failure to the parent
+                res = {"name": name, "ok": False, "error": f"{type(e).__name__}: {e}"}
+            res["s"] = round(time.perf_counter() - t0, 2)
+            print("CASE " + json.dumps(res), flush=True)
+    for path, fused in DECODE_PATHS.items():
+        name = f"launches/{path}"
         try:
-            res = {"name": c["name"], "ok": True, **run_case(c, "cpu", use_triton=True)}
-        except Exception as e:  # noqa: BLE001 - report every failure to the parent
-            res = {"name": c["name"], "ok": False, "error": f"{type(e).__name__}: {e}"}
-        res["s"] = round(time.perf_counter() - t0, 2)
+            res = {"name": name, "ok": True, "launches": decode_layer_launches("cpu", fused)}
+        except Exception as e:  # noqa: BLE001
+            res = {"name": name, "ok": False, "error": f"{type(e).__name__}: {e}"}
         print("CASE " + json.dumps(res), flush=True)
 
 
@@ -222,11 +300,26 @@ def interpreted() -> dict[str, dict]:
     return results
 
 
-@pytest.mark.parametrize("name", [c["name"] for c in CASES])
-def test_triton_path_matches_reference_interpreted(interpreted: dict[str, dict], name: str) -> None:
-    r = interpreted.get(name)
-    assert r is not None, f"case {name} did not run (subprocess crashed?)"
+@pytest.mark.parametrize("path", DECODE_PATHS)
+@pytest.mark.parametrize("case", [c["name"] for c in CASES])
+def test_triton_path_matches_reference_interpreted(interpreted: dict[str, dict], case: str, path: str) -> None:
+    r = interpreted.get(f"{case}/{path}")
+    assert r is not None, f"case {case}/{path} did not run (subprocess crashed?)"
     assert r["ok"], r.get("error")
+
+
+#: Launches per decode layer with splits: fused, one; else the KV write, attention and the reduce.
+_DECODE_LAUNCHES = {
+    "fused": ["_decode_kernel"],
+    "3launch": ["_write_kv_kernel", "_decode_kernel", "_decode_reduce_kernel"],
+}
+
+
+@pytest.mark.parametrize("path", DECODE_PATHS)
+def test_decode_layer_launches_interpreted(interpreted: dict[str, dict], path: str) -> None:
+    r = interpreted.get(f"launches/{path}")
+    assert r is not None and r["ok"], r and r.get("error")
+    assert r["launches"] == _DECODE_LAUNCHES[path]
 
 
 # ---- GPU ------------------------------------------------------------------------------------
@@ -241,27 +334,38 @@ def _need_cuda() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", DECODE_PATHS)
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
-def test_triton_small_cases_cuda(case: dict) -> None:
+def test_triton_small_cases_cuda(case: dict, path: str) -> None:
     _need_cuda()
-    run_case(case, "cuda", use_triton=True, num_layers=2)
+    run_case(case, "cuda", use_triton=True, num_layers=2, fused_decode=DECODE_PATHS[path])
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", DECODE_PATHS)
+def test_decode_layer_launches_cuda(path: str) -> None:
+    _need_cuda()
+    assert decode_layer_launches("cuda", DECODE_PATHS[path]) == _DECODE_LAUNCHES[path]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", DECODE_PATHS)
 @pytest.mark.parametrize("order", ["NHD", "HND"])
 @pytest.mark.parametrize("kv", ["bf16", "fp16"])
-def test_triton_8b_shape_cuda(order: str, kv: str) -> None:
+def test_triton_8b_shape_cuda(order: str, kv: str, path: str) -> None:
     """Llama-3.1-8B heads, ragged prompts up to 2k (several query blocks), chunks, long decodes."""
     _need_cuda()
     c = _case(f"8b-{order}-{kv}", order, kv, "bf16", prompts=[2048, 700, 1, 130, 1500], chunk=77,
               decode_steps=3, pad=3, **_8B)
-    run_case(c, "cuda", use_triton=True)
+    run_case(c, "cuda", use_triton=True, fused_decode=DECODE_PATHS[path])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch,ctx", [(1, 8192), (64, 1024)])
-def test_triton_decode_long_and_wide_cuda(batch: int, ctx: int) -> None:
-    """Split-K decode at the benchmark shapes against attend, sequence by sequence."""
+@pytest.mark.parametrize("path", DECODE_PATHS)
+@pytest.mark.parametrize("batch,ctx", [(1, 8192), (1, 1024), (64, 1024)])
+def test_triton_decode_long_and_wide_cuda(batch: int, ctx: int, path: str) -> None:
+    """Split-K decode at the benchmark shapes against attend, sequence by sequence (and the new
+    token's K/V in the cache afterwards), twice: the second launch finds the counters reset."""
     _need_cuda()
     torch.manual_seed(0)
     bs = 16
@@ -269,16 +373,19 @@ def test_triton_decode_long_and_wide_cuda(batch: int, ctx: int) -> None:
     layout = GpuKVLayout(1, per * batch, bs, 8, 128, "bf16")
     caches = layout.allocate("cuda")
     caches[0].normal_()
-    attn = PagedAttention(layout, caches, max_batch=64, max_model_len=ctx)
+    attn = PagedAttention(layout, caches, max_batch=64, max_model_len=ctx, fused_decode=DECODE_PATHS[path])
     ids = torch.randperm(layout.num_blocks).view(batch, per).tolist()
     lens = [ctx - (i * 37) % 300 for i in range(batch)]
     attn.begin([SeqSlice(ids[i], lens[i] - 1, 1) for i in range(batch)])
-    q, k, v = (torch.randn(batch, h, 128, device="cuda", dtype=torch.bfloat16) for h in (32, 8, 8))
-    out = attn(0, q, k, v)
-    for i in range(batch):
-        kc, vc = _gather(layout, caches[0], ids[i], lens[i])
-        want = attend(q[i : i + 1].float(), kc.float(), vc.float())
-        assert (out[i : i + 1].float() - want).abs().max() < 3e-2
+    for _ in range(2):
+        q, k, v = (torch.randn(batch, h, 128, device="cuda", dtype=torch.bfloat16) for h in (32, 8, 8))
+        out = attn(0, q, k, v)
+        for i in range(batch):
+            kc, vc = _gather(layout, caches[0], ids[i], lens[i])
+            assert torch.equal(kc[-1], k[i]) and torch.equal(vc[-1], v[i])
+            want = attend(q[i : i + 1].float(), kc.float(), vc.float())
+            assert (out[i : i + 1].float() - want).abs().max() < 3e-2
+        assert not attn._counters.any()
 
 
 def _gather(layout: GpuKVLayout, cache: torch.Tensor, ids: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -291,8 +398,9 @@ def _gather(layout: GpuKVLayout, cache: torch.Tensor, ids: list[int], n: int) ->
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", DECODE_PATHS)
 @pytest.mark.parametrize("order", ["NHD", "HND"])
-def test_decode_graph_replays_after_a_new_begin_cuda(order: str) -> None:
+def test_decode_graph_replays_after_a_new_begin_cuda(order: str, path: str) -> None:
     """Capture one decode layer after begin(pad_to=B), replay after begin() of another batch."""
     _need_cuda()
     torch.manual_seed(0)
@@ -300,7 +408,7 @@ def test_decode_graph_replays_after_a_new_begin_cuda(order: str) -> None:
     layout = GpuKVLayout(1, 2048, bs, hkv, d, "bf16", order)
     caches = layout.allocate("cuda")
     caches[0].normal_()
-    attn = PagedAttention(layout, caches, max_batch=B, max_model_len=4096)
+    attn = PagedAttention(layout, caches, max_batch=B, max_model_len=4096, fused_decode=DECODE_PATHS[path])
     assert attn.graph_safe
     perm = torch.randperm(layout.num_blocks).tolist()
     seqs = [perm[i * 256 : (i + 1) * 256] for i in range(8)]
@@ -321,7 +429,7 @@ def test_decode_graph_replays_after_a_new_begin_cuda(order: str) -> None:
     with torch.cuda.graph(graph):
         out = attn(0, q, k, v)
 
-    for make in (batch2, batch1):
+    for make in (batch2, batch1, batch2):
         batch = make()
         before = caches[0].clone()
         attn.begin(batch, pad_to=B)
@@ -339,6 +447,7 @@ def test_decode_graph_replays_after_a_new_begin_cuda(order: str) -> None:
         # only the real rows' slots changed (pads wrote nothing)
         changed = (caches[0] != before).reshape(2, layout.num_blocks, -1).any(-1).sum().item()
         assert changed <= 2 * len(batch)
+        assert not attn._counters.any(), "split counters not reset after a replay"
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
 """Attention over a vLLM-layout paged KV cache (the GPU side: prefill, and decode for gg-* / colocated).
 
-On CUDA (with Triton) a forward layer is three launches at most and no Python loop over sequences:
-write the new K/V at their slots, then split-K decode attention (every ``q_len == 1``) or
-FlashAttention-style varlen attention over the paged cache (:mod:`hawk.engine.triton_attention`).
+On CUDA (with Triton) a forward layer has no Python loop over sequences. A decode layer (every
+``q_len == 1``) is ONE launch by default: split-K attention that also stores the new K/V and merges
+its splits itself (:func:`~hawk.engine.triton_attention.paged_decode_fused`); ``HAWK_FUSED_DECODE=0``
+(read at import) or ``fused_decode=False`` selects the older three launches (write the K/V, split-K
+attention, reduce). A prefill or mixed layer is two: write the K/V, then FlashAttention-style
+varlen attention over the paged cache (:mod:`hawk.engine.triton_attention`).
 Elsewhere the same metadata drives a torch fallback: batched gather + SDPA for decode, one
 :func:`attend` per sequence for prefill.
 
@@ -15,6 +18,7 @@ tens of microseconds of host time instead of ~130).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from itertools import chain, islice
 from types import ModuleType
@@ -30,6 +34,9 @@ __all__ = ["PagedAttention", "SeqSlice"]
 
 #: Extra metadata room beyond ``3 * max_batch + 1``: prefill slots and the program map.
 _META_EXTRA = 3 * 8192
+#: Default of ``PagedAttention(fused_decode=None)``: one launch per decode layer unless
+#: ``HAWK_FUSED_DECODE=0`` (the three-launch path, kept to benchmark against).
+_FUSED_DECODE = os.environ.get("HAWK_FUSED_DECODE", "1") != "0"
 
 
 def _load_triton() -> ModuleType | None:
@@ -48,6 +55,8 @@ class PagedAttention:
     size the block table; a larger batch regrows the buffers (bumping :attr:`generation`, which
     invalidates captured graphs). ``use_triton`` forces the Triton path (True, e.g. on CPU under
     ``TRITON_INTERPRET=1``) or the torch path (False); None picks Triton on CUDA when installed.
+    ``fused_decode`` picks the Triton decode path: one launch per layer (True) or three (False);
+    None follows ``HAWK_FUSED_DECODE`` as read at import (default fused).
     """
 
     def __init__(
@@ -58,6 +67,7 @@ class PagedAttention:
         max_model_len: int | None = None,
         *,
         use_triton: bool | None = None,
+        fused_decode: bool | None = None,
     ) -> None:
         layout.check_cache(list(caches))
         if max_batch <= 0:
@@ -70,11 +80,14 @@ class PagedAttention:
             raise RuntimeError("use_triton=True but triton is not importable")
         #: The PagedBackend contract holds: CUDA caches and the Triton kernels.
         self.graph_safe = cuda and self._ta is not None
+        #: One launch per decode layer (see the module docstring); only the Triton path reads it.
+        self.fused_decode = _FUSED_DECODE if fused_decode is None else fused_decode
         bs = layout.block_size
         self.max_blocks_per_seq = -(-max_model_len // bs) if max_model_len else layout.num_blocks
         self.max_model_len = self.max_blocks_per_seq * bs
         self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 4
         self._block_m = self._ta.prefill_block_m(self.device, layout.head_dim) if self._ta else 0
+        self._decode_block_n = self._ta.decode_block_n(self.device) if self._ta else 0
         #: Bumped whenever the device buffers are reallocated (their addresses change).
         self.generation = 0
         self._cap_batch = 0
@@ -117,6 +130,9 @@ class PagedAttention:
         self._part_rows = max(b * self._splits(b) for b in range(1, cap_batch + 1))
         self._part_out: torch.Tensor | None = None
         self._part_lse: torch.Tensor | None = None
+        # The fused decode's split counters, one per (row, KV head): zeroed here, and every launch
+        # leaves them zeroed, so a captured graph replays from a clean state.
+        self._counters = torch.zeros(cap_batch * self.layout.num_kv_heads, dtype=torch.int32, device=dev)
         self.generation += 1
 
     def _splits(self, batch: int) -> int:
@@ -332,14 +348,26 @@ class PagedAttention:
     def _forward_triton(self, cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ta, vw, order = self._ta, self._views, self.layout.order
         assert ta is not None
+        if self._decode and self.fused_decode:
+            return self._decode_fused(cache, q, k, v)
         ta.write_kv(k, v, cache, vw["slots"], order)
         if self._decode:
             splits = self._splits(self._n)
             part_out, part_lse = self._partials(self._n, q.shape[1], splits, q.shape[2])
             return ta.paged_decode(q, cache, vw["block_tables"], vw["seq_lens"], order, splits,
-                                   part_out=part_out, part_lse=part_lse)
+                                   part_out=part_out, part_lse=part_lse, block_n=self._decode_block_n)
         return ta.paged_prefill(q, cache, vw["block_tables"], vw["seq_lens"], vw["q_start"],
                                 vw["prog_seq"], vw["prog_blk"], order, self._block_m)
+
+    def _decode_fused(self, cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """A decode layer in one launch: K/V write, split-K attention and the split merge together."""
+        ta, vw = self._ta, self._views
+        assert ta is not None
+        splits = self._splits(self._n)
+        part_out, part_lse = self._partials(self._n, q.shape[1], splits, q.shape[2])
+        return ta.paged_decode_fused(q, k, v, cache, vw["block_tables"], vw["seq_lens"], vw["slots"],
+                                     self.layout.order, splits, counters=self._counters,
+                                     part_out=part_out, part_lse=part_lse, block_n=self._decode_block_n)
 
     def _write_torch(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         slots, t_real = self._host["slots"], len(self._host["slots"])

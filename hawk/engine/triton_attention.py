@@ -10,6 +10,11 @@ Three kernels, all reading metadata from int32 device tensors so a launch never 
   tokens (a program past the end writes a neutral partial), so a CUDA graph captured once per
   padded batch size replays for any lengths. All query heads of one KV head share a program, so
   K/V are read once (GQA). A small reduce kernel merges the splits.
+* :func:`paged_decode_fused` is the same decode as ONE launch per layer (fewer CUDA-graph nodes):
+  it also stores the new tokens' K/V (the program of split 0 per row and KV head does) and merges
+  the splits itself (the last split of a row and KV head to finish does, found by an atomic
+  counter). Every program takes the new token's K/V from the k/v inputs, never from the cache, so
+  no program reads a slot that another program of the launch is writing.
 * :func:`paged_prefill` is FlashAttention-2 style attention for a packed batch of variable-length
   query chunks over the paged cache (after their K/V were written), causal with bottom-right
   alignment: query ``i`` of a sequence with ``c`` cached tokens sees keys ``0 .. c + i``. It serves
@@ -33,8 +38,10 @@ import triton.language as tl
 
 __all__ = [
     "cache_strides",
+    "decode_block_n",
     "decode_num_splits",
     "paged_decode",
+    "paged_decode_fused",
     "paged_prefill",
     "prefill_block_m",
     "prefill_config",
@@ -169,23 +176,34 @@ def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int, max_splits: i
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale,
-    stride_qt, stride_qh, stride_ot, stride_oh,
+    q_ptr, k_ptr, v_ptr, cache_ptr, bt_ptr, seq_lens_ptr, slot_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    count_ptr, qk_scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_ckv, stride_cblk, stride_cslot, stride_chead,
     stride_bt, num_splits, G, D,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_S: tl.constexpr, DIRECT: tl.constexpr, FUSED: tl.constexpr, DOT_PREC: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
+    """Split-K decode. FUSED also writes the new K/V and lets the last split merge (one launch).
+
+    Without FUSED, k/v/slot/count pointers and strides are unused (the three-launch path).
+    """
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
-    hq = tl.num_programs(1) * G
+    hkv = tl.num_programs(1)
+    hq = hkv * G
     seq_len = tl.load(seq_lens_ptr + b)
+    if FUSED:
+        # The cache is read for positions < seq_len - 1 only; the new token comes from k/v.
+        cached = tl.maximum(seq_len - 1, 0)
+    else:
+        cached = seq_len
     # This split's token range, rounded to whole tiles; empty for splits past the end.
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(cached, num_splits), BLOCK_N) * BLOCK_N
     lo = sp * split_len
-    hi = tl.minimum(lo + split_len, seq_len)
+    hi = tl.minimum(lo + split_len, cached)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_n = tl.arange(0, BLOCK_N)
@@ -201,6 +219,12 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     k_base = cache_ptr + kvh * stride_chead
+    if FUSED:
+        m_i, l_i, acc = _decode_new_token(
+            q, m_i, l_i, acc, k_ptr + b * stride_kt + kvh * stride_kh, v_ptr + b * stride_vt + kvh * stride_vh,
+            k_base, slot_ptr + b, seq_len, sp, qk_scale, stride_ckv, stride_cblk, stride_cslot, offs_d, dmask,
+            BLOCK_SIZE,
+        )
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     qpos = tl.full([BLOCK_H], 0, tl.int32) + hi  # the one query sees the whole range
     if INTERPRET:
@@ -228,6 +252,85 @@ def _decode_kernel(
         prow = (b * hq + heads) * num_splits + sp
         tl.store(part_out_ptr + prow[:, None].to(tl.int64) * D + offs_d[None, :], o, mask=omask)
         tl.store(part_lse_ptr + prow, lse, mask=hmask)
+        if FUSED:
+            _last_split_merges(part_out_ptr, part_lse_ptr, out_ptr, count_ptr + b * hkv + kvh,
+                               b * hq + kvh * G, b * stride_ot + kvh * G * stride_oh, stride_oh,
+                               num_splits, G, D, BLOCK_S, BLOCK_D, INTERPRET)
+
+
+@triton.jit
+def _decode_new_token(
+    q, m_i, l_i, acc, k_row, v_row, k_base, slot_row, seq_len, sp, qk_scale,
+    stride_ckv, stride_cblk, stride_cslot, offs_d, dmask,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """Seed split 0's online softmax with the new token, and have split 0 store it in the cache.
+
+    Its K/V are rounded to the cache dtype first, so the scores match a read back from the
+    cache. Split 0 exists for every row (whatever the length), so exactly one program per
+    (row, KV head) stores and counts the token; a pad row (slot < 0, length 0) does neither.
+    """
+    k = tl.load(k_row + offs_d, mask=dmask, other=0.0).to(k_base.dtype.element_ty)
+    v = tl.load(v_row + offs_d, mask=dmask, other=0.0).to(k_base.dtype.element_ty)
+    slot = tl.load(slot_row).to(tl.int64)
+    write = dmask & (sp == 0) & (slot >= 0)
+    slot = tl.maximum(slot, 0)  # pads: a harmless address that the mask never touches
+    dst = k_base + (slot // BLOCK_SIZE) * stride_cblk + (slot % BLOCK_SIZE) * stride_cslot + offs_d
+    tl.store(dst, k, mask=write)
+    tl.store(dst + stride_ckv, v, mask=write)
+    mine = (sp == 0) & (seq_len > 0)
+    s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1) * qk_scale
+    m_i = tl.where(mine, s, m_i)
+    l_i = tl.where(mine, 1.0, l_i)
+    acc = tl.where(mine, acc + v.to(tl.float32)[None, :], acc)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _last_split_merges(
+    part_out_ptr, part_lse_ptr, out_ptr, count_ptr, row0, out_off, stride_oh, num_splits, G, D,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """After this split's partials are stored: the last split of the (row, KV head) to arrive merges.
+
+    The barrier makes every thread's partial stores happen before the one thread's acq_rel atomic
+    (release: the other splits see them; acquire: the merger sees theirs). Partials are read past
+    L1 (``.cg``), which is not coherent across SMs. The merger zeroes the counter for the next
+    launch or graph replay (the launch boundary orders that store).
+    """
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel")
+    if arrived == num_splits - 1:
+        if INTERPRET:
+            i = 0
+            while i < G:
+                _merge_head(part_out_ptr, part_lse_ptr, out_ptr + out_off + i * stride_oh, row0 + i,
+                            num_splits, D, BLOCK_S, BLOCK_D, ".cg")
+                i += 1
+        else:
+            for i in range(0, G):
+                _merge_head(part_out_ptr, part_lse_ptr, out_ptr + out_off + i * stride_oh, row0 + i,
+                            num_splits, D, BLOCK_S, BLOCK_D, ".cg")
+        tl.store(count_ptr, 0)
+
+
+@triton.jit
+def _merge_head(
+    part_out_ptr, part_lse_ptr, out_row, row, num_splits, D,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr,
+):
+    """Merge one query head's split partials (``row = b * Hq + h``) into its output row."""
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    smask = offs_s < num_splits
+    lse = tl.load(part_lse_ptr + row * num_splits + offs_s, mask=smask, other=float("-inf"),
+                  cache_modifier=CACHE)
+    w = tl.exp2(lse - tl.max(lse, 0))  # the largest weight is 1, so the sum is >= 1
+    prow = (row * num_splits + offs_s).to(tl.int64)
+    o = tl.load(part_out_ptr + prow[:, None] * D + offs_d[None, :],
+                mask=smask[:, None] & (offs_d[None, :] < D), other=0.0, cache_modifier=CACHE)
+    res = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_row + offs_d, res.to(out_row.dtype.element_ty), mask=offs_d < D)
 
 
 @triton.jit
@@ -238,17 +341,14 @@ def _decode_reduce_kernel(
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    row = b * tl.num_programs(1) + h
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    smask = offs_s < num_splits
-    lse = tl.load(part_lse_ptr + row * num_splits + offs_s, mask=smask, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))  # the largest weight is 1, so the sum is >= 1
-    prow = (row * num_splits + offs_s).to(tl.int64)
-    o = tl.load(part_out_ptr + prow[:, None] * D + offs_d[None, :],
-                mask=smask[:, None] & (offs_d[None, :] < D), other=0.0)
-    res = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(out_ptr + b * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=offs_d < D)
+    _merge_head(part_out_ptr, part_lse_ptr, out_ptr + b * stride_ot + h * stride_oh, b * tl.num_programs(1) + h,
+                num_splits, D, BLOCK_S, BLOCK_D, "")
+
+
+def decode_block_n(device: torch.device) -> int:
+    """Keys per tile of the decode kernels: small under the interpreter, so tiny CPU test contexts
+    still spread over several splits and exercise the merge."""
+    return 64 if device.type == "cuda" else 16
 
 
 def paged_decode(
@@ -272,37 +372,110 @@ def paged_decode(
     row, output 0). ``num_splits`` (see :func:`decode_num_splits`) fixes the grid. ``out`` ``[B,
     Hq, D]`` in q's dtype is allocated when None; ``part_out [B, Hq, S, D]`` and ``part_lse [B,
     Hq, S]`` fp32 scratch likewise (only used when ``num_splits > 1``). No host sync.
+    Two launches when ``num_splits > 1`` (attention, then the reduce), else one.
     """
-    b, hq, d = q.shape
-    hkv = cache.shape[3] if order == "NHD" else cache.shape[2]
-    if hq % hkv:
-        raise ValueError(f"query heads {hq} not a multiple of kv heads {hkv}")
-    if out is None:
-        out = torch.empty_like(q)
-    direct = num_splits == 1
-    if not direct:
-        if part_out is None:
-            part_out = torch.empty((b, hq, num_splits, d), dtype=torch.float32, device=q.device)
-        if part_lse is None:
-            part_lse = torch.empty((b, hq, num_splits), dtype=torch.float32, device=q.device)
-    skv, sblk, sslot, shead = cache_strides(cache, order)
-    g = hq // hkv
-    _decode_kernel[(b, hkv, num_splits)](
-        q, cache, block_tables, seq_lens, out,
-        part_out if part_out is not None else out, part_lse if part_lse is not None else out,
-        _LOG2E / math.sqrt(d),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        skv, sblk, sslot, shead,
-        block_tables.stride(0), num_splits, g, d,
-        BLOCK_SIZE=_block_size(cache, order), BLOCK_H=_pow2(g), BLOCK_N=block_n, BLOCK_D=_pow2(d),
-        DIRECT=direct, DOT_PREC=_dot_precision(q.dtype), INTERPRET=_INTERPRET, num_warps=num_warps,
-    )
-    if not direct:
+    out, part_out, part_lse = _decode_buffers(q, num_splits, out, part_out, part_lse)
+    _launch_decode(q, None, None, cache, block_tables, seq_lens, None, None, order, num_splits,
+                   out, part_out, part_lse, block_n, num_warps)
+    if num_splits > 1:
+        b, hq, d = q.shape
         _decode_reduce_kernel[(b, hq)](
             part_out, part_lse, out, out.stride(0), out.stride(1), num_splits, d,
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(d),
         )
     return out
+
+
+def paged_decode_fused(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    order: str,
+    num_splits: int,
+    counters: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    part_out: torch.Tensor | None = None,
+    part_lse: torch.Tensor | None = None,
+    block_n: int = 64,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """:func:`write_kv` + :func:`paged_decode` in ONE launch; returns ``out``.
+
+    As :func:`paged_decode`, except that row ``b``'s new token is NOT yet in the cache: its
+    ``k, v [B, Hkv, D]`` (last dim contiguous, any float dtype) are stored at ``slot_mapping[b]``
+    (int32, ``< 0``: a pad row, nothing written) by this launch, and attended from the inputs.
+    ``counters`` is int32 scratch of ``>= B * Hkv`` zeros that each launch leaves zeroed again
+    (keep one buffer for a captured graph; allocated when None). No host sync.
+    """
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    if k.shape != (b, hkv, d) or v.shape != k.shape:
+        raise ValueError(f"k and v must be [{b}, Hkv, {d}] like q, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError("k and v need a contiguous last dim")
+    out, part_out, part_lse = _decode_buffers(q, num_splits, out, part_out, part_lse)
+    if counters is None:
+        counters = torch.zeros(b * hkv, dtype=torch.int32, device=q.device)
+    elif counters.dtype != torch.int32 or counters.numel() < b * hkv:
+        raise ValueError(f"counters must be int32 with >= {b * hkv} elements")
+    _launch_decode(q, k, v, cache, block_tables, seq_lens, slot_mapping, counters, order, num_splits,
+                   out, part_out, part_lse, block_n, num_warps)
+    return out
+
+
+def _decode_buffers(
+    q: torch.Tensor, num_splits: int, out: torch.Tensor | None, part_out: torch.Tensor | None,
+    part_lse: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The output and (with splits) the partials the caller did not give, allocated here."""
+    b, hq, d = q.shape
+    if out is None:
+        out = torch.empty_like(q)
+    if num_splits > 1:
+        if part_out is None:
+            part_out = torch.empty((b, hq, num_splits, d), dtype=torch.float32, device=q.device)
+        if part_lse is None:
+            part_lse = torch.empty((b, hq, num_splits), dtype=torch.float32, device=q.device)
+    return out, part_out, part_lse
+
+
+def _launch_decode(
+    q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, cache: torch.Tensor,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor | None,
+    counters: torch.Tensor | None, order: str, num_splits: int, out: torch.Tensor,
+    part_out: torch.Tensor | None, part_lse: torch.Tensor | None, block_n: int, num_warps: int,
+) -> None:
+    """One launch of :func:`_decode_kernel`; fused when ``k`` is given (then v, slots, counters too)."""
+    b, hq, d = q.shape
+    hkv = cache.shape[3] if order == "NHD" else cache.shape[2]
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} not a multiple of kv heads {hkv}")
+    fused = k is not None
+    if k is not None:
+        assert v is not None and slot_mapping is not None and counters is not None
+        if k.shape[1] != hkv:
+            raise ValueError(f"k has {k.shape[1]} heads, the cache {hkv}")
+        new_kv = (k, v, slot_mapping, counters, k.stride(0), k.stride(1), v.stride(0), v.stride(1))
+    else:  # the kernel never touches these: any valid pointers, zero strides
+        new_kv = (q, q, seq_lens, seq_lens, 0, 0, 0, 0)
+    k_arg, v_arg, slot_arg, count_arg, skt, skh, svt, svh = new_kv
+    skv, sblk, sslot, shead = cache_strides(cache, order)
+    g = hq // hkv
+    _decode_kernel[(b, hkv, num_splits)](
+        q, k_arg, v_arg, cache, block_tables, seq_lens, slot_arg, out,
+        part_out if part_out is not None else out, part_lse if part_lse is not None else out,
+        count_arg, _LOG2E / math.sqrt(d),
+        q.stride(0), q.stride(1), skt, skh, svt, svh, out.stride(0), out.stride(1),
+        skv, sblk, sslot, shead,
+        block_tables.stride(0), num_splits, g, d,
+        BLOCK_SIZE=_block_size(cache, order), BLOCK_H=_pow2(g), BLOCK_N=block_n, BLOCK_D=_pow2(d),
+        BLOCK_S=triton.next_power_of_2(num_splits), DIRECT=num_splits == 1, FUSED=fused,
+        DOT_PREC=_dot_precision(q.dtype), INTERPRET=_INTERPRET, num_warps=num_warps,
+    )
 
 
 # ---- prefill / mixed ------------------------------------------------------------------------
