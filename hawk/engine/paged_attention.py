@@ -1,10 +1,11 @@
 """Attention over a vLLM-layout paged KV cache (the GPU side: prefill, and decode for gg-* / colocated).
 
 On CUDA (with Triton) a forward layer has no Python loop over sequences. A decode layer (every
-``q_len == 1``) is ONE launch by default: split-K attention that also stores the new K/V and merges
-its splits itself (:func:`~hawk.engine.triton_attention.paged_decode_fused`); ``HAWK_FUSED_DECODE=0``
-(read at import) or ``fused_decode=False`` selects the older three launches (write the K/V, split-K
-attention, reduce). A prefill or mixed layer is two: write the K/V, then FlashAttention-style
+``q_len == 1``) is ONE launch when the batch needs a single split: attention that also stores the
+new K/V (:func:`~hawk.engine.triton_attention.paged_decode_fused`); with several splits it is three
+launches (write the K/V, split-K attention, reduce), which measured faster than the fused kernel's
+serial last-program merge. ``HAWK_FUSED_DECODE=0|1`` (read at import) or ``fused_decode=`` forces
+one path. A prefill or mixed layer is two: write the K/V, then FlashAttention-style
 varlen attention over the paged cache (:mod:`hawk.engine.triton_attention`).
 Elsewhere the same metadata drives a torch fallback: batched gather + SDPA for decode, one
 :func:`attend` per sequence for prefill.
@@ -34,9 +35,12 @@ __all__ = ["PagedAttention", "SeqSlice"]
 
 #: Extra metadata room beyond ``3 * max_batch + 1``: prefill slots and the program map.
 _META_EXTRA = 3 * 8192
-#: Default of ``PagedAttention(fused_decode=None)``: one launch per decode layer unless
-#: ``HAWK_FUSED_DECODE=0`` (the three-launch path, kept to benchmark against).
-_FUSED_DECODE = os.environ.get("HAWK_FUSED_DECODE", "1") != "0"
+#: Default of ``PagedAttention(fused_decode=None)``: ``HAWK_FUSED_DECODE`` = "auto" (one launch when
+#: the batch needs one split, else three), "1" (always one) or "0" (always three). "auto" because the
+#: fused kernel's last-program merge is serial: on an H200 (8B shape, batch 1, 1k context, 33 splits)
+#: the fused step took 5.37 ms against 5.11 ms for three launches, while at batch 64 (one split) the
+#: fused step was the faster (7.55 against 7.60 ms).
+_FUSED_DECODE: bool | None = {"0": False, "1": True}.get(os.environ.get("HAWK_FUSED_DECODE", "auto"))
 
 
 def _load_triton() -> ModuleType | None:
@@ -55,8 +59,8 @@ class PagedAttention:
     size the block table; a larger batch regrows the buffers (bumping :attr:`generation`, which
     invalidates captured graphs). ``use_triton`` forces the Triton path (True, e.g. on CPU under
     ``TRITON_INTERPRET=1``) or the torch path (False); None picks Triton on CUDA when installed.
-    ``fused_decode`` picks the Triton decode path: one launch per layer (True) or three (False);
-    None follows ``HAWK_FUSED_DECODE`` as read at import (default fused).
+    ``fused_decode`` picks the Triton decode path: one launch per layer (True), three (False), or
+    one only when the batch needs a single split (None, following ``HAWK_FUSED_DECODE``; default).
     """
 
     def __init__(
@@ -134,6 +138,11 @@ class PagedAttention:
         # leaves them zeroed, so a captured graph replays from a clean state.
         self._counters = torch.zeros(cap_batch * self.layout.num_kv_heads, dtype=torch.int32, device=dev)
         self.generation += 1
+
+    def _use_fused(self, batch: int) -> bool:
+        if self.fused_decode is None:
+            return self._splits(batch) == 1
+        return self.fused_decode
 
     def _splits(self, batch: int) -> int:
         if self._ta is None:
@@ -348,7 +357,7 @@ class PagedAttention:
     def _forward_triton(self, cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ta, vw, order = self._ta, self._views, self.layout.order
         assert ta is not None
-        if self._decode and self.fused_decode:
+        if self._decode and self._use_fused(self._n):
             return self._decode_fused(cache, q, k, v)
         ta.write_kv(k, v, cache, vw["slots"], order)
         if self._decode:
