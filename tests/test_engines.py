@@ -47,7 +47,8 @@ def _submit(p, d, rid, prompt, params):
 
 
 def test_more_requests_than_memory_all_finish_in_batches(tiny):
-    """12 requests of 2 NPU blocks each against 8 blocks: at most 4 run at once, the rest wait, all finish."""
+    """12 requests growing to 2 NPU blocks each against 8 blocks: admitted by their prompt's block (so
+    up to 7 start, one block kept as watermark), preempted by swap as they grow, the rest wait, all finish."""
     p, d, c = tiny
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     prompts = [[(7 * i + j) % 250 + 1 for j in range(30 + i)] for i in range(12)]
@@ -75,7 +76,7 @@ def test_more_requests_than_memory_all_finish_in_batches(tiny):
     stop.set()
     w.join()
     assert all(col.info["finish_reason"] == "length" and len(col.tokens) == 40 for col in cols)
-    assert 1 < peak["running"] <= 4 and peak["waiting"] >= 1  # batched, and admission made some wait
+    assert 4 < peak["running"] <= 8 and peak["waiting"] >= 1  # admitted by current need; admission made some wait
     # Batched GEMMs may round differently from single-request ones (batch variance), so compare in bulk.
     agree = total = 0
     for i, (x, col) in enumerate(zip(prompts, cols)):

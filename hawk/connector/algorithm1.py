@@ -22,6 +22,12 @@ Every step is the same for the five configurations; what differs (the send forma
 decode side lands the bytes) lives in ``formats`` and ``landings``. Failure paths release too:
 an un-pulled request expires on the prefill side; a failed or timed-out batch, a dead prefill or
 malformed metadata fails the request on the decode side and releases its reservations.
+
+Back-pressure: a decode that has a request queued, waiting for its own KV memory, sends KeepAlive
+for it (about four per TTL); each extends the un-pulled KV's deadline by one TTL. So a busy decode
+delays a request instead of letting it expire into an error, while an aborted request, or a dead
+or closed decode, stops the keep-alives and the TTL still releases the KV. The prefill offers this
+in its handshake (``keepalive``, ``ttl_s``), and a decode sends it to no prefill that did not.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from hawk.connector.messages import (
     Done,
     Error,
     Hello,
+    KeepAlive,
     KVReady,
     Message,
     ProtocolError,
@@ -148,6 +155,9 @@ class KVSender:
         if isinstance(msg, Done):
             self._done(msg)
             return Ack(msg.request_id)
+        if isinstance(msg, KeepAlive):
+            self._keep_alive(msg)
+            return None  # fire and forget
         return Error(getattr(msg, "request_id", ""), f"prefill does not handle {msg.TYPE!r} messages")
 
     def _hello(self, msg: Hello) -> Message:
@@ -160,7 +170,7 @@ class KVSender:
         receiver = str(msg.extra.get("receiver") or uuid.uuid4().hex)
         with self._lock:
             self._receivers[receiver] = _Receiver(peer, {"layout": layout, **msg.extra})
-        extra = {**self.fmt.hello_extra(), "format": self.fmt.name, "receiver": receiver}
+        extra = {**self.fmt.hello_extra(), "format": self.fmt.name, "receiver": receiver, "keepalive": True, "ttl_s": self.ttl_s}
         return Hello("prefill", self.config, self.transport.name, self.transport.metadata(), layout_to_wire(self.fmt.layout), extra)
 
     def _pull(self, msg: PullRequest) -> Message:
@@ -213,6 +223,18 @@ class KVSender:
         except (ValueError, TypeError, TransferError) as e:
             return Error(msg.request_id, f"push failed: {e}")
         return Ack(msg.request_id)
+
+    def _keep_alive(self, msg: KeepAlive) -> None:
+        """The decode still has these requests queued: their un-pulled KV lives another TTL. Only a
+        receiver that said hello may do this; requests already pulled or gone are ignored."""
+        deadline = time.monotonic() + self.ttl_s
+        with self._lock:
+            if msg.receiver not in self._receivers:
+                return
+            for rid in msg.request_ids:
+                job = self._prefilled.get(rid) if isinstance(rid, str) else None
+                if job is not None:
+                    job.deadline = max(job.deadline, deadline)
 
     def _done(self, msg: Done) -> None:
         # P8: receive the notice; P9: release what P4 reserved (and the blocks gg-direct held).
@@ -326,6 +348,7 @@ class _Sender:
     peer: str
     info: dict[str, Any]  # the sender's handshake: its layout and extras (e.g. NPU tensor bases)
     receiver: str
+    next_keepalive: float = 0.0  # monotonic time before which no KeepAlive is sent again
 
 
 class KVReceiver:
@@ -374,6 +397,23 @@ class KVReceiver:
             raise
         with self._lock:
             self._senders[address] = _Sender(client, peer, info, str(reply.extra["receiver"]))
+
+    def keep_alive(self, address: str, request_ids: Sequence[str]) -> bool:
+        """Ask the prefill at ``address`` to keep these queued requests' KV for another TTL; sent
+        at most about four times per TTL per prefill, and only if its handshake offered it.
+        Returns whether a message went out."""
+        self.connect(address)
+        s = self._senders[address]
+        if not s.info.get("keepalive") or not request_ids:
+            return False
+        now = time.monotonic()
+        ttl = float(s.info.get("ttl_s") or 0.0)
+        with self._lock:
+            if now < s.next_keepalive:
+                return False
+            s.next_keepalive = now + ttl / 4
+        s.client.send(KeepAlive(s.receiver, [str(r) for r in request_ids]))
+        return True
 
     def pull(self, address: str, request_id: str, dst_block_ids: Sequence[int], timeout_s: float | None = None) -> PullResult:
         """Bring request ``request_id``'s KV from the prefill at ``address`` into ``dst_block_ids``."""

@@ -111,6 +111,17 @@ class Done(Message):
 
 
 @dataclass(frozen=True)
+class KeepAlive(Message):
+    """Decode -> prefill, no reply: these requests are queued on the decode side, waiting for its KV
+    memory; keep their KV (extend their TTL) rather than expire it. Sent only to a prefill whose
+    handshake advertised ``keepalive`` (so an older prefill never sees this type: no version bump)."""
+
+    TYPE: ClassVar[str] = "keepalive"
+    receiver: str
+    request_ids: list
+
+
+@dataclass(frozen=True)
 class Ack(Message):
     TYPE: ClassVar[str] = "ack"
     request_id: str = ""
@@ -123,7 +134,7 @@ class Error(Message):
     message: str
 
 
-MESSAGES: dict[str, type[Message]] = {m.TYPE: m for m in (Hello, PullRequest, KVReady, PushRequest, Done, Ack, Error)}
+MESSAGES: dict[str, type[Message]] = {m.TYPE: m for m in (Hello, PullRequest, KVReady, PushRequest, Done, KeepAlive, Ack, Error)}
 _PY_TYPES = {str: str, int: int, bool: bool, bytes: bytes, list: list, dict: dict}
 
 

@@ -44,6 +44,14 @@ class BlockManager:
                 self._owner[b] = owner
             return ids
 
+    def try_allocate(self, n: int, owner: str) -> list[int] | None:
+        """Like :meth:`allocate`, but None when short: check and take in one step, since another
+        engine may share this pool (colocated prefill and decode)."""
+        try:
+            return self.allocate(n, owner)
+        except OutOfBlocks:
+            return None
+
     def free(self, ids: list[int]) -> None:
         with self._lock:
             for b in ids:

@@ -1,10 +1,33 @@
 """The decode instance's engine: admission by KV memory, KV pulled over HAWK, continuous batching.
 
-A request arrives with its first token (sampled by the prefill) and a handle to its KV. The engine
-admits requests in arrival order when their blocks (prompt + max_tokens) fit, pulls the KV into
-those blocks on a transfer thread, then runs every admitted sequence one token per step until it
-stops. The first token is emitted when the KV has landed, so time-to-first-token includes the
-transfer, as in a disaggregated deployment.
+A request arrives with its first token (sampled by the prefill) and a handle to its KV. Its life:
+
+    WAITING       queued here; holds no decode blocks. Its KV waits on the prefill, kept alive
+                  (``KVSource.keep_alive``) so a memory-bound decode delays it instead of letting
+                  the prefill's TTL expire it into an error.
+        | admitted: the blocks its prompt + the first step's token need are free (plus a
+        | watermark and the next step's growth of the running batch), first come first served
+    TRANSFERRING  its blocks are allocated; a transfer thread pulls the prompt KV into them
+        | the KV has landed: the prefill's first token goes out (TTFT includes the transfer)
+    RUNNING       one token per step. Before each step the engine gives every running sequence the
+                  block its next token's KV is written to; when none is free it preempts the most
+                  recently admitted running sequence(s) (vLLM's policy):
+        | preempted
+    SWAPPED       its blocks' raw bytes copied to host memory (``hawk.engine.swap``), its blocks
+                  freed, requeued at the front of the waiting queue. A disaggregated decode cannot
+                  recompute KV (the NPU has no prefill), hence swap rather than recompute.
+        | resumed (first in line): new blocks allocated, the bytes copied back -> RUNNING,
+        | generating exactly the tokens it would have
+    FINISHED      stop token, length, abort or error: every block is freed, the host copy dropped.
+
+Admission policy: first come, first served by *current* need, as vLLM does: a request needs only
+its prompt's blocks (+1 token) to start, so a request with a huge ``max_tokens`` does not hold
+blocks it has not used and the head of the queue rarely blocks. When the pool runs dry, the
+newest running requests are swapped out, so the oldest always make progress and nobody starves:
+a short request behind a long one starts as soon as the long one's current blocks leave room, and
+finishes before the long one grows into the pool. The head is never passed by a later request
+(that could starve a large prompt), except when nothing is in flight to free blocks (colocated,
+where the prefill shares the pool: then a later request that fits goes first rather than deadlock).
 """
 
 from __future__ import annotations
@@ -20,14 +43,19 @@ from typing import Any, Protocol
 
 import torch
 
+from hawk.engine.attention import SeqSlice
 from hawk.engine.block_manager import BlockManager
 from hawk.engine.model import LlamaModel
-from hawk.engine.attention import SeqSlice
 from hawk.engine.runner import ModelRunner, StepOutput
 from hawk.engine.sampler import NO_TOKEN, make_generator, sample, sample_batch
 from hawk.engine.sequence import SamplingParams, Sequence, Status
+from hawk.engine.swap import BlockSwapper, SwappedKV, swapper_for
 
 log = logging.getLogger(__name__)
+
+
+class OutOfKVMemory(MemoryError):
+    """A running sequence needs a block, none is free, and it cannot be swapped out (no swapper)."""
 
 
 @dataclass(frozen=True)
@@ -57,13 +85,30 @@ class KVSource(Protocol):
 
     blocks: BlockManager
 
-    def blocks_needed(self, seq: Sequence) -> int: ...
+    def blocks_needed(self, seq: Sequence) -> int:
+        """Blocks to allocate at admission: the prompt's KV and the first decode step's token."""
+        ...
 
     def admit(self, seq: Sequence, block_ids: list[int], handle: Any) -> dict[str, Any]:
         """Fill ``block_ids`` with the prompt KV (blocking); returns transfer info for the client."""
         ...
 
+    def keep_alive(self, handles: list[Any]) -> None:
+        """Tell the KV's holders that these requests are still queued here (so it is not expired)."""
+        ...
+
+    def drop(self, handle: Any) -> None:
+        """A request leaves before its KV was taken (aborted or closed while queued): give back
+        whatever its handle holds."""
+        ...
+
     def release(self, seq: Sequence) -> None: ...
+
+
+def _free_blocks(blocks: BlockManager, seq: Sequence) -> None:
+    if seq.block_ids:
+        ids, seq.block_ids = seq.block_ids, []
+        blocks.free(ids)
 
 
 class RemoteKV:
@@ -73,16 +118,24 @@ class RemoteKV:
         self.blocks, self.receiver = blocks, receiver
 
     def blocks_needed(self, seq: Sequence) -> int:
-        return self.blocks.blocks_for(seq.prompt_len + seq.params.max_tokens)
+        return self.blocks.blocks_for(seq.prompt_len + 1)
 
     def admit(self, seq: Sequence, block_ids: list[int], handle: KVHandle) -> dict[str, Any]:
         r = self.receiver.pull(handle.address, handle.request_id, block_ids)
         return {"kv_transfer_s": r.timings["total_s"], "kv_bytes": r.bytes, "kv_requests": r.requests, "kv_mode": r.mode}
 
+    def keep_alive(self, handles: list[KVHandle]) -> None:
+        by_address: dict[str, list[str]] = {}
+        for h in handles:
+            by_address.setdefault(h.address, []).append(h.request_id)
+        for address, ids in by_address.items():
+            self.receiver.keep_alive(address, ids)
+
+    def drop(self, handle: KVHandle) -> None:
+        """Nothing here holds it: the prefill's TTL frees the KV once keep-alives stop."""
+
     def release(self, seq: Sequence) -> None:
-        if seq.block_ids:
-            self.blocks.free(seq.block_ids)
-            seq.block_ids = []
+        _free_blocks(self.blocks, seq)
 
 
 class LocalKV:
@@ -92,16 +145,21 @@ class LocalKV:
         self.blocks = blocks
 
     def blocks_needed(self, seq: Sequence) -> int:
-        return self.blocks.blocks_for(seq.prompt_len + seq.params.max_tokens) - self.blocks.blocks_for(seq.prompt_len)
+        return self.blocks.blocks_for(seq.prompt_len + 1) - self.blocks.blocks_for(seq.prompt_len)
 
     def admit(self, seq: Sequence, block_ids: list[int], handle: list[int]) -> dict[str, Any]:
         seq.block_ids = list(handle) + block_ids
         return {"kv_transfer_s": 0.0, "kv_bytes": 0, "kv_requests": 0, "kv_mode": "colocated"}
 
+    def keep_alive(self, handles: list[Any]) -> None:
+        """Nothing expires: the handed-over blocks are held until the request is decoded or dropped."""
+
+    def drop(self, handle: list[int]) -> None:
+        if handle:
+            self.blocks.free(list(handle))
+
     def release(self, seq: Sequence) -> None:
-        if seq.block_ids:
-            self.blocks.free(seq.block_ids)
-            seq.block_ids = []
+        _free_blocks(self.blocks, seq)
 
 
 @dataclass(eq=False)
@@ -111,6 +169,9 @@ class _Entry:
     on_event: OnEvent
     aborted: bool = False
     info: dict[str, Any] = field(default_factory=dict)
+    swapped: SwappedKV | None = None  # set while SWAPPED: the KV bytes to put back on resume
+    kv_taken: bool = False  # the handle's KV is in the sequence's blocks (else drop the handle)
+    preemptions: int = 0
 
 
 class DecodeEngine:
@@ -124,14 +185,26 @@ class DecodeEngine:
         transfer_threads: int = 4,
         graphs: bool | None = None,
         max_model_len: int | None = None,
+        watermark: float = 0.01,
+        swapper: BlockSwapper | None = None,
+        keepalive_every_s: float = 0.25,
     ):
         """``graphs``: CUDA-graph decode steps (None = when the backend allows, see ModelRunner);
-        ``max_model_len``: the longest prompt + output accepted (default: the model's context)."""
+        ``max_model_len``: the longest prompt + output accepted (default: the model's context);
+        ``watermark``: fraction of the blocks (at least one) a new admission leaves free, so the
+        running batch can grow a while before anyone is preempted (vLLM's default, 1%);
+        ``swapper``: copies a preempted sequence's blocks to the host and back (default: found
+        from ``attn``'s cache); ``keepalive_every_s``: how often queued requests' KV is kept
+        alive on the prefill (the receiver sends at most a few times per prefill TTL)."""
         self.max_len = min(max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings)
         self.runner = ModelRunner(model, attn, max_batch=max_batch, graphs=graphs, max_model_len=self.max_len)
         self.kv = kv
+        self.swapper = swapper if swapper is not None else swapper_for(attn)
         self.eos = set(eos_token_ids)
         self.max_batch = max_batch
+        self.watermark_blocks = max(1, int(watermark * kv.blocks.num_blocks)) if watermark > 0 else 0
+        self.keepalive_every_s = keepalive_every_s
+        self.preemptions = 0
         self._lock = threading.Condition()
         self._waiting: deque[_Entry] = deque()
         self._transferring: dict[str, _Entry] = {}
@@ -140,9 +213,12 @@ class DecodeEngine:
         self._entries: dict[str, _Entry] = {}
         self._pool = ThreadPoolExecutor(max_workers=transfer_threads, thread_name_prefix="hawk-kv-pull")
         self._stop = False
+        self._stopped = threading.Event()
         self._generators: dict[str, torch.Generator | None] = {}
         self._thread = threading.Thread(target=self._loop, name="hawk-decode", daemon=True)
         self._thread.start()
+        self._keepalive = threading.Thread(target=self._keepalive_loop, name="hawk-kv-keepalive", daemon=True)
+        self._keepalive.start()
 
     # -- requests in ---------------------------------------------------------------------------
 
@@ -152,9 +228,9 @@ class DecodeEngine:
         if prompt_len + params.max_tokens > self.max_len:
             raise ValueError(f"prompt ({prompt_len}) + max_tokens ({params.max_tokens}) exceeds the context length {self.max_len}")
         seq = Sequence(request_id, prompt_len, params, output_ids=[first_token])
-        need = self.kv.blocks_needed(seq)
-        if need > self.kv.blocks.num_blocks:
-            raise ValueError(f"request needs {need} KV blocks, the decode cache has {self.kv.blocks.num_blocks}")
+        peak = self.kv.blocks.blocks_for(prompt_len + params.max_tokens)
+        if peak > self.kv.blocks.num_blocks:  # alone with the whole cache it could still not finish
+            raise ValueError(f"request needs {peak} KV blocks, the decode cache has {self.kv.blocks.num_blocks}")
         with self._lock:
             if request_id in self._entries:
                 raise ValueError(f"request {request_id!r} is already being decoded")
@@ -171,33 +247,87 @@ class DecodeEngine:
                 return False
             e.aborted = True
             queued = e in self._waiting
-            if queued:
+            if queued:  # waiting or swapped: it holds no blocks, at most a host copy
                 self._waiting.remove(e)
                 self._entries.pop(request_id, None)
+                e.swapped = None
+                e.seq.status = Status.FINISHED
+                self._generators.pop(request_id, None)
             self._lock.notify()
-        if queued:  # it held nothing yet; the other stages report their abort when they see the flag
-            e.on_event(TokenEvent(request_id, finish_reason="abort"))
+        if queued:  # the other stages report their abort when they see the flag
+            self._drop(e)
+            self._notify(e, TokenEvent(request_id, finish_reason="abort"))
         return True
 
-    # -- the loop ----------------------------------------------------------------------------
+    def _drop(self, e: _Entry) -> None:
+        """Give back what a never-admitted request's handle holds (colocated: the prefill's blocks)."""
+        if not e.kv_taken:
+            e.kv_taken = True
+            try:
+                self.kv.drop(e.handle)
+            except Exception:  # noqa: BLE001
+                log.exception("dropping the KV handle of %s failed", e.seq.request_id)
 
-    def _admit(self) -> None:
-        while self._waiting and len(self._running) + len(self._transferring) + len(self._ready) < self.max_batch:
-            e = self._waiting[0]
-            need = self.kv.blocks_needed(e.seq)
-            if not self.kv.blocks.can_allocate(need):
-                return  # memory is short: wait (in order) for running requests to finish
-            self._waiting.popleft()
-            blocks = self.kv.blocks.allocate(need, e.seq.request_id) if need else []
+    # -- admission (engine lock held) ----------------------------------------------------------
+
+    def _in_flight(self) -> int:
+        return len(self._running) + len(self._transferring) + len(self._ready)
+
+    def _shortfall(self, e: _Entry) -> int:
+        """Blocks a running sequence lacks for its next step (the token written is at total_len - 1)."""
+        return max(0, self.kv.blocks.blocks_for(e.seq.total_len) - len(e.seq.block_ids))
+
+    def _admission_need(self, e: _Entry) -> int:
+        if e.swapped is not None:  # everything it had, and the slot its next step writes
+            return max(e.swapped.num_blocks, self.kv.blocks.blocks_for(e.seq.total_len))
+        return self.kv.blocks_needed(e.seq)
+
+    def _fits(self, e: _Entry) -> bool:
+        """Room for ``e`` now, leaving the running batch its next step's blocks and the watermark
+        (when something is in flight: alone, a request may take the whole pool)."""
+        reserve = sum(self._shortfall(r) for r in self._running)
+        if self._in_flight():
+            reserve += self.watermark_blocks
+        return self.kv.blocks.num_free >= self._admission_need(e) + reserve
+
+    def _next_admissible(self) -> _Entry | None:
+        """FCFS: the head, if it fits. Only when nothing is in flight (so nothing here will free
+        blocks: the colocated prefill holds them) may a later request that fits go first."""
+        head = self._waiting[0]
+        if self._fits(head):
+            return head
+        if self._in_flight():
+            return None
+        return next((e for e in self._waiting if self._fits(e)), None)
+
+    def _admit(self) -> list[_Entry]:
+        """Start what fits: new requests go to a transfer thread; swapped ones are returned, their
+        blocks allocated, for the engine thread to copy their KV back."""
+        resumed: list[_Entry] = []
+        while self._waiting and self._in_flight() + len(resumed) < self.max_batch:
+            e = self._next_admissible()
+            if e is None:
+                break
+            need = self._admission_need(e)
+            blocks = self.kv.blocks.try_allocate(need, e.seq.request_id)
+            if blocks is None:  # the colocated prefill took them meanwhile
+                break
+            self._waiting.remove(e)
+            if e.swapped is not None:
+                e.seq.block_ids = blocks  # a new list: backends may cache a list they saw before
+                resumed.append(e)
+                continue
             e.seq.block_ids = blocks
             e.seq.status = Status.TRANSFERRING
             self._transferring[e.seq.request_id] = e
             self._pool.submit(self._fetch, e, blocks)
+        return resumed
 
     def _fetch(self, e: _Entry, blocks: list[int]) -> None:
         t0 = time.monotonic()
         try:
             e.info = self.kv.admit(e.seq, blocks, e.handle)
+            e.kv_taken = True
             error = None
         except Exception as ex:  # noqa: BLE001 - fail this request, keep serving the rest
             log.warning("KV fetch for %s failed: %s", e.seq.request_id, ex)
@@ -212,7 +342,93 @@ class DecodeEngine:
             self._lock.notify()
         if error is not None or e.aborted:
             self.kv.release(e.seq)
+            e.seq.status = Status.FINISHED
             self._notify(e, TokenEvent(e.seq.request_id, finish_reason="abort" if e.aborted else "error", error=error, info=e.info))
+
+    # -- keep-alive ----------------------------------------------------------------------------
+
+    def _keepalive_loop(self) -> None:
+        """Keep queued requests' KV alive on the prefill: waiting for decode memory is back-pressure,
+        not a failure. A thread of its own, so a slow prefill never stalls a decode step."""
+        while not self._stopped.wait(self.keepalive_every_s):
+            with self._lock:
+                handles = [e.handle for e in self._waiting if e.swapped is None and not e.aborted]
+            if not handles:
+                continue
+            try:
+                self.kv.keep_alive(handles)
+            except Exception as ex:  # noqa: BLE001 - the TTL then decides, as without keep-alive
+                log.warning("keeping %d queued requests' KV alive failed: %s", len(handles), ex)
+
+    # -- preemption ----------------------------------------------------------------------------
+
+    def _reserve_next_slots(self) -> None:
+        """Give every running sequence the block its next token's KV goes to, oldest first; when
+        the pool is dry, preempt the newest running sequences (possibly the one asking)."""
+        i = 0
+        while i < len(self._running):
+            e = self._running[i]
+            short = self._shortfall(e)
+            got = self.kv.blocks.try_allocate(short, e.seq.request_id) if short else []
+            while got is None:
+                victim = self._running[-1]
+                self._preempt(victim)
+                if victim is e:
+                    break
+                got = self.kv.blocks.try_allocate(short, e.seq.request_id)
+            if got is None:
+                continue  # ``e`` was the newest and was preempted: the list ended with it
+            e.seq.block_ids.extend(got)  # append-only: backends may keep the list object
+            i += 1
+
+    def _preempt(self, e: _Entry) -> None:
+        """Swap ``e`` out and requeue it first in line; its blocks come back to the pool here."""
+        with self._lock:
+            self._running.remove(e)
+        if e.aborted:
+            self._finish(e, "abort")
+            return
+        try:
+            data = self._swap_out(e)
+        except Exception as ex:  # noqa: BLE001 - this request only; its blocks still come back
+            self._fail(e, f"preempting it failed: {ex}")
+            return
+        self.kv.release(e.seq)
+        e.swapped, e.seq.status = data, Status.SWAPPED
+        e.preemptions += 1
+        self.preemptions += 1
+        log.info("preempted %s (swapped %d blocks, %d bytes, to the host)", e.seq.request_id, data.num_blocks, data.nbytes)
+        with self._lock:
+            if e.aborted:  # aborted meanwhile (it was in no queue): end it here
+                aborted = True
+            else:
+                aborted = False
+                self._waiting.appendleft(e)  # callers preempt newest first, so the oldest ends up first
+                self._lock.notify()
+        if aborted:
+            self._finish(e, "abort")
+
+    def _swap_out(self, e: _Entry) -> SwappedKV:
+        if self.swapper is None:
+            raise OutOfKVMemory("out of KV blocks, and this decode backend has no swapper to move a sequence out")
+        return self.swapper.swap_out(e.seq.block_ids)
+
+    def _resume(self, e: _Entry) -> None:
+        """Copy a swapped sequence's KV into its new blocks and put it back in the batch."""
+        data, e.swapped = e.swapped, None
+        if e.aborted or data is None:
+            self._finish(e, "abort")
+            return
+        try:
+            self.swapper.swap_in(data, e.seq.block_ids)  # type: ignore[union-attr]
+        except Exception as ex:  # noqa: BLE001 - this request only; _fail frees its blocks
+            self._fail(e, f"swapping in failed: {ex}")
+            return
+        e.seq.status = Status.RUNNING
+        with self._lock:
+            self._running.append(e)
+
+    # -- the loop ----------------------------------------------------------------------------
 
     def _loop(self) -> None:
         """The engine thread: it must outlive any one request's failure, so every iteration is guarded."""
@@ -227,19 +443,27 @@ class DecodeEngine:
     def _iterate(self) -> bool:
         """Admit, start the newly ready, run one step; False once the engine is stopping."""
         with self._lock:
-            self._admit()
-            while not self._stop and not self._ready and not self._running:
+            resumed = self._admit()
+            while not self._stop and not self._ready and not self._running and not resumed:
                 self._lock.wait(0.05)
-                self._admit()
+                resumed = self._admit()
             if self._stop:
-                return False
-            newly = list(self._ready)
-            self._ready.clear()
-            self._running.extend(newly)
-            gone = [e for e in self._running if e.aborted]
-            self._running = [e for e in self._running if not e.aborted]
+                stopping = resumed
+            else:
+                stopping = []
+                newly = list(self._ready)
+                self._ready.clear()
+                self._running.extend(newly)
+                gone = [e for e in self._running if e.aborted]
+                self._running = [e for e in self._running if not e.aborted]
+        if self._stop:
+            for e in stopping:  # close() releases every entry's blocks
+                e.swapped = None
+            return False
         for e in gone:
             self._finish(e, "abort")
+        for e in resumed:
+            self._resume(e)
         for e in newly:  # the prefill's token goes out once the KV is here
             try:
                 e.seq.status = Status.RUNNING
@@ -248,6 +472,8 @@ class DecodeEngine:
                 self._emit(e, e.seq.output_ids[0], dict(e.info))
             except Exception as ex:  # noqa: BLE001
                 self._fail(e, f"starting the request failed: {ex}")
+        if self._running:
+            self._reserve_next_slots()
         if self._running:
             self._step()
         return True
@@ -268,6 +494,8 @@ class DecodeEngine:
             reason = "stop"
         elif len(seq.output_ids) >= seq.params.max_tokens:
             reason = "length"
+        if reason is not None and e.preemptions:
+            info = {**(info or {}), "preemptions": e.preemptions}
         e.on_event(TokenEvent(seq.request_id, token=token, finish_reason=reason, info=info or {}))
         if reason is not None:
             with self._lock:
@@ -280,6 +508,7 @@ class DecodeEngine:
         try:
             self.kv.release(e.seq)
         finally:
+            e.swapped = None
             self._generators.pop(e.seq.request_id, None)
             with self._lock:
                 self._entries.pop(e.seq.request_id, None)
@@ -347,6 +576,8 @@ class DecodeEngine:
         with self._lock:
             return {
                 "waiting": len(self._waiting),
+                "swapped": sum(1 for e in self._waiting if e.swapped is not None),
+                "preemptions": self.preemptions,
                 "transferring": len(self._transferring),
                 "running": len(self._running) + len(self._ready),
                 "free_blocks": self.kv.blocks.num_free,
@@ -357,7 +588,9 @@ class DecodeEngine:
         with self._lock:
             self._stop = True
             self._lock.notify_all()
+        self._stopped.set()
         self._thread.join(timeout=10)
+        self._keepalive.join(timeout=10)
         self._pool.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             entries = list(self._entries.values())
@@ -365,5 +598,7 @@ class DecodeEngine:
             self._waiting.clear()
             self._running.clear()
             self._ready.clear()
-        for e in entries:
+        for e in entries:  # every path ends here or in _finish: blocks freed, host copies dropped
+            e.swapped = None
+            self._drop(e)
             self.kv.release(e.seq)

@@ -60,6 +60,7 @@ class Status(enum.Enum):
     WAITING = "waiting"  # queued: for prefill, or for decode memory
     TRANSFERRING = "transferring"  # decode side: KV on its way
     RUNNING = "running"
+    SWAPPED = "swapped"  # decode side: preempted, its KV on the host, queued to resume
     FINISHED = "finished"
 
 
