@@ -40,7 +40,7 @@ want transfer && \
     --configs gg-host,gn-host,gg-direct,gn-direct-single,gn-hawk,gn-hawk@staging,gn-hawk@direct \
     --json "$OUT/transfer_h200x2.json" --plot "$OUT/transfer_h200x2.png"
 want model && \
-  step model_8b 420 python3 -m hawk.bench.equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 \
+  step model_8b 300 python3 -m hawk.bench.equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 \
     --decode-device npu-emu:cuda:$dec --configs gn-hawk,gg-direct --max-tokens 32 --kv-tokens 8192 --json "$OUT/e2e_8b_h200x2.json"
 want smoke && \
   step smoke_transfer 120 python3 -m hawk.cli bench transfer --transport nixl --prefill-device cuda:0 --npu-device npu-emu:cuda:$dec \
