@@ -8,7 +8,9 @@ values per tile; a bfloat8_b row re-derives only its own shared exponents (one p
 Two paths, one contract (``PagedBackend``):
 - Triton (``triton_npu_attention.py``) when the memory is on CUDA: metadata lives in persistent device
   buffers written once per ``begin``; ``__call__`` launches fixed grids for a padded batch and never
-  syncs, so a CUDA graph captured after ``begin(.., pad_to=B)`` replays after any later one.
+  syncs, so a CUDA graph captured after ``begin(.., pad_to=B)`` replays after any later one. It gives
+  the paged decode's bits for the same K/V values (same splits, chunks, steps and merge: the kernels
+  share them with ``triton_attention.py``), so a disaggregated run decodes the colocated one's tokens.
 - torch (CPU, or no triton): the same reads and writes vectorised over the batch; only the row tiles
   up to each sequence's length are decoded.
 ``hawk/layouts/tt.py`` is the oracle for both.
@@ -37,7 +39,8 @@ class NpuTileAttention:
     ``max_batch``: most rows (new tokens, pad rows included) one forward may have; ``max_model_len``
     bounds the block table width (default: every block of the cache). ``backend``: ``"auto"`` (Triton
     on CUDA memory when importable, else torch), ``"triton"`` (also on CPU under TRITON_INTERPRET, for
-    tests) or ``"torch"``. ``num_splits`` overrides the split-K factor of the Triton path.
+    tests) or ``"torch"``. ``num_splits`` overrides the split-K factor of the Triton path (default: the
+    paged decode's for the same padded batch, which equal bits need).
     """
 
     def __init__(
@@ -192,15 +195,15 @@ class NpuTileAttention:
         dev = self.device
         qd, kd, vd = (x.to(dev) for x in (q, k, v))
         qd, kd, vd = (x if x.stride(-1) == 1 else x.contiguous() for x in (qd, kd, vd))
-        tk.write_rows(g, layer, kd, vd, self._meta, rows)
-        splits = self.num_splits or tk.choose_splits(rows, g.num_kv_heads, self.max_blocks * g.row_tiles, dev)
+        tk.write_rows(g, layer, kd, vd, self._meta, rows)  # then read back, as the paged decode does
+        splits = self.num_splits or tk.choose_splits(rows, g.num_kv_heads, dev)
         ws = None
         if splits > 1:
             key = (rows, q.shape[1], q.shape[2], splits)
             ws = self._ws.get(key)
             if ws is None:  # kept for reuse, so a captured graph keeps pointing at it
                 n = rows * q.shape[1] * splits
-                ws = (torch.empty(n * q.shape[2], dtype=torch.float32, device=dev), torch.empty(n * 2, dtype=torch.float32, device=dev))
+                ws = (torch.empty(n * q.shape[2], dtype=torch.float32, device=dev), torch.empty(n, dtype=torch.float32, device=dev))
                 self._ws[key] = ws
         return tk.decode_attention(g, layer, qd, self._meta, rows, splits, ws, self.decode_config, self.generic).to(q.device)
 

@@ -89,7 +89,7 @@ class PagedAttention:
         bs = layout.block_size
         self.max_blocks_per_seq = -(-max_model_len // bs) if max_model_len else layout.num_blocks
         self.max_model_len = self.max_blocks_per_seq * bs
-        self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 4
+        self._num_sms = self._ta.decode_sm_count(self.device) if self._ta else 1
         self._block_m = self._ta.prefill_block_m(self.device, layout.head_dim) if self._ta else 0
         self._decode_block_n = self._ta.decode_block_n(self.device) if self._ta else 0
         #: Bumped whenever the device buffers are reallocated (their addresses change).

@@ -13,8 +13,14 @@ Three kernels, all reading metadata from int32 device tensors so a launch never 
 * :func:`paged_decode_fused` is the same decode as ONE launch per layer (fewer CUDA-graph nodes):
   it also stores the new tokens' K/V (the program of split 0 per row and KV head does) and merges
   the splits itself (the last split of a row and KV head to finish does, found by an atomic
-  counter). Every program takes the new token's K/V from the k/v inputs, never from the cache, so
-  no program reads a slot that another program of the launch is writing.
+  counter). The new token is attended where the three-launch path has it -- its own position in
+  the last chunk of the last split -- but from the k/v inputs rounded to the cache dtype, never
+  from the cache, so no program reads a slot that another program of the launch is writing, and
+  the result is the three-launch path's, bit for bit.
+* Decode is one sequence of operations everywhere (``_split_chunks``, ``_qk_step``, ``_pv_step``,
+  ``_decode_epilogue``, ``decode_reduce``): the NPU-tile decode (triton_npu_attention.py) calls
+  the same functions and differs only in where it loads a token's K/V from, so for the same K/V
+  values, q and split count, every decode kernel gives the same bits.
 * :func:`paged_prefill` is FlashAttention-2 style attention for a packed batch of variable-length
   query chunks over the paged cache (after their K/V were written), causal with bottom-right
   alignment: query ``i`` of a sequence with ``c`` cached tokens sees keys ``0 .. c + i``. It serves
@@ -40,6 +46,9 @@ __all__ = [
     "cache_strides",
     "decode_block_n",
     "decode_num_splits",
+    "decode_qk_scale",
+    "decode_reduce",
+    "decode_sm_count",
     "paged_decode",
     "paged_decode_fused",
     "paged_prefill",
@@ -133,34 +142,71 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slot_mapping
 
 
 @triton.jit
+def _qk_step(q, k, smask, m_i, l_i, qk_scale,
+             MASKED: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr):
+    """First half of one online-softmax chunk: scores of ``k [N, D]``, new max, weights ``p``, new sum.
+
+    Shared by every attention kernel here and by the NPU-tile decode (triton_npu_attention.py), so
+    that two kernels given the same K/V values run the same operations in the same order and agree
+    bit for bit however they addressed the loads. MASKED: scores where ``smask`` is False become
+    ``_NEG`` (a chunk with no masked key must run unmasked in every kernel alike: the select
+    decides whether the compiler may fuse the scale into the exponent's subtraction).
+    """
+    if INTERPRET:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * qk_scale
+    else:
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * qk_scale
+    if MASKED:
+        s = tl.where(smask, s, _NEG)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def _pv_step(acc, p, alpha, v, vmask, q,
+             MASKED: tl.constexpr, P_SCALE: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr):
+    """Second half of one online-softmax chunk: ``acc * alpha + p @ v`` (``v [N, D]``, q gives the dot dtype).
+
+    MASKED zeroes V rows where ``vmask`` is False (they may hold anything, NaN bit patterns included).
+    ``P_SCALE`` (a power of two) multiplies the rounded weights: a caller whose V is scaled by
+    ``1 / P_SCALE`` gets the very same products ``p * v`` (exact power-of-two scaling), hence the
+    same dot, bit for bit (the NPU kernel's fast bfloat8_b decode uses it; everyone else passes 1).
+    """
+    if MASKED:
+        v = tl.where(vmask[:, None], v, 0.0)
+    if INTERPRET:
+        if P_SCALE != 1.0:
+            p = p * P_SCALE
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+    else:
+        pb = p.to(q.dtype)
+        if P_SCALE != 1.0:
+            pb = (pb.to(tl.float32) * P_SCALE).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(pb, v.to(q.dtype), input_precision=DOT_PREC)
+    return acc
+
+
+@triton.jit
 def _attn_tile(
     q, acc, m_i, l_i, k_base, bt_row, start, qpos, seq_len, qk_scale,
     stride_ckv, stride_cblk, stride_cslot, offs_n, offs_d, dmask,
     BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """One key tile of the online softmax; MASKED applies the causal and length masks."""
+    """One key tile of the (prefill) online softmax; MASKED applies the causal and length masks."""
     pos = start + offs_n
     nmask = pos < seq_len
     blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
     row = blk * stride_cblk + (pos % BLOCK_SIZE) * stride_cslot
     kvmask = nmask[:, None] & dmask[None, :]
     k = tl.load(k_base + row[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
-    if INTERPRET:
-        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * qk_scale
-    else:
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * qk_scale
-    if MASKED:
-        s = tl.where((pos[None, :] <= qpos[:, None]) & nmask[None, :], s, _NEG)
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    smask = (pos[None, :] <= qpos[:, None]) & nmask[None, :]
+    p, alpha, m_i, l_i = _qk_step(q, k, smask, m_i, l_i, qk_scale, MASKED, DOT_PREC, INTERPRET)
     v = tl.load(k_base + stride_ckv + row[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
-    if INTERPRET:
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
-    return acc, m_new, l_i
+    acc = _pv_step(acc, p, alpha, v, nmask, q, MASKED, 1.0, DOT_PREC, INTERPRET)
+    return acc, m_i, l_i
 
 
 # ---- decode ---------------------------------------------------------------------------------
@@ -169,9 +215,96 @@ def _attn_tile(
 def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int, max_splits: int = 64) -> int:
     """Splits per sequence so ``batch * kv_heads * splits`` programs fill the GPU about twice over.
 
-    A function of the (padded) batch size only: a captured graph keeps its grid.
+    A function of the (padded) batch size only: a captured graph keeps its grid. Every decode
+    backend (paged and NPU tiles) takes its split count from here, because the split boundaries
+    fix the floating-point summation order: same count, same bits.
     """
     return max(1, min(max_splits, -(-2 * num_sms // (batch * num_kv_heads))))
+
+
+def decode_sm_count(device: torch.device) -> int:
+    """The SM count :func:`decode_num_splits` is given on ``device``: the GPU's, or 4 elsewhere (the
+    interpreter), so CPU tests of every backend split alike."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_qk_scale(head_dim: int) -> float:
+    """``log2(e) / sqrt(head_dim)``: the scale every decode kernel multiplies its scores by (one
+    expression, so no backend rounds it differently)."""
+    return _LOG2E / math.sqrt(head_dim)
+
+
+@triton.jit
+def _split_chunks(seq_len, sp, num_splits, BLOCK_N: tl.constexpr):
+    """Split ``sp``'s tokens ``[lo, hi)`` of a ``seq_len``-token context, and ``tail``, the start of its
+    last chunk: chunks ``[lo, tail)`` run unmasked, ``[tail, hi)`` (at most one) masked.
+
+    Splits are whole BLOCK_N-token chunks aligned at multiples of BLOCK_N (chunk c covers tokens
+    ``[c*BLOCK_N, (c+1)*BLOCK_N)``); a split past the end is empty (``tail >= hi``). Shared by every
+    decode kernel: the same chunks in the same order, masked alike, is what makes them agree.
+    """
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = sp * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+    tail = lo + tl.maximum(tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N) - 1, 0) * BLOCK_N
+    return lo, tail, hi
+
+
+@triton.jit
+def _decode_epilogue(
+    acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, b, heads, hq, sp, num_splits,
+    stride_ot, stride_oh, offs_d, hmask, dmask, D, DIRECT: tl.constexpr,
+):
+    """Store one split's result: the output itself (DIRECT, one split) or the normalized partial
+    ``[B, Hq, S, D]`` with its log2-sum-exp for :func:`_merge_head`. An empty range (pad row, idle
+    split) gives 0 and a neutral partial, not NaN. Shared by every decode kernel."""
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    omask = hmask[:, None] & dmask[None, :]
+    if DIRECT:
+        tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=omask)
+    else:
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), _NEG)
+        prow = (b * hq + heads) * num_splits + sp
+        tl.store(part_out_ptr + prow[:, None].to(tl.int64) * D + offs_d[None, :], o, mask=omask)
+        tl.store(part_lse_ptr + prow, lse, mask=hmask)
+
+
+@triton.jit
+def _decode_chunk(
+    q, acc, m_i, l_i, k_base, bt_row, start, hi, new_pos, k_new, v_new, qk_scale,
+    stride_ckv, stride_cblk, stride_cslot, offs_n, offs_d, dmask,
+    BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, NEW: tl.constexpr, DOT_PREC: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """One BLOCK_N-token chunk of paged decode: gather by block table, then the shared steps.
+
+    NEW (the fused kernel's masked chunks): the row at ``new_pos`` is not read from the cache (split
+    0 of this launch is writing it) but taken from ``k_new, v_new``, already rounded to the cache
+    dtype -- the very values a read-back would give, in the same place of the same chunk, so the
+    fused kernel computes exactly what the three-launch path does.
+    """
+    pos = start + offs_n
+    nmask = pos < hi
+    lmask = nmask
+    if NEW:
+        is_new = pos == new_pos
+        lmask = nmask & (pos != new_pos)
+    blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=lmask, other=0).to(tl.int64)
+    row = blk * stride_cblk + (pos % BLOCK_SIZE) * stride_cslot
+    kvmask = lmask[:, None] & dmask[None, :]
+    k = tl.load(k_base + row[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
+    if NEW:
+        k = tl.where(is_new[:, None], k_new[None, :], k)
+    p, alpha, m_i, l_i = _qk_step(q, k, nmask[None, :], m_i, l_i, qk_scale, MASKED, DOT_PREC, INTERPRET)
+    v = tl.load(k_base + stride_ckv + row[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
+    if NEW:
+        v = tl.where(is_new[:, None], v_new[None, :], v)
+    acc = _pv_step(acc, p, alpha, v, nmask, q, MASKED, 1.0, DOT_PREC, INTERPRET)
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -187,6 +320,8 @@ def _decode_kernel(
 ):
     """Split-K decode. FUSED also writes the new K/V and lets the last split merge (one launch).
 
+    Both variants cover the same token ranges with the same chunks (the new token included, at its
+    position), so they give the same bits; FUSED only sources the new row from registers.
     Without FUSED, k/v/slot/count pointers and strides are unused (the three-launch path).
     """
     b = tl.program_id(0)
@@ -195,15 +330,7 @@ def _decode_kernel(
     hkv = tl.num_programs(1)
     hq = hkv * G
     seq_len = tl.load(seq_lens_ptr + b)
-    if FUSED:
-        # The cache is read for positions < seq_len - 1 only; the new token comes from k/v.
-        cached = tl.maximum(seq_len - 1, 0)
-    else:
-        cached = seq_len
-    # This split's token range, rounded to whole tiles; empty for splits past the end.
-    split_len = tl.cdiv(tl.cdiv(cached, num_splits), BLOCK_N) * BLOCK_N
-    lo = sp * split_len
-    hi = tl.minimum(lo + split_len, cached)
+    lo, tail, hi = _split_chunks(seq_len, sp, num_splits, BLOCK_N)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_n = tl.arange(0, BLOCK_N)
@@ -220,55 +347,57 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     k_base = cache_ptr + kvh * stride_chead
     if FUSED:
-        m_i, l_i, acc = _decode_new_token(
-            q, m_i, l_i, acc, k_ptr + b * stride_kt + kvh * stride_kh, v_ptr + b * stride_vt + kvh * stride_vh,
-            k_base, slot_ptr + b, seq_len, sp, qk_scale, stride_ckv, stride_cblk, stride_cslot, offs_d, dmask,
-            BLOCK_SIZE,
+        k_new, v_new = _store_new_token(
+            k_ptr + b * stride_kt + kvh * stride_kh, v_ptr + b * stride_vt + kvh * stride_vh,
+            k_base, slot_ptr + b, sp, stride_ckv, stride_cblk, stride_cslot, offs_d, dmask, BLOCK_SIZE,
         )
+    else:
+        k_new = tl.zeros([BLOCK_D], cache_ptr.dtype.element_ty)
+        v_new = k_new
+    new_pos = seq_len - 1
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    qpos = tl.full([BLOCK_H], 0, tl.int32) + hi  # the one query sees the whole range
     if INTERPRET:
         start = lo
+        while start < tail:
+            acc, m_i, l_i = _decode_chunk(q, acc, m_i, l_i, k_base, bt_row, start, hi, new_pos, k_new, v_new,
+                                          qk_scale, stride_ckv, stride_cblk, stride_cslot, offs_n, offs_d, dmask,
+                                          BLOCK_SIZE, False, False, DOT_PREC, INTERPRET)
+            start += BLOCK_N
+        start = tail
         while start < hi:
-            acc, m_i, l_i = _attn_tile(q, acc, m_i, l_i, k_base, bt_row, start, qpos, hi, qk_scale,
-                                       stride_ckv, stride_cblk, stride_cslot, offs_n, offs_d, dmask,
-                                       BLOCK_SIZE, True, DOT_PREC, INTERPRET)
+            acc, m_i, l_i = _decode_chunk(q, acc, m_i, l_i, k_base, bt_row, start, hi, new_pos, k_new, v_new,
+                                          qk_scale, stride_ckv, stride_cblk, stride_cslot, offs_n, offs_d, dmask,
+                                          BLOCK_SIZE, True, FUSED, DOT_PREC, INTERPRET)
             start += BLOCK_N
     else:
-        for start in range(lo, hi, BLOCK_N):
-            acc, m_i, l_i = _attn_tile(q, acc, m_i, l_i, k_base, bt_row, start, qpos, hi, qk_scale,
-                                       stride_ckv, stride_cblk, stride_cslot, offs_n, offs_d, dmask,
-                                       BLOCK_SIZE, True, DOT_PREC, INTERPRET)
+        for start in range(lo, tail, BLOCK_N):
+            acc, m_i, l_i = _decode_chunk(q, acc, m_i, l_i, k_base, bt_row, start, hi, new_pos, k_new, v_new,
+                                          qk_scale, stride_ckv, stride_cblk, stride_cslot, offs_n, offs_d, dmask,
+                                          BLOCK_SIZE, False, False, DOT_PREC, INTERPRET)
+        for start in range(tail, hi, BLOCK_N):
+            acc, m_i, l_i = _decode_chunk(q, acc, m_i, l_i, k_base, bt_row, start, hi, new_pos, k_new, v_new,
+                                          qk_scale, stride_ckv, stride_cblk, stride_cslot, offs_n, offs_d, dmask,
+                                          BLOCK_SIZE, True, FUSED, DOT_PREC, INTERPRET)
 
-    l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty range (pad row, idle split) gives 0, not NaN
-    o = acc / l_safe[:, None]
-    omask = hmask[:, None] & dmask[None, :]
-    if DIRECT:
-        tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=omask)
-    else:
-        # Partials [B, Hq, S, D] normalized, with their log2-sum-exp; an empty split is neutral.
-        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), _NEG)
-        prow = (b * hq + heads) * num_splits + sp
-        tl.store(part_out_ptr + prow[:, None].to(tl.int64) * D + offs_d[None, :], o, mask=omask)
-        tl.store(part_lse_ptr + prow, lse, mask=hmask)
-        if FUSED:
+    _decode_epilogue(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, b, heads, hq, sp, num_splits,
+                     stride_ot, stride_oh, offs_d, hmask, dmask, D, DIRECT)
+    if FUSED:
+        if not DIRECT:
             _last_split_merges(part_out_ptr, part_lse_ptr, out_ptr, count_ptr + b * hkv + kvh,
                                b * hq + kvh * G, b * stride_ot + kvh * G * stride_oh, stride_oh,
                                num_splits, G, D, BLOCK_S, BLOCK_D, INTERPRET)
 
 
 @triton.jit
-def _decode_new_token(
-    q, m_i, l_i, acc, k_row, v_row, k_base, slot_row, seq_len, sp, qk_scale,
-    stride_ckv, stride_cblk, stride_cslot, offs_d, dmask,
+def _store_new_token(
+    k_row, v_row, k_base, slot_row, sp, stride_ckv, stride_cblk, stride_cslot, offs_d, dmask,
     BLOCK_SIZE: tl.constexpr,
 ):
-    """Seed split 0's online softmax with the new token, and have split 0 store it in the cache.
+    """Have split 0 store the new token's K/V in the cache; return them rounded to the cache dtype.
 
-    Its K/V are rounded to the cache dtype first, so the scores match a read back from the
-    cache. Split 0 exists for every row (whatever the length), so exactly one program per
-    (row, KV head) stores and counts the token; a pad row (slot < 0, length 0) does neither.
+    The rounded rows are what :func:`write_kv` would store and a read-back would return. Split 0
+    exists for every row (whatever the length), so exactly one program per (row, KV head) stores
+    the token; a pad row (slot < 0) stores nothing. No program of the launch reads that slot.
     """
     k = tl.load(k_row + offs_d, mask=dmask, other=0.0).to(k_base.dtype.element_ty)
     v = tl.load(v_row + offs_d, mask=dmask, other=0.0).to(k_base.dtype.element_ty)
@@ -278,12 +407,7 @@ def _decode_new_token(
     dst = k_base + (slot // BLOCK_SIZE) * stride_cblk + (slot % BLOCK_SIZE) * stride_cslot + offs_d
     tl.store(dst, k, mask=write)
     tl.store(dst + stride_ckv, v, mask=write)
-    mine = (sp == 0) & (seq_len > 0)
-    s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1) * qk_scale
-    m_i = tl.where(mine, s, m_i)
-    l_i = tl.where(mine, 1.0, l_i)
-    acc = tl.where(mine, acc + v.to(tl.float32)[None, :], acc)
-    return m_i, l_i, acc
+    return k, v
 
 
 @triton.jit
@@ -345,6 +469,17 @@ def _decode_reduce_kernel(
                 num_splits, D, BLOCK_S, BLOCK_D, "")
 
 
+def decode_reduce(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
+    """Merge split partials ``part_out [B, Hq, S, D]``, ``part_lse [B, Hq, S]`` (contiguous fp32) into
+    ``out [B, Hq, D]`` (last dim contiguous). Every split-K decode backend merges here: one merge
+    code, one summation order."""
+    b, hq, d = out.shape
+    _decode_reduce_kernel[(b, hq)](
+        part_out, part_lse, out, out.stride(0), out.stride(1), num_splits, d,
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(d),
+    )
+
+
 def decode_block_n(device: torch.device) -> int:
     """Keys per tile of the decode kernels: small under the interpreter, so tiny CPU test contexts
     still spread over several splits and exercise the merge."""
@@ -378,11 +513,8 @@ def paged_decode(
     _launch_decode(q, None, None, cache, block_tables, seq_lens, None, None, order, num_splits,
                    out, part_out, part_lse, block_n, num_warps)
     if num_splits > 1:
-        b, hq, d = q.shape
-        _decode_reduce_kernel[(b, hq)](
-            part_out, part_lse, out, out.stride(0), out.stride(1), num_splits, d,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(d),
-        )
+        assert part_out is not None and part_lse is not None
+        decode_reduce(part_out, part_lse, out, num_splits)
     return out
 
 
@@ -468,7 +600,7 @@ def _launch_decode(
     _decode_kernel[(b, hkv, num_splits)](
         q, k_arg, v_arg, cache, block_tables, seq_lens, slot_arg, out,
         part_out if part_out is not None else out, part_lse if part_lse is not None else out,
-        count_arg, _LOG2E / math.sqrt(d),
+        count_arg, decode_qk_scale(d),
         q.stride(0), q.stride(1), skt, skh, svt, svh, out.stride(0), out.stride(1),
         skv, sblk, sslot, shead,
         block_tables.stride(0), num_splits, g, d,
