@@ -625,10 +625,10 @@ def decode_attention(
     values), q, split count and ``block_n`` (default: the paged decode's, ``decode_block_n``).
     ``partials``: fp32 ``[rows*Hq*num_splits*D]`` and ``[rows*Hq*num_splits]`` (the paged decode's
     split-partial layout; needed when ``num_splits > 1``), merged by the paged decode's reduce.
-    bfloat8_b on a separable page map takes the chunked kernel (``config``, default
-    :class:`DecodeConfig`); bf16 takes it only when ``config`` is given, because on an H200 the
-    whole-tile kernel measured faster for bf16 (b64 ctx 1k: 100 vs 109 us per layer, with 32-token
-    chunks then); ``generic=True`` forces the whole-tile kernel.
+    A separable page map takes the chunked kernel (``config``, default :class:`DecodeConfig`), bf16
+    and bfloat8_b alike: on an H200 the whole-tile kernel's bf16 output was not bitwise equal to the
+    paged decode (its ``tl.join`` of two row tiles reorders the chunk), which broke token equality with
+    the colocated reference. ``generic=True`` forces the whole-tile kernel (non-separable maps use it).
     """
     from hawk.engine import triton_attention as ta
 
@@ -647,7 +647,7 @@ def decode_attention(
     common = (q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), part_out, part_lse,
               g.memory, g.bases[2 * layer], g.bases[2 * layer + 1], meta, meta.stride(0), qk_scale, num_splits)
     bh = max(16, _next_pow2(group))
-    if g.separable and not generic and (g.bfp8 or config is not None):
+    if g.separable and not generic:
         cfg = config or DecodeConfig()
         # FAST is GPU-only: the interpreter's int16 -> bf16 bitcast gives wrong values (its bf16 is
         # emulated), so CPU tests run the exact fp32 decode; the gpu tests check FAST bitwise.
