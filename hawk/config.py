@@ -39,6 +39,7 @@ GPU_KV_DTYPES = ("bf16", "fp16", "fp32")
 ROLES = ("all", "router", "prefill", "decode", "colocated")
 ENGINE_ROLES = ("prefill", "decode", "colocated")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+NPU_TIMINGS = ("p150a",)  # hawk.devices.timing.NPU_TIMINGS (tests check they agree)
 
 #: Which commands show a field: ``hawk serve`` shows all; ``hawk demo`` and the benchmarks that
 #: build instances show the engine's; the router and launcher fields are ``serve``'s alone.
@@ -105,7 +106,11 @@ class ServeConfig:
     max_batch: int = opt(64, "decode: sequences per step (and the largest CUDA-graph bucket)", flags=("--max-num-seqs", "--max-batch"), min=1)
     max_model_len: int = opt(0, "decode: longest prompt + output accepted; 0 = the model's context length", min=0)
     graphs: bool | None = opt(None, "decode CUDA graphs (default: when the device and backend allow)", flags=("--graphs/--no-graphs",))
+    prefill_tp: int = opt(1, "tensor-parallel ranks (processes) of each prefill instance; must divide the KV heads", min=1)
+    decode_tp: int = opt(1, "tensor-parallel ranks (processes) of each decode instance; must divide the KV heads", min=1)
     threads: int | None = opt(None, "torch threads per engine process (default: the cores shared evenly)", min=1, commands=PROCESS)
+    npu_timing: str | None = opt(None, "timing emulation: pace the emulated NPU's decode step and DRAM copies to this device's model (hawk/devices/timing.py); decode on an NPU only", choices=NPU_TIMINGS)
+    link_gbps: float | None = opt(None, "timing emulation: each KV transfer batch completes no sooner than bytes x 8 / N after submission (a link of N Gb/s)", positive=True)
 
     # -- the router and the launcher ------------------------------------------------------------
     host: str = opt("127.0.0.1", "address the router (or the single role) binds", commands=SERVE)

@@ -130,6 +130,8 @@ def run(base: InstanceConfig, configs: Sequence[str], prompts: Sequence[str] = P
                         "prefill_device": cfg.prefill_device,
                         "decode_device": cfg.decode_device + (" (emulated NPU)" if parse_device(cfg.decode_device).is_npu else ""),
                         "transport": cfg.transport,
+                        "prefill_tp": cfg.prefill_tp,
+                        "decode_tp": cfg.decode_tp,
                         "text": oracle_model.tokenizer.decode(toks),
                     }
                 )

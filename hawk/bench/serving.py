@@ -233,6 +233,8 @@ def _server_side(results: Sequence[RequestResult]) -> dict[str, Any]:
         "kv_bytes_p50": (float(np.median([h["kv_bytes"] for h in hs if h.get("kv_bytes") is not None])) if any(h.get("kv_bytes") is not None for h in hs) else None),
         "transfer": next((h.get("transfer") for h in hs if h.get("transfer")), None),
         "decode_device": next((h.get("decode_device") for h in hs if h.get("decode_device")), None),
+        # timing emulation (--npu-timing / --link-gbps): the decode instance's label says "[... emulated ...]"
+        "timing_emulation": next((d.partition(" [")[2].rstrip("]") for h in hs if " [" in (d := h.get("decode_device") or "")), None),
         "kv_mode": next((h.get("kv_mode") for h in hs if h.get("kv_mode")), None),
     }
 

@@ -398,6 +398,12 @@ class KVReceiver:
         with self._lock:
             self._senders[address] = _Sender(client, peer, info, str(reply.extra["receiver"]))
 
+    def peer_layout(self, address: str) -> Any:
+        """The KV layout the prefill at ``address`` announced (its ``head_start`` and heads tell a
+        tensor-parallel decode rank whether this sender holds any of its heads)."""
+        self.connect(address)
+        return self._senders[address].info["layout"]
+
     def keep_alive(self, address: str, request_ids: Sequence[str]) -> bool:
         """Ask the prefill at ``address`` to keep these queued requests' KV for another TTL; sent
         at most about four times per TTL per prefill, and only if its handshake offered it.

@@ -38,6 +38,7 @@ from hawk.memory.buffers import ChannelBuffers, SingleBuffer, StagingBuffer
 from hawk.memory.npu_kv_cache import NpuKVCacheMemory
 from hawk.plan.cost_model import CostModel
 from hawk.transport.base import Transport
+from hawk.transport.paced import paced
 
 
 @dataclass(frozen=True)
@@ -77,9 +78,11 @@ def make_sender(
     layout: GpuKVLayout,
     staging_bytes: int,
     transform_impl: str = "auto",
+    link_gbps: float | None = None,
     **kwargs,
 ) -> KVSender:
-    """The GPU prefill side of ``config`` over ``transport``, with a staging buffer of ``staging_bytes``."""
+    """The GPU prefill side of ``config`` over ``transport``, with a staging buffer of ``staging_bytes``;
+    ``link_gbps`` paces the batches it posts (push) to that link (timing emulation, ``transport/paced.py``)."""
     cfg = get_config(config)
     if cfg.prefill_on != "gpu":
         raise ValueError(f"{config} sends from an NPU: use make_npu_sender")
@@ -90,7 +93,7 @@ def make_sender(
         on_host = cfg.staging == "host"
         staging = StagingBuffer(staging_bytes, "cpu" if on_host else caches[0].device, pin=on_host and torch.cuda.is_available())
         fmt = NpuTiles(caches, layout, staging, transform_impl) if cfg.send_format == "npu-tiles" else CompactBlocks(caches, layout, staging)
-    return KVSender(transport, fmt, cfg.name, **kwargs)
+    return KVSender(paced(transport, link_gbps), fmt, cfg.name, **kwargs)
 
 
 def make_npu_sender(config: str, transport: Transport, kv: NpuKVCacheMemory, staging_bytes: int, **kwargs) -> KVSender:
@@ -144,6 +147,8 @@ def make_landing(config: str, side: NpuSide | GpuSide) -> Landing:
     return HostToGpuLanding(side.caches, side.layout, HostRx(side.rx_bytes))
 
 
-def make_receiver(config: str, transport: Transport, side: NpuSide | GpuSide, post: str = "pull", timeout_s: float = 30.0) -> KVReceiver:
-    """The decode side of ``config`` over ``transport``."""
-    return KVReceiver(transport, make_landing(config, side), config, post, timeout_s)
+def make_receiver(config: str, transport: Transport, side: NpuSide | GpuSide, post: str = "pull", timeout_s: float = 30.0,
+                  link_gbps: float | None = None) -> KVReceiver:
+    """The decode side of ``config`` over ``transport``; ``link_gbps`` paces the batches it posts
+    (pull) to that link (timing emulation, ``transport/paced.py``)."""
+    return KVReceiver(paced(transport, link_gbps), make_landing(config, side), config, post, timeout_s)

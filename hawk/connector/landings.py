@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from hawk.connector.formats import Held, cache_region, channel_region
@@ -25,6 +26,7 @@ from hawk.memory.reservations import RangeReservations, Reservation
 from hawk.plan.block_plan import BlockCopyPlan, plan_block_copy
 from hawk.plan.cost_model import CostModel
 from hawk.plan.kv_plan import KVTransferPlan, plan_kv_transfer
+from hawk.plan.requests import Request, merge_runs
 from hawk.transform import transform, untransform
 from hawk.transport.base import Desc
 
@@ -282,6 +284,43 @@ class HostToGpuLanding(_HostLanding):
             torch.cuda.synchronize(dev)
 
 
+def head_slice_requests(blocks: BlockCopyPlan, dst: GpuKVLayout, dst_block_ids: Sequence[int]) -> list[Request]:
+    """gg-direct between ranks holding different KV heads: only the shared heads of each block move.
+
+    Whole blocks are no longer contiguous on both sides, so a request covers the shared heads of
+    one token row (NHD) or of one block (HND); adjacent pieces are merged where both sides continue.
+    """
+    src = blocks.src
+    lo, hi = max(src.head_start, dst.head_start), min(src.head_start + src.num_kv_heads, dst.head_start + dst.num_kv_heads)
+    if lo >= hi:
+        raise ValueError(f"no shared KV heads: source holds {src.heads}, destination {dst.heads}")
+    same = (src.num_layers, src.block_size, src.head_dim, src.dtype, src.order)
+    theirs = (dst.num_layers, dst.block_size, dst.head_dim, dst.dtype, dst.order)
+    if same != theirs:
+        raise ValueError(f"GPU->GPU head-sliced copy needs matching layouts: source {same}, destination {theirs}")
+    n = blocks.num_blocks
+    did = np.asarray(list(dst_block_ids)[:n], dtype=np.int64)
+    if len(did) < n:
+        raise ValueError(f"destination has {len(did)} blocks, the request needs {n}")
+    hd = src.head_dim * src.elem_bytes  # bytes of one head's row
+    bs = src.block_size
+    kv = np.arange(2, dtype=np.int64)[:, None]
+
+    def offsets(lay: GpuKVLayout, ids: np.ndarray) -> np.ndarray:
+        block = kv * lay.num_blocks + ids[None, :]  # [2, n]
+        if lay.order == "NHD":  # [.., block, token, head, dim]: one piece per token row
+            row = block[..., None] * bs + np.arange(bs, dtype=np.int64)
+            return ((row * lay.num_kv_heads + (lo - lay.head_start)) * hd).ravel()
+        return ((block * lay.num_kv_heads + (lo - lay.head_start)) * bs * hd).ravel()  # HND: per block
+
+    length = (hi - lo) * hd * (1 if src.order == "NHD" else bs)
+    s_off, d_off = offsets(src, blocks.src_block_ids), offsets(dst, did)
+    out: list[Request] = []
+    for layer in range(src.num_layers):
+        out += [Request(*r) for r in merge_runs(layer, s_off, layer, d_off, length)]
+    return out
+
+
 class GpuDirectLanding(Landing):
     """gg-direct: read vLLM blocks straight from the prefill GPU's cache into this GPU's cache."""
 
@@ -299,6 +338,8 @@ class GpuDirectLanding(Landing):
 
     def plan(self, ready, dst_block_ids, peer):
         blocks = plan_block_copy(ready.num_tokens, ready.src_block_ids, peer["layout"])
+        if blocks.src.heads != self.layout.heads:  # tensor-parallel ranks of different degrees
+            return head_slice_requests(blocks, self.layout, dst_block_ids)
         return blocks.direct_requests(self.layout, dst_block_ids)
 
     def pair(self, plan, held, ready) -> list[Desc]:

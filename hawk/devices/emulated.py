@@ -2,11 +2,14 @@
 
 Faithful where HAWK depends on it: channel windows with the arch's bank offsets and capacities,
 tt-metal's lockstep interleaved allocation, byte-exact pages. Not emulated: compute cores, the
-NoC, DRAM timing. Numbers measured on it are emulation numbers and are labelled so.
+NoC, DRAM timing. Numbers measured on it are emulation numbers and are labelled so. With a
+``copy_timing`` model (``--npu-timing p150a``) its device-side copies take at least the modelled
+DRAM time (``hawk.devices.timing``): still emulation, and labelled as such.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -14,6 +17,7 @@ import torch
 from hawk.devices.backend import NpuBackend
 from hawk.devices.batched_copy import batched_copy
 from hawk.devices.dram_allocator import DramAllocator
+from hawk.devices.timing import DramCopyModel, copy_arrays, pace_until
 from hawk.layouts.device import parse_device
 from hawk.layouts.npu import NpuArch, get_arch
 from hawk.plan.requests import Copy, Runs
@@ -26,8 +30,9 @@ DEFAULT_EMULATED_BANK_BYTES = 256 << 20
 class EmulatedNpu(NpuBackend):
     """``npu-emu:<torch device>``: channel memory is one uint8 tensor ``[channels, channel_bytes]``."""
 
-    def __init__(self, arch: NpuArch, memory_device: str | torch.device = "cpu"):
+    def __init__(self, arch: NpuArch, memory_device: str | torch.device = "cpu", copy_timing: DramCopyModel | None = None):
         self.arch = arch
+        self.copy_timing = copy_timing
         self.allocator = DramAllocator(arch)
         dev = torch.device(memory_device)
         cap = {arch.channel_capacity(c) for c in range(arch.num_channels)}
@@ -69,7 +74,18 @@ class EmulatedNpu(NpuBackend):
         self._memory[channel, address : address + data.numel()].copy_(data.reshape(-1), non_blocking=True)
 
     def copy(self, copies: Sequence[Copy] | Runs) -> None:
+        if self.copy_timing is None:
+            batched_copy(self._memory, copies)
+            return
+        self._paced_copy(copies)
+
+    def _paced_copy(self, copies: Sequence[Copy] | Runs) -> None:
+        """The copy, finished (synchronized), then held to the modelled DRAM time."""
+        assert self.copy_timing is not None
+        t0 = time.perf_counter()
         batched_copy(self._memory, copies)
+        self.synchronize()
+        pace_until(t0, self.copy_timing.copy_time(*copy_arrays(copies)))
 
     def synchronize(self) -> None:
         if self._memory.is_cuda:
@@ -85,8 +101,10 @@ class EmulatedNpu(NpuBackend):
             raise ValueError(f"[{address}, {address + nbytes}) is outside channel {channel} ({self._memory.shape[1]} B)")
 
 
-def open_npu(spec: str, arch: str = "blackhole-p150a", bank_capacity: int | None = None) -> NpuBackend:
-    """Open an NPU by name: ``npu-emu:cpu``, ``npu-emu:cuda:1``; ``ttnn:<id>`` is the real-hardware seam."""
+def open_npu(spec: str, arch: str = "blackhole-p150a", bank_capacity: int | None = None,
+             copy_timing: DramCopyModel | None = None) -> NpuBackend:
+    """Open an NPU by name: ``npu-emu:cpu``, ``npu-emu:cuda:1``; ``ttnn:<id>`` is the real-hardware seam.
+    ``copy_timing`` paces an emulated device's copies (timing emulation; None: as fast as they run)."""
     try:
         device = parse_device(spec)
     except ValueError:
@@ -94,7 +112,7 @@ def open_npu(spec: str, arch: str = "blackhole-p150a", bank_capacity: int | None
     if device is not None and device.kind == "npu-emu":
         if bank_capacity is None and device.memory_kind != "cuda":
             bank_capacity = DEFAULT_EMULATED_BANK_BYTES
-        return EmulatedNpu(get_arch(arch, bank_capacity), device.torch_device)
+        return EmulatedNpu(get_arch(arch, bank_capacity), device.torch_device, copy_timing)
     if device is not None and device.kind == "ttnn":
         raise RuntimeError(
             "a real Tenstorrent backend needs ttnn/tt-umd and tt-kmd >= 2.10 (per-bank dma-buf export); "

@@ -43,6 +43,7 @@ from typing import Any, Protocol
 
 import torch
 
+from hawk.devices.timing import pace_until
 from hawk.engine.attention import SeqSlice
 from hawk.engine.block_manager import BlockManager
 from hawk.engine.model import LlamaModel
@@ -188,6 +189,7 @@ class DecodeEngine:
         watermark: float = 0.01,
         swapper: BlockSwapper | None = None,
         keepalive_every_s: float = 0.25,
+        step_time: Callable[[int, int], float] | None = None,
     ):
         """``graphs``: CUDA-graph decode steps (None = when the backend allows, see ModelRunner);
         ``max_model_len``: the longest prompt + output accepted (default: the model's context);
@@ -195,7 +197,9 @@ class DecodeEngine:
         running batch can grow a while before anyone is preempted (vLLM's default, 1%);
         ``swapper``: copies a preempted sequence's blocks to the host and back (default: found
         from ``attn``'s cache); ``keepalive_every_s``: how often queued requests' KV is kept
-        alive on the prefill (the receiver sends at most a few times per prefill TTL)."""
+        alive on the prefill (the receiver sends at most a few times per prefill TTL);
+        ``step_time``: timing emulation (``--npu-timing``): modelled seconds of a step of (batch,
+        context tokens); a step that finishes sooner waits until then before its tokens go out."""
         self.max_len = min(max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings)
         self.runner = ModelRunner(model, attn, max_batch=max_batch, graphs=graphs, max_model_len=self.max_len)
         self.kv = kv
@@ -204,6 +208,7 @@ class DecodeEngine:
         self.max_batch = max_batch
         self.watermark_blocks = max(1, int(watermark * kv.blocks.num_blocks)) if watermark > 0 else 0
         self.keepalive_every_s = keepalive_every_s
+        self.step_time = step_time
         self.preemptions = 0
         self._lock = threading.Condition()
         self._waiting: deque[_Entry] = deque()
@@ -531,6 +536,7 @@ class DecodeEngine:
     def _step(self) -> None:
         batch = list(self._running)
         slices = [SeqSlice(e.seq.block_ids, e.seq.total_len - 1, 1) for e in batch]
+        t0 = time.perf_counter()
         try:
             out = self.runner.step([[e.seq.last_token] for e in batch], slices)
         except Exception as ex:  # noqa: BLE001
@@ -538,7 +544,10 @@ class DecodeEngine:
             for e in batch:
                 self._fail(e, f"decode step failed: {ex}")
             return
-        for e, tok in zip(batch, self._sample(batch, out)):
+        toks = self._sample(batch, out)
+        if self.step_time is not None:
+            self._pace(t0, batch)
+        for e, tok in zip(batch, toks):
             try:
                 if isinstance(tok, Exception):
                     raise tok
@@ -548,6 +557,11 @@ class DecodeEngine:
                 self._emit(e, tok)
             except Exception as ex:  # noqa: BLE001 - this request only
                 self._fail(e, f"sampling failed: {ex}")
+
+    def _pace(self, t0: float, batch: list[_Entry]) -> None:
+        """Timing emulation: hold the step's tokens until the modelled step time has passed."""
+        modelled = self.step_time(len(batch), sum(e.seq.total_len for e in batch))  # type: ignore[misc]
+        pace_until(t0, modelled)
 
     def _sample(self, batch: list[_Entry], out: StepOutput) -> list[int | Exception]:
         """The batch's tokens with one host sync; if batched sampling fails, row by row, so that

@@ -6,20 +6,26 @@ These are what the servers wrap and what tests and benchmarks drive directly.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from typing import Any
 
 import torch
 
 from hawk.config import ServeConfig
+from hawk.connector.algorithm1 import KVTransferFailed, PullResult
 from hawk.connector.configs import GpuSide, NpuSide, get_config, make_receiver, make_sender
 from hawk.devices.emulated import open_npu
+from hawk.devices.timing import copy_model_for, engine_step_model, timing_label
 from hawk.engine.block_manager import BlockManager
 from hawk.engine.decode_engine import DecodeEngine, LocalKV, RemoteKV
 from hawk.engine.loader import LoadedModel, load_model
 from hawk.engine.npu_attention import NpuTileAttention
 from hawk.engine.paged_attention import PagedAttention
 from hawk.engine.prefill_engine import PrefillEngine
+from hawk.engine.tensor_parallel import Shard, kv_request_id, overlapping_ranks
+from hawk.engine.tp_ranks import Followers, record_slices
 from hawk.layouts.gpu import GpuKVLayout
 from hawk.layouts.device import parse_device
 from hawk.layouts.npu import NpuKVLayout, get_arch
@@ -27,6 +33,7 @@ from hawk.memory.npu_kv_cache import NpuKVCacheMemory
 from hawk.plan.cost_model import cost_model_for
 from hawk.transport.registry import make_transport
 
+log = logging.getLogger(__name__)
 MiB = 1 << 20
 LOOPBACK = "127.0.0.1"  # the KV control socket's address when the config names none
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -52,36 +59,143 @@ def _decode_len(cfg: InstanceConfig, mc: Any) -> int:
     return min(cfg.max_model_len or mc.max_position_embeddings, cfg.kv_tokens)
 
 
-def _gpu_layout(cfg: InstanceConfig, mc: Any, tokens: int) -> GpuKVLayout:
+def _npu_step_time(cfg: InstanceConfig, loaded: LoadedModel, on_npu: bool) -> Any:
+    """``--npu-timing``: the modelled decode step (timing emulation), only for decode on the NPU."""
+    label = timing_label(cfg.npu_timing if on_npu else None, cfg.link_gbps)
+    if label:
+        log.warning("timing emulation on: %s (times are modelled, not measured on that hardware)", label)
+    if not (cfg.npu_timing and on_npu):
+        return None
+    mc = loaded.config
+    params = sum(p.numel() for p in loaded.model.parameters())
+    model = engine_step_model(cfg.npu_timing, params, mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.kv_dtype)
+    log.warning("decode step paced to %s", model.source)
+    return model.step_time
+
+
+def _gpu_layout(cfg: InstanceConfig, mc: Any, tokens: int, shard: Shard = Shard()) -> GpuKVLayout:
+    """The paged cache of one rank: its KV heads only, ``head_start`` naming the first."""
     blocks = -(-tokens // cfg.gpu_block_size)
-    return GpuKVLayout(mc.num_layers, blocks, cfg.gpu_block_size, mc.num_kv_heads, mc.head_dim, cfg.gpu_kv_dtype)
+    heads = shard.kv_heads(mc.num_kv_heads)
+    return GpuKVLayout(mc.num_layers, blocks, cfg.gpu_block_size, len(heads), mc.head_dim, cfg.gpu_kv_dtype, head_start=heads.start)
+
+
+class PrefillRank:
+    """What every rank of a prefill instance holds: its model shard, its heads' paged cache, its
+    own transport and HAWK sender (own staging buffer, own control socket)."""
+
+    def __init__(self, cfg: InstanceConfig, shard: Shard = Shard(), loaded: LoadedModel | None = None):
+        self.cfg, self.shard = cfg, shard
+        self.loaded = loaded or load_model(cfg.model, cfg.prefill_device, compute_dtype(cfg), cfg.seed, shard=shard)
+        mc = self.loaded.config
+        self.layout = _gpu_layout(cfg, mc, cfg.kv_tokens, shard)
+        self.caches = self.layout.allocate(cfg.prefill_device)
+        self.transport = make_transport(cfg.transport)
+        self.sender = make_sender(
+            cfg.transfer, self.transport, self.caches, self.layout, cfg.staging_mb * MiB,
+            host=cfg.kv_host or LOOPBACK, port=cfg.kv_port if not shard.parallel else 0, ttl_s=cfg.kv_ttl_s, link_gbps=cfg.link_gbps,
+        )
+
+    def kv_ids(self, request_id: str) -> list[str]:
+        """The entries this rank offers for a request: one per decode rank sharing its heads."""
+        heads = self.layout.heads
+        dtp = self.cfg.decode_tp
+        return [kv_request_id(request_id, j, dtp) for j in overlapping_ranks(heads, self.loaded.config.num_kv_heads, dtp)]
+
+    def close(self) -> None:
+        self.sender.close()
+        self.transport.close()
+
+
+class _CountedRelease:
+    """Frees a request's prefill blocks once every (sender rank, decode rank) entry let go of them."""
+
+    def __init__(self, count: int, free: Any):
+        self.count, self.free = count, free
+        self._lock = threading.Lock()
+
+    def one(self) -> None:
+        with self._lock:
+            self.count -= 1
+            done = self.count == 0
+        if done:
+            self.free()
 
 
 class PrefillInstance:
-    """The GPU role: batched prefill into a vLLM-layout paged cache, KV offered through HAWK's sender."""
+    """The GPU role: batched prefill into a vLLM-layout paged cache, KV offered through HAWK's sender.
+
+    With ``prefill_tp`` N > 1, rank 0 lives here and ranks 1..N-1 are processes (tp_ranks.py):
+    rank 0's engine schedules, each forward is broadcast to the other ranks, and every rank offers
+    its heads' KV from its own sender; ``kv_address`` lists the ranks' addresses, comma-separated.
+    """
 
     def __init__(self, cfg: InstanceConfig, loaded: LoadedModel | None = None):
         if cfg.transfer == "colocated":
             raise ValueError("colocated mode has no separate prefill instance (use ColocatedInstance)")
         self.cfg = cfg.validate()
-        self.loaded = loaded or load_model(cfg.model, cfg.prefill_device, compute_dtype(cfg), cfg.seed)
-        mc = self.loaded.config
-        self.layout = _gpu_layout(cfg, mc, cfg.kv_tokens)
-        self.caches = self.layout.allocate(cfg.prefill_device)
-        self.transport = make_transport(cfg.transport)
-        self.sender = make_sender(
-            cfg.transfer, self.transport, self.caches, self.layout, cfg.staging_mb * MiB,
-            host=cfg.kv_host or LOOPBACK, port=cfg.kv_port, ttl_s=cfg.kv_ttl_s,
-        )
-        self.engine = PrefillEngine(self.loaded.model, self.layout, self.caches, self.sender.add)
+        tp = cfg.prefill_tp
+        self.followers = Followers("prefill", cfg, tp, self._on_notice, self._on_rank_dead) if tp > 1 else None
+        try:
+            if tp > 1 and loaded is not None and not loaded.model.shard.parallel:
+                loaded = None  # a whole model given for a sharded instance: load rank 0's slices
+            self.rank = PrefillRank(cfg, Shard(0, tp), loaded)
+        except BaseException:
+            if self.followers is not None:
+                self.followers.close()
+            raise
+        self.loaded, self.layout, self.caches = self.rank.loaded, self.rank.layout, self.rank.caches
+        self.transport, self.sender = self.rank.transport, self.rank.sender
+        self._lock = threading.Lock()
+        self._owed: dict[int, dict[str, _CountedRelease]] = {r: {} for r in range(1, tp)}
+        self.engine = PrefillEngine(self.loaded.model, self.layout, self.caches, self._handoff)
+        if self.followers is not None:
+            self.loaded.model.set_group(self.followers.group.all_reduce)
+            slices = record_slices(self.engine.runner.attn)
+            self.loaded.model.step_hook = lambda ids, pos: self.followers.step(ids, pos, slices[0])  # type: ignore[union-attr]
 
     @property
     def kv_address(self) -> str:
-        return self.sender.address
+        extra = self.followers.addresses if self.followers is not None else []
+        return ",".join([self.sender.address, *extra])
+
+    @property
+    def healthy(self) -> bool:
+        return self.followers is None or self.followers.healthy
+
+    def _handoff(self, request_id: str, num_tokens: int, blocks: list[int], free: Any) -> None:
+        """Offer the request's KV on every rank; the blocks return when all entries released them."""
+        tp, mc = self.cfg.prefill_tp, self.loaded.config
+        per_rank = {p: overlapping_ranks(Shard(p, tp).kv_heads(mc.num_kv_heads), mc.num_kv_heads, self.cfg.decode_tp) for p in range(tp)}
+        release = _CountedRelease(sum(map(len, per_rank.values())), free)
+        if self.followers is not None:
+            for p in range(1, tp):
+                with self._lock:
+                    for j in per_rank[p]:
+                        self._owed[p][kv_request_id(request_id, j, self.cfg.decode_tp)] = release
+                self.followers.call(p, "add", request_id, num_tokens, list(blocks))
+        for kv_id in self.rank.kv_ids(request_id):
+            self.sender.add(kv_id, num_tokens, blocks, release.one)
+
+    def _on_notice(self, rank: int, kind: str, payload: Any) -> None:
+        """A follower released one (request, decode rank) entry: count it down."""
+        if kind == "released":
+            with self._lock:
+                release = self._owed[rank].pop(payload, None)
+            if release is not None:
+                release.one()
+
+    def _on_rank_dead(self, rank: int) -> None:
+        """What a dead rank held is gone with it: its share of every request's blocks comes back."""
+        with self._lock:
+            owed = list(self._owed[rank].values())
+            self._owed[rank].clear()
+        for release in owed:
+            release.one()
 
     def accounting(self) -> dict[str, Any]:
         a = self.sender.accounting()
-        return {
+        out = {
             "staging_reservations": len(a["staging"]),
             "staging_bytes": sum(r.size for r in a["staging"]),
             "staging_held": held(a["staging"]),
@@ -91,73 +205,178 @@ class PrefillInstance:
             "gpu_blocks_used": self.engine.blocks.num_blocks - self.engine.blocks.num_free,
             "gpu_blocks_total": self.engine.blocks.num_blocks,
         }
+        if self.followers is not None:
+            out["ranks"] = self.followers.accounting()
+            out["healthy"] = self.followers.healthy
+        return out
 
     def close(self) -> None:
         self.engine.close()
-        self.sender.close()
-        self.transport.close()
+        if self.followers is not None:
+            self.followers.close()
+        self.rank.close()
 
 
-class DecodeInstance:
-    """The NPU role (emulated NPU, tiled KV cache) or, for gg-*, a GPU with a paged cache."""
+class DecodeRank:
+    """What every rank of a decode instance holds: its model shard, the KV cache of its heads (NPU
+    tiles or a paged cache), the attention over it, its own transport and HAWK receiver."""
 
-    def __init__(self, cfg: InstanceConfig, loaded: LoadedModel | None = None):
-        self.cfg = cfg.validate()
+    def __init__(self, cfg: InstanceConfig, shard: Shard = Shard(), loaded: LoadedModel | None = None):
+        self.cfg, self.shard = cfg, shard
         tc = get_config(cfg.transfer)
         compute = cfg.decode_compute_device
-        self.loaded = loaded or load_model(cfg.model, compute, compute_dtype(cfg), cfg.seed)
+        self.loaded = loaded or load_model(cfg.model, compute, compute_dtype(cfg), cfg.seed, shard=shard)
         mc = self.loaded.config
+        heads = shard.kv_heads(mc.num_kv_heads)
+        self.heads = heads
         self.transport = make_transport(cfg.transport)
         rx = cfg.rx_mb * MiB
         self.npu = None
         if tc.decode_on == "npu":
             arch0 = get_arch(cfg.arch)
             blocks = -(-cfg.kv_tokens // cfg.npu_block_size)
-            probe = NpuKVLayout(arch0, mc.num_layers, blocks, mc.num_kv_heads, cfg.npu_block_size, mc.head_dim, cfg.kv_dtype, shard_pages=cfg.npu_shard_pages)
+            probe = NpuKVLayout(arch0, mc.num_layers, blocks, len(heads), cfg.npu_block_size, mc.head_dim, cfg.kv_dtype, shard_pages=cfg.npu_shard_pages, head_start=heads.start)
             kv_per_bank = probe.num_tensors * probe.tensor_buffer(0).bytes_per_bank
             rx_per_bank = rx if cfg.transfer == "gn-direct-single" else -(-rx // arch0.num_channels)
             bank = int((kv_per_bank + rx_per_bank) * 1.25) + 4 * MiB
-            self.npu = open_npu(cfg.decode_device, cfg.arch, bank_capacity=-(-bank // MiB) * MiB)
-            layout = NpuKVLayout(self.npu.arch, mc.num_layers, blocks, mc.num_kv_heads, cfg.npu_block_size, mc.head_dim, cfg.kv_dtype, shard_pages=cfg.npu_shard_pages)
+            self.npu = open_npu(cfg.decode_device, cfg.arch, bank_capacity=-(-bank // MiB) * MiB, copy_timing=copy_model_for(cfg.npu_timing))
+            layout = NpuKVLayout(self.npu.arch, mc.num_layers, blocks, len(heads), cfg.npu_block_size, mc.head_dim, cfg.kv_dtype, shard_pages=cfg.npu_shard_pages, head_start=heads.start)
             self.kv = NpuKVCacheMemory(self.npu, layout)
-            attn: Any = NpuTileAttention(self.kv, max_batch=cfg.max_batch, max_model_len=_decode_len(cfg, mc))
+            self.attn: Any = NpuTileAttention(self.kv, max_batch=cfg.max_batch, max_model_len=_decode_len(cfg, mc))
             self.blocks = BlockManager(blocks, cfg.npu_block_size)
             memory = parse_device(cfg.decode_device).memory_kind
             side: Any = NpuSide(self.npu, self.kv, rx, cost_model_for(cfg.transport, memory), cfg.landing_mode)
         else:
-            layout_g = _gpu_layout(cfg, mc, cfg.kv_tokens)
+            layout_g = _gpu_layout(cfg, mc, cfg.kv_tokens, shard)
             self.caches = layout_g.allocate(compute)
-            attn = PagedAttention(layout_g, self.caches, max_batch=cfg.max_batch, max_model_len=_decode_len(cfg, mc))
+            self.attn = PagedAttention(layout_g, self.caches, max_batch=cfg.max_batch, max_model_len=_decode_len(cfg, mc))
             self.blocks = BlockManager(layout_g.num_blocks, layout_g.block_size)
             side = GpuSide(self.caches, layout_g, rx)
-        self.receiver = make_receiver(cfg.transfer, self.transport, side, post=cfg.post)
+        self.receiver = make_receiver(cfg.transfer, self.transport, side, post=cfg.post, link_gbps=cfg.link_gbps)
+
+    def pull_pairs(self, address: str, request_id: str, block_ids: list[int]) -> list[PullResult]:
+        """This rank's part of a request: one Algorithm-1 transfer from each prefill rank (one
+        address each, comma-separated) that holds some of this rank's heads."""
+        out = []
+        kv_id = kv_request_id(request_id, self.shard.rank, self.cfg.decode_tp)
+        for addr in address.split(","):
+            theirs = self.receiver.peer_layout(addr).heads
+            if max(theirs.start, self.heads.start) < min(theirs.stop, self.heads.stop):
+                out.append(self.receiver.pull(addr, kv_id, block_ids))
+        if not out:
+            raise KVTransferFailed(f"request {request_id}: no prefill rank at {address} holds KV heads {self.heads.start}..{self.heads.stop - 1}")
+        return out
+
+    def close(self) -> None:
+        self.receiver.close()
+        self.transport.close()
+        if self.npu is not None:
+            self.kv.close()
+
+
+def _ledger(rank: DecodeRank) -> dict[str, Any]:
+    a = rank.receiver.accounting()
+    return {"rx_reservations": len(a["reservations"]), "rx_bytes": sum(r.size for r in a["reservations"]), "rx_held": held(a["reservations"]), "draining": a["draining"]}
+
+
+class TPReceiver:
+    """What the decode engine pulls through (``RemoteKV``): every rank's pairs, run at once.
+
+    Rank 0 asks the other ranks to pull their parts and pulls its own; the request's KV is in
+    place when all have landed. A rank that fails or dies fails the request (its reservations
+    are released by Algorithm 1 on every surviving rank; the un-pulled prefill entries expire).
+    """
+
+    def __init__(self, rank: DecodeRank, followers: Followers | None):
+        self.rank, self.followers = rank, followers
+
+    def pull(self, address: str, request_id: str, block_ids: list[int]) -> PullResult:
+        t0 = time.perf_counter()
+        others = [self.followers.call_async(r, "pull", address, request_id, list(block_ids)) for r in self.followers.ranks] if self.followers else []
+        errors: list[str] = []
+        try:
+            results = self.rank.pull_pairs(address, request_id, list(block_ids))
+        except KVTransferFailed as e:
+            results, errors = [], [str(e)]
+        for fut in others:
+            try:
+                r = fut.result(self.rank.receiver.timeout_s * 2)
+                results += [PullResult(request_id, x["num_tokens"], x["bytes"], x["requests"], x["mode"], {}) for x in r]
+            except Exception as e:  # noqa: BLE001 - a dead or failing rank fails the request
+                errors.append(str(e) or type(e).__name__)
+        if errors:
+            raise KVTransferFailed("; ".join(errors))
+        total = time.perf_counter() - t0
+        modes = sorted({r.mode for r in results})
+        return PullResult(request_id, results[0].num_tokens, sum(r.bytes for r in results), sum(r.requests for r in results), ",".join(modes), {"total_s": total})
+
+    def keep_alive(self, address: str, request_ids: Any) -> None:
+        dtp = self.rank.cfg.decode_tp
+        ids = [kv_request_id(r, j, dtp) for r in request_ids for j in range(dtp)]
+        for addr in address.split(","):
+            self.rank.receiver.keep_alive(addr, ids)
+
+
+class DecodeInstance:
+    """The NPU role (emulated NPU, tiled KV cache) or, for gg-*, a GPU with a paged cache.
+
+    With ``decode_tp`` M > 1, rank 0 lives here and schedules; ranks 1..M-1 are processes that
+    run each broadcast step over their own heads' cache and pull their own heads' KV.
+    """
+
+    def __init__(self, cfg: InstanceConfig, loaded: LoadedModel | None = None):
+        self.cfg = cfg.validate()
+        tp = cfg.decode_tp
+        self.followers = Followers("decode", cfg, tp) if tp > 1 else None
+        try:
+            if tp > 1 and loaded is not None and not loaded.model.shard.parallel:
+                loaded = None
+            self.rank = DecodeRank(cfg, Shard(0, tp), loaded)
+        except BaseException:
+            if self.followers is not None:
+                self.followers.close()
+            raise
+        r = self.rank
+        self.loaded, self.transport, self.npu, self.blocks, self.receiver = r.loaded, r.transport, r.npu, r.blocks, r.receiver
+        if self.npu is not None:
+            self.kv = r.kv
+        else:
+            self.caches = r.caches
+        attn = r.attn
+        if self.followers is not None:
+            self.loaded.model.set_group(self.followers.group.all_reduce)
+            slices = record_slices(attn)
+            self.loaded.model.step_hook = lambda ids, pos: self.followers.step(ids, pos, slices[0])  # type: ignore[union-attr]
         eos = tuple(self.loaded.config.eos_token_ids)
         self.engine = DecodeEngine(
-            self.loaded.model, attn, RemoteKV(self.blocks, self.receiver), eos, cfg.max_batch,
-            graphs=cfg.graphs, max_model_len=cfg.max_model_len or None,
+            self.loaded.model, attn, RemoteKV(self.blocks, TPReceiver(r, self.followers)), eos, cfg.max_batch,
+            graphs=False if tp > 1 else cfg.graphs, max_model_len=cfg.max_model_len or None,
+            step_time=_npu_step_time(cfg, self.loaded, self.npu is not None),
         )
         self.engine.warmup()  # capture the decode graphs before traffic (none on a CPU)
 
+    @property
+    def healthy(self) -> bool:
+        return self.followers is None or self.followers.healthy
+
     def accounting(self) -> dict[str, Any]:
-        a = self.receiver.accounting()
         out = {
-            "rx_reservations": len(a["reservations"]),
-            "rx_bytes": sum(r.size for r in a["reservations"]),
-            "rx_held": held(a["reservations"]),
-            "draining": a["draining"],
+            **_ledger(self.rank),
             "kv_blocks_used": self.blocks.num_blocks - self.blocks.num_free,
             "kv_blocks_total": self.blocks.num_blocks,
         }
         if self.npu is not None:
             out["npu_channels"] = {c: {"used": u, "capacity": cap} for c, (u, cap) in self.npu.channel_usage().items()}
+        if self.followers is not None:
+            out["ranks"] = self.followers.accounting()
+            out["healthy"] = self.followers.healthy
         return out
 
     def close(self) -> None:
         self.engine.close()
-        self.receiver.close()
-        self.transport.close()
-        if self.npu is not None:
-            self.kv.close()
+        if self.followers is not None:
+            self.followers.close()
+        self.rank.close()
 
 
 class ColocatedInstance:

@@ -20,6 +20,7 @@ import torch
 from hawk.config import DEFAULT_MODEL  # the one constant, re-exported here
 from hawk.engine.config import PRESETS, ModelConfig, RopeScaling, preset
 from hawk.engine.model import LlamaModel, rope_inv_freq
+from hawk.engine.tensor_parallel import Shard, shard_slice
 from hawk.engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # gguf is imported where GGUF files are read: presets and HF dirs don't need it
@@ -43,19 +44,21 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    shard: Shard = Shard(),
 ) -> LoadedModel:
-    """Load ``spec``; ``seed`` only matters for the random presets."""
+    """Load ``spec``; ``seed`` only matters for the random presets. ``shard``: load only one
+    tensor-parallel rank's slices (read as slices from the checkpoint where its format allows)."""
     if spec in EMBEDDED:
-        return load_gguf(embedded_path(spec), device, dtype, name=spec)
+        return load_gguf(embedded_path(spec), device, dtype, name=spec, shard=shard)
     if spec in RANDOM_PRESETS:
         cfg = preset(spec)
-        model = LlamaModel.from_config(cfg, seed=seed, dtype=dtype, device=device)
+        model = LlamaModel.from_config(cfg, seed=seed, dtype=dtype, device=device, shard=shard)
         return LoadedModel(model, Tokenizer.byte_level(cfg), cfg, spec)
     path = Path(spec).expanduser()
     if spec and path.is_file() and path.suffix == ".gguf":
-        return load_gguf(path, device, dtype)
+        return load_gguf(path, device, dtype, shard=shard)
     if spec and path.is_dir() and (path / "config.json").is_file():
-        return load_hf_dir(path, device, dtype)
+        return load_hf_dir(path, device, dtype, shard=shard)
     known = ", ".join([*EMBEDDED, *RANDOM_PRESETS])
     if spec and path.exists():
         raise ValueError(
@@ -98,8 +101,10 @@ def load_gguf(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     name: str | None = None,
+    shard: Shard = Shard(),
 ) -> LoadedModel:
-    """Dequantise every tensor of a Llama-architecture GGUF file into a ``LlamaModel``."""
+    """Dequantise every tensor of a Llama-architecture GGUF file into a ``LlamaModel`` (only
+    this rank's slices of the split ones: whole quantisation blocks are cut before dequantising)."""
     import gguf
 
     path = Path(path)
@@ -111,9 +116,13 @@ def load_gguf(
     cfg = _gguf_config(reader, tokenizer)
     tensors = {t.name: t for t in reader.tensors}
 
-    def weight(t: gguf.ReaderTensor) -> torch.Tensor:
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        arr = arr.reshape(tuple(reversed(t.shape.tolist())))  # GGUF lists dims innermost first
+    def weight(t: gguf.ReaderTensor, ours: str) -> torch.Tensor:
+        shape = tuple(reversed(t.shape.tolist()))  # GGUF lists dims innermost first
+        data = t.data
+        dim, part = shard_slice(ours, shape, shard)
+        if dim is not None:
+            data, shape = _gguf_slice(t, data, shape, dim, part)
+        arr = gguf.quants.dequantize(data, t.tensor_type).reshape(shape)
         # Unquantised tensors come back as read-only views of the memory-mapped file.
         return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
 
@@ -122,14 +131,32 @@ def load_gguf(
         if gname == "rope_freqs.weight":
             continue  # folded into cfg.rope_scaling by _gguf_config
         ours = _gguf_to_ours(gname)
-        w = weight(t)
+        w = weight(t, ours)
+        # llama.cpp permutes rows within each head, so a slice of whole heads unpermutes alone.
         if gname.endswith("attn_q.weight"):
-            w = _unpermute_rope(w, cfg.num_heads)
+            w = _unpermute_rope(w, cfg.num_heads // shard.size)
         elif gname.endswith("attn_k.weight"):
-            w = _unpermute_rope(w, cfg.num_kv_heads)
+            w = _unpermute_rope(w, cfg.num_kv_heads // shard.size)
         state[ours] = w
-    model = _materialize(cfg, state, device, dtype, source=str(path))
+    model = _materialize(cfg, state, device, dtype, source=str(path), shard=shard)
     return LoadedModel(model, tokenizer, cfg, name or path.stem)
+
+
+def _gguf_slice(t: gguf.ReaderTensor, data: np.ndarray, shape: tuple[int, ...], dim: int, part: range) -> tuple[np.ndarray, tuple[int, ...]]:
+    """Cut a rank's rows (dim 0) or columns (dim 1) out of a GGUF tensor's raw data, quantised or
+    not: rows are whole rows of blocks; columns are whole blocks of each row (a split that is not
+    a multiple of the quantisation block is refused)."""
+    import gguf
+
+    if dim == 0:
+        return data[part.start : part.stop], (len(part), *shape[1:])
+    block, type_size = gguf.GGML_QUANT_SIZES[t.tensor_type]
+    if part.start % block or len(part) % block:
+        raise ValueError(f"GGUF tensor {t.name}: a column split at {part.start} is not a multiple of its {block}-value quantisation blocks")
+    per_value_bytes = data.shape[-1] // (shape[1] // block)  # bytes of one block in this array's units
+    assert per_value_bytes * (shape[1] // block) == data.shape[-1], (t.name, data.shape, type_size)
+    lo, hi = part.start // block * per_value_bytes, part.stop // block * per_value_bytes
+    return data[:, lo:hi], (shape[0], len(part))
 
 
 def _gguf_to_ours(gname: str) -> str:
@@ -241,7 +268,7 @@ def ours_to_hf(name: str) -> str:
 
 
 def load_hf_dir(
-    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, shard: Shard = Shard()
 ) -> LoadedModel:
     """config.json + *.safetensors (sharded or not) + tokenizer.json [+ tokenizer_config.json]."""
     from safetensors import safe_open
@@ -262,9 +289,16 @@ def load_hf_dir(
         with safe_open(str(f), framework="pt") as sf:
             for key in sf.keys():  # noqa: SIM118 (safe_open is not a dict)
                 ours = hf_to_ours(key)
-                if ours is not None:
-                    state[ours] = sf.get_tensor(key).to(dtype)
-    model = _materialize(cfg, state, device, dtype, source=str(path))
+                if ours is None:
+                    continue
+                sl = sf.get_slice(key)  # reads only the rows / columns asked for
+                dim, part = shard_slice(ours, tuple(sl.get_shape()), shard)
+                if dim is None:
+                    t = sf.get_tensor(key)
+                else:
+                    t = sl[part.start : part.stop] if dim == 0 else sl[:, part.start : part.stop]
+                state[ours] = t.to(dtype)
+    model = _materialize(cfg, state, device, dtype, source=str(path), shard=shard)
     return LoadedModel(model, tokenizer, cfg, path.name)
 
 
@@ -312,13 +346,14 @@ def _materialize(
     device: torch.device | str,
     dtype: torch.dtype,
     source: str,
+    shard: Shard = Shard(),
 ) -> LlamaModel:
     """Build the model on the meta device and adopt the loaded tensors, so nothing is
     allocated twice; missing or misshapen tensors fail with their names."""
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     with torch.device("meta"):
-        model = LlamaModel(cfg)
+        model = LlamaModel(cfg, shard)
     expected = {n: p.shape for n, p in model.named_parameters()}  # tied lm_head listed once
     missing = sorted(set(expected) - set(state))
     if missing:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -24,6 +24,7 @@ from torch import nn
 from hawk.engine import triton_ops
 from hawk.engine.attention import AttentionBackend, ContiguousKVAttention
 from hawk.engine.config import ModelConfig, RopeScaling
+from hawk.engine.tensor_parallel import Shard, shard_slice
 from hawk.engine.triton_ops import add_rms_norm_ref, rms_norm_ref, silu_mul_ref
 
 
@@ -256,14 +257,19 @@ class _Fusable(nn.Module):
 class Attention(_Fusable):
     _FUSED, _PARTS = "wqkv", ("wq", "wk", "wv")
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, shard: Shard = Shard()) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.hidden_size, cfg.q_size, bias=False)
-        self.wk = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=False)
-        self.wv = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=False)
-        self.wo = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        # Under tensor parallelism this rank's heads only: q/k/v column-parallel, wo row-parallel.
+        self.n_heads, self.n_kv_heads = cfg.num_heads // shard.size, cfg.num_kv_heads // shard.size
+        self.head_dim = cfg.head_dim
+        q_size, kv_size = self.n_heads * cfg.head_dim, self.n_kv_heads * cfg.head_dim
+        self.wq = nn.Linear(cfg.hidden_size, q_size, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, kv_size, bias=False)
+        self.wv = nn.Linear(cfg.hidden_size, kv_size, bias=False)
+        self.wo = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        #: Sums the row-parallel partial outputs over the ranks (None: one rank, nothing to sum).
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.wqkv: torch.Tensor | None
         self._init_fusion()
 
@@ -285,7 +291,8 @@ class Attention(_Fusable):
             k = rope_rolled(F.linear(x, self.wk.weight).view(t, hkv, d), cos, sin_signed)
             v = F.linear(x, self.wv.weight).view(t, hkv, d)
         o = attn(self.layer_idx, q, k, v)
-        return F.linear(o.reshape(t, hq * d), self.wo.weight)
+        out = F.linear(o.reshape(t, hq * d), self.wo.weight)
+        return out if self.reduce is None else self.reduce(out)
 
 
 class MLP(_Fusable):
@@ -293,11 +300,13 @@ class MLP(_Fusable):
 
     _FUSED, _PARTS = "w_gate_up", ("gate", "up")
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Shard = Shard()) -> None:
         super().__init__()
-        self.gate = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = cfg.intermediate_size // shard.size  # gate/up column-parallel, down row-parallel
+        self.gate = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.up = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.down = nn.Linear(inter, cfg.hidden_size, bias=False)
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.w_gate_up: torch.Tensor | None
         self._init_fusion()
 
@@ -307,16 +316,17 @@ class MLP(_Fusable):
             act = triton_ops.silu_mul(gate_up) if kernels else silu_mul_ref(gate_up)
         else:
             act = F.silu(F.linear(x, self.gate.weight)) * F.linear(x, self.up.weight)
-        return F.linear(act, self.down.weight)
+        out = F.linear(act, self.down.weight)
+        return out if self.reduce is None else self.reduce(out)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, shard: Shard = Shard()) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, layer_idx)
+        self.attn = Attention(cfg, layer_idx, shard)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, shard)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeArgs, attn: AttentionBackend
@@ -330,11 +340,18 @@ class Block(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Shard = Shard()) -> None:
+        """``shard``: this rank's part under tensor parallelism (its heads and MLP columns; the
+        embedding, norms and LM head are whole). ``config`` stays the whole model's."""
         super().__init__()
-        self.config = cfg
+        if shard.parallel:
+            shard.check(cfg.num_kv_heads, cfg.intermediate_size)
+        self.config, self.shard = cfg, shard
+        #: Called with ``(input_ids, positions)`` before each forward: how rank 0 of a
+        #: tensor-parallel instance tells the other ranks which step to run (None: nobody to tell).
+        self.step_hook: Callable[[torch.Tensor, torch.Tensor], None] | None = None
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -358,6 +375,12 @@ class LlamaModel(nn.Module):
             for layer in self.layers:
                 layer.attn.fuse()
                 layer.mlp.fuse()
+        return self
+
+    def set_group(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> LlamaModel:
+        """Sum the row-parallel outputs (``wo``, ``down``) with ``reduce`` (a group's all-reduce)."""
+        for layer in self.layers:
+            layer.attn.reduce = layer.mlp.reduce = reduce
         return self
 
     @property
@@ -394,6 +417,8 @@ class LlamaModel(nn.Module):
                 f"input_ids and positions must both be [T]; got {tuple(input_ids.shape)} "
                 f"and {tuple(positions.shape)}"
             )
+        if self.step_hook is not None:
+            self.step_hook(input_ids, positions)
         x = self.embed(input_ids)
         if self.uses_kernels():
             rope = RopeArgs(*self.rope.table(x.device, x.dtype), positions=positions.contiguous())
@@ -420,6 +445,7 @@ class LlamaModel(nn.Module):
         device: torch.device | str = "cpu",
         std: float = 0.02,
         fuse: bool = True,
+        shard: Shard = Shard(),
     ) -> LlamaModel:
         """A model with seeded random weights, identical on every device for a given seed.
 
@@ -427,10 +453,13 @@ class LlamaModel(nn.Module):
         a torch Generator, whose streams differ between CPU and CUDA: a prefill instance on a
         GPU and a decode instance elsewhere must hold the same "random" model. Built on the
         meta device first, so a 70B-shaped shard never exists twice in memory. ``fuse`` fuses
-        the projections after the init (which hashes the unfused parameter names).
+        the projections after the init (which hashes the unfused parameter names). ``shard``: build
+        only this rank's slices, each element hashed at its index in the whole tensor, so the
+        ranks of a tensor-parallel instance together hold exactly the single-rank model.
         """
         with torch.device("meta"):
-            model = cls(cfg)
+            whole = {n: tuple(p.shape) for n, p in cls(cfg).named_parameters()} if shard.parallel else {}
+            model = cls(cfg, shard)
         model = model.to(dtype=dtype).to_empty(device=device)
         model.tie_weights()
         if model.device.type == "meta":  # shapes only (e.g. to size a KV cache): nothing to fill
@@ -439,6 +468,8 @@ class LlamaModel(nn.Module):
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
+                elif shard.parallel:
+                    _fill_hash_uniform_slice(p, seed, name, std, whole[name], shard)
                 else:
                     _fill_hash_uniform(p, seed, name, std)
         model.requires_grad_(False).eval()
@@ -459,16 +490,41 @@ def _fill_hash_uniform(p: torch.Tensor, seed: int, name: str, std: float) -> Non
     flat = p.view(-1)
     if flat.numel() > _MASK31:
         raise ValueError(f"parameter {name} too large for the init hash")
-    a = std * math.sqrt(3.0)
     for start in range(0, flat.numel(), _CHUNK):
         n = min(_CHUNK, flat.numel() - start)
         x = torch.arange(start, start + n, device=p.device, dtype=torch.int64)
-        x = (x * 0x2545F491 + key) & _MASK31
-        x = ((x >> 15) ^ x) * 0x5BD1E995 & _MASK31
-        x = ((x >> 13) ^ x) * 0x27D4EB2F & _MASK31
-        x = (x >> 16) ^ x
-        u = x.to(torch.float32) * (2.0 ** -30) - 1.0  # [-1, 1), both steps exact or IEEE-rounded
-        flat[start : start + n] = (u * a).to(p.dtype)
+        flat[start : start + n] = _hash_uniform(x, key, std).to(p.dtype)
+
+
+def _hash_uniform(index: torch.Tensor, key: int, std: float) -> torch.Tensor:
+    """The init value of each element ``index`` (int64) of the tensor hashed under ``key``."""
+    x = (index * 0x2545F491 + key) & _MASK31
+    x = ((x >> 15) ^ x) * 0x5BD1E995 & _MASK31
+    x = ((x >> 13) ^ x) * 0x27D4EB2F & _MASK31
+    x = (x >> 16) ^ x
+    u = x.to(torch.float32) * (2.0 ** -30) - 1.0  # [-1, 1), both steps exact or IEEE-rounded
+    return u * (std * math.sqrt(3.0))
+
+
+def _fill_hash_uniform_slice(p: torch.Tensor, seed: int, name: str, std: float, whole: tuple[int, ...], shard: Shard) -> None:
+    """Fill a rank's slice ``p`` of the 2-D parameter ``name`` (whole shape ``whole``) with the
+    values :func:`_fill_hash_uniform` gives those elements of the whole tensor."""
+    key = zlib.crc32(f"{seed}:{name}".encode()) & _MASK31
+    dim, part = shard_slice(name, whole, shard)
+    if dim is None:
+        _fill_hash_uniform(p, seed, name, std)
+        return
+    cols = whole[1]
+    rows_per_chunk = max(1, _CHUNK // cols)
+    for r0 in range(0, p.shape[0], rows_per_chunk):
+        r = torch.arange(r0, min(p.shape[0], r0 + rows_per_chunk), device=p.device, dtype=torch.int64)
+        if dim == 0:  # this rank's rows, whole
+            c = torch.arange(cols, device=p.device, dtype=torch.int64)
+            r = r + part.start
+        else:  # every row, this rank's columns
+            c = torch.arange(part.start, part.stop, device=p.device, dtype=torch.int64)
+        index = (r[:, None] * cols + c[None, :]).reshape(-1)
+        p[r0 : r0 + len(r)] = _hash_uniform(index, key, std).view(len(r), -1).to(p.dtype)
 
 
 @torch.inference_mode()

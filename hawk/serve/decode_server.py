@@ -21,6 +21,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
+from hawk.devices.timing import timing_label
 from hawk.engine.decode_engine import DecodeEngine, KVHandle, TokenEvent
 from hawk.engine.instances import DecodeInstance
 from hawk.engine.sequence import SamplingParams
@@ -124,6 +125,11 @@ def decode_routes(svc: DecodeService) -> APIRouter:
     return r
 
 
+def _labelled(device: str, timing: str | None) -> str:
+    """The device as users see it, saying so when its timing is emulated (``--npu-timing``, ``--link-gbps``)."""
+    return f"{device} [{timing}]" if timing else device
+
+
 def create_decode_app(instance: DecodeInstance, close_on_shutdown: bool = True, cluster_secret: str | None = None) -> FastAPI:
     """The HTTP face of a :class:`DecodeInstance`."""
     cfg, mc = instance.cfg, instance.loaded.config
@@ -131,7 +137,8 @@ def create_decode_app(instance: DecodeInstance, close_on_shutdown: bool = True, 
     on_npu = instance.npu is not None
     info = InstanceInfo.of(
         role="decode", model=instance.loaded.name, transfer=cfg.transfer, transport=cfg.transport, device=cfg.decode_device,
-        device_label=parse_device(cfg.decode_device).label(cfg.arch), arch=cfg.arch if on_npu else None,
+        device_label=_labelled(parse_device(cfg.decode_device).label(cfg.arch), timing_label(cfg.npu_timing if on_npu else None, cfg.link_gbps)),
+        arch=cfg.arch if on_npu else None,
         kv_dtype=cfg.kv_dtype if on_npu else cfg.gpu_kv_dtype, emulated_npu=on_npu,
         max_model_len=instance.engine.max_len, max_kv_tokens=blocks.num_blocks * blocks.block_size, vocab_size=mc.vocab_size,
     )

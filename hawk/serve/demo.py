@@ -22,6 +22,7 @@ from rich.table import Table
 
 from hawk.config import ServeConfig, defaults
 from hawk.config_cli import config_command
+from hawk.devices.timing import timing_label
 from hawk.layouts.device import parse_device
 from hawk.serve.launcher import check_model_spec, start_system
 
@@ -115,6 +116,9 @@ def demo(cfg: ServeConfig | None = None) -> list[dict[str, Any]]:
     check_model_spec(cfg.model)  # a bad name fails here, in one line, not inside a child process
     decode = parse_device(cfg.decode_device)
     npu = decode.label(cfg.arch) if decode.is_npu else cfg.decode_device
+    timing = timing_label(cfg.npu_timing if decode.is_npu else None, cfg.link_gbps)
+    if timing:  # paced runs say so: their times are modelled, not measured on that hardware
+        npu = f"{npu} [{timing}]"
     console.print(
         f"[bold]HAWK demo[/]: {cfg.model} · prefill on {cfg.prefill_device} (GPU role) · decode on {npu} · "
         f"{cfg.kv_dtype} KV · {cfg.transfer} over {cfg.transport}"

@@ -54,6 +54,12 @@ class SimConfig:
     prefill_profile: str = ""
     decode_profile: str = ""
     note: str = ""
+    #: timing emulation, as a paced real run (hawk/devices/timing.py): KV transfers paced to a link
+    #: of this many Gb/s (the decode's step floor lives in ``decode.floor``)
+    link_gbps: float | None = None
+    #: request front end: router, HTTP hops and streaming, added to TTFT without occupying an
+    #: instance (0 for the testbeds; a real run's cross-validation measures it)
+    frontend_s: float = 0.0
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -71,6 +77,9 @@ class SimConfig:
             "contention": self.contention,
             "router_policy": self.router_policy,
             "bytes_per_token": self.bytes_per_token,
+            "link_gbps": self.link_gbps,
+            "npu_timing": getattr(self.decode.floor, "source", None),
+            "frontend_s": self.frontend_s,
         }
 
 
@@ -142,7 +151,7 @@ class Cluster:
     def __post_init__(self) -> None:
         env, cfg = self.env, self.cfg
         self.occupancy = _Occupancy()
-        self.transfer = KVTransferService(env, cfg.transfer, cfg.bytes_per_token, cfg.contention)
+        self.transfer = KVTransferService(env, cfg.transfer, cfg.bytes_per_token, cfg.contention, cfg.link_gbps)
         self.prefills = [PrefillInstance(env, i, cfg.prefill, self._prefilled) for i in range(cfg.num_prefill)]
         self.decodes = [DecodeInstance(env, i, cfg.decode, self.transfer, self._kv_landed, self._finished) for i in range(cfg.num_decode)]
         self.router = Router(self.prefills, self.decodes, cfg.router_policy)
@@ -161,8 +170,15 @@ class Cluster:
         for r in requests:
             if r.spec.arrival_s > self.env.now:
                 yield self.env.timeout(r.spec.arrival_s - self.env.now)
-            if self.router.route(r):
+            if self.cfg.frontend_s > 0:
+                self.env.process(self._after_frontend(r))
+            elif self.router.route(r):
                 self.occupancy.change(self.env.now, +1)
+
+    def _after_frontend(self, r: SimRequest):  # simpy process: the front end's delay, then routing
+        yield self.env.timeout(self.cfg.frontend_s)
+        if self.router.route(r):
+            self.occupancy.change(self.env.now, +1)
 
     def run(self, requests: Sequence[SimRequest], horizon_s: float | None = None) -> None:
         self.requests = list(requests)

@@ -42,9 +42,13 @@ class DecodeModel:
     max_batch: int = 256
     kv_capacity_tokens: int = 1 << 30
     source: str = "assumption"
+    #: timing emulation (``--npu-timing``): a real run's step never finishes before this model's
+    #: time, so the simulated step is the larger of the two (hawk.devices.timing.StepModel)
+    floor: Any = None
 
     def step_time(self, batch: int, context_tokens: int) -> float:
-        return self.base_s + self.per_seq_s * batch + self.per_ctx_token_s * context_tokens
+        t = self.base_s + self.per_seq_s * batch + self.per_ctx_token_s * context_tokens
+        return t if self.floor is None else max(t, self.floor.step_time(batch, context_tokens))
 
     def slowed(self, factor: float) -> DecodeModel:
         """Every step ``factor`` times longer (e.g. host intervention during staged transfers)."""

@@ -15,8 +15,9 @@ Two testbeds:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from hawk.devices.timing import P150A, npu_kv_bytes_per_token, p150a_step_model
 from hawk.sim.calibration import MiB, TransferCurve
 from hawk.sim.compute import DecodeModel, PrefillModel
 from hawk.sim.defaults import (
@@ -166,11 +167,13 @@ def p150a_decode(f: PaperFacts = PaperFacts(), a: PaperAssumptions = PaperAssump
     cost: bfloat8_b KV per token per device read at the GDDR6 rate. The all-reduces over Ethernet
     are taken as folded into that ratio (QuietBox-2's 476.5 tok/s at batch 32 is a cross-check)."""
     k = (f.params / 4) / f.llama_8b_params
-    s1, s32 = k / f.p150a_8b_tok_s_user_b1, k / f.p150a_8b_tok_s_user_b32
-    per_seq = (s32 - s1) / 31
-    kv_bytes = f.layers * 2 * (f.kv_heads // 4) * f.head_dim * 1.0625  # bfloat8_b: 1 B + shared exponent
+    facts = replace(P150A, llama_8b_tok_s_user_b1=f.p150a_8b_tok_s_user_b1, llama_8b_tok_s_user_b32=f.p150a_8b_tok_s_user_b32,
+                    llama_8b_params=f.llama_8b_params, gddr6_gb_s=f.p150a_gddr6_gb_s)
+    kv_bytes = npu_kv_bytes_per_token(f.layers, f.kv_heads // 4, f.head_dim, "bfp8_b")
+    m = p150a_step_model(f.params / 4, kv_bytes, facts)  # the same model --npu-timing p150a paces a real run to
+    s1, s32 = m.step_time(1, 0), m.step_time(32, 0)
     return DecodeModel(
-        base_s=s1 - per_seq, per_seq_s=per_seq, per_ctx_token_s=kv_bytes / (f.p150a_gddr6_gb_s * 1e9),
+        base_s=m.base_s, per_seq_s=m.per_seq_s, per_ctx_token_s=m.per_ctx_token_s,
         max_batch=a.max_batch_npu, kv_capacity_tokens=262_144,
         source=(
             f"derived: Tenstorrent Llama-3.1-8B on p150a {f.p150a_8b_tok_s_user_b1:g}/{f.p150a_8b_tok_s_user_b32:g} tok/s/user "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import simpy
 
+from hawk.devices.timing import link_time_s
 from hawk.sim.calibration import TransferCurve
 from hawk.sim.link import SharedLink
 from hawk.sim.request import SimRequest
@@ -23,10 +24,15 @@ SCOPES = ("decode", "prefill", "pair", "none")
 
 
 class KVTransferService:
-    def __init__(self, env: simpy.Environment, curve: TransferCurve, bytes_per_token: int, scope: str = "decode"):
+    def __init__(self, env: simpy.Environment, curve: TransferCurve, bytes_per_token: int, scope: str = "decode",
+                 link_gbps: float | None = None):
+        """``link_gbps``: timing emulation (``--link-gbps``): the bytes' share of a transfer takes at
+        least ``bytes x 8 / N`` (the real run holds each batch back that long, see transport/paced.py);
+        the fixed part (control round trips, landing) is the curve's, as in the real run."""
         if scope not in SCOPES:
             raise ValueError(f"contention scope {scope!r}: expected one of {SCOPES}")
         self.env, self.curve, self.bytes_per_token, self.scope = env, curve, bytes_per_token, scope
+        self.link_gbps = link_gbps
         self.links: dict[object, SharedLink] = {}
 
     def _link(self, r: SimRequest) -> SharedLink | None:
@@ -37,11 +43,18 @@ class KVTransferService:
             self.links[key] = SharedLink(self.env, f"{self.scope}:{key}")
         return self.links[key]
 
+    def split(self, nbytes: float) -> tuple[float, float]:
+        """(fixed, shared) seconds of a transfer of ``nbytes`` alone, paced to the link if one is set."""
+        fixed, shared = self.curve.split(nbytes)
+        if self.link_gbps is not None:
+            shared = max(shared, link_time_s(nbytes, self.link_gbps))
+        return fixed, shared
+
     def solo_latency(self, r: SimRequest) -> float:
-        return self.curve.latency(r.input_len * self.bytes_per_token)
+        return sum(self.split(r.input_len * self.bytes_per_token))
 
     def move(self, r: SimRequest):  # simpy process body: yields until the KV has landed
-        fixed, shared = self.curve.split(r.input_len * self.bytes_per_token)
+        fixed, shared = self.split(r.input_len * self.bytes_per_token)
         if fixed > 0:
             yield self.env.timeout(fixed)
         link = self._link(r)

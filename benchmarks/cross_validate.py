@@ -1,0 +1,168 @@
+"""Cross-validate the simulator against a real serving run on this machine (issue 10, item 4).
+
+For each scenario: start a real HAWK system (router + prefill + decode processes, emulated NPU,
+NIXL over loopback), calibrate the ``here`` models from probes of it (sequential requests: prefill
+time per token, KV transfer time per MB, the front end; B requests at once: decode step time per
+batch size), run ``hawk bench serving`` at the given rates, stop it, then simulate the same
+workload, seed and rates on the calibrated models and compare P90 TTFT / P90 TPOT (and P50s).
+
+    python benchmarks/cross_validate.py                       # CPU, SmolLM2-135M, ~2 min on 2 cores
+    python benchmarks/cross_validate.py --scenarios paced --link-gbps 200 --decode-device npu-emu:cuda:0 \
+        --prefill-device cuda:0 --model llama-3.1-8b --dtype bf16 --workload chatbot --rates 1,2,4
+
+Scenarios: ``plain`` (no timing emulation) and ``paced`` (``--npu-timing p150a --link-gbps N``:
+the simulator then applies the same pacing, see ``hawk/sim/crossval.py``). Writes JSON (probes,
+calibration, real and simulated records, comparison rows) and a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hawk.bench.serving import run_serving_bench
+from hawk.config import defaults
+from hawk.devices.timing import engine_step_model, timing_label
+from hawk.sim.cluster import simulate
+from hawk.sim.crossval import Probes, calibrate, calibrated_config, compare, format_table
+from hawk.sim.workload import LengthDist, Workload, get_workload
+
+PREFILL_LENS = (8, 32, 64, 128)  # spans chatbot-tiny's 8..128 prompts
+DECODE_BATCHES = (1, 2, 4, 8)
+DECODE_PROMPT, DECODE_OUT = 48, 24
+
+
+def fixed(name: str, input_len: int, output_len: int) -> Workload:
+    """A workload of identical requests (cv 0): what a probe needs."""
+    return Workload(name, LengthDist(input_len), LengthDist(output_len), 1e9, 1e9)
+
+
+def _hawks(recs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    out = []
+    for rec in recs:
+        for r in rec.get("requests", []):
+            h = (r.get("extra") or {}).get("hawk")
+            if r.get("ok") and h:
+                out.append((r, h))
+    return out
+
+
+def probe(url: str, seed: int, repeats: int = 2) -> Probes:
+    """Calibration probes of the running system (see the module docstring); ~15-25 s on 2 CPU cores."""
+    p = Probes()
+    for n in PREFILL_LENS:  # sequential: nothing queues, each stage is seen alone
+        recs = run_serving_bench(url, [float("inf")], fixed(f"probe-prefill-{n}", n, 2), repeats, seed + n,
+                                 max_concurrency=1, warmup_requests=0, per_request=True)
+        for r, h in _hawks(recs):
+            p.prefill.append((n, h["prefill_s"]))
+            p.transfer.append((float(h["kv_bytes"]), h["kv_transfer_s"]))
+            p.kv_tokens.append((n, float(h["kv_bytes"])))
+            server = sum(h.get(k) or 0.0 for k in ("prefill_queue_s", "prefill_s", "decode_admit_wait_s", "kv_transfer_s"))
+            p.frontend.append(r["ttft_s"] - server)
+    for b in DECODE_BATCHES:  # b at once: the decode runs batch b for most of their steps
+        recs = run_serving_bench(url, [float("inf")], fixed(f"probe-decode-{b}", DECODE_PROMPT, DECODE_OUT), b, seed + 100 + b,
+                                 warmup_requests=0, per_request=True)
+        tpots = [h["tpot_s"] for _, h in _hawks(recs) if h.get("tpot_s")]
+        if tpots:
+            p.decode.append((b, float(np.median(tpots))))
+    return p
+
+
+def run_scenario(name: str, a: argparse.Namespace) -> dict[str, Any]:
+    """One real system: probes, the sweep, then the simulator on the calibrated models."""
+    from hawk.serve.launcher import start_system
+
+    paced = name == "paced"
+    cfg = defaults(
+        model=a.model, dtype=a.dtype, prefill_device=a.prefill_device, decode_device=a.decode_device, transfer=a.transfer,
+        npu_timing="p150a" if paced else None, link_gbps=a.link_gbps if paced else None,
+    ).validate()
+    wl = get_workload(a.workload)
+    t0 = time.monotonic()
+    with start_system(cfg, log_dir=a.log_dir) as system:
+        print(f"[{name}] system up in {time.monotonic() - t0:.1f} s at {system.url}", flush=True)
+        probes = probe(system.url, a.seed)
+        print(f"[{name}] probes done at {time.monotonic() - t0:.1f} s", flush=True)
+        real = run_serving_bench(system.url, a.rates, wl, a.num_requests, a.seed, warmup_requests=1)
+        print(f"[{name}] sweep done at {time.monotonic() - t0:.1f} s", flush=True)
+    cal = calibrate(probes, max_batch=cfg.max_batch, kv_tokens=cfg.kv_tokens, machine=platform.node() or "this machine")
+    npu_step = None
+    if paced and cfg.decode_device.startswith("npu-emu"):
+        from hawk.engine.loader import load_model
+        from hawk.engine.instances import compute_dtype
+
+        loaded = load_model(cfg.model, "cpu" if a.prefill_device == "cpu" else cfg.decode_compute_device, compute_dtype(cfg), cfg.seed)
+        mc = loaded.config
+        params = sum(t.numel() for t in loaded.model.parameters())
+        npu_step = engine_step_model("p150a", params, mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.kv_dtype)
+        del loaded
+    sim_cfg = calibrated_config(cal, cfg.transfer, npu_step=npu_step, link_gbps=cfg.link_gbps)
+    sim = [simulate(sim_cfg, r, wl, a.num_requests, a.seed) for r in a.rates]
+    return {
+        "scenario": name,
+        "timing_emulation": timing_label(cfg.npu_timing, cfg.link_gbps),
+        "config": {k: v for k, v in cfg.to_dict().items() if k in ("model", "dtype", "transfer", "transport", "prefill_device", "decode_device", "npu_timing", "link_gbps", "max_batch", "kv_tokens")},
+        "probes": probes.to_dict(),
+        "calibration": cal.to_dict(),
+        "npu_step_model": None if npu_step is None else dataclasses.asdict(npu_step),
+        "real": real,
+        "simulated": sim,
+        "rows": compare(real, sim, name),
+        "wall_s": time.monotonic() - t0,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--scenarios", default="plain,paced", help="plain and/or paced (--npu-timing p150a --link-gbps N)")
+    p.add_argument("--link-gbps", type=float, default=0.2,
+                   help="the paced scenario's link (default 0.2 Gb/s: slow enough to bind on a CPU run; 200 on the GPU)")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--transfer", default="gn-hawk")
+    p.add_argument("--prefill-device", default="cpu")
+    p.add_argument("--decode-device", default="npu-emu:cpu")
+    p.add_argument("--workload", default="chatbot-tiny")
+    p.add_argument("--rates", default="1,2")
+    p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-dir", default=None)
+    p.add_argument("--json", default=None)
+    p.add_argument("--table", default=None, help="write the Markdown table here")
+    a = p.parse_args(argv)
+    a.rates = [float(x) for x in a.rates.split(",") if x]
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    t0 = time.monotonic()
+    scenarios = [run_scenario(s, a) for s in a.scenarios.split(",") if s]
+    rows = [r for s in scenarios for r in s["rows"]]
+    table = format_table(rows)
+    print(table)
+    judged = [r for r in rows if r["within"] is not None]
+    out = {
+        "what": "simulator (here testbed, calibrated from probes of the same run) vs a real HAWK serving run",
+        "emulation": "the NPU is emulated (memory in host RAM); paced scenarios emulate p150a / link timing",
+        "machine": {"node": platform.node(), "cpus": os.cpu_count(), "python": sys.version.split()[0]},
+        "args": {k: v for k, v in vars(a).items() if k not in ("json", "table")},
+        "scenarios": scenarios,
+        "rows": rows,
+        "all_within": all(r["within"] for r in judged) if judged else None,
+        "wall_s": time.monotonic() - t0,
+    }
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1, default=str))
+    if a.table:
+        Path(a.table).write_text(table + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    main()

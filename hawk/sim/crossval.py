@@ -1,0 +1,153 @@
+"""Cross-validation: does the simulator, calibrated on a machine, predict a real serving run there?
+
+The ``here`` testbed's models are rebuilt from *probe* measurements of the running system (taken
+before the serving sweep, never fitted to its result), the simulator runs the sweep's workload,
+seed and rates, and the P90 TTFT / P90 TPOT of both are compared (issue 10: within 20 %).
+
+What is measured, and what it becomes (:class:`Probes` -> :func:`calibrated_config`):
+
+* prefill time per prompt (sequential requests of several lengths: the server's ``prefill_s``)
+  -> ``PrefillModel`` base + per token (least squares);
+* KV transfer time per byte (the same requests' ``kv_transfer_s`` and ``kv_bytes``, D1-D7)
+  -> a linear ``TransferCurve`` (fixed + bytes / bandwidth) and the KV bytes per prompt token;
+* decode step time per batch size (B requests at once: the server's median TPOT)
+  -> ``DecodeModel`` base + per sequence;
+* the front end (client TTFT minus the server-side stages of the sequential requests: HTTP hops,
+  the router, streaming) -> ``SimConfig.frontend_s``.
+
+With timing emulation on, the simulator gets the same pacing the real run had: the decode step's
+floor is the same ``hawk.devices.timing`` model the engine slept to, and transfers are paced to the
+same link (``SimConfig.link_gbps``). This module is pure (no HTTP): ``benchmarks/cross_validate.py``
+runs the servers and feeds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from hawk.devices.timing import StepModel
+from hawk.sim.calibration import TransferCurve
+from hawk.sim.cluster import SimConfig
+from hawk.sim.compute import DecodeModel, PrefillModel
+
+#: issue 10's acceptance: P90 TTFT and P90 TPOT within 20 % of the real run
+TOLERANCE = 0.20
+
+
+@dataclass
+class Probes:
+    """Calibration measurements of one running system (seconds, bytes)."""
+
+    prefill: list[tuple[int, float]] = field(default_factory=list)  # (prompt tokens, prefill_s)
+    transfer: list[tuple[float, float]] = field(default_factory=list)  # (kv bytes, kv_transfer_s)
+    kv_tokens: list[tuple[int, float]] = field(default_factory=list)  # (prompt tokens, kv bytes)
+    decode: list[tuple[int, float]] = field(default_factory=list)  # (batch, step s = server TPOT)
+    frontend: list[float] = field(default_factory=list)  # client TTFT - server-side stages
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least-squares ``y = a + b x``, with both kept non-negative (a time model cannot go below 0);
+    one distinct x gives the mean as ``a`` and slope 0."""
+    x, y = np.asarray(xs, float), np.asarray(ys, float)
+    if len(x) == 0:
+        raise ValueError("no points to fit")
+    if np.ptp(x) == 0:
+        return float(y.mean()), 0.0
+    b, a = np.polyfit(x, y, 1)
+    if b < 0:
+        return float(y.mean()), 0.0
+    if a < 0:  # through the origin instead
+        return 0.0, float((x * y).sum() / (x * x).sum())
+    return float(a), float(b)
+
+
+@dataclass(frozen=True)
+class Calibrated:
+    """The ``here`` models fitted from :class:`Probes`, with what each was fitted from."""
+
+    prefill: PrefillModel
+    decode: DecodeModel
+    transfer: TransferCurve
+    bytes_per_token: int
+    frontend_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prefill": self.prefill.to_dict(), "decode": {k: v for k, v in self.decode.to_dict().items() if k != "floor"},
+            "transfer": self.transfer.to_dict(), "bytes_per_token": self.bytes_per_token, "frontend_s": self.frontend_s,
+        }
+
+
+def calibrate(p: Probes, *, max_batch: int, kv_tokens: int, max_batch_tokens: int = 8192, machine: str = "this machine") -> Calibrated:
+    """Fit the models (see the module docstring); ``max_batch`` / ``kv_tokens`` are the served
+    config's limits, ``max_batch_tokens`` the prefill engine's token budget."""
+    pa, pb = fit_line([n for n, _ in p.prefill], [t for _, t in p.prefill])
+    da, db = fit_line([b for b, _ in p.decode], [t for _, t in p.decode])
+    ta, tb = fit_line([b for b, _ in p.transfer], [t for _, t in p.transfer])
+    bpt = sum(b for _, b in p.kv_tokens) / max(1, sum(n for n, _ in p.kv_tokens))
+    src = f"measured: probes of the running system on {machine}"
+    curve = TransferCurve(
+        "here-measured", (1.0, 1e10), (ta + tb, ta + tb * 1e10),
+        f"{src}: {ta * 1e3:.2f} ms + {tb * 1e9:.3f} ms/MB (D1-D7, least squares)", measured=True,
+    )
+    return Calibrated(
+        PrefillModel(pa, pb, 0.0, max_batch_tokens, kv_tokens, f"{src}: {pa * 1e3:.1f} ms + {pb * 1e3:.3f} ms/token (least squares)"),
+        DecodeModel(da, db, 0.0, max_batch, kv_tokens, f"{src}: {da * 1e3:.1f} ms + {db * 1e3:.2f} ms/sequence (median TPOT at each batch)"),
+        curve, int(round(bpt)), float(np.median(p.frontend)) if p.frontend else 0.0,
+    )
+
+
+def calibrated_config(c: Calibrated, name: str, *, npu_step: StepModel | None = None, link_gbps: float | None = None) -> SimConfig:
+    """One prefill + one decode instance on the calibrated models, paced as the real run was.
+    Contention: none: the real run paces each batch on its own (``transport/paced.py``)."""
+    decode = replace(c.decode, floor=npu_step) if npu_step is not None else c.decode
+    return SimConfig(
+        name=name, transfer=c.transfer, prefill=c.prefill, decode=decode, bytes_per_token=c.bytes_per_token,
+        contention="none", prefill_profile="here-measured", decode_profile="here-measured",
+        note="calibrated from probes of the real run's machine", link_gbps=link_gbps, frontend_s=c.frontend_s,
+    )
+
+
+def deviation(sim: float | None, real: float | None) -> float | None:
+    """(sim - real) / real; None when either is missing."""
+    if sim is None or real is None or real == 0:
+        return None
+    return (sim - real) / real
+
+
+def compare(measured: Sequence[dict[str, Any]], simulated: Sequence[dict[str, Any]], scenario: str,
+            metrics: Sequence[str] = ("ttft_p90_ms", "tpot_p90_ms", "ttft_p50_ms", "tpot_p50_ms"),
+            judged: Sequence[str] = ("ttft_p90_ms", "tpot_p90_ms")) -> list[dict[str, Any]]:
+    """One row per (rate, metric): real, simulated, deviation, and for ``judged`` metrics whether it
+    is within :data:`TOLERANCE`."""
+    rows = []
+    sims = {round(r["rate"], 9): r for r in simulated}
+    for m in measured:
+        s = sims.get(round(m["rate"], 9))
+        if s is None:
+            continue
+        for k in metrics:
+            d = deviation(s.get(k), m.get(k))
+            rows.append({
+                "scenario": scenario, "rate": m["rate"], "metric": k, "real": m.get(k), "sim": s.get(k), "deviation": d,
+                "within": (None if d is None else abs(d) <= TOLERANCE) if k in judged else None,
+            })
+    return rows
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Markdown: scenario, rate, metric, real, simulated, deviation, within 20 %."""
+    out = ["| scenario | rate | metric | real (ms) | sim (ms) | deviation | within 20 % |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        f = (lambda v: "-" if v is None else f"{v:.1f}")
+        d = "-" if r["deviation"] is None else f"{r['deviation'] * 100:+.1f} %"
+        w = "" if r["within"] is None else ("yes" if r["within"] else "**no**")
+        out.append(f"| {r['scenario']} | {r['rate']:g} | {r['metric']} | {f(r['real'])} | {f(r['sim'])} | {d} | {w} |")
+    return "\n".join(out)

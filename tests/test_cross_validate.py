@@ -1,0 +1,64 @@
+"""Cross-validation plumbing (hawk/sim/crossval.py): fits from probes, the calibrated config, the
+comparison. The real run itself is benchmarks/cross_validate.py (too slow for the suite)."""
+
+import pytest
+
+from hawk.devices.timing import StepModel
+from hawk.sim.cluster import simulate
+from hawk.sim.crossval import TOLERANCE, Probes, calibrate, calibrated_config, compare, deviation, fit_line, format_table
+
+
+def test_fit_line_recovers_a_line_and_stays_non_negative():
+    assert fit_line([1, 2, 4], [3, 5, 9]) == pytest.approx((1.0, 2.0))
+    assert fit_line([5, 5], [1.0, 3.0]) == (2.0, 0.0)  # one distinct x: the mean
+    assert fit_line([1, 2, 3], [3, 2, 1]) == (2.0, 0.0)  # a falling time: flat at the mean
+    a, b = fit_line([10, 20], [0.5, 2.5])  # negative intercept: through the origin
+    assert a == 0.0 and b > 0
+
+
+def probes() -> Probes:
+    """A machine with prefill 50 ms + 2 ms/token, decode 40 ms + 5 ms/seq, transfer 10 ms + 1 ms/MB."""
+    p = Probes()
+    for n in (8, 32, 64, 128):
+        p.prefill.append((n, 0.05 + 0.002 * n))
+        nbytes = 30_000 * n
+        p.transfer.append((nbytes, 0.010 + nbytes * 1e-9))
+        p.kv_tokens.append((n, nbytes))
+        p.frontend.append(0.012)
+    p.decode = [(b, 0.04 + 0.005 * b) for b in (1, 2, 4, 8)]
+    return p
+
+
+def test_calibrate_fits_each_model_from_its_probes():
+    c = calibrate(probes(), max_batch=64, kv_tokens=8192)
+    assert (c.prefill.base_s, c.prefill.per_token_s) == pytest.approx((0.05, 0.002))
+    assert (c.decode.base_s, c.decode.per_seq_s) == pytest.approx((0.04, 0.005))
+    assert c.transfer.latency(2e6) == pytest.approx(0.010 + 2e-3)
+    assert c.bytes_per_token == 30_000 and c.frontend_s == pytest.approx(0.012)
+    assert c.decode.max_batch == 64 and c.prefill.kv_capacity_tokens == 8192
+    assert "measured" in c.prefill.source and "measured" in c.transfer.source
+
+
+def test_one_request_on_the_calibrated_config_is_the_sum_of_its_stages():
+    from hawk.sim.workload import LengthDist, Workload
+
+    c = calibrate(probes(), max_batch=64, kv_tokens=8192)
+    wl = Workload("one", LengthDist(40), LengthDist(4), 1e9, 1e9)
+    r = simulate(calibrated_config(c, "gn-hawk"), 1.0, wl, 1, per_request=True)["requests"][0]
+    assert r["ttft_s"] == pytest.approx(0.012 + 0.05 + 0.002 * 40 + 0.010 + 40 * 30_000 * 1e-9)
+    assert r["tpot_s"] == pytest.approx(0.045)
+    paced = calibrated_config(c, "gn-hawk", npu_step=StepModel(0.1, 0.0, 0.0), link_gbps=0.1)
+    r = simulate(paced, 1.0, wl, 1, per_request=True)["requests"][0]
+    assert r["ttft_s"] == pytest.approx(0.012 + 0.05 + 0.002 * 40 + 0.010 + 40 * 30_000 * 8 / 0.1e9)
+    assert r["tpot_s"] == pytest.approx(0.1)
+
+
+def test_compare_judges_p90s_within_the_tolerance():
+    real = [{"rate": 1.0, "ttft_p90_ms": 100.0, "tpot_p90_ms": 50.0, "ttft_p50_ms": 80.0, "tpot_p50_ms": 40.0}]
+    sim = [{"rate": 1.0, "ttft_p90_ms": 115.0, "tpot_p90_ms": 65.0, "ttft_p50_ms": 10.0, "tpot_p50_ms": 40.0}]
+    rows = {r["metric"]: r for r in compare(real, sim, "plain")}
+    assert rows["ttft_p90_ms"]["within"] is True and rows["ttft_p90_ms"]["deviation"] == pytest.approx(0.15)
+    assert rows["tpot_p90_ms"]["within"] is False
+    assert rows["ttft_p50_ms"]["within"] is None  # reported, not judged
+    assert TOLERANCE == 0.2 and deviation(None, 1.0) is None
+    assert "**no**" in format_table(list(rows.values()))
