@@ -126,40 +126,17 @@ def bench_transform(ctx: typer.Context) -> None:
     main(ctx.args)
 
 
-@bench_app.command("engine")
-def bench_engine(
-    model: Optional[str] = typer.Option(None, help="model spec (default: smollm2-135m on CPU, llama-3.1-8b on GPU)"),
-    device: Optional[str] = typer.Option(None, help="cpu | cuda | cuda:N (default: cuda when available)"),
-    dtype: Optional[str] = typer.Option(None, help="compute dtype fp32 | bf16 | fp16 (default: fp32 on CPU, bf16 on GPU)"),
-    batches: Optional[str] = typer.Option(None, help="decode batch sizes (default: 1,4 on CPU; 1,8,32,64 on GPU)"),
-    contexts: Optional[str] = typer.Option(None, help="decode context lengths (default: 128,512 on CPU; 1024,8192 on GPU)"),
-    prefill_tokens: Optional[str] = typer.Option(None, help="prefill lengths, '' for none (default: 128,512 on CPU; 512,2048,8192 on GPU)"),
-    paths: str = typer.Option("gpu-paged,npu-tile", help="gpu-paged (PagedAttention, vLLM layout) and/or npu-tile (emulated NPU, tiled cache)"),
-    kv_dtypes: str = typer.Option("bf16,bfp8_b", help="KV dtypes; each path takes those it can hold (paged: bf16/fp16/fp32, npu-tile: bf16/bfp8_b)"),
-    steps: Optional[int] = typer.Option(None, min=1, help="timed decode steps per point, at most (default: 5 on CPU, 30 on GPU)"),
-    warmup: Optional[int] = typer.Option(None, min=0, help="untimed steps per point, after graph capture (default: 1 on CPU, 2 on GPU)"),
-    point_budget_s: Optional[float] = typer.Option(None, help="stop timing a point after this many seconds, once 3 steps are timed"),
-    time_budget_s: Optional[float] = typer.Option(None, help="skip the remaining points (with a note) once the run has taken this long"),
-    hf_baseline: str = typer.Option("auto", help="transformers' generate on the same model: auto (CPU + smollm2-135m + transformers importable) | on | off"),
-    hf_prompt_tokens: int = typer.Option(128, min=1, help="transformers baseline: prompt length"),
-    hf_new_tokens: int = typer.Option(32, min=2, help="transformers baseline: new tokens"),
-    threads: Optional[int] = typer.Option(None, min=1, help="torch CPU threads (default: torch's; 1 on a shared box avoids spinning threads)"),
-    json_path: Optional[str] = typer.Option(None, "--json", help="write the records here (a JSON list, rewritten after every point)"),
-) -> None:
-    """Model-level decode and prefill times against read-bandwidth and GEMM ceilings measured in the same run."""
-    from hawk.bench.engine import EngineBenchSpec, run_and_report
+@bench_app.command("engine", context_settings=PASS_THROUGH)
+def bench_engine(ctx: typer.Context) -> None:
+    """Model-level decode and prefill times against read-bandwidth and GEMM ceilings measured in the same run.
 
-    def ints(s: Optional[str]) -> Optional[tuple[int, ...]]:
-        return None if s is None else tuple(int(x) for x in _csv(s))
+    Options pass to ``python -m hawk.bench.engine`` (see ``--help`` there), e.g.
+    ``hawk bench engine --device cuda:0 --model llama-3.1-8b --batches 1,64``.
+    """
+    from hawk.bench.engine import main
 
     try:
-        spec = EngineBenchSpec(
-            model=model, device=device, dtype=dtype, batches=ints(batches), contexts=ints(contexts),
-            prefill_tokens=ints(prefill_tokens), paths=tuple(_csv(paths)), kv_dtypes=tuple(_csv(kv_dtypes)),
-            steps=steps, warmup=warmup, point_budget_s=point_budget_s, time_budget_s=time_budget_s,
-            hf_baseline=hf_baseline, hf_prompt_tokens=hf_prompt_tokens, hf_new_tokens=hf_new_tokens, threads=threads,
-        )
-        run_and_report(spec, json_path)
+        main(ctx.args)
     except ValueError as e:
         _fail(e)
 

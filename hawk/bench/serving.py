@@ -352,31 +352,20 @@ def run_serving_report(
     base_url: str,
     rates: Sequence[float],
     workload: str | Workload | RequestSource = "chatbot-tiny",
-    num_requests: int = 20,
-    seed: int = 0,
-    slo_ttft_ms: float | None = None,
-    slo_tpot_ms: float | None = None,
-    *,
-    model: str | None = None,
-    config: str | None = None,
-    max_concurrency: int | None = None,
-    warmup_requests: int = 1,
+    *args: Any,
     input_scale: float = 1.0,
     output_scale: float = 1.0,
-    token_id_range: tuple[int, int] = (1000, 10000),
     json_path: str | None = None,
     plot_path: str | None = None,
-    per_request: bool = False,
+    **bench: Any,
 ) -> list[dict[str, Any]]:
-    """What ``hawk bench serving`` does: run, print the table, write JSON and the figure."""
+    """What ``hawk bench serving`` does: :func:`run_serving_bench` (its options pass through), then
+    print the table and write JSON and the figure."""
     wl = get_workload(workload)
     if input_scale != 1.0 or output_scale != 1.0:
         wl = wl.scaled(input_scale, output_scale)
-    records = run_serving_bench(
-        base_url, rates, wl, num_requests, seed, slo_ttft_ms, slo_tpot_ms, model=model, config=config,
-        max_concurrency=max_concurrency, warmup_requests=warmup_requests, per_request=per_request,
-        token_id_range=token_id_range, progress=lambda r: print(f"rate {r['rate']:g}: {r['completed']}/{r['num_requests']} done, SLO attainment {r['slo_attainment']:.0%}", flush=True),
-    )
+    bench.setdefault("progress", lambda r: print(f"rate {r['rate']:g}: {r['completed']}/{r['num_requests']} done, SLO attainment {r['slo_attainment']:.0%}", flush=True))
+    records = run_serving_bench(base_url, rates, wl, *args, **bench)
     trace = getattr(wl, "trace", None)
     if trace is not None:  # say which trace, and how it was replayed
         extra = {**trace.summary(), "trace_rate_scale": getattr(wl, "rate_scale", 1.0)}
