@@ -80,6 +80,11 @@ def _gpu_layout(cfg: InstanceConfig, mc: Any, tokens: int, shard: Shard = Shard(
     return GpuKVLayout(mc.num_layers, blocks, cfg.gpu_block_size, len(heads), mc.head_dim, cfg.gpu_kv_dtype, head_start=heads.start)
 
 
+def _with_pids(ranks: dict[int, Any], pids: dict[int, int]) -> dict[int, Any]:
+    """Each follower's ledger with its process id (what an operator signals, or a fault test kills)."""
+    return {r: {**a, "pid": pids.get(r)} for r, a in ranks.items()}
+
+
 class PrefillRank:
     """What every rank of a prefill instance holds: its model shard, its heads' paged cache, its
     own transport and HAWK sender (own staging buffer, own control socket)."""
@@ -163,6 +168,32 @@ class PrefillInstance:
     def healthy(self) -> bool:
         return self.followers is None or self.followers.healthy
 
+    @property
+    def dead_ranks(self) -> list[int]:
+        """Follower ranks whose process is gone (none at TP1)."""
+        return self.followers.dead if self.followers is not None else []
+
+    @property
+    def rank_pids(self) -> dict[int, int]:
+        """The follower ranks' process ids (none at TP1; rank 0 is this process)."""
+        return self.followers.pids if self.followers is not None else {}
+
+    def discard(self, request_id: str) -> bool:
+        """Drop a prefilled request nobody will pull, on every rank (with ``decode_tp`` > 1 its
+        entries are named per decode rank, so the sender's own ``discard(request_id)`` misses them)."""
+        mine = [self.sender.discard(k) for k in self.rank.kv_ids(request_id)]
+        if self.followers is not None:
+            for r in self.followers.ranks:
+                self.followers.call_async(r, "discard", [request_id])  # a dead rank's share is counted down by _on_rank_dead
+        return any(mine)
+
+    def drained(self) -> bool:
+        """Nothing held on rank 0 or on a live follower: no staging, no KV waiting or in flight,
+        no paged block (what a dying instance waits for before it exits, so its release is seen)."""
+        a = self.accounting()
+        ranks = [r for r in a.get("ranks", {}).values() if not r.get("dead")]
+        return _prefill_empty(a) and a["gpu_blocks_used"] == 0 and all(_prefill_empty(r) for r in ranks)
+
     def _handoff(self, request_id: str, num_tokens: int, blocks: list[int], free: Any) -> None:
         """Offer the request's KV on every rank; the blocks return when all entries released them."""
         tp, mc = self.cfg.prefill_tp, self.loaded.config
@@ -186,12 +217,23 @@ class PrefillInstance:
                 release.one()
 
     def _on_rank_dead(self, rank: int) -> None:
-        """What a dead rank held is gone with it: its share of every request's blocks comes back."""
+        """What a dead rank held is gone with it: its share of every request's blocks comes back.
+
+        Every waiting entry on the surviving ranks is dropped too: a request needs the heads of
+        every prefill rank, so none of them can be completed, and a decode that pulls one gets a
+        prompt "unknown KV" error instead of waiting on the dead rank's socket.
+        """
         with self._lock:
             owed = list(self._owed[rank].values())
             self._owed[rank].clear()
         for release in owed:
             release.one()
+        for kv_id in self.sender.accounting()["waiting"]:
+            self.sender.discard(kv_id)
+        if self.followers is not None:
+            for r in self.followers.ranks:
+                if r != rank:
+                    self.followers.call_async(r, "discard", None)
 
     def accounting(self) -> dict[str, Any]:
         a = self.sender.accounting()
@@ -206,7 +248,7 @@ class PrefillInstance:
             "gpu_blocks_total": self.engine.blocks.num_blocks,
         }
         if self.followers is not None:
-            out["ranks"] = self.followers.accounting()
+            out["ranks"] = _with_pids(self.followers.accounting(), self.followers.pids)
             out["healthy"] = self.followers.healthy
         return out
 
@@ -272,6 +314,11 @@ class DecodeRank:
         self.transport.close()
         if self.npu is not None:
             self.kv.close()
+
+
+def _prefill_empty(a: dict[str, Any]) -> bool:
+    """A prefill rank's ledger holds nothing (staging, waiting, in flight, draining)."""
+    return a["staging_reservations"] == 0 and not a["kv_waiting"] and not a["kv_in_flight"] and a["draining"] == 0
 
 
 def _ledger(rank: DecodeRank) -> dict[str, Any]:
@@ -359,6 +406,22 @@ class DecodeInstance:
     def healthy(self) -> bool:
         return self.followers is None or self.followers.healthy
 
+    @property
+    def dead_ranks(self) -> list[int]:
+        """Follower ranks whose process is gone (none at TP1)."""
+        return self.followers.dead if self.followers is not None else []
+
+    @property
+    def rank_pids(self) -> dict[int, int]:
+        """The follower ranks' process ids (none at TP1; rank 0 is this process)."""
+        return self.followers.pids if self.followers is not None else {}
+
+    def drained(self) -> bool:
+        """Nothing received or reserved on rank 0 or a live follower, no KV block in use."""
+        a = self.accounting()
+        ranks = [r for r in a.get("ranks", {}).values() if not r.get("dead")]
+        return a["kv_blocks_used"] == 0 and all(r["rx_reservations"] == 0 and r["draining"] == 0 for r in [a, *ranks])
+
     def accounting(self) -> dict[str, Any]:
         out = {
             **_ledger(self.rank),
@@ -368,7 +431,7 @@ class DecodeInstance:
         if self.npu is not None:
             out["npu_channels"] = {c: {"used": u, "capacity": cap} for c, (u, cap) in self.npu.channel_usage().items()}
         if self.followers is not None:
-            out["ranks"] = self.followers.accounting()
+            out["ranks"] = _with_pids(self.followers.accounting(), self.followers.pids)
             out["healthy"] = self.followers.healthy
         return out
 

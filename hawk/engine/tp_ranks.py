@@ -90,7 +90,20 @@ class Followers:
 
     @property
     def healthy(self) -> bool:
-        return not self._dead and all(p.is_alive() for p in self._procs.values())
+        return not self.dead
+
+    @property
+    def dead(self) -> list[int]:
+        """Ranks whose process is gone (noticed on the pipe or by the process table): a serving
+        instance reports them in /health and is restarted, since a rank cannot rejoin its group."""
+        with self._lock:
+            gone = set(self._dead)
+        return sorted(gone | {r for r, p in self._procs.items() if not p.is_alive()})
+
+    @property
+    def pids(self) -> dict[int, int]:
+        """Each follower's process id (operators and fault tests signal a rank by it)."""
+        return {r: int(p.pid) for r, p in self._procs.items() if p.pid is not None}
 
     # -- commands ------------------------------------------------------------------------------
 
@@ -179,14 +192,16 @@ class Followers:
         """Kill one rank's process (fault tests)."""
         self._procs[rank].kill()
 
-    def close(self) -> None:
+    def close(self, join_s: float = 10.0) -> None:
+        """Ask every live rank to close (it releases its buffers), then kill the ones that hang;
+        a short ``join_s`` suits an instance that is going down because a rank died."""
         for r in self.ranks:
             try:
                 self._send(r, ("close",))
             except RankDied:
                 pass
         for r, p in self._procs.items():
-            p.join(timeout=10)
+            p.join(timeout=join_s)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
@@ -233,6 +248,9 @@ def rank_main(role: str, cfg_json: str, rank: int, tp: int, port: int, backend: 
                 for kv_id in part.kv_ids(rid):
                     part.sender.add(kv_id, n, blocks, lambda k=kv_id: send("released", k))
                 send("ok", cid, None)
+            elif cmd == "discard":  # the request's client left, or a peer rank died: free its entries
+                _, cid, rids = msg
+                send("ok", cid, _discard(part, rids))
             elif cmd == "pull":
                 if fault == "die-in-pull":
                     os._exit(17)
@@ -248,6 +266,14 @@ def rank_main(role: str, cfg_json: str, rank: int, tp: int, port: int, backend: 
             if cmd != "step":
                 send("err", msg[1], f"{type(e).__name__}: {e}")
     part.close()
+
+
+def _discard(part: Any, request_ids: list[str] | None) -> int:
+    """Drop this prefill rank's waiting entries of ``request_ids`` (None: every waiting entry);
+    returns how many were dropped (their blocks' share is counted down on rank 0)."""
+    sender = part.sender
+    kv_ids = sender.accounting()["waiting"] if request_ids is None else [k for rid in request_ids for k in part.kv_ids(rid)]
+    return sum(1 for k in kv_ids if sender.discard(k))
 
 
 def _prefill_attention(part: Any) -> Any:

@@ -26,9 +26,9 @@ from hawk.engine.decode_engine import DecodeEngine, KVHandle, TokenEvent
 from hawk.engine.instances import DecodeInstance
 from hawk.engine.sequence import SamplingParams
 from hawk.layouts.device import parse_device
-from hawk.errors import BadRequest, PromptTooLong, UnknownKV
+from hawk.errors import BadRequest, EngineUnavailable, PromptTooLong, UnknownKV
 from hawk.serve.contract import AbortRequest, DecodeAbortReply, DecodeRequest, InstanceInfo, TokenLine
-from hawk.serve.instance_app import build_instance_app
+from hawk.serve.instance_app import build_instance_app, dead_rank_names, unavailable_reason
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +52,17 @@ def event_line(ev: TokenEvent) -> bytes:
 
 
 class DecodeService:
-    def __init__(self, engine: DecodeEngine, handle_for: HandleFor = remote_handle, give_back: GiveBack | None = None):
-        self.engine, self.handle_for, self.give_back = engine, handle_for, give_back
+    def __init__(
+        self, engine: DecodeEngine, handle_for: HandleFor = remote_handle, give_back: GiveBack | None = None,
+        unavailable: Callable[[], str | None] = lambda: None,
+    ):
+        self.engine, self.handle_for, self.give_back, self.unavailable = engine, handle_for, give_back, unavailable
         self.aborts = {"aborted_on_disconnect": 0}
 
     def start(self, req: DecodeRequest) -> StreamingResponse:
+        down = self.unavailable()
+        if down is not None:  # before the handle: nothing was taken
+            raise EngineUnavailable(down)
         try:
             params = SamplingParams.from_dict(req.params)
         except (ValueError, TypeError) as e:
@@ -143,12 +149,12 @@ def create_decode_app(instance: DecodeInstance, close_on_shutdown: bool = True, 
         max_model_len=instance.engine.max_len, max_kv_tokens=blocks.num_blocks * blocks.block_size, vocab_size=mc.vocab_size,
     )
 
-    svc = DecodeService(instance.engine)
+    svc = DecodeService(instance.engine, unavailable=lambda: unavailable_reason("decode", instance))
 
     def accounting() -> dict[str, Any]:
         return {**instance.accounting(), **{f"engine_{k}": v for k, v in instance.engine.stats().items()}, **svc.aborts}
 
     return build_instance_app(
         "decode", [decode_routes(svc)], info, accounting, instance.loaded.tokenizer,
-        instance.close if close_on_shutdown else None, [instance.engine], cluster_secret,
+        instance.close if close_on_shutdown else None, [instance.engine], cluster_secret, lambda: dead_rank_names(instance),
     )

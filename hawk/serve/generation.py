@@ -69,7 +69,8 @@ class StopMatcher:
 
 def upstream_error(resp_status: int, body: bytes, who: str) -> OpenAIError:
     """Map an instance's error answer to what the client sees: its 4xx stays a 4xx (bad input),
-    anything else is the server's fault (502)."""
+    an instance that says it is unavailable (503, e.g. a dead tensor-parallel rank, restarting)
+    stays a 503 the client may retry, anything else is the server's fault (502)."""
     try:
         err = json.loads(body).get("error", {})
         msg, code = str(err.get("message") or body[:300].decode(errors="replace")), err.get("code")
@@ -77,6 +78,8 @@ def upstream_error(resp_status: int, body: bytes, who: str) -> OpenAIError:
         msg, code = body[:300].decode(errors="replace"), None
     if 400 <= resp_status < 500:
         return OpenAIError(400, msg, code=code)
+    if resp_status == 503 and code == "instance_unavailable":
+        return InstanceDown(f"{who}: {msg}")
     return OpenAIError(502, f"{who} failed ({resp_status}): {msg}", type="server_error", code=code)
 
 

@@ -5,7 +5,8 @@ answers: /health, /internal/info (limits the router validates against), /interna
 (what it holds: staging and receive reservations, KV blocks), /internal/tokenizer and /metrics.
 Shutting the app down closes the instance, which releases its registered buffers.
 
-/health is truthful: 503 once an engine thread has died (nothing it was given will ever finish).
+/health is truthful: 503 once an engine thread has died (nothing it was given will ever finish),
+or a tensor-parallel rank's process has (its ``dead`` list names the rank and its pid).
 With a cluster secret, every /internal/* route wants ``Authorization: Bearer <secret>`` (401
 otherwise, before the body is read); /health and /metrics stay open for probes and scrapers.
 """
@@ -30,6 +31,22 @@ from hawk.serve.tokenizer_wire import tokenizer_to_wire
 log = logging.getLogger(__name__)
 
 
+def dead_rank_names(instance: Any) -> list[str]:
+    """The instance's dead tensor-parallel ranks as /health lists them ("tp rank 1 (pid 4242)")."""
+    pids = getattr(instance, "rank_pids", {})
+    return [f"tp rank {r} (pid {pids.get(r)})" for r in getattr(instance, "dead_ranks", [])]
+
+
+def unavailable_reason(role: str, instance: Any) -> str | None:
+    """Why new work must be refused (a 503, before it is queued), or None while every rank lives:
+    a request needs every rank's heads, so one dead rank makes the whole instance unable to serve
+    until the launcher restarts it."""
+    dead = dead_rank_names(instance)
+    if not dead:
+        return None
+    return f"{role} instance has a dead tensor-parallel rank ({', '.join(dead)}); it is being restarted, retry shortly"
+
+
 def build_instance_app(
     role: str,
     routers: list[APIRouter],
@@ -39,11 +56,13 @@ def build_instance_app(
     close: Callable[[], None] | None,
     engines: Sequence[Any] = (),
     cluster_secret: str | None = None,
+    dead_ranks: Callable[[], list[str]] | None = None,
 ) -> FastAPI:
     """An app serving ``routers`` plus the common instance endpoints; ``close`` runs at shutdown.
 
-    ``engines`` are watched by /health; ``cluster_secret`` (default: $HAWK_CLUSTER_SECRET) guards
-    /internal/*.
+    ``engines`` are watched by /health, and so are the tensor-parallel ranks that
+    ``dead_ranks`` names (a dead rank leaves rank 0's engine thread running but unable to
+    serve); ``cluster_secret`` (default: $HAWK_CLUSTER_SECRET) guards /internal/*.
     """
 
     @asynccontextmanager
@@ -64,7 +83,7 @@ def build_instance_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        dead = [type(e).__name__ for e in engines if not engine_alive(e)]
+        dead = [type(e).__name__ for e in engines if not engine_alive(e)] + (dead_ranks() if dead_ranks is not None else [])
         body = Health.of(status="engine_dead" if dead else "ok", role=role, dead=dead)
         return JSONResponse(body.model_dump(), status_code=503 if dead else 200)
 

@@ -63,6 +63,9 @@ log = logging.getLogger("hawk.serve")
 
 CHILD_SPEC_ENV = "HAWK_CHILD_SPEC"  # a child's spec file (the environment: argv is public and short)
 EXIT_ENGINE_DEAD = 75  # a child whose engine thread died exits with this, for the supervisor
+EXIT_RANK_DEAD = 76  # a child one of whose tensor-parallel ranks died (after draining)
+RANK_DRAIN_S = 15.0  # how long a child with a dead rank waits for its in-flight requests to let go
+RANK_LINGER_S = 2.0  # then how long it stays up, unhealthy, with its (empty) accounting readable
 RESTART_BACKOFF_S = (0.5, 10.0)  # first wait, longest wait (doubling in between)
 STABLE_S = 60.0  # a child up this long has its restart count forgotten
 
@@ -90,6 +93,54 @@ def check_model_spec(spec: str) -> None:
     if spec and path.exists():
         raise UsageError(f"--model {spec!r}: not a .gguf file nor a directory with config.json")
     raise UsageError(f"unknown --model {spec!r}: expected one of {', '.join([*EMBEDDED, *RANDOM_PRESETS])}, a .gguf file, or a Hugging Face checkpoint directory")
+
+
+def model_split_dims(spec: str) -> tuple[int, int]:
+    """``(KV heads, MLP width)`` of ``spec``, read from its metadata only (no weights loaded):
+    what a tensor-parallel degree must divide."""
+    from hawk.engine.config import ModelConfig, preset
+    from hawk.engine.loader import EMBEDDED, RANDOM_PRESETS, embedded_path
+
+    if spec in RANDOM_PRESETS:
+        mc = preset(spec)
+        return mc.num_kv_heads, mc.intermediate_size
+    path = embedded_path(spec) if spec in EMBEDDED else Path(spec).expanduser()
+    if path.is_dir():
+        mc = ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
+        return mc.num_kv_heads, mc.intermediate_size
+    import gguf
+
+    fields = gguf.GGUFReader(path).fields
+
+    def value(key: str) -> int | None:
+        f = fields.get(key)
+        return None if f is None else int(f.contents())
+
+    heads = value("llama.attention.head_count")
+    return int(value("llama.attention.head_count_kv") or heads or 1), int(value("llama.feed_forward_length") or 1)
+
+
+def check_tensor_parallel(cfg: ServeConfig) -> None:
+    """Refuse a TP degree the model cannot be split by, before any process starts (a rank that
+    found out while loading would take the whole start-up down with a traceback)."""
+    wanted = {"prefill": cfg.prefill_tp, "decode": cfg.decode_tp}
+    if cfg.role in ("prefill", "decode"):
+        wanted = {cfg.role: wanted[cfg.role]}
+    wanted = {k: v for k, v in wanted.items() if v > 1}
+    if not wanted:
+        return
+    if cfg.transfer == "colocated" or cfg.role == "colocated":
+        raise UsageError("--prefill-tp/--decode-tp need a disaggregated --transfer: the colocated engine runs on one device (TP 1)")
+    try:
+        heads, mlp = model_split_dims(cfg.model)
+    except (OSError, ValueError, KeyError) as e:
+        raise UsageError(f"--model {cfg.model!r}: cannot read its shape to check the tensor-parallel degree ({e})") from None
+    fits = [d for d in range(1, heads + 1) if heads % d == 0 and mlp % d == 0]
+    for role, tp in wanted.items():
+        if tp not in fits:
+            raise UsageError(
+                f"--{role}-tp {tp}: {cfg.model} has {heads} KV heads (MLP width {mlp}); the degree must divide both: one of {', '.join(map(str, fits))}"
+            )
 
 
 def check_bind(host: str, what: str, allow_remote: bool) -> None:
@@ -150,19 +201,58 @@ def instance_engines(role: str, instance: Any) -> list[Any]:
     return [instance.prefill, instance.decode] if role == "colocated" else [instance.engine]
 
 
-def _watch_engines(role: str, engines: list[Any], interval_s: float = 0.5) -> None:
+def _watch_engines(role: str, engines: list[Any], instance: Any = None, stopping: threading.Event | None = None, interval_s: float = 0.5) -> None:
     """Exit the process once an engine thread has died: nothing it holds will ever finish, and
     an exit is what the supervisor sees and restarts (open connections break, so in-flight
-    requests fail at once instead of waiting out their timeouts)."""
+    requests fail at once instead of waiting out their timeouts).
+
+    A dead tensor-parallel rank of ``instance`` ends the process too, but not at once: its
+    in-flight requests are first failed and every reservation on the surviving ranks released
+    (see :func:`_retire_after_rank_death`), so nothing is lost that a restart would hide.
+    Once ``stopping`` is set the instance is being closed on purpose (a TP instance takes a
+    while, joining its ranks) and nothing it does is a crash."""
+    stopping = stopping or threading.Event()
 
     def watch() -> None:
         while all(engine_alive(e) for e in engines):
-            time.sleep(interval_s)
+            if instance is not None and getattr(instance, "dead_ranks", None):
+                _retire_after_rank_death(role, instance)
+            if stopping.wait(interval_s):
+                return
+        if stopping.is_set():  # died while being closed on purpose
+            return
         log.critical("%s engine thread died: exiting (%d) so the launcher restarts this instance", role, EXIT_ENGINE_DEAD)
         logging.shutdown()
         os._exit(EXIT_ENGINE_DEAD)
 
     threading.Thread(target=watch, name="hawk-engine-watch", daemon=True).start()
+
+
+def _retire_after_rank_death(role: str, instance: Any) -> None:
+    """A rank cannot rejoin its process group, so the instance must be restarted with all its
+    ranks. /health is already 503 and new work is refused; wait (at most RANK_DRAIN_S) until the
+    in-flight requests have failed and every surviving rank's ledger is empty, stay up
+    RANK_LINGER_S more so the router and operators can read that accounting, then close the
+    surviving ranks and exit (EXIT_RANK_DEAD) for the supervisor to restart the instance."""
+    log.critical("%s instance: tensor-parallel rank(s) %s died: draining, then exiting (%d) to be restarted", role, instance.dead_ranks, EXIT_RANK_DEAD)
+    deadline = time.monotonic() + RANK_DRAIN_S
+    while time.monotonic() < deadline:
+        try:
+            if instance.drained():
+                break
+        except Exception:  # noqa: BLE001 - a ledger that cannot be read is not a reason to stay
+            log.exception("reading the accounting of the dying instance failed")
+            break
+        time.sleep(0.2)
+    else:
+        log.error("%s instance still held KV %.0f s after its rank died; exiting anyway", role, RANK_DRAIN_S)
+    time.sleep(RANK_LINGER_S)
+    followers = getattr(instance, "followers", None)
+    if followers is not None:
+        with contextlib.suppress(Exception):
+            followers.close(join_s=2.0)
+    logging.shutdown()
+    os._exit(EXIT_RANK_DEAD)
 
 
 def run_instance(
@@ -184,12 +274,13 @@ def run_instance(
         os.environ[CLUSTER_SECRET_ENV] = cluster_secret  # for the control channel's ControlServer/Client
     instance = build_instance(role, cfg)
     try:
-        app = instance_app(role, instance, cluster_secret=cluster_secret)
+        app = instance_app(role, instance, close_on_shutdown=False, cluster_secret=cluster_secret)
     except BaseException:
         instance.close()
         raise
     url = url_of(sock)
-    _watch_engines(role, instance_engines(role, instance))
+    stopping = threading.Event()
+    _watch_engines(role, instance_engines(role, instance), instance, stopping)
     if parent_pid is not None:
         _watch_parent(parent_pid)
     if ready_file:
@@ -198,7 +289,12 @@ def run_instance(
         os.replace(tmp, ready_file)
     else:
         print(f"HAWK {role} instance on {url} ({cfg.model}, {cfg.transfer})", flush=True)
-    serve_foreground(app, sock, cfg.log_level)
+    try:
+        serve_foreground(app, sock, cfg.log_level)
+    finally:  # closed here, not in the app's shutdown, so the watcher knows a stopped engine is no crash
+        stopping.set()
+        log.info("%s instance shutting down: closing engine and releasing buffers", role)
+        instance.close()
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -464,6 +560,7 @@ def check_serve(cfg: ServeConfig) -> str | None:
         check_bind(cfg.kv_host, "--kv-host", cfg.allow_remote)
     if cfg.role != "router":
         check_model_spec(cfg.model)
+        check_tensor_parallel(cfg)
     secret = read_cluster_secret(cfg.cluster_secret_file)
     if cfg.role == "all":
         return secret or secrets.token_urlsafe(32)

@@ -19,9 +19,9 @@ from fastapi import APIRouter, FastAPI
 from hawk.engine.instances import PrefillInstance
 from hawk.engine.prefill_engine import PrefillEngine
 from hawk.engine.sequence import SamplingParams
-from hawk.errors import Aborted, BadRequest, DuplicateRequest, PromptTooLong
+from hawk.errors import Aborted, BadRequest, DuplicateRequest, EngineUnavailable, PromptTooLong
 from hawk.serve.contract import AbortRequest, InstanceInfo, KVRef, PrefillAbortReply, PrefillRequest, PrefillResponse
-from hawk.serve.instance_app import build_instance_app
+from hawk.serve.instance_app import build_instance_app, dead_rank_names, unavailable_reason
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +41,19 @@ class PrefillService:
         discard: Callable[[str], bool],
         kv_address: str,
         vocab_size: int,
+        unavailable: Callable[[], str | None] = lambda: None,
     ):
         self.engine, self.discard, self.kv_address, self.vocab_size = engine, discard, kv_address, vocab_size
+        self.unavailable = unavailable
         self._running: set[str] = set()
         self._aborted: dict[str, float] = {}
         # how aborts ended, for /internal/accounting and /metrics
         self.aborts = {"aborts_cancelled": 0, "aborts_discarded": 0, "aborts_pending": 0, "aborts_unknown": 0, "aborts_discarded_after_prefill": 0}
 
     async def prefill(self, req: PrefillRequest) -> PrefillResponse:
+        down = self.unavailable()
+        if down is not None:
+            raise EngineUnavailable(down)
         try:
             params = SamplingParams.from_dict(req.params)
         except (ValueError, TypeError) as e:
@@ -128,7 +133,7 @@ def create_prefill_app(instance: PrefillInstance, close_on_shutdown: bool = True
     """The HTTP face of a :class:`PrefillInstance`; shutdown closes it unless told not to (tests
     that reuse one loaded instance across apps)."""
     cfg, mc = instance.cfg, instance.loaded.config
-    svc = PrefillService(instance.engine, instance.sender.discard, instance.kv_address, mc.vocab_size)
+    svc = PrefillService(instance.engine, instance.discard, instance.kv_address, mc.vocab_size, lambda: unavailable_reason("prefill", instance))
     info = InstanceInfo.of(
         role="prefill", model=instance.loaded.name, transfer=cfg.transfer, transport=cfg.transport, device=cfg.prefill_device,
         kv_address=instance.kv_address, max_prompt_tokens=instance.engine.max_prompt_tokens,
@@ -136,5 +141,5 @@ def create_prefill_app(instance: PrefillInstance, close_on_shutdown: bool = True
     )
     return build_instance_app(
         "prefill", [prefill_routes(svc)], info, lambda: {**instance.accounting(), **svc.aborts}, instance.loaded.tokenizer,
-        instance.close if close_on_shutdown else None, [instance.engine], cluster_secret,
+        instance.close if close_on_shutdown else None, [instance.engine], cluster_secret, lambda: dead_rank_names(instance),
     )
