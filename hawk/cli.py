@@ -141,6 +141,18 @@ def bench_engine(ctx: typer.Context) -> None:
         _fail(e)
 
 
+@bench_app.command("ttft", context_settings=PASS_THROUGH)
+def bench_ttft(ctx: typer.Context) -> None:
+    """TTFT of disaggregated configurations against colocated per prompt length, with each transfer's host-side breakdown.
+
+    Options pass to ``python -m hawk.bench.ttft`` (see ``--help`` there), e.g.
+    ``hawk bench ttft --prompts 256,1024 --configs gn-hawk,gg-direct --json ttft.json``.
+    """
+    from hawk.bench.ttft import main
+
+    main(ctx.args)
+
+
 @bench_app.command("serving", context_settings=PASS_THROUGH)
 def bench_serving(ctx: typer.Context) -> None:
     """Online serving against a running router: TTFT, TPOT, SLO attainment, throughput vs request rate (paper Figs. 10-13).

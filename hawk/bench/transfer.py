@@ -59,6 +59,7 @@ class BenchSpec:
     shuffle_blocks: bool = False
     transform_impl: str = "auto"
     shard_pages: int = 1  # the NPU cache's page map (1 = interleaved)
+    plan_ahead: bool = True  # the decode side plans while D1 is in flight (the prompt length is known)
 
     def tokens(self, size_mb: int) -> int:
         return max(1, size_mb * MiB // self.shape.bytes_per_token())
@@ -252,7 +253,7 @@ def run_transfer_bench(spec: BenchSpec, progress: Any = None) -> list[dict[str, 
                         rid = f"{name}-{size}-{i}-{uuid.uuid4().hex[:6]}"
                         prefill.call("add", rid, ntok, gblocks)
                         t0 = time.perf_counter()
-                        last = receiver.pull(address, rid, dblocks)
+                        last = receiver.pull(address, rid, dblocks, num_tokens=ntok if spec.plan_ahead else None)
                         dt = time.perf_counter() - t0
                         if i >= spec.warmup:
                             lat.append(dt)
@@ -275,6 +276,8 @@ def run_transfer_bench(spec: BenchSpec, progress: Any = None) -> list[dict[str, 
                             "pair_ms": statistics.median(p["pair_s"] for p in parts) * 1e3,
                             "transfer_ms": statistics.median(p["transfer_s"] for p in parts) * 1e3,
                             "finish_ms": statistics.median(p["finish_s"] for p in parts) * 1e3,
+                            "host_breakdown_ms": host_breakdown(parts),
+                            "host_ms": host_ms(host_breakdown(parts)),
                             "prefill_device": f"npu-emu:{spec.prefill_device}" if cfg.prefill_on == "npu" else spec.prefill_device,
                             "decode_device": spec.npu_device if cfg.decode_on == "npu" else spec.gpu_decode_device,
                             "npu": f"emulated {spec.arch}" if "npu" in (cfg.decode_on, cfg.prefill_on) else "",
@@ -299,6 +302,47 @@ def run_transfer_bench(spec: BenchSpec, progress: Any = None) -> list[dict[str, 
     return records
 
 
+#: Breakdown entries that are not host work: the bytes moving (on the wire, or through the transform
+#: kernel and the landing's device copy), which a faster link or device shortens, not the host.
+NOT_HOST = ("submit_s", "transfer_wait_s", "sender_transform_wait_s", "total_s")
+
+
+def host_breakdown(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Median ms of every breakdown step over the repeats (the ``BREAKDOWN`` order)."""
+    from hawk.connector.algorithm1 import BREAKDOWN
+
+    return {k[:-2]: statistics.median(p.get(k, 0.0) for p in parts) * 1e3 for k in BREAKDOWN}
+
+
+def host_ms(breakdown: dict[str, float]) -> float:
+    """The host's fixed work of one transfer: every step but the ones that move bytes (``NOT_HOST``) and
+    the landing's finish (D7: a device copy). On the CPU the transform launch *is* the transform, and
+    UCX over loopback copies while posting, so ``submit`` is counted with the wire here (on a GPU it
+    is posting only; read it from the breakdown)."""
+    skip = {k[:-2] for k in NOT_HOST} | {"finish", "sender_transform"}
+    return sum(v for k, v in breakdown.items() if k not in skip)
+
+
+def print_breakdown(records: list[dict[str, Any]]) -> None:
+    """The host-side breakdown, one row per (configuration, size): where the median pull's ms went."""
+    from rich.console import Console
+    from rich.table import Table
+
+    keys = [k for k in records[0]["host_breakdown_ms"]] if records and "host_breakdown_ms" in records[0] else []
+    if not keys:
+        return
+    t = Table(title="host-side breakdown per transfer (median ms; sender_* run inside the D1-D2 round trip)")
+    t.add_column("config")
+    t.add_column("MiB", justify="right")
+    for k in keys:
+        t.add_column(k.replace("sender_", "tx_").replace("transform", "xf"), justify="right")
+    t.add_column("host", justify="right")
+    for r in records:
+        b = r["host_breakdown_ms"]
+        t.add_row(r["config"], str(r["size_mb"]), *(f"{b[k]:.2f}" for k in keys), f"{r['host_ms']:.2f}")
+    Console(width=260).print(t)
+
+
 def print_table(records: list[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -312,6 +356,7 @@ def print_table(records: list[dict[str, Any]]) -> None:
             f"{r['ready_ms']:.2f}", f"{r['pair_ms']:.2f}", f"{r['transfer_ms']:.2f}", f"{r['finish_ms']:.2f}",
         )
     Console(width=160).print(t)
+    print_breakdown(records)
 
 
 def plot(records: list[dict[str, Any]], path: str, title: str) -> None:

@@ -175,6 +175,7 @@ class KVSender:
 
     def _pull(self, msg: PullRequest) -> Message:
         # P1: receive the request.
+        t0 = time.perf_counter()
         with self._lock:
             receiver = self._receivers.get(msg.receiver)
             job = self._prefilled.pop(msg.request_id, None)  # P2: retrieve its KV
@@ -186,6 +187,7 @@ class KVSender:
             return Error(msg.request_id, f"no KV waiting for request {msg.request_id!r} (never prefilled, expired, or pulled already)")
         try:
             plan = self.fmt.plan(job.num_tokens, job.block_ids, receiver.info, msg.dst_block_ids)
+            t_plan = time.perf_counter()
             staged = self._stage(plan, msg.request_id)  # P3 + P4 + P5: reserve, transform into it
         except BaseException as e:  # the request fails; nothing it held may stay held
             self._give_back_blocks(job)
@@ -197,7 +199,9 @@ class KVSender:
             self._give_back_blocks(job)  # P6: the KV now lives in staging; the paged blocks can be reused
         with self._lock:
             self._sent[msg.request_id] = _Sent(staged.held, job if in_place else None, time.monotonic() + self.ttl_s)
-        # P7: send metadata: where the bytes are and how many.
+        # P7: send metadata: where the bytes are and how many (and what this side's host work cost).
+        timings = {"plan_s": t_plan - t0, **staged.timings}
+        timings["handler_s"] = time.perf_counter() - t0
         return KVReady(
             msg.request_id,
             self.fmt.name,
@@ -208,6 +212,7 @@ class KVSender:
             self.fmt.size(plan),
             self.fmt.extents(plan),
             staged.sources,
+            timings,
         )
 
     def _push(self, msg: PushRequest) -> Message:
@@ -342,6 +347,57 @@ class PullResult:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+    def host_breakdown_ms(self) -> dict[str, float]:
+        """Where the pull's time went, in ms (see :data:`BREAKDOWN`); keys missing from ``timings``
+        (an older sender, a pull made elsewhere) are left out."""
+        return {k: self.timings[k] * 1e3 for k in BREAKDOWN if k in self.timings}
+
+
+#: The host-side breakdown of one pull, in order. ``control_s`` is the D1-D2 round trip less the
+#: sender's handler (the messages themselves); the ``sender_*`` steps run inside that round trip;
+#: ``total_s`` runs from D1 to the KV in the cache (after D7); release and notify come after it.
+BREAKDOWN: tuple[str, ...] = (
+    "send_s", "plan_overlap_s", "control_s", "sender_plan_s", "sender_reserve_s", "sender_transform_s",
+    "sender_transform_wait_s", "sender_other_s", "plan_s", "reserve_s", "descs_s", "submit_s", "transfer_wait_s",
+    "finish_s", "release_s", "notify_s", "total_s",
+)
+
+
+class _Clock:
+    """Laps of one pull: ``lap(name)`` books the time since the previous lap under ``name``."""
+
+    def __init__(self) -> None:
+        self.t0 = self.now = time.perf_counter()
+        self.laps: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        t = time.perf_counter()
+        self.laps[name] = self.laps.get(name, 0.0) + t - self.now
+        self.now = t
+
+
+def _sender_time(ready: Any, key: str) -> float:
+    v = ready.timings.get(key, 0.0) if isinstance(getattr(ready, "timings", None), dict) else 0.0
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 else 0.0
+
+
+def _pull_timings(t: _Clock, t_stored: float, ready: Any) -> dict[str, float]:
+    """The pull's laps plus the sender's own steps, and the legacy coarse keys (ready/pair/transfer/finish)."""
+    lap = t.laps
+    handler = min(_sender_time(ready, "handler_s"), lap.get("wait_ready_s", 0.0))
+    sender = {f"sender_{k}": _sender_time(ready, f"{k}_s") for k in ("plan", "reserve", "transform", "transform_wait")}
+    sender = {k + "_s": v for k, v in sender.items()}
+    out = {k: v for k, v in lap.items() if k != "wait_ready_s"}
+    out.update(sender)
+    out["sender_other_s"] = max(0.0, handler - sum(sender.values()))
+    out["control_s"] = lap.get("wait_ready_s", 0.0) - handler
+    out["total_s"] = t_stored - t.t0
+    out["ready_s"] = lap.get("send_s", 0.0) + lap.get("plan_overlap_s", 0.0) + lap.get("wait_ready_s", 0.0)
+    out["pair_s"] = lap.get("plan_s", 0.0) + lap.get("reserve_s", 0.0) + lap.get("descs_s", 0.0)
+    out["transfer_s"] = lap.get("submit_s", 0.0) + lap.get("transfer_wait_s", 0.0)
+    return out
+
+
 @dataclass
 class _Sender:
     client: ControlClient
@@ -354,6 +410,8 @@ class _Sender:
 class KVReceiver:
     """The decode instance's half of Algorithm 1 (D1-D9)."""
 
+    HISTORY = 512  # pull results kept for :meth:`result`
+
     def __init__(self, transport: Transport, landing: Landing, config: str, post: str = "pull", timeout_s: float = 30.0):
         if post not in ("pull", "push"):
             raise ValueError(f"post must be 'pull' or 'push', got {post!r}")
@@ -364,6 +422,7 @@ class KVReceiver:
         self._connecting: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
         self._draining: list[tuple[float, Held]] = []
+        self._history: dict[str, PullResult] = {}
 
     def connect(self, address: str) -> None:
         """Handshake with a prefill instance: exchange transport metadata and KV layouts."""
@@ -421,34 +480,48 @@ class KVReceiver:
         s.client.send(KeepAlive(s.receiver, [str(r) for r in request_ids]))
         return True
 
-    def pull(self, address: str, request_id: str, dst_block_ids: Sequence[int], timeout_s: float | None = None) -> PullResult:
-        """Bring request ``request_id``'s KV from the prefill at ``address`` into ``dst_block_ids``."""
+    def pull(
+        self, address: str, request_id: str, dst_block_ids: Sequence[int], timeout_s: float | None = None, num_tokens: int | None = None
+    ) -> PullResult:
+        """Bring request ``request_id``'s KV from the prefill at ``address`` into ``dst_block_ids``.
+
+        ``num_tokens`` (the prompt's length, when the caller knows it) lets this side plan while D1 is
+        in flight; without it the plan is built after D2, as before. Either way the sender's metadata
+        decides: a wrong hint costs only the overlap.
+        """
         timeout = self.timeout_s if timeout_s is None else timeout_s
         self.reap()
         self.connect(address)
         s = self._senders[address]
-        t0 = time.perf_counter()
-        # D1: ask for the KV.   D2: receive the metadata.
+        t = _Clock()
+        # D1: ask for the KV (and plan this side while the request is in flight).   D2: receive the metadata.
         try:
-            ready = s.client.call(PullRequest(request_id, s.receiver, [int(b) for b in dst_block_ids]), timeout)
+            pending = s.client.start(PullRequest(request_id, s.receiver, [int(b) for b in dst_block_ids]))
+            t.lap("send_s")
+            if num_tokens is not None:
+                self._warm(num_tokens, dst_block_ids, s.info)
+            t.lap("plan_overlap_s")
+            ready = pending.result(timeout)
         except PeerUnreachable as e:
             raise KVTransferFailed(f"request {request_id}: prefill at {address} did not answer: {e}") from e
+        t.lap("wait_ready_s")
         if isinstance(ready, Error):
             raise KVTransferFailed(f"request {request_id}: prefill refused: {ready.message}")
-        t_ready = time.perf_counter()
         held: Held | None = None
+        descs: list[Desc] = []
         ok, error = False, ""
         try:
             if not isinstance(ready, KVReady) or ready.request_id != request_id or ready.format != self.landing.format:
                 raise ProtocolError(f"request {request_id}: unexpected reply {ready!r:.200}")
             plan = self.landing.plan(ready, dst_block_ids, s.info)
+            t.lap("plan_s")
             held = self.landing.reserve(plan, request_id, ttl_s=None)  # D3
+            t.lap("reserve_s")
             descs = self.landing.pair(plan, held, ready)  # D4
-            t_paired = time.perf_counter()
-            self._move(s, request_id, descs, timeout)  # D5 + D6
-            t_moved = time.perf_counter()
+            t.lap("descs_s")
+            self._move(s, request_id, descs, timeout, t)  # D5 + D6
             self.landing.finish(plan, held)  # D7
-            t_done = time.perf_counter()
+            t.lap("finish_s")
             ok = True
         except (TransferError, PeerUnreachable) as e:
             error = f"request {request_id}: transfer failed: {e}"
@@ -457,34 +530,54 @@ class KVReceiver:
             error = f"request {request_id}: {e}"
             raise KVTransferFailed(error) from e
         finally:
+            t_stored = t.now
             if held is not None:  # D8: release per-channel reservations (later, if a batch may be in flight)
                 if ok:
                     self.landing.release(held)
                 else:
                     with self._lock:
                         self._draining.append((time.monotonic() + self.transport.drain_s, held))
-            s.client.send(Done(request_id, ok, error))  # D9: the prefill may release (P8-P9)
-        return PullResult(
-            request_id,
-            ready.num_tokens,
-            sum(d.length for d in descs),
-            len(descs),
-            held.mode if held else "",
-            {
-                "ready_s": t_ready - t0,
-                "pair_s": t_paired - t_ready,
-                "transfer_s": t_moved - t_paired,
-                "finish_s": t_done - t_moved,
-                "total_s": t_done - t0,
-            },
-        )
+            t.lap("release_s")
+            s.client.send(Done(request_id, ok, error))  # D9: the prefill may release (P8-P9); one message, no reply
+            t.lap("notify_s")
+        timings = _pull_timings(t, t_stored, ready)
+        result = PullResult(request_id, ready.num_tokens, sum(d.length for d in descs), len(descs), held.mode if held else "", timings)
+        self._remember(result)
+        return result
 
-    def _move(self, s: _Sender, request_id: str, descs: list[Desc], timeout: float) -> None:
+    def _warm(self, num_tokens: int, dst_block_ids: Sequence[int], info: dict[str, Any]) -> None:
+        """Receiver planning overlapped with the D1 round trip; never fails the pull (D2 re-checks all)."""
+        try:
+            self.landing.warm(int(num_tokens), dst_block_ids, info)
+        except Exception:  # noqa: BLE001 - a bad hint only loses the overlap
+            log.debug("planning ahead of D2 failed", exc_info=True)
+
+    def _remember(self, result: PullResult) -> None:
+        with self._lock:
+            self._history[result.request_id] = result
+            while len(self._history) > self.HISTORY:
+                self._history.pop(next(iter(self._history)))
+
+    def result(self, request_id: str) -> PullResult | None:
+        """The last :class:`PullResult` of ``request_id`` (the last few hundred pulls are kept), with its
+        host-side breakdown: how benchmarks read what a pull cost when an engine made it."""
+        with self._lock:
+            return self._history.get(request_id)
+
+    def _move(self, s: _Sender, request_id: str, descs: list[Desc], timeout: float, t: _Clock) -> None:
         if self.post == "pull":
-            self.transport.transfer("READ", s.peer, descs, timeout)
+            h = self.transport.submit("READ", s.peer, descs)
+            t.lap("submit_s")
+            try:
+                self.transport.wait(h, timeout)
+            finally:
+                self.transport.release(h)
+            t.lap("transfer_wait_s")
             return
         flipped = [[d.remote_region, d.remote_offset, d.local_region, d.local_offset, d.length] for d in descs]
+        t.lap("submit_s")
         reply = s.client.call(PushRequest(request_id, s.receiver, flipped), timeout)
+        t.lap("transfer_wait_s")
         if isinstance(reply, Error):
             raise TransferError(reply.message)
 

@@ -197,12 +197,20 @@ class ControlClient:
 
     def call(self, msg: Message, timeout_s: float) -> Message:
         """Send ``msg`` and wait for its reply; :class:`PeerUnreachable` after ``timeout_s``."""
+        return self.start(msg).result(timeout_s)
+
+    def start(self, msg: Message) -> PendingCall:
+        """Send ``msg`` now and return at once; the reply is ``.result(timeout_s)`` (so the caller can
+        do work while the request is in flight, e.g. plan its side of a transfer during D1)."""
         corr = struct.pack("<Q", next(self._ids))
         fut: Future = Future()
         with self._lock:
             self._pending[corr] = fut
         payload = encode(msg)
         self._loop.post([corr, sign(self._key, corr, payload), payload])
+        return PendingCall(self, msg, corr, fut)
+
+    def _finish(self, msg: Message, corr: bytes, fut: Future, timeout_s: float) -> Message:
         try:
             tag, payload = fut.result(timeout=timeout_s)
         except TimeoutError:
@@ -216,7 +224,7 @@ class ControlClient:
         return reply
 
     def send(self, msg: Message) -> None:
-        """Fire and forget (the server sends no reply)."""
+        """Fire and forget (the server sends no reply): D9's single notification per transfer."""
         payload = encode(msg)
         self._loop.post([_NO_REPLY, sign(self._key, _NO_REPLY, payload), payload])
 
@@ -226,3 +234,14 @@ class ControlClient:
             for f in self._pending.values():
                 f.cancel()
             self._pending.clear()
+
+
+class PendingCall:
+    """A request sent by :meth:`ControlClient.start` whose reply has not been collected yet."""
+
+    def __init__(self, client: ControlClient, msg: Message, corr: bytes, fut: Future):
+        self._client, self._msg, self._corr, self._fut = client, msg, corr, fut
+
+    def result(self, timeout_s: float) -> Message:
+        """The reply; :class:`PeerUnreachable` after ``timeout_s`` (counted from this call)."""
+        return self._client._finish(self._msg, self._corr, self._fut, timeout_s)

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import time
+
 import torch
 
 from hawk.devices.batched_copy import copy_regions
@@ -26,7 +28,8 @@ from hawk.memory.buffers import ChannelBuffers, StagingBuffer
 from hawk.memory.npu_kv_cache import NpuKVCacheMemory
 from hawk.memory.reservations import Reservation
 from hawk.plan.block_plan import BlockCopyPlan, plan_block_copy
-from hawk.plan.kv_plan import KVTransferPlan, plan_kv_transfer
+from hawk.plan.kv_plan import KVTransferPlan
+from hawk.plan.plan_cache import PLANS
 from hawk.transform import transform
 
 #: Transport region name of a sender's staging buffer.
@@ -52,6 +55,9 @@ class Staged:
     region: str = ""
     offset: int = 0
     sources: list[list] = field(default_factory=list)
+    #: Host seconds spent in P4 (``reserve_s``), launching P3 + P5 (``transform_s``) and waiting for
+    #: them (``transform_wait_s``): the sender's half of the host-side breakdown.
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 def cache_region(layer: int) -> str:
@@ -123,14 +129,18 @@ class _InStagingBuffer(SendFormat):
         """Write the request's bytes into ``out`` (its reserved staging range)."""
 
     def stage(self, plan: Any, owner: str, ttl_s: float) -> Staged:
+        t0 = time.perf_counter()
         res = self.staging.reserve(self.size(plan), owner, ttl_s)
+        t1 = time.perf_counter()
         try:
             self.produce(plan, self.staging.view(res))
+            t2 = time.perf_counter()
             _sync(self.staging.tensor)
         except BaseException:
             self.staging.ledger.release(res)
             raise
-        return Staged(Held("staging", {0: res}), STAGING_REGION, res.offset)
+        t3 = time.perf_counter()
+        return Staged(Held("staging", {0: res}), STAGING_REGION, res.offset, timings={"reserve_s": t1 - t0, "transform_s": t2 - t1, "transform_wait_s": t3 - t2})
 
     def release(self, held: Held) -> None:
         for r in held.reservations.values():
@@ -156,7 +166,7 @@ class NpuTiles(_InStagingBuffer):
         dst = peer["layout"]
         if not isinstance(dst, NpuKVLayout):
             raise ValueError("npu-tiles needs an NPU receiver layout")
-        return plan_kv_transfer(num_tokens, block_ids, dst_block_ids, self.layout, dst, peer["bases"])
+        return PLANS.kv_plan(num_tokens, block_ids, dst_block_ids, self.layout, dst, peer["bases"])
 
     def size(self, plan: KVTransferPlan) -> int:
         return plan.total_bytes
@@ -241,22 +251,26 @@ class NpuPages(SendFormat):
         gpu = peer["layout"]
         if not isinstance(gpu, GpuKVLayout):
             raise ValueError("npu-pages needs a GPU receiver layout")
-        return plan_kv_transfer(num_tokens, dst_block_ids, block_ids, gpu, self.layout, self.kv.bases)
+        return PLANS.kv_plan(num_tokens, dst_block_ids, block_ids, gpu, self.layout, self.kv.bases)
 
     def size(self, plan: KVTransferPlan) -> int:
         return plan.total_bytes
 
     def stage(self, plan: KVTransferPlan, owner: str, ttl_s: float) -> Staged:
+        t0 = time.perf_counter()
         held = Held("channels", dict(self.buffers.reserve(plan.channel_bytes(), owner, ttl_s)))
+        t1 = time.perf_counter()
         try:
             addr = {c: self.buffers.address(r, c) for c, r in held.reservations.items()}
             self.npu.copy(plan.gather_copy_runs(addr))
+            t2 = time.perf_counter()
             self.npu.synchronize()
         except BaseException:
             self.release(held)
             raise
+        t3 = time.perf_counter()
         sources = [[channel_region(c), addr[c], n] for c, _, n in plan.channel_extents]
-        return Staged(held, sources=sources)
+        return Staged(held, sources=sources, timings={"reserve_s": t1 - t0, "transform_s": t2 - t1, "transform_wait_s": t3 - t2})
 
     def release(self, held: Held) -> None:
         self.buffers.release(held.reservations)

@@ -25,7 +25,8 @@ from hawk.memory.npu_kv_cache import NpuKVCacheMemory
 from hawk.memory.reservations import RangeReservations, Reservation
 from hawk.plan.block_plan import BlockCopyPlan, plan_block_copy
 from hawk.plan.cost_model import CostModel
-from hawk.plan.kv_plan import KVTransferPlan, plan_kv_transfer
+from hawk.plan.kv_plan import KVTransferPlan
+from hawk.plan.plan_cache import LRU, PLANS
 from hawk.plan.requests import Request, merge_runs
 from hawk.transform import transform, untransform
 from hawk.transport.base import Desc
@@ -63,6 +64,9 @@ class Landing(ABC):
     def pair(self, plan: Any, held: Held, ready: KVReady) -> list[Desc]:
         """D4: pair the sender's region with local buffers: one descriptor per request."""
 
+    def warm(self, num_tokens: int, dst_block_ids: Sequence[int], peer: dict[str, Any]) -> None:
+        """Build what D2-D4 will need from what is known before D2 (called while D1 is in flight)."""
+
     def finish(self, plan: Any, held: Held) -> None:
         """D6-D7: make the received bytes the KV cache."""
 
@@ -93,9 +97,12 @@ class _NpuTilesLanding(Landing):
         return self.kv.layout, {"bases": list(self.kv.bases)}
 
     def plan(self, ready, dst_block_ids, peer) -> KVTransferPlan:
-        plan = plan_kv_transfer(ready.num_tokens, ready.src_block_ids, dst_block_ids, peer["layout"], self.kv.layout, self.kv.bases)
+        plan = PLANS.kv_plan(ready.num_tokens, ready.src_block_ids, dst_block_ids, peer["layout"], self.kv.layout, self.kv.bases)
         _check_extents(ready, plan)
         return plan
+
+    def warm(self, num_tokens: int, dst_block_ids: Sequence[int], peer: dict[str, Any]) -> None:
+        PLANS.warm(num_tokens, dst_block_ids, peer["layout"], self.kv.layout, self.kv.bases)
 
 
 class ChannelLanding(_NpuTilesLanding):
@@ -120,8 +127,21 @@ class ChannelLanding(_NpuTilesLanding):
         return {c: self.buffers.address(r, c) for c, r in held.reservations.items()}
 
     def pair(self, plan, held, ready) -> list[Desc]:
-        reqs = plan.direct_requests() if held.mode == "direct" else plan.staging_requests(self._addresses(held))
-        return [Desc(channel_region(r.dst_region), r.dst_offset, ready.region, ready.offset + r.src_offset, r.length) for r in reqs]
+        """The descriptor list is a function of the placement, the landing's addresses and where the
+        sender staged: kept with the placement, so a repeated destination reuses it as it is."""
+        addresses = self._addresses(held)
+        key = (held.mode, ready.region, ready.offset, tuple(sorted(addresses.items())))
+        memo = plan._shared_memo()
+        hit = memo.get("descs")
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        if held.mode == "direct":
+            runs = plan.direct_runs()  # iterates as (src region, src offset, dst region, dst offset, length)
+        else:
+            runs = [(r.src_region, r.src_offset, r.dst_region, r.dst_offset, r.length) for r in plan.staging_requests(addresses)]
+        descs = [Desc(channel_region(r[2]), r[3], ready.region, ready.offset + r[1], r[4]) for r in runs]
+        memo["descs"] = (key, descs)
+        return descs
 
     def finish(self, plan, held) -> None:
         if held.mode == "staging":
@@ -243,7 +263,7 @@ class HostToNpuLanding(_HostLanding):
     def plan(self, ready, dst_block_ids, peer) -> _HostPlan:
         blocks = self._blocks(ready, peer["layout"])
         compact = blocks.compact_layout
-        fixup = plan_kv_transfer(ready.num_tokens, range(blocks.num_blocks), dst_block_ids, compact, self.kv.layout, self.kv.bases)
+        fixup = PLANS.kv_plan(ready.num_tokens, range(blocks.num_blocks), dst_block_ids, compact, self.kv.layout, self.kv.bases)
         return _HostPlan(blocks, fixup)
 
     def finish(self, plan, held) -> None:
@@ -329,6 +349,7 @@ class GpuDirectLanding(Landing):
     def __init__(self, caches: Sequence[torch.Tensor], layout: GpuKVLayout):
         layout.check_cache(list(caches))
         self.caches, self.layout = list(caches), layout
+        self._descs: LRU[list[Desc]] = LRU(128)
 
     def regions(self) -> dict[str, torch.Tensor]:
         return {cache_region(i): c for i, c in enumerate(self.caches)}
@@ -336,14 +357,23 @@ class GpuDirectLanding(Landing):
     def hello(self) -> tuple[Any, dict]:
         return self.layout, {}
 
-    def plan(self, ready, dst_block_ids, peer):
-        blocks = plan_block_copy(ready.num_tokens, ready.src_block_ids, peer["layout"])
+    def plan(self, ready, dst_block_ids, peer) -> list[Desc]:
+        """The descriptor list itself, kept per (layouts, tokens, both sides' block ids): a repeated
+        request shape with the same blocks (what an idle allocator hands back) costs a lookup."""
+        src = peer["layout"]
+        key = (src, ready.num_tokens, np.asarray(ready.src_block_ids, dtype=np.int64).tobytes(), np.asarray(dst_block_ids, dtype=np.int64).tobytes())
+        return self._descs.get_or_build(key, lambda: self._build(ready, dst_block_ids, src))
+
+    def _build(self, ready, dst_block_ids, src) -> list[Desc]:
+        blocks = plan_block_copy(ready.num_tokens, ready.src_block_ids, src)
         if blocks.src.heads != self.layout.heads:  # tensor-parallel ranks of different degrees
-            return head_slice_requests(blocks, self.layout, dst_block_ids)
-        return blocks.direct_requests(self.layout, dst_block_ids)
+            reqs = head_slice_requests(blocks, self.layout, dst_block_ids)
+        else:
+            reqs = blocks.direct_requests(self.layout, dst_block_ids)
+        return [Desc(cache_region(r.dst_region), r.dst_offset, cache_region(r.src_region), r.src_offset, r.length) for r in reqs]
 
     def pair(self, plan, held, ready) -> list[Desc]:
-        return [Desc(cache_region(r.dst_region), r.dst_offset, cache_region(r.src_region), r.src_offset, r.length) for r in plan]
+        return plan
 
     def finish(self, plan, held) -> None:
         dev = self.caches[0].device
@@ -371,7 +401,7 @@ class GpuFromTiles(Landing):
 
     def plan(self, ready, dst_block_ids, peer) -> KVTransferPlan:
         npu = peer["layout"]
-        plan = plan_kv_transfer(ready.num_tokens, dst_block_ids, ready.src_block_ids, self.layout, npu, peer["bases"])
+        plan = PLANS.kv_plan(ready.num_tokens, dst_block_ids, ready.src_block_ids, self.layout, npu, peer["bases"])
         _check_extents(ready, plan)
         if len(ready.sources) != len(plan.channel_extents):
             raise ProtocolError(f"request {ready.request_id}: {len(ready.sources)} sources for {len(plan.channel_extents)} channel extents")

@@ -88,6 +88,10 @@ class KVReady(Message):
     total_bytes: int
     extents: list  # [[channel, offset, length], ...] for NPU tiles, [] otherwise
     sources: list = field(default_factory=list)  # [[region, offset, length], ...] when spread over regions
+    # The sender's host seconds per step (plan_s, reserve_s, transform_s, transform_wait_s, handler_s):
+    # the decode side subtracts handler_s from its round trip to get the control cost. Optional with a
+    # default, so a peer that predates it interoperates (decode ignores keys it does not know): no bump.
+    timings: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -130,7 +130,8 @@ class KVTransferPlan:
         The same for every tensor, since all tensors share one page map: this is what keeps the
         request lists cheap to build (runs x tensors entries, not pages x tensors).
         """
-        cached = getattr(self, "_run_cache", None)
+        memo = self._shared_memo()
+        cached = memo.get("runs")
         if cached is not None:
             return cached
         order = np.lexsort((self.rank, self.bank))  # bank-major, then rank (= slot order)
@@ -143,11 +144,22 @@ class KVTransferPlan:
         first = np.flatnonzero(start)
         pages = np.diff(np.append(first, len(order)))
         out = (bank[first], rank[first], slot[first], pages)
-        self._run_cache = out
+        memo["runs"] = out
         return out
+
+    def _shared_memo(self) -> dict:
+        """What this plan derives from its NPU-side arrays, shared by every plan on the same placement."""
+        memo = getattr(self, "_memo", None)
+        if memo is None:
+            memo = self._memo = {}
+        return memo
 
     def _pieces(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Every (run, tensor) in send-buffer order: ``(send offset, channel, cache address, length)``."""
+        memo = self._shared_memo()
+        cached = memo.get("pieces")
+        if cached is not None:
+            return cached
         bank, rank, slot, pages = self._runs()
         pb, nt = self.page_bytes, self.num_tensors
         t = np.arange(nt, dtype=np.int64)
@@ -160,7 +172,9 @@ class KVTransferPlan:
         addr = boff[:, None] + np.asarray(self.dst_bases, dtype=np.int64)[None, :] + (slot * ap)[:, None]
         length = np.broadcast_to((pages * pb)[:, None], send.shape)
         order = np.argsort(send.ravel(), kind="stable")
-        return send.ravel()[order], np.repeat(chan, nt)[order], addr.ravel()[order], length.ravel()[order]
+        out = send.ravel()[order], np.repeat(chan, nt)[order], addr.ravel()[order], length.ravel()[order]
+        memo["pieces"] = out
+        return out
 
     # -- the three modes --------------------------------------------------------------------
 
@@ -169,8 +183,11 @@ class KVTransferPlan:
         return [Request(*r) for r in self.direct_runs()]
 
     def direct_runs(self) -> Runs:
-        off, chan, addr, length = self._pieces()
-        return merge_runs(SEND_BUFFER, off, chan, addr, length)
+        memo = self._shared_memo()
+        if "direct" not in memo:
+            off, chan, addr, length = self._pieces()
+            memo["direct"] = merge_runs(SEND_BUFFER, off, chan, addr, length)
+        return memo["direct"]
 
     def staging_requests(self, channel_dst: Mapping[int, int]) -> list[Request]:
         """One request per channel that receives data, into its per-channel buffer at ``channel_dst[c]``."""
@@ -219,42 +236,51 @@ class KVTransferPlan:
             raise ValueError(f"no per-channel buffer offset given for channel(s) {missing}")
 
 
-def plan_kv_transfer(
-    num_tokens: int,
-    gpu_block_ids: Sequence[int],
-    npu_block_ids: Sequence[int],
-    src: GpuKVLayout,
-    dst: NpuKVLayout,
-    dst_bases: Sequence[int],
-) -> KVTransferPlan:
-    """Plan one request's KV move from a paged GPU cache into the NPU's tiled, interleaved cache.
+@dataclass(frozen=True, eq=False)
+class TileGrid:
+    """The request's tiles in (block, head, row_tile, col_tile) order, as block-id-free arrays.
 
-    ``dst_bases[t]`` is the DRAM base address of NPU tensor ``t = 2*layer + kv``. GPU and NPU block
-    sizes may differ; rows past ``num_tokens`` in the last NPU block are zero-padded by the transform.
+    Depends only on the NPU layout, the shared heads and the number of NPU blocks: every request of
+    that shape has the same grid, whatever its block ids (``page = npu_block_ids[j] * block_pages + local``).
     """
-    if not isinstance(num_tokens, (int, np.integer)) or num_tokens <= 0:
-        raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
-    num_tokens = int(num_tokens)
-    if src.num_layers != dst.num_layers:
-        raise ValueError(f"layer count differs: GPU {src.num_layers}, NPU {dst.num_layers}")
-    if src.head_dim != dst.head_dim:
-        raise ValueError(f"head_dim differs: GPU {src.head_dim}, NPU {dst.head_dim}")
-    if len(dst_bases) != dst.num_tensors:
-        raise ValueError(f"dst_bases has {len(dst_bases)} entries, expected {dst.num_tensors} (2 per layer)")
-    heads = shared_heads(src, dst)
-    gids = _check_block_ids(
-        "gpu_block_ids", np.asarray(gpu_block_ids, dtype=np.int64), _blocks_needed(num_tokens, src.block_size), src.num_blocks
-    )
-    nb = _blocks_needed(num_tokens, dst.block_size)
-    nids = _check_block_ids("npu_block_ids", np.asarray(npu_block_ids, dtype=np.int64), nb, dst.max_num_blocks)
-    if len(np.unique(nids)) != len(nids):
-        raise ValueError(f"npu_block_ids repeats a block: {nids.tolist()}")
 
-    # The request's tiles in (block, head, row_tile, col_tile) order.
+    j: np.ndarray  # request-local NPU block of each tile
+    h: np.ndarray  # shared-head index
+    rt: np.ndarray
+    ct: np.ndarray
+    local: np.ndarray  # page index within the tile's block
+
+
+@dataclass(eq=False)
+class Placement:
+    """Where one request's pages sit in NPU memory and in the send buffer: everything of a plan that
+    depends on the NPU side only (layout, heads, NPU block ids, tensor bases), never on GPU block ids.
+
+    ``memo`` holds what plans derive from it (runs, pieces); plans built on one placement share it.
+    """
+
+    page: np.ndarray
+    bank: np.ndarray
+    channel: np.ndarray
+    addr: np.ndarray
+    rank: np.ndarray
+    bank_pages: np.ndarray
+    bank_offset: np.ndarray
+    channel_extents: list[tuple[int, int, int]]
+    memo: dict = field(default_factory=dict)
+
+
+def tile_grid(dst: NpuKVLayout, heads: range, num_blocks: int) -> TileGrid:
     hx, rt_n, ct_n = len(heads), dst.row_tiles, dst.col_tiles
-    j, h, rt, ct = (a.ravel() for a in np.meshgrid(np.arange(nb), np.arange(hx), np.arange(rt_n), np.arange(ct_n), indexing="ij"))
+    j, h, rt, ct = (a.ravel() for a in np.meshgrid(np.arange(num_blocks), np.arange(hx), np.arange(rt_n), np.arange(ct_n), indexing="ij"))
     npu_head = h + (heads.start - dst.head_start)
-    page = dst.page_index(nids[j], npu_head, rt, ct).astype(np.int64)
+    local = dst.page_index(0, npu_head, rt, ct).astype(np.int64)
+    return TileGrid(j, h, rt, ct, local)
+
+
+def place_pages(grid: TileGrid, nids: np.ndarray, dst: NpuKVLayout) -> Placement:
+    """Apply NPU block ids to a tile grid (vectorised): pages, banks, ranks and the send-buffer geometry."""
+    page = nids[grid.j] * dst.tile_strides[0] + grid.local
     bank, channel, addr = dst.tensor_buffer(0).locate(page)
 
     # Rank of each page among the request's pages of its bank, in address (slot) order.
@@ -277,24 +303,83 @@ def plan_kv_transfer(
             pos += int(bank_pages[b]) * ntens * pb
         if pos > start:
             extents.append((c, start, pos - start))
+    return Placement(page, bank, channel, addr, rank, bank_pages, bank_offset, extents)
 
-    return KVTransferPlan(
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A request's arguments after validation: what both the cached and the uncached planner build from."""
+
+    num_tokens: int
+    gids: np.ndarray
+    nids: np.ndarray
+    heads: range
+    bases: tuple[int, ...]
+
+
+def check_request(
+    num_tokens: int, gpu_block_ids: Sequence[int], npu_block_ids: Sequence[int], src: GpuKVLayout, dst: NpuKVLayout, dst_bases: Sequence[int]
+) -> CheckedRequest:
+    if not isinstance(num_tokens, (int, np.integer)) or num_tokens <= 0:
+        raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
+    num_tokens = int(num_tokens)
+    if src.num_layers != dst.num_layers:
+        raise ValueError(f"layer count differs: GPU {src.num_layers}, NPU {dst.num_layers}")
+    if src.head_dim != dst.head_dim:
+        raise ValueError(f"head_dim differs: GPU {src.head_dim}, NPU {dst.head_dim}")
+    if len(dst_bases) != dst.num_tensors:
+        raise ValueError(f"dst_bases has {len(dst_bases)} entries, expected {dst.num_tensors} (2 per layer)")
+    heads = shared_heads(src, dst)
+    gids = _check_block_ids(
+        "gpu_block_ids", np.asarray(gpu_block_ids, dtype=np.int64), _blocks_needed(num_tokens, src.block_size), src.num_blocks
+    )
+    nb = _blocks_needed(num_tokens, dst.block_size)
+    nids = _check_block_ids("npu_block_ids", np.asarray(npu_block_ids, dtype=np.int64), nb, dst.max_num_blocks)
+    if len(np.unique(nids)) != len(nids):
+        raise ValueError(f"npu_block_ids repeats a block: {nids.tolist()}")
+    return CheckedRequest(num_tokens, gids, nids, heads, tuple(int(b) for b in dst_bases))
+
+
+def assemble_plan(req: CheckedRequest, src: GpuKVLayout, dst: NpuKVLayout, grid: TileGrid, placed: Placement) -> KVTransferPlan:
+    """A plan object from its parts; arrays are shared with the parts (plans are read, never written)."""
+    plan = KVTransferPlan(
         src=src,
         dst=dst,
-        num_tokens=num_tokens,
-        gpu_block_ids=gids,
-        npu_block_ids=nids,
-        dst_bases=tuple(int(b) for b in dst_bases),
-        heads=heads,
-        page=page,
-        bank=bank,
-        channel=channel,
-        addr=addr,
-        rank=rank,
-        token_start=j * dst.block_size + rt * TILE,
-        gpu_head=h + (heads.start - src.head_start),
-        col_tile=ct,
-        bank_pages=bank_pages,
-        bank_offset=bank_offset,
-        channel_extents=extents,
+        num_tokens=req.num_tokens,
+        gpu_block_ids=req.gids,
+        npu_block_ids=req.nids,
+        dst_bases=req.bases,
+        heads=req.heads,
+        page=placed.page,
+        bank=placed.bank,
+        channel=placed.channel,
+        addr=placed.addr,
+        rank=placed.rank,
+        token_start=grid.j * dst.block_size + grid.rt * TILE,
+        gpu_head=grid.h + (req.heads.start - src.head_start),
+        col_tile=grid.ct,
+        bank_pages=placed.bank_pages,
+        bank_offset=placed.bank_offset,
+        channel_extents=placed.channel_extents,
     )
+    plan._memo = placed.memo
+    return plan
+
+
+def plan_kv_transfer(
+    num_tokens: int,
+    gpu_block_ids: Sequence[int],
+    npu_block_ids: Sequence[int],
+    src: GpuKVLayout,
+    dst: NpuKVLayout,
+    dst_bases: Sequence[int],
+) -> KVTransferPlan:
+    """Plan one request's KV move from a paged GPU cache into the NPU's tiled, interleaved cache.
+
+    ``dst_bases[t]`` is the DRAM base address of NPU tensor ``t = 2*layer + kv``. GPU and NPU block
+    sizes may differ; rows past ``num_tokens`` in the last NPU block are zero-padded by the transform.
+    Built from scratch every call; :class:`hawk.plan.plan_cache.PlanCache` reuses the parts.
+    """
+    req = check_request(num_tokens, gpu_block_ids, npu_block_ids, src, dst, dst_bases)
+    grid = tile_grid(dst, req.heads, len(req.nids))
+    return assemble_plan(req, src, dst, grid, place_pages(grid, req.nids, dst))

@@ -1,0 +1,188 @@
+"""``hawk bench ttft``: time to first token, disaggregated against colocated, per prompt length.
+
+Why its own benchmark: the equivalence run measures TTFT on four short chat prompts, where the KV is
+small and the ratio says little about prompts of real length. Here every prompt length runs through
+the colocated oracle and through each configuration in the same process, same model, same devices,
+interleaved repeat by repeat (so drift on a shared machine hits both sides alike), and every record
+carries the decode side's host-side breakdown of its transfer (hawk/connector/algorithm1.BREAKDOWN).
+
+    python -m hawk.bench.ttft --prompts 256,1024 --configs gn-hawk,gg-direct --json ttft.json
+
+TTFT runs from submitting the prompt to the prefill engine until the decode engine emits the first
+token (prefill, KV transfer and the decode's admission included), as in the equivalence benchmark.
+On the CPU box the NPU is emulated in host memory and the "GPU" is the CPU: label results so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from hawk.config import DEFAULT_MODEL, TRANSFERS, ServeConfig
+
+DEFAULT_PROMPTS = (256, 1024)
+DEFAULT_CONFIGS = ("gn-hawk", "gg-direct")
+
+
+def prompt_ids(n: int, vocab: int, seed: int) -> list[int]:
+    """``n`` seeded token ids (TTFT depends on the length, not the words; ids 0-99 hold specials)."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(min(100, vocab - 1), vocab, size=n).tolist()
+
+
+def _median_breakdown(results: Sequence[Any]) -> dict[str, float]:
+    rows = [r.host_breakdown_ms() for r in results if r is not None]
+    if not rows:
+        return {}
+    from hawk.connector.algorithm1 import BREAKDOWN
+
+    return {k[:-2]: statistics.median(b.get(k, 0.0) for b in rows) for k in BREAKDOWN}
+
+
+def _pull_result(decode: Any, rid: str) -> Any:
+    """The decode's record of request ``rid``'s pull (its rank-0 receiver keeps the last few hundred)."""
+    receiver = getattr(getattr(decode, "rank", None), "receiver", None)
+    return receiver.result(rid) if receiver is not None and hasattr(receiver, "result") else None
+
+
+def run(base: ServeConfig, prompts: Sequence[int], configs: Sequence[str], repeats: int = 3, warmup: int = 1) -> list[dict[str, Any]]:
+    """One record per (configuration, prompt length): median TTFT against colocated, in one run."""
+    from hawk.bench.equivalence import run_colocated, run_disaggregated
+    from hawk.engine.instances import ColocatedInstance, DecodeInstance, PrefillInstance, compute_dtype
+    from hawk.engine.loader import load_model
+    from hawk.engine.sequence import SamplingParams
+    from hawk.layouts.device import parse_device
+
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    loaded = load_model(base.model, base.prefill_device, compute_dtype(base), base.seed)
+    vocab = int(loaded.config.vocab_size)
+    colocated = ColocatedInstance(replace(base, transfer="colocated"), loaded=loaded)
+    pairs: dict[str, tuple[Any, Any]] = {}
+    try:
+        for name in configs:
+            cfg = replace(base, transfer=name)
+            decode = parse_device(cfg.decode_device)
+            if TRANSFERS[name] == "gpu" and decode.is_npu:
+                cfg = replace(cfg, decode_device=decode.torch_device)
+            p = PrefillInstance(cfg, loaded=loaded)
+            pairs[name] = (p, DecodeInstance(cfg))
+        records = []
+        for n in prompts:
+            ids = prompt_ids(n, vocab, seed=n)
+            ttft: dict[str, list[float]] = {"colocated": [], **{c: [] for c in configs}}
+            first: dict[str, list[int]] = {k: [] for k in ttft}
+            pulls: dict[str, list[Any]] = {c: [] for c in configs}
+            moved: dict[str, list[float]] = {c: [] for c in configs}
+            for i in range(warmup + repeats):
+                runs = [("colocated", lambda rid: run_colocated(colocated, ids, params, rid))]
+                runs += [(c, lambda rid, c=c: run_disaggregated(*pairs[c], ids, params, rid)) for c in configs]
+                for key, go in runs:
+                    rid = f"ttft-{key}-{n}-{i}-{time.monotonic_ns()}"
+                    toks, info = go(rid)
+                    if i < warmup:
+                        continue
+                    ttft[key].append(info["ttft_s"] * 1e3)
+                    first[key].append(toks[0] if toks else -1)
+                    if key in pulls:
+                        pulls[key].append(_pull_result(pairs[key][1], rid))
+                        moved[key].append(info.get("kv_transfer_s", 0.0) * 1e3)
+            colo = statistics.median(ttft["colocated"])
+            for c in configs:
+                t = statistics.median(ttft[c])
+                breakdown = _median_breakdown(pulls[c])
+                cfg = pairs[c][1].cfg
+                records.append(
+                    {
+                        "config": c,
+                        "prompt_tokens": n,
+                        "identical": first[c] == first["colocated"],
+                        "ttft_ms": t,
+                        "colocated_ttft_ms": colo,
+                        "ratio": t / colo,
+                        "ttft_ms_all": ttft[c],
+                        "colocated_ttft_ms_all": ttft["colocated"],
+                        "kv_transfer_ms": statistics.median(moved[c]),
+                        "host_breakdown_ms": breakdown,
+                        "kv_bytes": getattr(pulls[c][-1], "bytes", 0) if pulls[c] else 0,
+                        "kv_mode": getattr(pulls[c][-1], "mode", "") if pulls[c] else "",
+                        "repeats": repeats,
+                        "model": base.model,
+                        "dtype": base.dtype,
+                        "prefill_device": cfg.prefill_device,
+                        "decode_device": cfg.decode_device + (" (emulated NPU)" if parse_device(cfg.decode_device).is_npu else ""),
+                        "transport": cfg.transport,
+                    }
+                )
+        return records
+    finally:
+        for p, d in pairs.values():
+            d.close()
+            p.close()
+        colocated.close()
+
+
+def print_table(records: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="TTFT, disaggregated vs colocated (median ms)")
+    for col in ("config", "prompt", "first token =", "TTFT", "colocated", "ratio", "KV transfer", "control", "tx plan", "tx transform", "rx plan", "descs", "submit", "wait", "finish", "mode"):
+        t.add_column(col, justify="left" if col in ("config", "mode") else "right")
+    for r in records:
+        b = r["host_breakdown_ms"]
+        f = lambda k: f"{b.get(k, 0.0):.2f}"  # noqa: E731
+        t.add_row(
+            r["config"], str(r["prompt_tokens"]), "yes" if r["identical"] else "NO", f"{r['ttft_ms']:.1f}", f"{r['colocated_ttft_ms']:.1f}",
+            f"{r['ratio']:.3f}", f"{r['kv_transfer_ms']:.2f}", f("control"), f("sender_plan"), f("sender_transform"), f("plan"),
+            f("descs"), f("submit"), f("transfer_wait"), f("finish"), r["kv_mode"],
+        )
+    Console(width=200).print(t)
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hawk bench ttft", description="TTFT of disaggregated configurations against colocated, per prompt length, in one run.")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model (default: the embedded SmolLM2; 'tiny' for a quick check)")
+    p.add_argument("--prompts", default=",".join(map(str, DEFAULT_PROMPTS)), help="prompt lengths in tokens, comma-separated")
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="transfer configurations compared with colocated")
+    p.add_argument("--repeats", type=int, default=3, help="measured runs per (configuration, prompt)")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured runs first")
+    p.add_argument("--dtype", default="fp32", help="compute dtype")
+    p.add_argument("--prefill-device", default="cpu")
+    p.add_argument("--decode-device", default="npu-emu:cpu")
+    p.add_argument("--transport", default="nixl")
+    p.add_argument("--json", dest="json_path", default=None, help="write the records here")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    a = parser().parse_args(argv)
+    prompts, configs = _ints(a.prompts), [c.strip() for c in a.configs.split(",") if c.strip()]
+    if a.repeats < 1 or a.warmup < 0 or not prompts or min(prompts) < 1:
+        raise SystemExit("--repeats >= 1, --warmup >= 0 and positive prompt lengths, please")
+    longest = max(prompts)
+    kv_mb = max(16, -(-longest * 1 // 1024) * 8)  # staging / receive room; SmolLM2 needs ~23 KiB per token
+    base = ServeConfig(
+        model=a.model, dtype=a.dtype, prefill_device=a.prefill_device, decode_device=a.decode_device, transport=a.transport,
+        kv_tokens=longest + 256, staging_mb=kv_mb * 4, rx_mb=kv_mb * 4,
+    )
+    records = run(base, prompts, configs, a.repeats, a.warmup)
+    print_table(records)
+    if a.json_path:
+        with open(a.json_path, "w") as f:
+            json.dump(records, f, indent=1)
+    return records
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Cached plans are the uncached plans: same arrays, same requests and copies, same transformed bytes."""
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hawk.plan.kv_plan import plan_kv_transfer
+from hawk.plan.plan_cache import LRU, PlanCache
+from hawk.transform.reference import transform_reference
+from tests.test_plan import cases
+
+ARRAYS = ("gpu_block_ids", "npu_block_ids", "page", "bank", "channel", "addr", "rank", "token_start", "gpu_head", "col_tile", "bank_pages", "bank_offset")
+
+
+def _runs(r):
+    return [np.asarray(a).tolist() for a in (r.src_region, r.src_offset, r.dst_region, r.dst_offset, r.length)]
+
+
+def _same(a, b, caches):
+    for name in ARRAYS:
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    assert a.channel_extents == b.channel_extents and a.dst_bases == b.dst_bases and a.heads == b.heads
+    assert _runs(a.direct_runs()) == _runs(b.direct_runs())
+    addr = {c: 1 << 20 | c * 4096 for c, _, _ in a.channel_extents}
+    assert _runs(a.staging_copy_runs(addr)) == _runs(b.staging_copy_runs(addr))
+    assert a.staging_requests(addr) == b.staging_requests(addr)
+    assert torch.equal(transform_reference(caches, a), transform_reference(caches, b))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.data())
+def test_cached_plans_transfer_the_same_bytes(case, data):
+    tokens, gids, nids, src, dst, bases, seed = case
+    g = torch.Generator().manual_seed(seed)
+    caches = [torch.randn(src.layer_shape, generator=g).to(src.torch_dtype) for _ in range(src.num_layers)]
+    cache = PlanCache(grids=2, placements=2)  # small: evictions happen inside the test
+    # The same shape with other block ids, then the first ids again (a hit after other entries).
+    other_n = list(data.draw(st.permutations(range(dst.max_num_blocks))))[: len(nids)]
+    other_g = list(data.draw(st.permutations(range(src.num_blocks))))[: len(gids)]
+    for gi, ni in ((gids, nids), (other_g, other_n), (gids, other_n), (gids, nids)):
+        cached = cache.kv_plan(tokens, gi, ni, src, dst, bases)
+        _same(cached, plan_kv_transfer(tokens, gi, ni, src, dst, bases), caches)
+    assert cache.grids.hits >= 3 and cache.placements.hits >= 1
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_warming_before_d2_changes_nothing(case):
+    tokens, gids, nids, src, dst, bases, seed = case
+    cache = PlanCache()
+    cache.warm(tokens, nids, src, dst, bases)  # the decode side, before it knows the GPU block ids
+    assert cache.placements.misses == 1
+    plan = cache.kv_plan(tokens, gids, nids, src, dst, bases)
+    assert cache.placements.hits == 1
+    g = torch.Generator().manual_seed(seed)
+    caches = [torch.randn(src.layer_shape, generator=g).to(src.torch_dtype) for _ in range(src.num_layers)]
+    _same(plan, plan_kv_transfer(tokens, gids, nids, src, dst, bases), caches)
+
+
+def test_cached_plans_still_refuse_bad_requests():
+    from tests.test_plan import GpuKVLayout, NpuKVLayout, get_arch
+
+    src = GpuKVLayout(2, 8, 16, 2, 64, "bf16")
+    dst = NpuKVLayout(get_arch("blackhole-p150a", bank_capacity=8 << 20), 2, 4, 2, 64, 64, "bf16")
+    bases = [t * (1 << 20) for t in range(4)]
+    cache = PlanCache()
+    cache.kv_plan(100, range(7), [0, 1], src, dst, bases)
+    for bad in ([0, 0], [0, 9], [3]):
+        try:
+            cache.kv_plan(100, range(7), bad, src, dst, bases)
+        except ValueError:
+            continue
+        raise AssertionError(f"npu ids {bad} accepted")
+    cache.warm(100, [0, 0], src, dst, bases)  # a bad hint is ignored, never cached
+    assert len(cache.placements) == 1
+
+
+def test_lru_evicts_the_least_recently_used():
+    lru: LRU[int] = LRU(2)
+    assert lru.get_or_build("a", lambda: 1) == 1
+    lru.get_or_build("b", lambda: 2)
+    lru.get_or_build("a", lambda: 0)  # hit: "a" is now the newest
+    lru.get_or_build("c", lambda: 3)  # evicts "b"
+    assert lru.get_or_build("b", lambda: 20) == 20 and lru.get_or_build("a", lambda: 0) in (0, 1)
+    assert len(lru) == 2

@@ -1,0 +1,40 @@
+"""``hawk bench ttft``: the command is wired, a tiny run produces complete records whose host-side
+breakdown adds up to the transfer it describes."""
+
+import subprocess
+import sys
+
+import pytest
+
+from hawk.bench.ttft import main
+
+#: The decode side's laps and the sender's steps that run inside its D1-D2 round trip: together, D1 -> D7.
+STEPS = ("send", "plan_overlap", "control", "sender_plan", "sender_reserve", "sender_transform", "sender_transform_wait",
+         "sender_other", "plan", "reserve", "descs", "submit", "transfer_wait", "finish")
+
+
+def test_help_passes_through():
+    out = subprocess.run([sys.executable, "-m", "hawk", "bench", "ttft", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "--prompts" in out.stdout and "--configs" in out.stdout
+
+
+@pytest.mark.timeout(300)
+def test_tiny_run_records_and_breakdown(tmp_path):
+    path = tmp_path / "ttft.json"
+    records = main(["--model", "tiny", "--prompts", "40,130", "--repeats", "1", "--warmup", "1", "--configs", "gn-hawk,gg-direct", "--json", str(path)])
+    assert path.exists()
+    assert {(r["config"], r["prompt_tokens"]) for r in records} == {(c, n) for c in ("gn-hawk", "gg-direct") for n in (40, 130)}
+    for r in records:
+        for key in ("config", "identical", "ttft_ms", "colocated_ttft_ms", "ratio", "prompt_tokens", "host_breakdown_ms"):
+            assert key in r
+        assert r["identical"], r
+        assert r["ratio"] == pytest.approx(r["ttft_ms"] / r["colocated_ttft_ms"])
+        b = r["host_breakdown_ms"]
+        assert set(STEPS) | {"release", "notify", "total"} <= set(b)
+        assert all(v >= 0 for v in b.values())
+        # One repeat: the steps partition the pull exactly (up to rounding), and the pull fits in TTFT.
+        assert sum(b[k] for k in STEPS) == pytest.approx(b["total"], rel=1e-6, abs=1e-3)
+        assert b["total"] < r["ttft_ms"]
+    hawk = [r for r in records if r["config"] == "gn-hawk"]
+    assert all(r["host_breakdown_ms"]["sender_transform"] > 0 for r in hawk)
