@@ -122,7 +122,8 @@ class RemoteKV:
         return self.blocks.blocks_for(seq.prompt_len + 1)
 
     def admit(self, seq: Sequence, block_ids: list[int], handle: KVHandle) -> dict[str, Any]:
-        r = self.receiver.pull(handle.address, handle.request_id, block_ids)
+        # the prompt's length lets the receiver plan while its request (D1) is in flight
+        r = self.receiver.pull(handle.address, handle.request_id, block_ids, num_tokens=seq.prompt_len)
         return {"kv_transfer_s": r.timings["total_s"], "kv_bytes": r.bytes, "kv_requests": r.requests, "kv_mode": r.mode}
 
     def keep_alive(self, handles: list[KVHandle]) -> None:

@@ -296,7 +296,7 @@ class DecodeRank:
             side = GpuSide(self.caches, layout_g, rx)
         self.receiver = make_receiver(cfg.transfer, self.transport, side, post=cfg.post, link_gbps=cfg.link_gbps)
 
-    def pull_pairs(self, address: str, request_id: str, block_ids: list[int]) -> list[PullResult]:
+    def pull_pairs(self, address: str, request_id: str, block_ids: list[int], num_tokens: int | None = None) -> list[PullResult]:
         """This rank's part of a request: one Algorithm-1 transfer from each prefill rank (one
         address each, comma-separated) that holds some of this rank's heads."""
         out = []
@@ -304,7 +304,7 @@ class DecodeRank:
         for addr in address.split(","):
             theirs = self.receiver.peer_layout(addr).heads
             if max(theirs.start, self.heads.start) < min(theirs.stop, self.heads.stop):
-                out.append(self.receiver.pull(addr, kv_id, block_ids))
+                out.append(self.receiver.pull(addr, kv_id, block_ids, num_tokens=num_tokens))
         if not out:
             raise KVTransferFailed(f"request {request_id}: no prefill rank at {address} holds KV heads {self.heads.start}..{self.heads.stop - 1}")
         return out
@@ -337,12 +337,12 @@ class TPReceiver:
     def __init__(self, rank: DecodeRank, followers: Followers | None):
         self.rank, self.followers = rank, followers
 
-    def pull(self, address: str, request_id: str, block_ids: list[int]) -> PullResult:
+    def pull(self, address: str, request_id: str, block_ids: list[int], num_tokens: int | None = None) -> PullResult:
         t0 = time.perf_counter()
         others = [self.followers.call_async(r, "pull", address, request_id, list(block_ids)) for r in self.followers.ranks] if self.followers else []
         errors: list[str] = []
         try:
-            results = self.rank.pull_pairs(address, request_id, list(block_ids))
+            results = self.rank.pull_pairs(address, request_id, list(block_ids), num_tokens)
         except KVTransferFailed as e:
             results, errors = [], [str(e)]
         for fut in others:
