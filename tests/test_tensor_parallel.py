@@ -84,8 +84,10 @@ def test_heterogeneous_tp_matches_the_tp1_colocated_oracle_on_tiny(prefill_tp, d
 
 
 @pytest.mark.slow
-def test_tp3_prefill_to_tp1_decode_matches_the_oracle_on_smollm2():
-    base = InstanceConfig(transport="nixl", kv_tokens=1024, staging_mb=16, rx_mb=16, prefill_tp=3)
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(3, 1), (1, 3)])
+def test_heterogeneous_tp_matches_the_oracle_on_smollm2(prefill_tp: int, decode_tp: int):
+    """SmolLM2 has 3 KV heads: its degrees are 1 and 3 (3 -> 3 passes from the command line too)."""
+    base = InstanceConfig(transport="nixl", kv_tokens=1024, staging_mb=16, rx_mb=16, prefill_tp=prefill_tp, decode_tp=decode_tp)
     records = run(base, CONFIGS, prompts=PROMPTS[:1], max_tokens=8)
     for r in records:
         assert r["identical"], (r["config"], r["text"])
