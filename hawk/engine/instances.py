@@ -127,7 +127,27 @@ class _CountedRelease:
             self.free()
 
 
-class PrefillInstance:
+class _FollowedRanks:
+    """The health of an instance's follower ranks (tensor parallelism; none at TP1)."""
+
+    followers: Followers | None
+
+    @property
+    def healthy(self) -> bool:
+        return self.followers is None or self.followers.healthy
+
+    @property
+    def dead_ranks(self) -> list[int]:
+        """Follower ranks whose process is gone (none at TP1)."""
+        return self.followers.dead if self.followers is not None else []
+
+    @property
+    def rank_pids(self) -> dict[int, int]:
+        """The follower ranks' process ids (none at TP1; rank 0 is this process)."""
+        return self.followers.pids if self.followers is not None else {}
+
+
+class PrefillInstance(_FollowedRanks):
     """The GPU role: batched prefill into a vLLM-layout paged cache, KV offered through HAWK's sender.
 
     With ``prefill_tp`` N > 1, rank 0 lives here and ranks 1..N-1 are processes (tp_ranks.py):
@@ -163,20 +183,6 @@ class PrefillInstance:
     def kv_address(self) -> str:
         extra = self.followers.addresses if self.followers is not None else []
         return ",".join([self.sender.address, *extra])
-
-    @property
-    def healthy(self) -> bool:
-        return self.followers is None or self.followers.healthy
-
-    @property
-    def dead_ranks(self) -> list[int]:
-        """Follower ranks whose process is gone (none at TP1)."""
-        return self.followers.dead if self.followers is not None else []
-
-    @property
-    def rank_pids(self) -> dict[int, int]:
-        """The follower ranks' process ids (none at TP1; rank 0 is this process)."""
-        return self.followers.pids if self.followers is not None else {}
 
     def discard(self, request_id: str) -> bool:
         """Drop a prefilled request nobody will pull, on every rank (with ``decode_tp`` > 1 its
@@ -364,7 +370,7 @@ class TPReceiver:
             self.rank.receiver.keep_alive(addr, ids)
 
 
-class DecodeInstance:
+class DecodeInstance(_FollowedRanks):
     """The NPU role (emulated NPU, tiled KV cache) or, for gg-*, a GPU with a paged cache.
 
     With ``decode_tp`` M > 1, rank 0 lives here and schedules; ranks 1..M-1 are processes that
@@ -401,20 +407,6 @@ class DecodeInstance:
             step_time=_npu_step_time(cfg, self.loaded, self.npu is not None),
         )
         self.engine.warmup()  # capture the decode graphs before traffic (none on a CPU)
-
-    @property
-    def healthy(self) -> bool:
-        return self.followers is None or self.followers.healthy
-
-    @property
-    def dead_ranks(self) -> list[int]:
-        """Follower ranks whose process is gone (none at TP1)."""
-        return self.followers.dead if self.followers is not None else []
-
-    @property
-    def rank_pids(self) -> dict[int, int]:
-        """The follower ranks' process ids (none at TP1; rank 0 is this process)."""
-        return self.followers.pids if self.followers is not None else {}
 
     def drained(self) -> bool:
         """Nothing received or reserved on rank 0 or a live follower, no KV block in use."""
