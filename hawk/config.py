@@ -105,6 +105,7 @@ class ServeConfig:
     kv_ttl_s: float = opt(30.0, "seconds prefilled KV waits to be pulled before it is freed", positive=True)
     max_batch: int = opt(64, "decode: sequences per step (and the largest CUDA-graph bucket)", flags=("--max-num-seqs", "--max-batch"), min=1)
     max_model_len: int = opt(0, "decode: longest prompt + output accepted; 0 = the model's context length", min=0)
+    max_prefill_chunk: int = opt(2048, "prefill: most prompt tokens per engine iteration; a longer prompt is prefilled in chunks of this size, so decode steps sharing the device (colocated) interleave and activations stay bounded; 0 = whole prompts (vLLM: --max-num-batched-tokens)", min=0)
     graphs: bool | None = opt(None, "decode CUDA graphs (default: when the device and backend allow)", flags=("--graphs/--no-graphs",))
     prefill_tp: int = opt(1, "tensor-parallel ranks (processes) of each prefill instance; must divide the KV heads", min=1)
     decode_tp: int = opt(1, "tensor-parallel ranks (processes) of each decode instance; must divide the KV heads", min=1)

@@ -173,7 +173,7 @@ class PrefillInstance(_FollowedRanks):
         self.transport, self.sender = self.rank.transport, self.rank.sender
         self._lock = threading.Lock()
         self._owed: dict[int, dict[str, _CountedRelease]] = {r: {} for r in range(1, tp)}
-        self.engine = PrefillEngine(self.loaded.model, self.layout, self.caches, self._handoff)
+        self.engine = PrefillEngine(self.loaded.model, self.layout, self.caches, self._handoff, max_prefill_chunk=cfg.max_prefill_chunk)
         if self.followers is not None:
             self.loaded.model.set_group(self.followers.group.all_reduce)
             slices = record_slices(self.engine.runner.attn)
@@ -445,7 +445,9 @@ class ColocatedInstance:
         self.caches = self.layout.allocate(cfg.prefill_device)
         self.blocks = BlockManager(self.layout.num_blocks, self.layout.block_size)
         self._handed: dict[str, list[int]] = {}
-        self.prefill = PrefillEngine(self.loaded.model, self.layout, self.caches, self._handoff, block_manager=self.blocks)
+        self.prefill = PrefillEngine(
+            self.loaded.model, self.layout, self.caches, self._handoff, block_manager=self.blocks, max_prefill_chunk=cfg.max_prefill_chunk,
+        )
         attn = PagedAttention(self.layout, self.caches, max_batch=cfg.max_batch, max_model_len=_decode_len(cfg, mc))
         self.decode = DecodeEngine(
             self.loaded.model, attn, LocalKV(self.blocks), tuple(mc.eos_token_ids), cfg.max_batch,

@@ -3,6 +3,17 @@
 Requests queue; a worker thread takes as many as fit a token budget and the free blocks, runs
 one ragged forward, samples each first token and registers the KV with the HAWK sender (which
 frees the blocks once the KV has been staged, or after a deadline if nobody pulls it).
+
+Chunked prefill (``max_prefill_chunk`` > 0): no iteration carries more than that many prompt
+tokens. A longer prompt is prefilled over several iterations, chunk by chunk, each chunk a
+continuing slice (``start`` = tokens already cached) that attends the KV its earlier chunks left
+in the paged cache. The thread goes back to its loop between chunks, so a decode engine sharing
+the model and the device (colocated) gets its steps in between instead of stalling behind one
+long forward, and a forward's activations stay bounded by the chunk, not the prompt. Blocks for
+the whole prompt are taken when its first chunk is scheduled; the first token is sampled after
+the last chunk. The request's future stays pending until its last chunk runs, so cancelling it
+(the client's ``future.cancel()`` or :meth:`PrefillEngine.cancel`) works mid-way and the engine
+frees its blocks before the next iteration.
 """
 
 from __future__ import annotations
@@ -12,7 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +37,10 @@ from hawk.engine.sequence import SamplingParams
 from hawk.layouts.gpu import GpuKVLayout
 
 log = logging.getLogger(__name__)
+
+#: Default ``max_prefill_chunk``: long enough that a chunk's GEMMs are compute-bound (chunking
+#: costs little), short enough that a decode step waits one chunk, not a whole long prompt.
+DEFAULT_PREFILL_CHUNK = 2048
 
 
 @dataclass
@@ -44,6 +59,32 @@ class _Job:
     params: SamplingParams
     future: Future
     arrival: float = field(default_factory=time.monotonic)
+    blocks: list[int] | None = None  # the whole prompt's blocks, from its first chunk on
+    done: int = 0  # prompt tokens whose KV is in the cache
+    started: float | None = None  # when its first chunk was scheduled
+    chunks: int = 0
+
+    @property
+    def remaining(self) -> int:
+        return len(self.prompt_ids) - self.done
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One job's share of an iteration: prompt tokens ``start .. start + q_len``."""
+
+    job: _Job
+    start: int
+    q_len: int
+
+    @property
+    def last(self) -> bool:
+        """This piece finishes the prompt: its logits give the first token."""
+        return self.start + self.q_len == len(self.job.prompt_ids)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.job.prompt_ids[self.start : self.start + self.q_len]
 
 
 #: ``handoff(request_id, num_tokens, block_ids, free_blocks)``: who takes the KV after prefill.
@@ -59,15 +100,23 @@ class PrefillEngine:
         handoff: Handoff,
         max_batch_tokens: int = 8192,
         block_manager: BlockManager | None = None,
+        max_prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     ):
+        """``max_batch_tokens``: prompt tokens per iteration (a longer prompt still runs, alone,
+        when chunking is off). ``max_prefill_chunk``: 0 = whole prompts only; N > 0 = at most N
+        prompt tokens per iteration, a longer prompt split over iterations."""
+        if max_prefill_chunk < 0:
+            raise ValueError(f"max_prefill_chunk must be >= 0, got {max_prefill_chunk}")
         self.layout, self.caches = layout, list(caches)
         self.blocks = block_manager or BlockManager(layout.num_blocks, layout.block_size)
         # Prefill batches are eager; a graph per batch of one-token prompts would be waste.
         self.runner = ModelRunner(model, PagedAttention(layout, caches), graphs=False)
         self.handoff = handoff
         self.max_batch_tokens = max_batch_tokens
+        self.max_prefill_chunk = max_prefill_chunk
         self.max_prompt_tokens = min(model.config.max_position_embeddings, layout.num_blocks * layout.block_size)
         self._queue: deque[_Job] = deque()
+        self._active: list[_Job] = []  # prompts holding blocks, not yet past their last chunk; oldest first
         self._cv = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="hawk-prefill", daemon=True)
@@ -86,40 +135,79 @@ class PrefillEngine:
         return fut
 
     def cancel(self, request_id: str) -> bool:
-        """Drop a request still waiting for prefill."""
+        """Drop a request still waiting for prefill, or one whose last chunk has not started
+        (part-way through a chunked prefill: its blocks are freed before the next iteration).
+        False once the last forward runs: then the result comes, and the caller discards it."""
         with self._cv:
             for j in self._queue:
                 if j.request_id == request_id:
                     self._queue.remove(j)
                     j.future.cancel()
                     return True
+            for j in self._active:
+                if j.request_id == request_id and j.future.cancel():
+                    self._cv.notify()
+                    return True
         return False
 
     def stats(self) -> dict[str, int]:
         with self._cv:
-            waiting = len(self._queue)
-        return {"waiting": waiting, "free_blocks": self.blocks.num_free, "total_blocks": self.blocks.num_blocks}
+            waiting, prefilling = len(self._queue), len(self._active)
+        return {"waiting": waiting, "prefilling": prefilling, "free_blocks": self.blocks.num_free, "total_blocks": self.blocks.num_blocks}
 
-    def _take_batch(self) -> list[_Job]:
-        batch, tokens, free = [], 0, self.blocks.num_free
-        while self._queue:
+    # -- scheduling (under self._cv) ------------------------------------------------------------
+
+    def _budget(self) -> int:
+        """Prompt tokens one iteration may carry: the chunk bounds it when chunking is on."""
+        if self.max_prefill_chunk:
+            return min(self.max_batch_tokens, self.max_prefill_chunk)
+        return self.max_batch_tokens
+
+    def _reap_cancelled(self) -> None:
+        """Part-prefilled prompts whose futures were cancelled give their blocks back."""
+        for j in [j for j in self._active if j.future.cancelled()]:
+            self._active.remove(j)
+            self._release(j)
+
+    def _take_batch(self) -> list[_Piece]:
+        """This iteration's pieces: part-prefilled prompts continue first (oldest first), then
+        queued prompts start while the budget and the free blocks last. Without chunking each
+        piece is a whole prompt and the first always goes (as large as it is)."""
+        self._reap_cancelled()
+        budget, chunking = self._budget(), self.max_prefill_chunk > 0
+        pieces: list[_Piece] = []
+        for j in self._active:
+            if budget <= 0:
+                break
+            n = min(j.remaining, budget)
+            pieces.append(_Piece(j, j.done, n))
+            budget -= n
+        while self._queue and budget > 0:
             j = self._queue[0]
-            need = self.blocks.blocks_for(len(j.prompt_ids))
-            if batch and (tokens + len(j.prompt_ids) > self.max_batch_tokens or need > free):
+            if j.future.cancelled():  # cancelled by its client since it was queued
+                self._queue.popleft()
+                continue
+            n = min(len(j.prompt_ids), budget) if chunking else len(j.prompt_ids)
+            if pieces and n > budget:
                 break
-            if need > free:  # wait for blocks to come back (the sender frees them after staging)
+            blocks = self.blocks.try_allocate(self.blocks.blocks_for(len(j.prompt_ids)), j.request_id)
+            if blocks is None:  # wait for blocks to come back (the sender frees them after staging)
                 break
-            batch.append(self._queue.popleft())
-            tokens += len(j.prompt_ids)
-            free -= need
-        return batch
+            self._queue.popleft()
+            j.blocks, j.started = blocks, time.monotonic()
+            self._active.append(j)  # from here :meth:`cancel` finds it, until its last chunk runs
+            pieces.append(_Piece(j, 0, n))
+            budget -= n
+        return pieces
+
+    # -- the worker -----------------------------------------------------------------------------
 
     def _loop(self) -> None:
         """The prefill thread: guarded per iteration, so no one request's failure can stop it."""
         while True:
             try:
                 with self._cv:
-                    while not self._stop and not self._queue:
+                    while not self._stop and not self._queue and not self._active:
                         self._cv.wait()
                     if self._stop:
                         return
@@ -128,34 +216,72 @@ class PrefillEngine:
                     time.sleep(0.002)
                     continue
                 self._run(batch)
+                if self._active:
+                    time.sleep(0)  # between chunks: let the other engine's thread take the model
             except Exception:  # noqa: BLE001
                 log.exception("prefill loop iteration failed; continuing")
                 time.sleep(0.01)
 
-    def _run(self, batch: list[_Job]) -> None:
-        # A future cancelled by its client since it was queued is skipped (and can't be cancelled now).
-        batch = [j for j in batch if j.future.set_running_or_notify_cancel()]
+    def _release(self, j: _Job) -> None:
+        """Give back a job's blocks (once)."""
+        if j.blocks is not None:
+            blocks, j.blocks = j.blocks, None
+            self.blocks.free(blocks)
+
+    def _forget(self, j: _Job) -> None:
+        with self._cv:
+            if j in self._active:
+                self._active.remove(j)
+
+    def _fail(self, j: _Job, e: BaseException) -> None:
+        """This job is over with an error: blocks back, the error to its client (unless it left)."""
+        self._forget(j)
+        self._release(j)
+        try:
+            j.future.set_exception(e)
+        except InvalidStateError:  # cancelled meanwhile: nobody is waiting
+            pass
+
+    def _runnable(self, batch: list[_Piece]) -> list[_Piece]:
+        """Drop the last pieces of prompts cancelled since they were scheduled; the futures of the
+        rest turn running (no longer cancellable) as their last chunk starts."""
+        out = []
+        for p in batch:
+            if p.last and not p.job.future.set_running_or_notify_cancel():
+                self._forget(p.job)
+                self._release(p.job)
+                continue
+            out.append(p)
+        return out
+
+    def _run(self, batch: list[_Piece]) -> None:
+        batch = self._runnable(batch)
         if not batch:
             return
-        t0 = time.monotonic()
-        allocated: list[list[int]] = []
         try:
-            for j in batch:
-                allocated.append(self.blocks.allocate(self.blocks.blocks_for(len(j.prompt_ids)), j.request_id))
-            slices = [SeqSlice(b, 0, len(j.prompt_ids)) for j, b in zip(batch, allocated)]
-            logits = self.runner.forward([j.prompt_ids for j in batch], slices)
+            slices = [SeqSlice(p.job.blocks, p.start, p.q_len) for p in batch]  # type: ignore[arg-type]
+            logits = self.runner.forward([p.tokens for p in batch], slices)
             if self.caches[0].is_cuda:
                 torch.cuda.synchronize(self.caches[0].device)
         except Exception as e:  # noqa: BLE001 - fail this batch, keep serving
             log.exception("prefill batch failed")
-            for b in allocated:
-                self.blocks.free(b)
-            for j in batch:
-                j.future.set_exception(e)
+            for p in batch:
+                self._fail(p.job, e)
             return
         t1 = time.monotonic()
-        firsts = self._sample(batch, logits)
-        for j, blocks, first in zip(batch, allocated, firsts):
+        for p in batch:
+            p.job.done, p.job.chunks = p.start + p.q_len, p.job.chunks + 1
+        rows = [i for i, p in enumerate(batch) if p.last]
+        if rows:
+            self._finish([batch[i].job for i in rows], logits[rows] if len(rows) < len(batch) else logits, t1)
+
+    def _finish(self, jobs: list[_Job], logits: torch.Tensor, t1: float) -> None:
+        """Prompts whose last chunk just ran: sample each first token, hand the KV off."""
+        firsts = self._sample(jobs, logits)
+        for j, first in zip(jobs, firsts):
+            self._forget(j)
+            blocks = j.blocks
+            assert blocks is not None
             freed = threading.Event()
 
             def free(blocks: list[int] = blocks, freed: threading.Event = freed) -> None:
@@ -172,9 +298,12 @@ class PrefillEngine:
             except Exception as e:  # noqa: BLE001 - this request only: its blocks come back
                 log.warning("prefill of %s failed: %s", j.request_id, e)
                 free()
+                j.blocks = None
                 j.future.set_exception(e)
                 continue
-            timings = {"queue_s": t0 - j.arrival, "prefill_s": t1 - t0}
+            j.blocks = None  # the handoff owns them now
+            started = j.started if j.started is not None else t1
+            timings = {"queue_s": started - j.arrival, "prefill_s": t1 - started, "prefill_chunks": float(j.chunks)}
             j.future.set_result(PrefillResult(j.request_id, first, len(j.prompt_ids), blocks, timings))
 
     @staticmethod
@@ -197,8 +326,13 @@ class PrefillEngine:
     def close(self) -> None:
         with self._cv:
             self._stop = True
-            for j in self._queue:
+            for j in [*self._queue, *self._active]:
                 j.future.cancel()
             self._queue.clear()
             self._cv.notify_all()
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():  # part-prefilled prompts: nobody will finish them
+            with self._cv:
+                active, self._active = self._active, []
+            for j in active:
+                self._release(j)
