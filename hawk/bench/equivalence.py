@@ -79,6 +79,16 @@ def run_disaggregated(p: PrefillInstance, d: DecodeInstance, ids: list[int], par
     return _collect(submit)
 
 
+def config_for(base: InstanceConfig, name: str) -> InstanceConfig:
+    """``base`` with transfer ``name``; a GPU-decoding configuration decodes on the NPU's backing
+    device (so one ``--decode-device npu-emu:cuda:1`` serves every configuration of a run)."""
+    cfg = replace(base, transfer=name)
+    decode = parse_device(cfg.decode_device)
+    if TRANSFERS[name] == "gpu" and decode.is_npu:
+        cfg = replace(cfg, decode_device=decode.torch_device)
+    return cfg
+
+
 def encode_prompts(tokenizer: Any, prompts: Sequence[str]) -> list[list[int]]:
     return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}])) for p in prompts]
 
@@ -98,10 +108,7 @@ def run(base: InstanceConfig, configs: Sequence[str], prompts: Sequence[str] = P
         oracle.close()
     records = []
     for name in configs:
-        cfg = replace(base, transfer=name)
-        decode = parse_device(cfg.decode_device)
-        if TRANSFERS[name] == "gpu" and decode.is_npu:
-            cfg = replace(cfg, decode_device=decode.torch_device)
+        cfg = config_for(base, name)
         p = PrefillInstance(cfg, loaded=oracle_model)
         d = DecodeInstance(cfg)
         try:

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from hawk.config import DEFAULT_MODEL, TRANSFERS, ServeConfig
+from hawk.config import DEFAULT_MODEL, ServeConfig
 
 DEFAULT_PROMPTS = (256, 1024)
 DEFAULT_CONFIGS = ("gn-hawk", "gg-direct")
@@ -54,7 +54,7 @@ def _pull_result(decode: Any, rid: str) -> Any:
 
 def run(base: ServeConfig, prompts: Sequence[int], configs: Sequence[str], repeats: int = 3, warmup: int = 1) -> list[dict[str, Any]]:
     """One record per (configuration, prompt length): median TTFT against colocated, in one run."""
-    from hawk.bench.equivalence import run_colocated, run_disaggregated
+    from hawk.bench.equivalence import config_for, run_colocated, run_disaggregated
     from hawk.engine.instances import ColocatedInstance, DecodeInstance, PrefillInstance, compute_dtype
     from hawk.engine.loader import load_model
     from hawk.engine.sequence import SamplingParams
@@ -67,10 +67,7 @@ def run(base: ServeConfig, prompts: Sequence[int], configs: Sequence[str], repea
     pairs: dict[str, tuple[Any, Any]] = {}
     try:
         for name in configs:
-            cfg = replace(base, transfer=name)
-            decode = parse_device(cfg.decode_device)
-            if TRANSFERS[name] == "gpu" and decode.is_npu:
-                cfg = replace(cfg, decode_device=decode.torch_device)
+            cfg = config_for(base, name)
             p = PrefillInstance(cfg, loaded=loaded)
             pairs[name] = (p, DecodeInstance(cfg))
         records = []

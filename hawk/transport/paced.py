@@ -69,12 +69,7 @@ class PacedTransport:
         while (left := due - time.monotonic()) > 0:
             time.sleep(left)
 
-    def transfer(self, op: Op, peer: str, descs: Sequence[Desc], timeout_s: float) -> None:
-        h = self.submit(op, peer, descs)
-        try:
-            self.wait(h, timeout_s)
-        finally:
-            self.release(h)
+    transfer = Transport.transfer  # submit + (paced) wait + release
 
     def release(self, handle: TransferHandle) -> None:
         with self._lock:
