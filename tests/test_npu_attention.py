@@ -9,11 +9,7 @@ is imported, and must not leak into other test files); GPU tests run on the devi
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import traceback
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +19,8 @@ from hawk.engine.attention import PagedBackend, SeqSlice, attend
 from hawk.layouts.npu import NpuKVLayout
 from hawk.layouts.tt import TILE, bytes_to_tiles, from_tiles, tiles_to_bytes, to_tiles
 from hawk.memory.npu_kv_cache import NpuKVCacheMemory
+from tests.interpreter import emit, run_interpreted
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cache(dtype: str, shard: int, heads: int = 2, head_dim: int = 64, blocks: int = 12, device: str = "cpu", layers: int = 2,
@@ -298,18 +294,13 @@ def _interpreter_main() -> None:
             results[name] = "ok"
         except Exception:  # noqa: BLE001 - reported to the parent test
             results[name] = traceback.format_exc()
-    print("RESULTS " + json.dumps(results))
+    for name, result in results.items():
+        emit({"name": name, "result": result})
 
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, str]:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    code = "import tests.test_npu_attention as t; t._interpreter_main()"
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    line = [x for x in p.stdout.splitlines() if x.startswith("RESULTS ")]
-    assert p.returncode == 0 and line, p.stderr[-4000:]
-    return json.loads(line[-1][len("RESULTS "):])
+    return {name: r["result"] for name, r in run_interpreted("tests.test_npu_attention", require_clean_exit=True).items()}
 
 
 @pytest.mark.parametrize("case", list(_INTERP_CASES))
@@ -433,3 +424,7 @@ def test_gpu_8b_shape_bitwise_equals_paged(dtype: str, kernel: str, batch: int) 
         assert splits["auto"] == (1, True)
     else:
         assert splits["auto"][0] > 1 and not splits["auto"][1]
+
+
+if __name__ == "__main__":
+    _interpreter_main()

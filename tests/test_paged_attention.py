@@ -19,15 +19,11 @@ splits' reads) is only really exercised by the ``gpu`` tests.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import time
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,8 +32,8 @@ import torch
 from hawk.engine.attention import PagedBackend, SeqSlice, attend
 from hawk.engine.paged_attention import PagedAttention
 from hawk.layouts.gpu import GpuKVLayout
+from tests.interpreter import emit, run_interpreted
 
-REPO = Path(__file__).resolve().parents[1]
 SENTINEL = 7.0
 ATOL = {torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -273,31 +269,19 @@ def _run_all_interpreted() -> None:
             except Exception as e:  # noqa: BLE001 - report every failure to the parent
                 res = {"name": name, "ok": False, "error": f"{type(e).__name__}: {e}"}
             res["s"] = round(time.perf_counter() - t0, 2)
-            print("CASE " + json.dumps(res), flush=True)
+            emit(res)
     for path, fused in DECODE_PATHS.items():
         name = f"launches/{path}"
         try:
             res = {"name": name, "ok": True, "launches": decode_layer_launches("cpu", fused)}
         except Exception as e:  # noqa: BLE001
             res = {"name": name, "ok": False, "error": f"{type(e).__name__}: {e}"}
-        print("CASE " + json.dumps(res), flush=True)
+        emit(res)
 
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, dict]:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "tests.test_paged_attention"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=280)
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("CASE "):
-            r = json.loads(line[5:])
-            results[r["name"]] = r
-    if not results:
-        raise AssertionError(f"interpreter subprocess gave no results (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return results
+    return run_interpreted("tests.test_paged_attention", timeout_s=280)
 
 
 @pytest.mark.parametrize("path", DECODE_PATHS)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from fractions import Fraction
 from pathlib import Path
@@ -24,8 +22,8 @@ from hawk.layouts.gpu import GpuKVLayout
 from hawk.layouts.npu import NpuKVLayout, get_arch
 from hawk.plan.kv_plan import KVTransferPlan, plan_kv_transfer
 from hawk.transform.reference import transform_reference
+from tests.interpreter import emit, run_interpreted
 
-REPO = Path(__file__).resolve().parents[1]
 
 # -- cases ------------------------------------------------------------------------------------
 
@@ -232,7 +230,7 @@ def _run_all_interpreted() -> None:
         except Exception as e:  # noqa: BLE001 - report every failure to the parent
             res = {"name": c["name"], "ok": False, "error": f"{type(e).__name__}: {e}"}
         res["s"] = round(time.perf_counter() - t0, 3)
-        print("CASE " + json.dumps(res), flush=True)
+        emit(res)
     _bench_smoke_interpreted()
 
 
@@ -247,24 +245,12 @@ def _bench_smoke_interpreted() -> None:
         res = {"name": "bench-triton", "ok": ok, "error": "" if ok else json.dumps(recs)}
     except Exception as e:  # noqa: BLE001
         res = {"name": "bench-triton", "ok": False, "error": f"{type(e).__name__}: {e}"}
-    print("CASE " + json.dumps(res), flush=True)
+    emit(res)
 
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, dict]:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.test_transform"], cwd=REPO, env=env, capture_output=True, text=True, timeout=280
-    )
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("CASE "):
-            r = json.loads(line[5:])
-            results[r["name"]] = r
-    if not results:
-        raise AssertionError(f"interpreter subprocess gave no results (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return results
+    return run_interpreted("tests.test_transform", timeout_s=280)
 
 
 @pytest.mark.parametrize("name", [c["name"] for c in CASES] + ["bench-triton"])

@@ -8,11 +8,7 @@ against the torch path.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +17,8 @@ from hawk.engine.attention import ContiguousKVAttention
 from hawk.engine.config import preset
 from hawk.engine.model import LlamaModel, greedy_generate
 from hawk.engine.triton_ops import add_rms_norm_ref, qkv_rope_ref, silu_mul_ref
+from tests.interpreter import emit, run_interpreted
 
-REPO = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -143,30 +139,20 @@ def _run_all_interpreted() -> None:
             res = {"err": run_op_case(op, DTYPES[dt], p, "cpu")}
         except Exception as e:  # noqa: BLE001 - reported to the parent test
             res = {"error": f"{type(e).__name__}: {e}"}
-        print(json.dumps({"case": name, **res}), flush=True)
+        emit({"name": name, **res})
     for name, pre, dt, prompt, steps in MODEL_CASES:
         try:
             res = run_model_case(pre, DTYPES[dt], prompt, steps, "cpu")
         except Exception as e:  # noqa: BLE001
             res = {"error": f"{type(e).__name__}: {e}"}
-        print(json.dumps({"case": name, **res}), flush=True)
+        emit({"name": name, **res})
 
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, dict]:
     if not HAVE_TRITON:
         pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "tests.test_triton_ops"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
-    out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            r = json.loads(line)
-            out[r["case"]] = r
-    if not out:
-        raise AssertionError(f"interpreter subprocess gave no results (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return out
+    return run_interpreted("tests.test_triton_ops")
 
 
 @pytest.mark.parametrize("case", OP_CASES, ids=[c[0] for c in OP_CASES])
