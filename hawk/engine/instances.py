@@ -128,9 +128,25 @@ class _CountedRelease:
 
 
 class _FollowedRanks:
-    """The health of an instance's follower ranks (tensor parallelism; none at TP1)."""
+    """What prefill and decode instances share about their follower ranks (tensor parallelism;
+    none at TP1): health, accounting, and closing engine, followers and rank 0 in that order."""
 
     followers: Followers | None
+    engine: Any
+    rank: Any
+
+    def _with_ranks(self, out: dict[str, Any]) -> dict[str, Any]:
+        """``out`` (rank 0's accounting) plus the followers' ledgers and health."""
+        if self.followers is not None:
+            out["ranks"] = _with_pids(self.followers.accounting(), self.followers.pids)
+            out["healthy"] = self.followers.healthy
+        return out
+
+    def close(self) -> None:
+        self.engine.close()
+        if self.followers is not None:
+            self.followers.close()
+        self.rank.close()
 
     @property
     def healthy(self) -> bool:
@@ -253,16 +269,7 @@ class PrefillInstance(_FollowedRanks):
             "gpu_blocks_used": self.engine.blocks.num_blocks - self.engine.blocks.num_free,
             "gpu_blocks_total": self.engine.blocks.num_blocks,
         }
-        if self.followers is not None:
-            out["ranks"] = _with_pids(self.followers.accounting(), self.followers.pids)
-            out["healthy"] = self.followers.healthy
-        return out
-
-    def close(self) -> None:
-        self.engine.close()
-        if self.followers is not None:
-            self.followers.close()
-        self.rank.close()
+        return self._with_ranks(out)
 
 
 class DecodeRank:
@@ -422,16 +429,7 @@ class DecodeInstance(_FollowedRanks):
         }
         if self.npu is not None:
             out["npu_channels"] = {c: {"used": u, "capacity": cap} for c, (u, cap) in self.npu.channel_usage().items()}
-        if self.followers is not None:
-            out["ranks"] = _with_pids(self.followers.accounting(), self.followers.pids)
-            out["healthy"] = self.followers.healthy
-        return out
-
-    def close(self) -> None:
-        self.engine.close()
-        if self.followers is not None:
-            self.followers.close()
-        self.rank.close()
+        return self._with_ranks(out)
 
 
 class ColocatedInstance:
