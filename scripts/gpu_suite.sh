@@ -9,6 +9,8 @@
 #     smoke     - a quick end-to-end check after changes: small transfers and a tiny model on the GPUs
 #     reverse   - the reverse direction (ng-hawk: NPU prefill on GPU0's memory -> GPU decode on GPU1) beside gg-direct
 #     engine    - `hawk bench engine`: 8B decode step / prefill times vs read-bandwidth and GEMM ceilings (GPU0 only)
+#     kernels   - the CUDA tests of the attention kernels (paged, NPU-tile) and the fused ops
+#     tp        - 8B token equality across tensor-parallel degrees: prefill TP2 -> decode TP1, TP1 -> TP2 (two GPUs)
 # Wheels missing on the box (nixl, nixl_cu13, pyzmq for cp312) are carried in .whl/ (see docs/gpu.md).
 set -uo pipefail
 parts=" ${*:-tests transform transfer model serving} "
@@ -32,6 +34,8 @@ step() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; lo
 
 want tests && \
   step gpu_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_transform.py tests/test_transport.py tests/test_devices.py
+want kernels && \
+  step gpu_kernels 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_paged_attention.py tests/test_npu_attention.py tests/test_triton_ops.py
 want transform && \
   step transform 200 python3 -m hawk.bench.transform --sizes-mb 10,80,320,1280 --dtypes bf16,bfp8_b --blocks contiguous,shuffled --json "$OUT/transform_h200.json"
 want transfer && \
@@ -42,6 +46,13 @@ want transfer && \
 want model && \
   step model_8b 300 python3 -m hawk.bench.equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 \
     --decode-device npu-emu:cuda:$dec --configs gn-hawk,gg-direct --max-tokens 32 --kv-tokens 8192 --json "$OUT/e2e_8b_h200x2.json"
+# A TP group takes consecutive GPUs from its instance's device (rank r on cuda:N+r), so TP2 needs two.
+if want tp && [ "$ngpu" -ge 2 ]; then
+  step tp_2to1 200 python3 -m hawk.bench.equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 \
+    --decode-device npu-emu:cuda:1 --prefill-tp 2 --decode-tp 1 --configs gn-hawk,gg-direct --max-tokens 32 --kv-tokens 8192 --json "$OUT/tp_8b_2to1.json"
+  step tp_1to2 200 python3 -m hawk.bench.equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:1 \
+    --decode-device npu-emu:cuda:0 --prefill-tp 1 --decode-tp 2 --configs gn-hawk,gg-direct --max-tokens 32 --kv-tokens 8192 --json "$OUT/tp_8b_1to2.json"
+fi
 want smoke && \
   step smoke_transfer 120 python3 -m hawk.cli bench transfer --transport nixl --prefill-device cuda:0 --npu-device npu-emu:cuda:$dec \
     --gpu-decode-device cuda:$dec --sizes-mb 10,80 --repeats 2 --configs gn-host,gg-direct,gn-hawk --npu-shard-pages 2 \

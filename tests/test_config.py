@@ -141,3 +141,17 @@ def test_pass_through_commands_show_their_real_options(args):
     r = CliRunner().invoke(app, [*args, "--help"], env=WIDE)
     assert r.exit_code == 0, r.output
     assert r.output.count("--") > 3, r.output  # the tool's own options, not just --help
+
+
+def test_tensor_parallel_ranks_take_consecutive_gpus():
+    from hawk.layouts.device import rank_device
+
+    assert rank_device("cuda:0", 1) == "cuda:1"
+    assert rank_device("npu-emu:cuda:1", 2) == "npu-emu:cuda:3"
+    assert rank_device("cuda", 1) == "cuda:1"
+    assert rank_device("cpu", 3) == "cpu" and rank_device("npu-emu:cpu", 1) == "npu-emu:cpu"
+    cfg = ServeConfig(prefill_device="cuda:0", decode_device="npu-emu:cuda:0", transfer="gn-hawk")
+    assert cfg.for_rank("prefill", 1).prefill_device == "cuda:1"
+    assert cfg.for_rank("prefill", 1).decode_device == "npu-emu:cuda:0"
+    assert cfg.for_rank("decode", 1).decode_compute_device == "cuda:1"
+    assert cfg.for_rank("decode", 0) is cfg

@@ -216,7 +216,10 @@ def rank_main(role: str, cfg_json: str, rank: int, tp: int, port: int, backend: 
     torch.set_num_threads(1)
     from hawk.engine.instances import DecodeRank, PrefillRank, _ledger, held
 
-    cfg = ServeConfig.from_json(cfg_json)
+    cfg = ServeConfig.from_json(cfg_json).for_rank(role, rank)
+    device = torch.device(cfg.prefill_device if role == "prefill" else cfg.decode_compute_device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's communicator and every default allocation on this rank's GPU
     shard = Shard(rank, tp)
     group = TPGroup(shard, port, backend)
     part: Any = PrefillRank(cfg, shard) if role == "prefill" else DecodeRank(cfg, shard)

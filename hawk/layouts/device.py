@@ -66,3 +66,14 @@ def parse_device(text: str) -> DeviceSpec:
         return DeviceSpec("ttnn", "", text)
     torch_device = _torch_device(text.strip(), text)
     return DeviceSpec("cuda" if torch_device.startswith("cuda") else "cpu", torch_device, text)
+
+
+def rank_device(text: str, rank: int) -> str:
+    """The device of tensor-parallel rank ``rank`` of an instance placed on ``text``: a CUDA device
+    ``cuda:N`` (plain or under ``npu-emu:``) moves to ``cuda:N+rank``, so a TP group takes
+    consecutive GPUs as vLLM places one (NCCL refuses two ranks on one GPU); a CPU stays put."""
+    spec = parse_device(text)
+    if rank == 0 or not spec.torch_device.startswith("cuda"):
+        return text
+    index = int(spec.torch_device.partition(":")[2] or 0) + rank
+    return f"npu-emu:cuda:{index}" if spec.kind == "npu-emu" else f"cuda:{index}"
