@@ -346,6 +346,26 @@ def test_cuda_graphs_over_the_real_paged_attention() -> None:
 
 
 @gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_model_on_the_second_gpu_runs_from_a_thread_whose_device_is_the_first() -> None:
+    """An engine thread's current device is GPU 0; a decode model on GPU 1 must still capture its
+    graphs and launch its Triton kernels there (the 8B run across two H200s failed without it)."""
+    model = LlamaModel.from_config(preset("tiny"), seed=0, dtype=torch.bfloat16, device="cuda:1")
+    cfg = model.config
+
+    def paged() -> PagedAttention:
+        lay = GpuKVLayout(cfg.num_layers, 24 * 4, BLOCK, cfg.num_kv_heads, cfg.head_dim, "bf16")
+        return PagedAttention(lay, lay.allocate("cuda:1"))
+
+    torch.cuda.set_device(0)
+    graphed, eager = ModelRunner(model, paged(), max_batch=8), ModelRunner(model, paged(), max_batch=8, graphs=False)
+    assert graphed.use_graphs and graphed.warmup() == [8, 4, 2, 1]
+    toks_e, _ = _run_script(eager, PROMPTS, _decode_script())
+    toks_g, _ = _run_script(graphed, PROMPTS, _decode_script())
+    assert toks_g == toks_e and torch.cuda.current_device() == 0
+
+
+@gpu
 @needs_cuda
 def test_a_backend_without_pad_to_runs_eagerly_on_cuda() -> None:
     model = LlamaModel.from_config(preset("tiny"), seed=0, device="cuda")

@@ -12,6 +12,8 @@ every row and the greedy argmax. Everything else (prefill, mixed batches, CPU, b
 
 from __future__ import annotations
 
+import contextlib
+
 import enum
 import inspect
 import operator
@@ -120,6 +122,11 @@ class ModelRunner:
                     host = torch.zeros(2 * self.buckets[-1], dtype=torch.int64, pin_memory=True)
                     self._io_stage.append((host, torch.cuda.Event()))
 
+    def _on_device(self) -> contextlib.AbstractContextManager[Any]:
+        """The model's GPU as the calling thread's current device: Triton launches, and graphs
+        capture, on the current device, and an engine thread's default is GPU 0 whatever the model's."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
     def _why_no_graphs(self) -> str | None:
         if self.device.type != "cuda":
             return f"CUDA graphs need a CUDA model, this one is on {self.device}"
@@ -146,7 +153,7 @@ class ModelRunner:
         """:meth:`forward` without the copy, plus the greedy tokens when a graph computed them."""
         if not slices or len(tokens) != len(slices):
             raise ValueError(f"need one token list per sequence, got {len(tokens)} for {len(slices)}")
-        with self._lock:
+        with self._lock, self._on_device():
             starts = [s.start for s in slices]
             q_lens = [s.q_len for s in slices]
             need = max(map(operator.add, starts, q_lens))
@@ -168,7 +175,7 @@ class ModelRunner:
         if not self.use_graphs:
             return []
         wanted = sorted({self._bucket(b) for b in (buckets or self.buckets)}, reverse=True)
-        with self._lock:
+        with self._lock, self._on_device():
             for b in wanted:
                 self.attn.begin([], pad_to=b)
                 assert self._io is not None
