@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
+import traceback
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -25,6 +27,8 @@ _HINTS = typing.get_type_hints(ServeConfig)
 
 def fail(e: Exception) -> typing.NoReturn:
     """The one way a command reports a bad option or a failed start: one line, exit code 2."""
+    if os.environ.get("HAWK_TRACEBACK"):  # where it failed, for whoever debugs a run they cannot repeat
+        traceback.print_exception(e)
     typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
 

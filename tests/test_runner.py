@@ -358,6 +358,9 @@ def test_a_model_on_the_second_gpu_runs_from_a_thread_whose_device_is_the_first(
         return PagedAttention(lay, lay.allocate("cuda:1"))
 
     torch.cuda.set_device(0)
+    first = LlamaModel.from_config(preset("tiny"), seed=0, dtype=torch.bfloat16, device="cuda:0")
+    lay0 = GpuKVLayout(cfg.num_layers, 24 * 4, BLOCK, cfg.num_kv_heads, cfg.head_dim, "bf16")
+    assert ModelRunner(first, PagedAttention(lay0, lay0.allocate("cuda:0")), max_batch=2).warmup() == [2, 1]  # GPU 0 captures first
     graphed, eager = ModelRunner(model, paged(), max_batch=8), ModelRunner(model, paged(), max_batch=8, graphs=False)
     assert graphed.use_graphs and graphed.warmup() == [8, 4, 2, 1]
     toks_e, _ = _run_script(eager, PROMPTS, _decode_script())

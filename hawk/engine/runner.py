@@ -289,8 +289,10 @@ class ModelRunner:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        # thread_local: other threads (KV transfers, a colocated prefill) keep using the GPU.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        # thread_local: other threads (KV transfers, a colocated prefill) keep using the GPU. The
+        # stream is named: torch's default capture stream is made once per process, on whichever
+        # GPU captured first, and a capture on another GPU's stream records nothing.
+        with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
             logits, greedy = body()
         return _Graph(graph, logits, greedy)
 
