@@ -39,6 +39,8 @@ GPU_KV_DTYPES = ("bf16", "fp16", "fp32")
 ROLES = ("all", "router", "prefill", "decode", "colocated")
 ENGINE_ROLES = ("prefill", "decode", "colocated")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+KV_FLOWS = ("pull", "layerwise")
+LAYERWISE_TRANSFERS = ("gn-hawk", "gg-direct")  # whose send format pushes layer by layer (connector/formats.py)
 NPU_TIMINGS = ("p150a",)  # hawk.devices.timing.NPU_TIMINGS (tests check they agree)
 
 #: Which commands show a field: ``hawk serve`` shows all; ``hawk demo`` and the benchmarks that
@@ -99,6 +101,7 @@ class ServeConfig:
     rx_mb: int = opt(64, "decode receive buffers, MiB (split over NPU channels for gn-hawk)", min=1)
     landing_mode: str = opt("auto", "gn-hawk landing: auto (cost model) | staging | direct", choices=("auto", "staging", "direct"))
     post: str = opt("pull", "pull (decode READs) | push (prefill WRITEs)", choices=("pull", "push"))
+    kv_flow: str = opt("pull", "pull: the decode asks for the KV after prefill (Algorithm 1 as written) | layerwise: the decode hands its blocks over before prefill and the prefill writes each layer there as its forward finishes it (gn-hawk, gg-direct; TP 1)", choices=KV_FLOWS)
     kv_host: str | None = opt(None, "address the prefill's KV control socket binds and advertises (default: --host, or this machine's address for a wildcard)", commands=SERVE)
     kv_port: int = opt(0, "port of the prefill's KV control socket (0 = any free one)", min=0, max=65535)
     seed: int = opt(0, "seed of random-weight presets and of sampling without a request seed")
@@ -153,6 +156,11 @@ class ServeConfig:
             if on_npu != parse_device(self.decode_device).is_npu:
                 want = "npu-emu:cpu or npu-emu:cuda:N" if on_npu else "cpu or cuda:N"
                 raise ConfigError(f"{self.transfer} decodes on {'an NPU' if on_npu else 'a GPU'}: --decode-device must be {want}, not {self.decode_device!r}")
+        if self.kv_flow == "layerwise" and self.transfer != "colocated":  # colocated moves nothing
+            if self.transfer not in LAYERWISE_TRANSFERS:
+                raise ConfigError(f"--kv-flow layerwise supports {', '.join(LAYERWISE_TRANSFERS)}, not {self.transfer}")
+            if self.prefill_tp > 1 or self.decode_tp > 1:
+                raise ConfigError("--kv-flow layerwise needs --prefill-tp 1 and --decode-tp 1 (tensor-parallel layer-wise push is not built yet)")
         return self
 
     # -- the wire form (the launcher's child spec) -------------------------------------------

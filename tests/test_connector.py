@@ -130,11 +130,11 @@ def test_reservations_released_after_many_faulty_transfers():
         assert all(seen.values()), seen
         time.sleep(0.6)  # past the TTL: un-pulled and abandoned requests expire
         s, r = _settled(pair, timeout=5)
-        assert s == {"staging": [], "waiting": [], "in_flight": [], "draining": 0}, s
-        assert r == {"reservations": [], "draining": 0}, r
+        assert s == {"staging": [], "waiting": [], "in_flight": [], "draining": 0, "pushes": []}, s
+        assert r == {"reservations": [], "draining": 0, "expecting": []}, r
         assert len(pair.dead_senders) == seen["prefill-dies"]
         for dead in pair.dead_senders:
-            assert dead.accounting() == {"staging": [], "waiting": [], "in_flight": [], "draining": 0}
+            assert dead.accounting() == {"staging": [], "waiting": [], "in_flight": [], "draining": 0, "pushes": []}
         # Every prefill's blocks came back exactly once, whatever happened to its transfer.
         added = [f"q{i}" for i in range(220)]
         assert sorted(pair.freed) == sorted(x for x in added if x in pair.freed)
@@ -169,7 +169,7 @@ def test_pull_from_a_dead_prefill_fails_cleanly():
         pair.sender.close()  # the prefill goes away
         with pytest.raises(KVTransferFailed, match="did not answer"):
             pair.receiver.pull(address, "r", [0])
-        assert pair.receiver.accounting() == {"reservations": [], "draining": 0}
+        assert pair.receiver.accounting() == {"reservations": [], "draining": 0, "expecting": []}
         assert pair.freed == ["r"]  # closing the sender gave its blocks back
     finally:
         pair.close()

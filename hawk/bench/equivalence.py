@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from hawk.engine.decode_engine import KVHandle, TokenEvent
+from hawk.engine.decode_engine import KVHandle, KVPush, TokenEvent
 from hawk.config import TRANSFERS
 from hawk.engine.instances import ColocatedInstance, DecodeInstance, InstanceConfig, PrefillInstance, compute_dtype
 from hawk.engine.loader import load_model
@@ -72,11 +72,32 @@ def run_colocated(inst: ColocatedInstance, ids: list[int], params: SamplingParam
 
 
 def run_disaggregated(p: PrefillInstance, d: DecodeInstance, ids: list[int], params: SamplingParams, rid: str) -> tuple[list[int], dict]:
+    """One request through a prefill and a decode instance: prefill then pull, or (kv_flow=layerwise)
+    decode first: the decode hands its blocks to the prefill, then the prefill runs and pushes."""
+    if d.cfg.kv_flow == "layerwise":
+        return _collect(lambda on: submit_layerwise(p, d, ids, params, rid, on))
+
     def submit(on: Any) -> None:
         r = p.engine.submit(rid, ids, params).result(300)
         d.engine.submit(rid, r.num_prompt_tokens, r.first_token, params, KVHandle(p.kv_address, rid), on)
 
     return _collect(submit)
+
+
+def submit_layerwise(p: PrefillInstance, d: DecodeInstance, ids: list[int], params: SamplingParams, rid: str, on: Any, wait_s: float = 300.0) -> KVPush:
+    """Decode first: admit at the decode (its blocks go to the prefill as the destination), then
+    prefill; the first token reaches the decode with the pushed KV. Returns the handle."""
+    handle = KVPush(p.kv_address, rid)
+    d.engine.submit(rid, len(ids), 0, params, handle, on)
+    handle.handed.wait(wait_s)
+    try:
+        r = p.engine.submit(rid, ids, params).result(wait_s)
+    except BaseException as e:
+        handle.first_token.set_exception(e)
+        p.discard(rid)
+        raise
+    handle.first_token.set_result(r.first_token)
+    return handle
 
 
 def config_for(base: InstanceConfig, name: str) -> InstanceConfig:

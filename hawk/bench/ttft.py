@@ -7,6 +7,11 @@ interleaved repeat by repeat (so drift on a shared machine hits both sides alike
 carries the decode side's host-side breakdown of its transfer (hawk/connector/algorithm1.BREAKDOWN).
 
     python -m hawk.bench.ttft --prompts 256,1024 --configs gn-hawk,gg-direct --json ttft.json
+    python -m hawk.bench.ttft --configs gn-hawk --kv-flows pull,layerwise   # both KV flows, one run
+
+``--kv-flows``: ``pull`` (prefill, then the decode pulls the KV) and/or ``layerwise`` (the decode hands
+its blocks over first; the prefill pushes each layer as its forward finishes it). Each record names its
+flow; a layer-wise record's ``kv_exposed_ms`` is the part of the transfer the forward did not hide.
 
 TTFT runs from submitting the prompt to the prefill engine until the decode engine emits the first
 token (prefill, KV transfer and the decode's admission included), as in the equivalence benchmark.
@@ -25,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from hawk.config import DEFAULT_MODEL, ServeConfig
+from hawk.config import DEFAULT_MODEL, KV_FLOWS, ServeConfig
 
 DEFAULT_PROMPTS = (256, 1024)
 DEFAULT_CONFIGS = ("gn-hawk", "gg-direct")
@@ -52,8 +57,10 @@ def _pull_result(decode: Any, rid: str) -> Any:
     return receiver.result(rid) if receiver is not None and hasattr(receiver, "result") else None
 
 
-def run(base: ServeConfig, prompts: Sequence[int], configs: Sequence[str], repeats: int = 3, warmup: int = 1) -> list[dict[str, Any]]:
-    """One record per (configuration, prompt length): median TTFT against colocated, in one run."""
+def run(
+    base: ServeConfig, prompts: Sequence[int], configs: Sequence[str], repeats: int = 3, warmup: int = 1, flows: Sequence[str] = ("pull",),
+) -> list[dict[str, Any]]:
+    """One record per (configuration, KV flow, prompt length): median TTFT against colocated, in one run."""
     from hawk.bench.equivalence import config_for, run_colocated, run_disaggregated
     from hawk.engine.instances import ColocatedInstance, DecodeInstance, PrefillInstance, compute_dtype
     from hawk.engine.loader import load_model
@@ -65,23 +72,27 @@ def run(base: ServeConfig, prompts: Sequence[int], configs: Sequence[str], repea
     vocab = int(loaded.config.vocab_size)
     colocated = ColocatedInstance(replace(base, transfer="colocated"), loaded=loaded)
     pairs: dict[str, tuple[Any, Any]] = {}
+    keys = [f"{c}/{f}" for c in configs for f in flows]
     try:
-        for name in configs:
-            cfg = config_for(base, name)
+        for key in keys:
+            name, flow = key.split("/")
+            cfg = replace(config_for(base, name), kv_flow=flow).validate()
             p = PrefillInstance(cfg, loaded=loaded)
-            pairs[name] = (p, DecodeInstance(cfg))
+            same = parse_device(cfg.decode_compute_device).torch_device == parse_device(cfg.prefill_device).torch_device
+            pairs[key] = (p, DecodeInstance(cfg, loaded=loaded if same else None))  # one copy of the weights per device
         records = []
         for n in prompts:
             ids = prompt_ids(n, vocab, seed=n)
-            ttft: dict[str, list[float]] = {"colocated": [], **{c: [] for c in configs}}
+            ttft: dict[str, list[float]] = {"colocated": [], **{k: [] for k in keys}}
             first: dict[str, list[int]] = {k: [] for k in ttft}
-            pulls: dict[str, list[Any]] = {c: [] for c in configs}
-            moved: dict[str, list[float]] = {c: [] for c in configs}
+            pulls: dict[str, list[Any]] = {k: [] for k in keys}
+            moved: dict[str, list[float]] = {k: [] for k in keys}
+            exposed: dict[str, list[float]] = {k: [] for k in keys}
             for i in range(warmup + repeats):
                 runs = [("colocated", lambda rid: run_colocated(colocated, ids, params, rid))]
-                runs += [(c, lambda rid, c=c: run_disaggregated(*pairs[c], ids, params, rid)) for c in configs]
+                runs += [(k, lambda rid, k=k: run_disaggregated(*pairs[k], ids, params, rid)) for k in keys]
                 for key, go in runs:
-                    rid = f"ttft-{key}-{n}-{i}-{time.monotonic_ns()}"
+                    rid = f"ttft-{key.replace('/', '-')}-{n}-{i}-{time.monotonic_ns()}"
                     toks, info = go(rid)
                     if i < warmup:
                         continue
@@ -90,25 +101,29 @@ def run(base: ServeConfig, prompts: Sequence[int], configs: Sequence[str], repea
                     if key in pulls:
                         pulls[key].append(_pull_result(pairs[key][1], rid))
                         moved[key].append(info.get("kv_transfer_s", 0.0) * 1e3)
+                        exposed[key].append(info.get("kv_exposed_s", 0.0) * 1e3)
             colo = statistics.median(ttft["colocated"])
-            for c in configs:
-                t = statistics.median(ttft[c])
-                breakdown = _median_breakdown(pulls[c])
-                cfg = pairs[c][1].cfg
+            for key in keys:
+                c, flow = key.split("/")
+                t = statistics.median(ttft[key])
+                breakdown = _median_breakdown(pulls[key])
+                cfg = pairs[key][1].cfg
                 records.append(
                     {
                         "config": c,
+                        "kv_flow": flow,
+                        "kv_exposed_ms": statistics.median(exposed[key]) if flow == "layerwise" else None,
                         "prompt_tokens": n,
-                        "identical": first[c] == first["colocated"],
+                        "identical": first[key] == first["colocated"],
                         "ttft_ms": t,
                         "colocated_ttft_ms": colo,
                         "ratio": t / colo,
-                        "ttft_ms_all": ttft[c],
+                        "ttft_ms_all": ttft[key],
                         "colocated_ttft_ms_all": ttft["colocated"],
-                        "kv_transfer_ms": statistics.median(moved[c]),
+                        "kv_transfer_ms": statistics.median(moved[key]),
                         "host_breakdown_ms": breakdown,
-                        "kv_bytes": getattr(pulls[c][-1], "bytes", 0) if pulls[c] else 0,
-                        "kv_mode": getattr(pulls[c][-1], "mode", "") if pulls[c] else "",
+                        "kv_bytes": getattr(pulls[key][-1], "bytes", 0) if pulls[key] else 0,
+                        "kv_mode": getattr(pulls[key][-1], "mode", "") if pulls[key] else "",
                         "repeats": repeats,
                         "model": base.model,
                         "dtype": base.dtype,
@@ -130,17 +145,30 @@ def print_table(records: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     t = Table(title="TTFT, disaggregated vs colocated (median ms)")
-    for col in ("config", "prompt", "first token =", "TTFT", "colocated", "ratio", "KV transfer", "control", "tx plan", "tx transform", "rx plan", "descs", "submit", "wait", "finish", "mode"):
-        t.add_column(col, justify="left" if col in ("config", "mode") else "right")
+    for col in ("config", "flow", "prompt", "first token =", "TTFT", "colocated", "ratio", "KV transfer", "exposed", "control", "tx plan", "tx transform", "rx plan", "descs", "submit", "wait", "finish", "mode"):
+        t.add_column(col, justify="left" if col in ("config", "flow", "mode") else "right")
     for r in records:
         b = r["host_breakdown_ms"]
         f = lambda k: f"{b.get(k, 0.0):.2f}"  # noqa: E731
         t.add_row(
-            r["config"], str(r["prompt_tokens"]), "yes" if r["identical"] else "NO", f"{r['ttft_ms']:.1f}", f"{r['colocated_ttft_ms']:.1f}",
-            f"{r['ratio']:.3f}", f"{r['kv_transfer_ms']:.2f}", f("control"), f("sender_plan"), f("sender_transform"), f("plan"),
+            r["config"], r.get("kv_flow", "pull"), str(r["prompt_tokens"]), "yes" if r["identical"] else "NO", f"{r['ttft_ms']:.1f}",
+            f"{r['colocated_ttft_ms']:.1f}", f"{r['ratio']:.3f}", f"{r['kv_transfer_ms']:.2f}",
+            "" if r.get("kv_exposed_ms") is None else f"{r['kv_exposed_ms']:.2f}", f("control"), f("sender_plan"), f("sender_transform"), f("plan"),
             f("descs"), f("submit"), f("transfer_wait"), f("finish"), r["kv_mode"],
         )
     Console(width=200).print(t)
+
+
+def _staging_mb(model: str, tokens: int) -> int:
+    """Staging / receive room for one prompt of ``tokens`` (bf16 KV of the model, with slack)."""
+    from hawk.engine.config import preset
+
+    try:
+        mc = preset(model)
+        per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 2
+    except Exception:  # noqa: BLE001 - a file or checkpoint: assume up to 128 KiB per token (an 8B model)
+        per_token = 128 << 10
+    return max(64, -(-tokens * per_token * 5 // 4 // (1 << 20)) + 16)
 
 
 def _ints(s: str) -> list[int]:
@@ -158,6 +186,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-device", default="cpu")
     p.add_argument("--decode-device", default="npu-emu:cpu")
     p.add_argument("--transport", default="nixl")
+    p.add_argument("--kv-flows", default="pull", help="KV flows compared, comma-separated: pull, layerwise (hawk/config.py kv_flow)")
+    p.add_argument("--max-prefill-chunk", type=int, default=None, help="prefill chunk (default: the serving default; 0 = whole prompts)")
     p.add_argument("--json", dest="json_path", default=None, help="write the records here")
     return p
 
@@ -167,13 +197,17 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     prompts, configs = _ints(a.prompts), [c.strip() for c in a.configs.split(",") if c.strip()]
     if a.repeats < 1 or a.warmup < 0 or not prompts or min(prompts) < 1:
         raise SystemExit("--repeats >= 1, --warmup >= 0 and positive prompt lengths, please")
+    flows = [f.strip() for f in a.kv_flows.split(",") if f.strip()]
+    if not flows or any(f not in KV_FLOWS for f in flows):
+        raise SystemExit(f"--kv-flows takes {', '.join(KV_FLOWS)}, got {a.kv_flows!r}")
     longest = max(prompts)
-    kv_mb = max(16, -(-longest * 1 // 1024) * 8)  # staging / receive room; SmolLM2 needs ~23 KiB per token
+    kv_mb = _staging_mb(a.model, longest)
+    extra = {} if a.max_prefill_chunk is None else {"max_prefill_chunk": a.max_prefill_chunk}
     base = ServeConfig(
         model=a.model, dtype=a.dtype, prefill_device=a.prefill_device, decode_device=a.decode_device, transport=a.transport,
-        kv_tokens=longest + 256, staging_mb=kv_mb * 4, rx_mb=kv_mb * 4,
+        kv_tokens=longest + 256, staging_mb=kv_mb, rx_mb=kv_mb, **extra,
     )
-    records = run(base, prompts, configs, a.repeats, a.warmup)
+    records = run(base, prompts, configs, a.repeats, a.warmup, flows)
     print_table(records)
     if a.json_path:
         with open(a.json_path, "w") as f:

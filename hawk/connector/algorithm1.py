@@ -28,24 +28,54 @@ for it (about four per TTL); each extends the un-pulled KV's deadline by one TTL
 delays a request instead of letting it expire into an error, while an aborted request, or a dead
 or closed decode, stops the keep-alives and the TTL still releases the KV. The prefill offers this
 in its handshake (``keepalive``, ``ttl_s``), and a decode sends it to no prefill that did not.
+
+Layer-wise flow (``kv_flow=layerwise``; the prefill offers ``layerwise`` in its handshake). The same
+steps, reordered so that the transfer hides behind prefill: the decode allocates the request's
+blocks first and hands them over before the prefill runs.
+
+    Decode side: KVReceiver.push_to()                Prefill side: KVSender
+    D1  PushTo: request r lands in these blocks ───▶ P1  keep it as r's pending destination; Ack
+    (the caller now starts r's prefill)
+                                                     P2  r's last forward begins (begin_push): plan
+                                                         (P3's plan) and reserve staging (P4), on the
+                                                         push worker, beside the forward
+                                                     P3+P5  as each layer's forward finishes it: that
+                                                         layer's transform on a side stream, then its
+                                                         WRITE straight into r's pages (D4-D6 done by
+                                                         the sender: it pairs and posts)
+                                                     P6+P9  after the last write: release the staging
+                                                         and the paged blocks
+    D2  AwaitPush ◀──────────────────────────────── P7  Pushed (or Error), when all writes completed
+    D7  make the pages visible (a device sync; no receive buffer, no copy: D3 and D8 hold nothing)
+    on failure: D9 Done(ok=False) ─────────────────▶ P8  stop pushing; release (staging after drain)
+
+TTFT waits only for the last layer's transform and write and one message. Release holds on every
+path: a destination whose prefill never comes (cancelled, discarded) fails with an Error and is
+forgotten; one nobody asks for expires after the TTL; a push whose decode vanished ends when its
+writes fail or finish, and its outcome expires unclaimed; a decode whose wait fails treats its
+blocks as possibly still written for the transport's drain time (:class:`PushFailed`).
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 
-from hawk.connector.control import ControlClient, ControlServer, PeerUnreachable
+from hawk.connector.control import ControlClient, ControlServer, Deferred, PeerUnreachable
 from hawk.connector.formats import Held, SendFormat, Staged
+from hawk.connector.layer_stream import SideStream, mark
 from hawk.connector.landings import Landing
 from hawk.connector.messages import (
     Ack,
+    AwaitPush,
     Done,
     Error,
     Hello,
@@ -54,7 +84,9 @@ from hawk.connector.messages import (
     Message,
     ProtocolError,
     PullRequest,
+    Pushed,
     PushRequest,
+    PushTo,
     layout_from_wire,
     layout_to_wire,
 )
@@ -66,6 +98,15 @@ log = logging.getLogger(__name__)
 
 class KVTransferFailed(RuntimeError):
     """The decode side could not get a request's KV; its reservations have been released."""
+
+
+class PushFailed(KVTransferFailed):
+    """A layer-wise push failed or was given up: the prefill may still be writing into the
+    destination blocks for up to ``drain_s`` seconds, so they must not be reused before then."""
+
+    def __init__(self, message: str, drain_s: float):
+        super().__init__(message)
+        self.drain_s = drain_s
 
 
 # ============================================================================ prefill side
@@ -90,10 +131,74 @@ class _Sent:
     deadline: float
 
 
+def _device_of(fmt: SendFormat) -> Any:
+    """Where the format's KV lives (the forward's device, whose stream the push follows)."""
+    import torch
+
+    caches = getattr(fmt, "caches", None)
+    return caches[0].device if caches else torch.device("cpu")
+
+
 @dataclass
 class _Receiver:
     peer: str
     info: dict[str, Any]
+
+
+class PushState(Enum):
+    """Where one layer-wise push is, on the prefill side."""
+
+    WAITING = "waiting"  # P1: the destination is known; the prefill has not reached the request
+    PUSHING = "pushing"  # its last forward runs; layers are produced and written as they finish
+    PUSHED = "pushed"  # every write completed
+    FAILED = "failed"  # given up (error, cancel, discard, expiry); nothing more is written
+
+
+@dataclass(eq=False)
+class _Push:
+    """One request's layer-wise push, from its destination (D1) until its outcome is claimed and
+    the engine has handed its blocks over (or will not)."""
+
+    request_id: str
+    receiver: _Receiver
+    dst_block_ids: list[int]
+    num_tokens: int
+    deadline: float
+    state: PushState = PushState.WAITING
+    src_block_ids: list[int] = field(default_factory=list)
+    plan: Any = None
+    staged: Staged | None = None
+    blocks: _Prefilled | None = None  # the engine's blocks once handed off (add)
+    handoff_expected: bool = False  # begin_push ran and the engine has not handed off or failed yet
+    waiter: Deferred | None = None  # the decode's AwaitPush
+    abandoned: bool = False  # the decode will not ask (it cancelled)
+    outcome: Message | None = None
+    busy: bool = False  # the push worker is inside a step of it
+    layers_left: int = 0
+    bytes: int = 0
+    requests: int = 0
+    t_last_layer: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def settled(self) -> bool:
+        """Nothing more will happen to it: the entry can go."""
+        return self.outcome is not None and (self.waiter is not None or self.abandoned) and not self.handoff_expected
+
+
+class LayerFeed:
+    """What the prefill engine calls during one request's last forward (``KVSender.begin_push``)."""
+
+    def __init__(self, sender: KVSender, push: _Push):
+        self._sender, self._push = sender, push
+
+    def layer_written(self, layer: int) -> None:
+        """Layer ``layer``'s KV is written (enqueued, on CUDA): produce and send it beside the forward."""
+        self._sender._enqueue(self._push, layer, mark(self._sender.device))
+
+    def failed(self, error: BaseException | str) -> None:
+        """The forward (or the first token) failed: stop; the engine keeps and frees its blocks."""
+        self._sender._engine_failed(self._push, str(error))
 
 
 class KVSender:
@@ -117,9 +222,15 @@ class KVSender:
         self._sent: dict[str, _Sent] = {}
         self._receivers: dict[str, _Receiver] = {}
         self._drain: list[tuple[float, Held]] = []
+        self._pushes: dict[str, _Push] = {}
+        self.device = _device_of(fmt)
+        self._side = SideStream(self.device)
+        self._work: queue.SimpleQueue[tuple[_Push, int, Any]] = queue.SimpleQueue()
         for name, tensor in fmt.regions().items():
             transport.register(name, tensor)
         self._stop = threading.Event()
+        self._pusher = threading.Thread(target=self._push_loop, name="hawk-kv-push", daemon=True)
+        self._pusher.start()
         self._reaper = threading.Thread(target=self._reap_loop, args=(reap_every_s,), name="hawk-kv-reaper", daemon=True)
         self._reaper.start()
         self.server = ControlServer(self._handle, host, port)
@@ -129,29 +240,238 @@ class KVSender:
         return self.server.address
 
     def add(self, request_id: str, num_tokens: int, block_ids: Sequence[int], release_blocks: Callable[[], None] | None = None) -> None:
-        """Called after prefill: the request's KV is in ``block_ids`` and may be pulled until the TTL."""
+        """Called after prefill: the request's KV is in ``block_ids`` and may be pulled until the TTL.
+
+        A request being pushed layer-wise hands its blocks to its push instead (freed when the push
+        ends); one whose destination came but whose push did not begin is pushed whole, now."""
+        job = _Prefilled(num_tokens, list(block_ids), release_blocks, time.monotonic() + self.ttl_s)
         with self._lock:
-            if request_id in self._prefilled or request_id in self._sent:
+            push = self._pushes.get(request_id)
+            if push is None and (request_id in self._prefilled or request_id in self._sent):
                 raise ValueError(f"request {request_id!r} already has KV waiting")
-            self._prefilled[request_id] = _Prefilled(num_tokens, list(block_ids), release_blocks, time.monotonic() + self.ttl_s)
+            if push is None:
+                self._prefilled[request_id] = job
+                return
+            if push.blocks is not None:
+                raise ValueError(f"request {request_id!r} already handed its blocks to its push")
+            push.blocks, push.handoff_expected = job, False
+            whole = push.state is PushState.WAITING
+            over = push.state in (PushState.PUSHED, PushState.FAILED)
+        if whole:
+            self._start_push(push, job, mark(self.device))
+        elif over:
+            self._give_back_blocks(job)
+            self._settle(push)
 
     def discard(self, request_id: str) -> bool:
-        """Drop a request nobody will pull (e.g. its client went away); frees its blocks."""
+        """Drop a request nobody will pull (e.g. its client went away); frees its blocks, and fails
+        its layer-wise push (the decode hears an Error and releases its side)."""
         with self._lock:
             job = self._prefilled.pop(request_id, None)
+            push = self._pushes.get(request_id)
         if job is not None:
             self._give_back_blocks(job)
-        return job is not None
+        if push is not None:
+            self._fail_push(push, f"request {request_id} was discarded by the prefill")
+        return job is not None or push is not None
+
+    # -- the layer-wise flow (P1-P9 reordered; see the module docstring) -------------------------
+
+    def begin_push(self, request_id: str, num_tokens: int, block_ids: Sequence[int]) -> LayerFeed | None:
+        """P2: the request's last forward is about to run over ``block_ids``. With a destination
+        waiting, returns the feed the engine reports each written layer to; else None (the KV goes
+        the pull way, or is pushed whole if its destination comes later)."""
+        with self._lock:
+            push = self._pushes.get(request_id)
+            if push is None or push.state is not PushState.WAITING:
+                return None
+            push.state, push.handoff_expected = PushState.PUSHING, True
+            push.deadline = time.monotonic() + self.ttl_s
+            push.src_block_ids, push.num_tokens = list(block_ids), push.num_tokens
+            if num_tokens != push.num_tokens:
+                mismatch = f"request {request_id}: the decode expects {push.num_tokens} tokens, the prefill has {num_tokens}"
+            else:
+                mismatch = ""
+        self._work.put((push, -1, mismatch))
+        return LayerFeed(self, push)
+
+    def _push_to(self, msg: PushTo) -> Message:
+        """P1: keep the destination. A request already prefilled (its D1 came late) is pushed whole."""
+        with self._lock:
+            receiver = self._receivers.get(msg.receiver)
+            if receiver is None:
+                return Error(msg.request_id, f"unknown receiver {msg.receiver!r}: say hello first")
+            if msg.request_id in self._pushes or msg.request_id in self._sent:
+                return Error(msg.request_id, f"request {msg.request_id!r} already has a destination")
+            push = _Push(msg.request_id, receiver, [int(b) for b in msg.dst_block_ids], int(msg.num_tokens), time.monotonic() + self.ttl_s)
+            self._pushes[msg.request_id] = push
+            late = self._prefilled.pop(msg.request_id, None)
+        if late is not None:
+            push.num_tokens = late.num_tokens
+            with self._lock:
+                push.blocks = late
+            self._start_push(push, late, None)
+        return Ack(msg.request_id)
+
+    def _await_push(self, msg: AwaitPush) -> Message | Deferred:
+        """D2's counterpart: the reply leaves when the push has an outcome."""
+        with self._lock:
+            push = self._pushes.get(msg.request_id)
+            if push is None or push.receiver is not self._receivers.get(msg.receiver):
+                return Error(msg.request_id, f"no layer-wise push of request {msg.request_id!r} for this receiver")
+            waiter = push.waiter = Deferred()
+            outcome = push.outcome
+        if outcome is not None:
+            waiter.resolve(outcome)
+            self._settle(push)
+        return waiter
+
+    def _start_push(self, push: _Push, job: _Prefilled, marker: Any) -> None:
+        """Push a whole prefilled request (its destination came after its forward)."""
+        with self._lock:
+            if push.state is not PushState.WAITING:
+                return
+            push.state, push.src_block_ids = PushState.PUSHING, list(job.block_ids)
+        self._work.put((push, -1, ""))
+        for layer in range(self.fmt.layout.num_layers):
+            self._work.put((push, layer, marker))
+
+    def _enqueue(self, push: _Push, layer: int, marker: Any) -> None:
+        if layer == self.fmt.layout.num_layers - 1:
+            push.t_last_layer = time.perf_counter()
+        self._work.put((push, layer, marker))
+
+    def _engine_failed(self, push: _Push, error: str) -> None:
+        with self._lock:
+            push.handoff_expected = False
+        self._fail_push(push, f"request {push.request_id}: prefill failed: {error}")
+        self._settle(push)
+
+    def _push_loop(self) -> None:
+        """The push worker: plans, produces and writes layers in the order the engine finishes them.
+        While it works on a push (``busy``) it alone may release that push's staging."""
+        while not self._stop.is_set():
+            try:
+                push, layer, arg = self._work.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            with self._lock:
+                if push.state is not PushState.PUSHING:
+                    continue
+                push.busy = True
+            try:
+                if layer < 0:
+                    self._plan_push(push, arg)
+                else:
+                    self._push_layer(push, layer, arg)
+            except Exception as e:  # noqa: BLE001 - this request fails; the worker goes on
+                log.warning("layer-wise push of %s failed: %s", push.request_id, e)
+                self._fail_push(push, f"request {push.request_id}: push failed: {type(e).__name__}: {e}")
+            finally:
+                self._after_work(push)
+
+    def _after_work(self, push: _Push) -> None:
+        """A push that ended while the worker held it: its staging goes back now (pushed) or after
+        the transport's drain time (failed: a write may still read it)."""
+        with self._lock:
+            push.busy = False
+            staged = push.staged if push.state in (PushState.PUSHED, PushState.FAILED) else None
+            if staged is not None:
+                push.staged = None
+                if push.state is PushState.FAILED:
+                    self._drain.append((time.monotonic() + self.transport.drain_s, staged.held))
+        if staged is not None and push.state is PushState.PUSHED:
+            self.fmt.release(staged.held)
+
+    def _plan_push(self, push: _Push, mismatch: str) -> None:
+        """P2-P4 of a push, beside the forward: plan it and reserve its staging."""
+        if mismatch:
+            raise ValueError(mismatch)
+        t0 = time.perf_counter()
+        push.plan = self.fmt.plan_layers(push.num_tokens, push.src_block_ids, push.receiver.info, push.dst_block_ids)
+        t1 = time.perf_counter()
+        deadline = time.monotonic() + self.staging_wait_s
+        while True:
+            try:
+                staged = self.fmt.reserve_layers(push.plan, push.request_id, ttl_s=self.ttl_s * 2)
+                break
+            except BufferFull:
+                if time.monotonic() >= deadline or push.state is not PushState.PUSHING:
+                    raise
+                time.sleep(0.005)
+        with self._lock:
+            if push.state is not PushState.PUSHING:  # failed meanwhile: what was just reserved goes back
+                self.fmt.release(staged.held)
+                return
+            push.staged = staged
+        push.layers_left = self.fmt.layout.num_layers
+        push.timings.update(plan_s=t1 - t0, reserve_s=time.perf_counter() - t1)
+
+    def _push_layer(self, push: _Push, layer: int, marker: Any) -> None:
+        """P3 + P5 for one layer: produce it on the side stream, then WRITE it to the destination."""
+        staged = push.staged
+        if staged is None:
+            raise RuntimeError("layer pushed before its plan")
+        t0 = time.perf_counter()
+        self._side.run(marker, lambda: self.fmt.produce_layer(push.plan, layer, staged))
+        t1 = time.perf_counter()
+        descs = self.fmt.layer_descs(push.plan, layer, staged)
+        if descs:
+            self.transport.transfer("WRITE", push.receiver.peer, descs, timeout_s=self.ttl_s)
+        t2 = time.perf_counter()
+        push.timings["transform_s"] = push.timings.get("transform_s", 0.0) + t1 - t0
+        push.timings["write_s"] = push.timings.get("write_s", 0.0) + t2 - t1
+        push.bytes += sum(d.length for d in descs)
+        push.requests += len(descs)
+        push.layers_left -= 1
+        if push.layers_left == 0:
+            push.timings["exposed_s"] = t2 - push.t_last_layer if push.t_last_layer else 0.0
+            self._end_push(push, PushState.PUSHED, Pushed(push.request_id, push.num_tokens, push.bytes, push.requests, dict(push.timings)))
+
+    def _fail_push(self, push: _Push, message: str) -> None:
+        self._end_push(push, PushState.FAILED, Error(push.request_id, message))
+
+    def _end_push(self, push: _Push, state: PushState, outcome: Message) -> None:
+        """P6 + P9 and P7: release what the push held, then give the decode its outcome (once)."""
+        with self._lock:
+            if push.state in (PushState.PUSHED, PushState.FAILED):
+                return
+            push.state, push.outcome = state, outcome
+            push.deadline = time.monotonic() + self.ttl_s  # for an outcome nobody claims
+            job, push.blocks = push.blocks, None
+            staged = None
+            if not push.busy and push.staged is not None:  # else the worker releases it (_after_work)
+                staged, push.staged = push.staged, None
+                if state is PushState.FAILED:
+                    self._drain.append((time.monotonic() + self.transport.drain_s, staged.held))
+                    staged = None
+            waiter = push.waiter
+        if staged is not None:
+            self.fmt.release(staged.held)
+        if job is not None:
+            self._give_back_blocks(job)
+        if waiter is not None:
+            waiter.resolve(outcome)
+        self._settle(push)
+
+    def _settle(self, push: _Push) -> None:
+        with self._lock:
+            if push.settled and self._pushes.get(push.request_id) is push:
+                del self._pushes[push.request_id]
 
     # -- control messages ---------------------------------------------------------------------
 
-    def _handle(self, msg: Message, ident: bytes) -> Message | None:
+    def _handle(self, msg: Message, ident: bytes) -> Message | Deferred | None:
         if isinstance(msg, Hello):
             return self._hello(msg)
         if isinstance(msg, PullRequest):
             return self._pull(msg)
         if isinstance(msg, PushRequest):
             return self._push(msg)
+        if isinstance(msg, PushTo):
+            return self._push_to(msg)
+        if isinstance(msg, AwaitPush):
+            return self._await_push(msg)
         if isinstance(msg, Done):
             self._done(msg)
             return Ack(msg.request_id)
@@ -170,7 +490,7 @@ class KVSender:
         receiver = str(msg.extra.get("receiver") or uuid.uuid4().hex)
         with self._lock:
             self._receivers[receiver] = _Receiver(peer, {"layout": layout, **msg.extra})
-        extra = {**self.fmt.hello_extra(), "format": self.fmt.name, "receiver": receiver, "keepalive": True, "ttl_s": self.ttl_s}
+        extra = {**self.fmt.hello_extra(), "format": self.fmt.name, "receiver": receiver, "keepalive": True, "ttl_s": self.ttl_s, "layerwise": self.fmt.layerwise}
         return Hello("prefill", self.config, self.transport.name, self.transport.metadata(), layout_to_wire(self.fmt.layout), extra)
 
     def _pull(self, msg: PullRequest) -> Message:
@@ -244,6 +564,14 @@ class KVSender:
     def _done(self, msg: Done) -> None:
         # P8: receive the notice; P9: release what P4 reserved (and the blocks gg-direct held).
         with self._lock:
+            push = self._pushes.get(msg.request_id)
+            if push is not None:  # layer-wise: the decode gave up; stop writing, nobody will ask
+                push.abandoned = True
+        if push is not None:
+            self._fail_push(push, f"request {msg.request_id}: cancelled by the decode: {msg.error}")
+            self._settle(push)
+            return
+        with self._lock:
             sent = self._sent.pop(msg.request_id, None)
         if sent is None:
             return
@@ -290,6 +618,11 @@ class KVSender:
             sent = [self._sent.pop(k) for k in stale_sent]
             ready = [r for t, r in self._drain if t <= now]
             self._drain = [(t, r) for t, r in self._drain if t > now]
+            stale_pushes = [p for p in self._pushes.values() if p.deadline <= now]
+        for p in stale_pushes:  # never reached, stuck, or its outcome never claimed
+            p.abandoned = p.abandoned or p.outcome is not None
+            self._fail_push(p, f"request {p.request_id}: the layer-wise push expired (ttl {self.ttl_s:g} s)")
+            self._settle(p)
         for j in jobs:
             self._give_back_blocks(j)
         for s in sent:
@@ -299,7 +632,7 @@ class KVSender:
         for h in ready:
             self.fmt.release(h)
         expired = self.fmt.expire(now)
-        return len(jobs) + len(sent) + len(ready) + len(expired)
+        return len(jobs) + len(sent) + len(ready) + len(expired) + len(stale_pushes)
 
     def _reap_loop(self, every_s: float) -> None:
         while not self._stop.wait(every_s):
@@ -316,18 +649,27 @@ class KVSender:
                 "waiting": sorted(self._prefilled),
                 "in_flight": sorted(self._sent),
                 "draining": len(self._drain),
+                "pushes": sorted(self._pushes),
             }
 
     def close(self) -> None:
         self._stop.set()
+        with self._lock:
+            pushes = list(self._pushes.values())
+        for p in pushes:  # the decodes hear it (if the socket still carries it) and release
+            p.abandoned, p.handoff_expected = True, False
+            self._fail_push(p, f"request {p.request_id}: the prefill is shutting down")
+        self._pusher.join(timeout=5)
         self.server.close()
         self._reaper.join(timeout=2)
         with self._lock:
             jobs = list(self._prefilled.values()) + [s.held_blocks for s in self._sent.values() if s.held_blocks]
             held = [s.held for s in self._sent.values()] + [h for _, h in self._drain]
+            held += [p.staged.held for p in pushes if p.staged is not None]
             self._prefilled.clear()
             self._sent.clear()
             self._drain.clear()
+            self._pushes.clear()
         for j in jobs:
             self._give_back_blocks(j)
         for h in held:
@@ -423,6 +765,7 @@ class KVReceiver:
         self._lock = threading.Lock()
         self._draining: list[tuple[float, Held]] = []
         self._history: dict[str, PullResult] = {}
+        self._expecting: dict[str, float] = {}  # layer-wise destinations handed out, by request
 
     def connect(self, address: str) -> None:
         """Handshake with a prefill instance: exchange transport metadata and KV layouts."""
@@ -545,6 +888,75 @@ class KVReceiver:
         self._remember(result)
         return result
 
+    def push_to(
+        self,
+        address: str,
+        request_id: str,
+        dst_block_ids: Sequence[int],
+        num_tokens: int,
+        timeout_s: float | None = None,
+        on_handed: Callable[[], None] | None = None,
+    ) -> PullResult:
+        """The layer-wise flow's decode side: hand ``dst_block_ids`` to the prefill at ``address``
+        (D1) before it prefills request ``request_id``, call ``on_handed`` (the caller starts the
+        prefill then), and return once every layer has been pushed (D2) and is visible (D7).
+
+        ``timeout_s`` bounds each wait: the prefill's Ack, and the push's outcome (which includes the
+        prefill's queueing and forward). On any failure the prefill is told to stop (D9 not ok) and
+        :class:`PushFailed` says how long the blocks may still be written.
+        """
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        self.reap()
+        self.connect(address)
+        s = self._senders[address]
+        if not s.info.get("layerwise") or not self.landing.layerwise:
+            raise KVTransferFailed(f"request {request_id}: {self.config} between this decode and the prefill at {address} has no layer-wise push (kv_flow=layerwise supports gn-hawk and gg-direct)")
+        t = _Clock()
+        with self._lock:
+            self._expecting[request_id] = time.monotonic()
+        ok, error, handed = False, "", False
+        try:
+            try:
+                ack = s.client.call(PushTo(request_id, s.receiver, [int(b) for b in dst_block_ids], int(num_tokens)), timeout)  # D1
+            except PeerUnreachable as e:
+                error = f"request {request_id}: prefill at {address} did not take the destination: {e}"
+                raise PushFailed(error, self.transport.drain_s) from e
+            if isinstance(ack, Error):
+                error = f"request {request_id}: prefill refused the destination: {ack.message}"
+                raise KVTransferFailed(error)
+            if not isinstance(ack, Ack):
+                error = f"request {request_id}: unexpected reply {ack!r:.200}"
+                raise KVTransferFailed(error)
+            t.lap("send_s")
+            handed = True
+            if on_handed is not None:
+                on_handed()
+            try:
+                reply = s.client.call(AwaitPush(request_id, s.receiver), timeout)  # D2: the push's outcome
+            except PeerUnreachable as e:
+                error = f"request {request_id}: no push outcome from {address}: {e}"
+                raise PushFailed(error, self.transport.drain_s) from e
+            t.lap("wait_pushed_s")
+            if isinstance(reply, Error):
+                error = f"request {request_id}: push failed: {reply.message}"
+                raise PushFailed(error, self.transport.drain_s)
+            if not isinstance(reply, Pushed) or reply.request_id != request_id:
+                error = f"request {request_id}: unexpected reply {reply!r:.200}"
+                raise PushFailed(error, self.transport.drain_s)
+            self.landing.finish_layers()  # D7: the written pages become the KV cache
+            t.lap("finish_s")
+            ok = True
+        finally:
+            with self._lock:
+                self._expecting.pop(request_id, None)
+            if not ok and handed:  # D9: stop pushing; release what it holds
+                s.client.send(Done(request_id, False, error))
+        timings = {**t.laps, "total_s": t.now - t.t0}
+        timings.update({f"sender_{k}": float(v) for k, v in reply.timings.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        result = PullResult(request_id, reply.num_tokens, reply.bytes, reply.requests, "layerwise", timings)
+        self._remember(result)
+        return result
+
     def _warm(self, num_tokens: int, dst_block_ids: Sequence[int], info: dict[str, Any]) -> None:
         """Receiver planning overlapped with the D1 round trip; never fails the pull (D2 re-checks all)."""
         try:
@@ -593,7 +1005,8 @@ class KVReceiver:
     def accounting(self) -> dict[str, Any]:
         with self._lock:
             draining = len(self._draining)
-        return {"reservations": self.landing.live(), "draining": draining}
+            expecting = sorted(self._expecting)
+        return {"reservations": self.landing.live(), "draining": draining, "expecting": expecting}
 
     def close(self) -> None:
         with self._lock:

@@ -62,6 +62,8 @@ class _Loop:
         self._thread.start()
 
     def post(self, frames: list[bytes]) -> None:
+        if self._stop.is_set():  # closed: nobody would send it (and a new inproc pusher could block)
+            return
         p = getattr(self._local, "push", None)
         if p is None:
             p = self._ctx.socket(zmq.PUSH)
@@ -109,12 +111,46 @@ class _Loop:
             self._pushers.clear()
 
 
+class Deferred:
+    """A reply a handler gives later (the layer-wise flow answers AwaitPush once the KV is pushed).
+
+    The handler returns a Deferred instead of a message; the server binds it to the caller, and
+    :meth:`resolve` sends the reply from any thread, once (a second resolve is ignored; one that
+    comes before the binding is sent at binding)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._send: Callable[[Message], None] | None = None
+        self._reply: Message | None = None
+        self._sent = False
+
+    def _bind(self, send: Callable[[Message], None]) -> None:
+        with self._lock:
+            self._send = send
+            reply = self._reply if not self._sent else None
+            self._sent = self._sent or reply is not None
+        if reply is not None:
+            send(reply)
+
+    def resolve(self, reply: Message) -> bool:
+        """Send ``reply`` (or keep it until bound); False if a reply was already given."""
+        with self._lock:
+            if self._sent or self._reply is not None:
+                return False
+            self._reply = reply
+            send = self._send
+            self._sent = send is not None
+        if send is not None:
+            send(reply)
+        return True
+
+
 class ControlServer:
     """Serves ``handler(message, peer_identity) -> reply`` on a ROUTER socket (127.0.0.1 by default)."""
 
     def __init__(
         self,
-        handler: Callable[[Message, bytes], Message | None],
+        handler: Callable[[Message, bytes], Message | Deferred | None],
         host: str = "127.0.0.1",
         port: int = 0,
         workers: int = 4,
@@ -156,9 +192,19 @@ class ControlServer:
         except Exception as e:  # noqa: BLE001 - the peer gets the error, the server keeps serving
             log.exception("control handler failed")
             reply = Error(getattr(locals().get("msg"), "request_id", ""), f"{type(e).__name__}: {e}")
+        if isinstance(reply, Deferred):
+            if corr != _NO_REPLY:
+                reply._bind(lambda m: self._answer(ident, corr, m))
+            return
         if reply is not None and corr != _NO_REPLY:
-            out = encode(reply)
+            self._answer(ident, corr, reply)
+
+    def _answer(self, ident: bytes, corr: bytes, reply: Message) -> None:
+        out = encode(reply)
+        try:
             self._loop.post([ident, corr, sign(self._key, corr, out), out])
+        except zmq.ZMQError:  # the server closed meanwhile: the caller's timeout decides
+            log.debug("control reply after close dropped")
 
     def close(self) -> None:
         self._loop.close()

@@ -29,8 +29,10 @@ from hawk.memory.npu_kv_cache import NpuKVCacheMemory
 from hawk.memory.reservations import Reservation
 from hawk.plan.block_plan import BlockCopyPlan, plan_block_copy
 from hawk.plan.kv_plan import KVTransferPlan
+from hawk.plan.layer_plan import LayerwisePlan, plan_layerwise
 from hawk.plan.plan_cache import PLANS
 from hawk.transform import transform
+from hawk.transport.base import Desc
 
 #: Transport region name of a sender's staging buffer.
 STAGING_REGION = "staging"
@@ -113,6 +115,27 @@ class SendFormat(ABC):
     def extents(self, plan: Any) -> list[list[int]]:
         return []
 
+    # -- the layer-wise push (kv_flow=layerwise): the sender writes each layer into the receiver's
+    # -- destination as soon as the prefill's forward has written it into the paged cache.
+
+    #: Whether this format can push a request layer by layer.
+    layerwise: ClassVar[bool] = False
+
+    def plan_layers(self, num_tokens: int, block_ids: Sequence[int], peer: dict[str, Any], dst_block_ids: Sequence[int]) -> Any:
+        """The layer-wise plan of one request, from the receiver's handshake and its destination."""
+        raise ValueError(f"send format {self.name!r} cannot push layer by layer (kv_flow=layerwise supports gn-hawk and gg-direct)")
+
+    def reserve_layers(self, plan: Any, owner: str, ttl_s: float) -> Staged:
+        """Reserve what the layers will be produced into (nothing for a format read in place)."""
+        return Staged(Held("in-place"))
+
+    def produce_layer(self, plan: Any, layer: int, staged: Staged) -> None:
+        """Write layer ``layer``'s bytes into its slice of ``staged`` (nothing when read in place)."""
+
+    def layer_descs(self, plan: Any, layer: int, staged: Staged) -> list[Desc]:
+        """Layer ``layer``'s WRITE batch, from this side's view: local = sender, remote = receiver."""
+        raise NotImplementedError
+
 
 class _InStagingBuffer(SendFormat):
     """A format whose bytes go into one registered staging buffer."""
@@ -180,6 +203,34 @@ class NpuTiles(_InStagingBuffer):
     def extents(self, plan: KVTransferPlan) -> list[list[int]]:
         return [list(e) for e in plan.channel_extents]
 
+    # Layer-wise: the staging holds the request layer-major (hawk/plan/layer_plan.py); each layer's
+    # tiles are written straight into their NPU cache pages (direct placement: no receive buffer
+    # and no intra-channel copy on the decode side, whose pages were allocated before prefill).
+    layerwise = True
+
+    def plan_layers(self, num_tokens, block_ids, peer, dst_block_ids) -> LayerwisePlan:
+        dst = peer["layout"]
+        if not isinstance(dst, NpuKVLayout):
+            raise ValueError("npu-tiles needs an NPU receiver layout")
+        return plan_layerwise(num_tokens, block_ids, dst_block_ids, self.layout, dst, peer["bases"], PLANS.kv_plan)
+
+    def reserve_layers(self, plan: LayerwisePlan, owner: str, ttl_s: float) -> Staged:
+        res = self.staging.reserve(plan.total_bytes, owner, ttl_s)
+        return Staged(Held("layerwise", {0: res}), STAGING_REGION, res.offset)
+
+    def produce_layer(self, plan: LayerwisePlan, layer: int, staged: Staged) -> None:
+        n = plan.layer_bytes
+        out = self.staging.view(staged.held.reservations[0])[layer * n : (layer + 1) * n]
+        cache = [self.caches[layer]]
+        if out.device == cache[0].device:
+            transform(cache, plan.plan, out, self.impl)
+        else:
+            out.copy_(transform(cache, plan.plan, None, self.impl))
+
+    def layer_descs(self, plan: LayerwisePlan, layer: int, staged: Staged) -> list[Desc]:
+        base = staged.offset + layer * plan.layer_bytes
+        return [Desc(STAGING_REGION, base + so, channel_region(ch), addr, n) for _, so, ch, addr, n in plan.direct_runs(layer)]
+
 
 def gather_compact(caches: Sequence[torch.Tensor], plan: BlockCopyPlan) -> torch.Tensor:
     """``[layers, 2, n, ...]`` of the request's blocks, contiguous, on the caches' device."""
@@ -226,6 +277,24 @@ class InPlace(SendFormat):
 
     def stage(self, plan: BlockCopyPlan, owner: str, ttl_s: float) -> Staged:
         return Staged(Held("in-place"))
+
+    # Layer-wise: nothing is produced; layer l's blocks are written from this cache's layer-l
+    # region into the receiver's layer-l region (its blocks were allocated before prefill).
+    layerwise = True
+
+    def plan_layers(self, num_tokens, block_ids, peer, dst_block_ids) -> list[list[Desc]]:
+        dst = peer["layout"]
+        if not isinstance(dst, GpuKVLayout):
+            raise ValueError("a layer-wise push from the paged cache needs a GPU receiver layout")
+        if dst.heads != self.layout.heads:
+            raise ValueError(f"layer-wise push needs the same KV heads on both sides (tensor parallelism is not supported): {self.layout.heads} vs {dst.heads}")
+        per_layer: list[list[Desc]] = [[] for _ in range(self.layout.num_layers)]
+        for r in plan_block_copy(num_tokens, block_ids, self.layout).direct_requests(dst, dst_block_ids):
+            per_layer[r.src_region].append(Desc(cache_region(r.src_region), r.src_offset, cache_region(r.dst_region), r.dst_offset, r.length))
+        return per_layer
+
+    def layer_descs(self, plan: list[list[Desc]], layer: int, staged: Staged) -> list[Desc]:
+        return plan[layer]
 
 
 class NpuPages(SendFormat):

@@ -80,6 +80,13 @@ class Landing(ABC):
     def close(self) -> None:
         """Free the receive buffers this landing allocated."""
 
+    #: Whether the prefill may push into this landing layer by layer (kv_flow=layerwise): the
+    #: destination is the decode's own cache blocks, so nothing is reserved or copied here.
+    layerwise: ClassVar[bool] = False
+
+    def finish_layers(self) -> None:
+        """D7 of a layer-wise push: make the pages the prefill wrote visible to the decode's kernels."""
+
 
 class _NpuTilesLanding(Landing):
     """Receives HAWK's transformed tiles into the NPU's KV cache; every channel is a region."""
@@ -146,6 +153,11 @@ class ChannelLanding(_NpuTilesLanding):
     def finish(self, plan, held) -> None:
         if held.mode == "staging":
             self.npu.copy(plan.staging_copy_runs(self._addresses(held)))
+        self.npu.synchronize()
+
+    layerwise = True  # pushed layer by layer, always straight into the pages (direct placement)
+
+    def finish_layers(self) -> None:
         self.npu.synchronize()
 
     def release(self, held) -> None:
@@ -379,6 +391,11 @@ class GpuDirectLanding(Landing):
         dev = self.caches[0].device
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
+
+    layerwise = True
+
+    def finish_layers(self) -> None:
+        self.finish(None, Held("in-place"))
 
 
 class GpuFromTiles(Landing):

@@ -105,6 +105,44 @@ class PushRequest(Message):
 
 
 @dataclass(frozen=True)
+class PushTo(Message):
+    """D1 of the layer-wise flow, sent before the prefill runs: where request ``request_id``'s KV
+    must land (the decode has already allocated ``dst_block_ids``). The prefill keeps it as a
+    pending destination and answers Ack at once; it then writes each layer there as its forward
+    finishes it. Sent only to a prefill whose handshake advertised ``layerwise`` (so no version bump)."""
+
+    TYPE: ClassVar[str] = "push-to"
+    request_id: str
+    receiver: str
+    dst_block_ids: list
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class AwaitPush(Message):
+    """Decode -> prefill after PushTo's Ack: reply when the pushed KV is all there (Pushed) or
+    will not be (Error). The reply is held by the prefill until then."""
+
+    TYPE: ClassVar[str] = "await-push"
+    request_id: str
+    receiver: str
+
+
+@dataclass(frozen=True)
+class Pushed(Message):
+    """The layer-wise flow's D2: every layer of the request has been written to its destination
+    and the writes have completed. ``timings``: the sender's seconds (``exposed_s``: from the
+    last layer's forward to the last write done, the part of the transfer prefill did not hide)."""
+
+    TYPE: ClassVar[str] = "pushed"
+    request_id: str
+    num_tokens: int
+    bytes: int
+    requests: int
+    timings: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Done(Message):
     """D9: the decode side is finished with the request (ok or not); the sender may release (P8-P9)."""
 
@@ -138,7 +176,9 @@ class Error(Message):
     message: str
 
 
-MESSAGES: dict[str, type[Message]] = {m.TYPE: m for m in (Hello, PullRequest, KVReady, PushRequest, Done, KeepAlive, Ack, Error)}
+MESSAGES: dict[str, type[Message]] = {
+    m.TYPE: m for m in (Hello, PullRequest, KVReady, PushRequest, PushTo, AwaitPush, Pushed, Done, KeepAlive, Ack, Error)
+}
 _PY_TYPES = {str: str, int: int, bool: bool, bytes: bytes, list: list, dict: dict}
 
 

@@ -37,12 +37,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
+from hawk.connector.algorithm1 import PushFailed
 from hawk.devices.timing import pace_until
 from hawk.engine.attention import SeqSlice
 from hawk.engine.block_manager import BlockManager
@@ -65,6 +66,23 @@ class KVHandle:
 
     address: str
     request_id: str
+
+
+@dataclass(eq=False)
+class KVPush:
+    """Decode first (kv_flow=layerwise): the prefill at ``address`` will push request ``request_id``'s
+    KV into the blocks this engine allocates for it, layer by layer during its forward.
+
+    ``handed`` is set once the prefill holds the destination (or the attempt is over): the caller
+    starts the request's prefill then. ``first_token`` is the prefill's first token, which the caller
+    sets (or fails) when its prefill returns; the engine emits it once the KV is here. The first
+    token given to :meth:`DecodeEngine.submit` with this handle is a placeholder.
+    """
+
+    address: str
+    request_id: str
+    first_token: Future = field(default_factory=Future)
+    handed: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
@@ -121,20 +139,53 @@ class RemoteKV:
     def blocks_needed(self, seq: Sequence) -> int:
         return self.blocks.blocks_for(seq.prompt_len + 1)
 
-    def admit(self, seq: Sequence, block_ids: list[int], handle: KVHandle) -> dict[str, Any]:
+    def admit(self, seq: Sequence, block_ids: list[int], handle: KVHandle | KVPush) -> dict[str, Any]:
+        if isinstance(handle, KVPush):
+            return self._pushed(seq, block_ids, handle)
         # the prompt's length lets the receiver plan while its request (D1) is in flight
         r = self.receiver.pull(handle.address, handle.request_id, block_ids, num_tokens=seq.prompt_len)
         return {"kv_transfer_s": r.timings["total_s"], "kv_bytes": r.bytes, "kv_requests": r.requests, "kv_mode": r.mode}
 
+    def _pushed(self, seq: Sequence, block_ids: list[int], handle: KVPush) -> dict[str, Any]:
+        """Hand the blocks to the prefill, wait for its layers and its first token."""
+        try:
+            r = self.receiver.push_to(handle.address, handle.request_id, block_ids, seq.prompt_len, on_handed=handle.handed.set)
+        except PushFailed as e:  # its writes may still land: the blocks wait out the drain first
+            self._quarantine(seq, e.drain_s)
+            raise
+        finally:
+            handle.handed.set()
+        seq.output_ids[0] = int(handle.first_token.result(timeout=self.receiver.timeout_s))
+        info = {"kv_transfer_s": r.timings["total_s"], "kv_bytes": r.bytes, "kv_requests": r.requests, "kv_mode": r.mode}
+        info["kv_exposed_s"] = r.timings.get("sender_exposed_s", 0.0)
+        return info
+
+    def _quarantine(self, seq: Sequence, delay_s: float) -> None:
+        """Take ``seq``'s blocks out of the engine's hands and free them after ``delay_s``."""
+        ids, seq.block_ids = seq.block_ids, []
+        if not ids:
+            return
+        if delay_s <= 0:
+            self.blocks.free(ids)
+            return
+        timer = threading.Timer(delay_s, self.blocks.free, [ids])
+        timer.daemon = True
+        timer.start()
+
     def keep_alive(self, handles: list[KVHandle]) -> None:
         by_address: dict[str, list[str]] = {}
         for h in handles:
+            if isinstance(h, KVPush):  # not prefilled yet: its prefill waits for the destination
+                continue
             by_address.setdefault(h.address, []).append(h.request_id)
         for address, ids in by_address.items():
             self.receiver.keep_alive(address, ids)
 
-    def drop(self, handle: KVHandle) -> None:
-        """Nothing here holds it: the prefill's TTL frees the KV once keep-alives stop."""
+    def drop(self, handle: KVHandle | KVPush) -> None:
+        """Nothing here holds it: the prefill's TTL frees the KV once keep-alives stop (a KVPush
+        never handed over is released so its caller does not wait for it)."""
+        if isinstance(handle, KVPush):
+            handle.handed.set()
 
     def release(self, seq: Sequence) -> None:
         _free_blocks(self.blocks, seq)

@@ -189,7 +189,10 @@ class PrefillInstance(_FollowedRanks):
         self.transport, self.sender = self.rank.transport, self.rank.sender
         self._lock = threading.Lock()
         self._owed: dict[int, dict[str, _CountedRelease]] = {r: {} for r in range(1, tp)}
-        self.engine = PrefillEngine(self.loaded.model, self.layout, self.caches, self._handoff, max_prefill_chunk=cfg.max_prefill_chunk)
+        layer_push = self.sender.begin_push if cfg.kv_flow == "layerwise" else None
+        self.engine = PrefillEngine(
+            self.loaded.model, self.layout, self.caches, self._handoff, max_prefill_chunk=cfg.max_prefill_chunk, layer_push=layer_push,
+        )
         if self.followers is not None:
             self.loaded.model.set_group(self.followers.group.all_reduce)
             slices = record_slices(self.engine.runner.attn)
@@ -265,6 +268,7 @@ class PrefillInstance(_FollowedRanks):
             "staging_held": held(a["staging"]),
             "kv_waiting": a["waiting"],
             "kv_in_flight": a["in_flight"],
+            "kv_pushes": a.get("pushes", []),
             "draining": a["draining"],
             "gpu_blocks_used": self.engine.blocks.num_blocks - self.engine.blocks.num_free,
             "gpu_blocks_total": self.engine.blocks.num_blocks,
@@ -331,12 +335,15 @@ class DecodeRank:
 
 def _prefill_empty(a: dict[str, Any]) -> bool:
     """A prefill rank's ledger holds nothing (staging, waiting, in flight, draining)."""
-    return a["staging_reservations"] == 0 and not a["kv_waiting"] and not a["kv_in_flight"] and a["draining"] == 0
+    return a["staging_reservations"] == 0 and not a["kv_waiting"] and not a["kv_in_flight"] and not a.get("kv_pushes") and a["draining"] == 0
 
 
 def _ledger(rank: DecodeRank) -> dict[str, Any]:
     a = rank.receiver.accounting()
-    return {"rx_reservations": len(a["reservations"]), "rx_bytes": sum(r.size for r in a["reservations"]), "rx_held": held(a["reservations"]), "draining": a["draining"]}
+    return {
+        "rx_reservations": len(a["reservations"]), "rx_bytes": sum(r.size for r in a["reservations"]), "rx_held": held(a["reservations"]),
+        "draining": a["draining"], "kv_expecting": a.get("expecting", []),
+    }
 
 
 class TPReceiver:
@@ -369,6 +376,16 @@ class TPReceiver:
         total = time.perf_counter() - t0
         modes = sorted({r.mode for r in results})
         return PullResult(request_id, results[0].num_tokens, sum(r.bytes for r in results), sum(r.requests for r in results), ",".join(modes), {"total_s": total})
+
+    @property
+    def timeout_s(self) -> float:
+        return self.rank.receiver.timeout_s
+
+    def push_to(self, address: str, request_id: str, block_ids: list[int], num_tokens: int, on_handed: Any = None) -> PullResult:
+        """The layer-wise flow (kv_flow=layerwise): one rank, one prefill (validate refuses TP)."""
+        if self.followers is not None or "," in address:
+            raise KVTransferFailed(f"request {request_id}: layer-wise push needs decode_tp 1 and prefill_tp 1")
+        return self.rank.receiver.push_to(address, request_id, block_ids, num_tokens, on_handed=on_handed)
 
     def keep_alive(self, address: str, request_ids: Any) -> None:
         dtp = self.rank.cfg.decode_tp
@@ -419,7 +436,7 @@ class DecodeInstance(_FollowedRanks):
         """Nothing received or reserved on rank 0 or a live follower, no KV block in use."""
         a = self.accounting()
         ranks = [r for r in a.get("ranks", {}).values() if not r.get("dead")]
-        return a["kv_blocks_used"] == 0 and all(r["rx_reservations"] == 0 and r["draining"] == 0 for r in [a, *ranks])
+        return a["kv_blocks_used"] == 0 and all(r["rx_reservations"] == 0 and r["draining"] == 0 and not r.get("kv_expecting") for r in [a, *ranks])
 
     def accounting(self) -> dict[str, Any]:
         out = {

@@ -49,6 +49,30 @@ class PrefillKVConnector(Protocol):
         ...
 
 
+class LayerFeed(Protocol):
+    """One request's layer-wise push during its last forward (kv_flow=layerwise)."""
+
+    def layer_written(self, layer: int) -> None:
+        """Layer ``layer``'s KV is in the paged cache (enqueued, on CUDA): send it beside the forward."""
+        ...
+
+    def failed(self, error: BaseException | str) -> None:
+        """The forward or the first token failed: the push stops; the engine frees its blocks."""
+        ...
+
+
+class LayerPushConnector(Protocol):
+    """Where the prefill engine announces a request's last forward (``KVSender.begin_push``).
+
+    Called as ``begin_push(request_id, num_tokens, block_ids)`` on the engine thread right before
+    the forward that completes the prompt; returns a :class:`LayerFeed` when the decode has handed
+    over a destination (the engine then reports each layer, and still hands the blocks off after
+    the forward, as always), or None (nothing to push: the KV goes the pull way).
+    """
+
+    def __call__(self, request_id: str, num_tokens: int, block_ids: list[int]) -> LayerFeed | None: ...
+
+
 class DecodeKVConnector(Protocol):
     """How the decode engine gets a sequence's prompt KV into blocks it has allocated."""
 

@@ -20,7 +20,7 @@ tens of microseconds of host time instead of ~130).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import chain, islice
 from types import ModuleType
 
@@ -341,7 +341,18 @@ class PagedAttention:
 
     # ---- forward ------------------------------------------------------------------------------
 
+    #: Called with the layer index once a layer's K/V are written (enqueued, on CUDA): how a
+    #: layer-wise KV push (kv_flow=layerwise) learns that a layer is ready. The prefill engine sets
+    #: it around one forward; None otherwise (decode steps and graph captures never see it).
+    after_layer: Callable[[int], None] | None = None
+
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = self._attend(layer_idx, q, k, v)
+        if self.after_layer is not None:
+            self.after_layer(layer_idx)
+        return out
+
+    def _attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if q.shape[0] != self._tokens:
             raise ValueError(f"batch has {q.shape[0]} tokens but begin() declared {self._tokens}")
         cache = self.caches[layer_idx]

@@ -14,6 +14,13 @@ the whole prompt are taken when its first chunk is scheduled; the first token is
 the last chunk. The request's future stays pending until its last chunk runs, so cancelling it
 (the client's ``future.cancel()`` or :meth:`PrefillEngine.cancel`) works mid-way and the engine
 frees its blocks before the next iteration.
+
+Layer-wise push (``layer_push``, kv_flow=layerwise): before the forward that completes a prompt
+(its last chunk), the engine asks the connector whether a destination waits for it; if so, the
+attention backend reports each layer as its K/V are written, and the connector transforms and
+writes that layer beside the rest of the forward. Earlier chunks' KV is already in the cache, so
+pushing after the last chunk's layer l sends the whole prompt's layer l. (Pushing per chunk
+would start earlier on long prompts but cut NPU tiles at chunk boundaries; not done.)
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hawk.engine.block_manager import BlockManager
+from hawk.engine.kv_connector import LayerFeed, LayerPushConnector
 from hawk.engine.model import LlamaModel
 from hawk.engine.paged_attention import PagedAttention, SeqSlice
 from hawk.engine.runner import ModelRunner
@@ -101,6 +109,7 @@ class PrefillEngine:
         max_batch_tokens: int = 8192,
         block_manager: BlockManager | None = None,
         max_prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        layer_push: LayerPushConnector | None = None,
     ):
         """``max_batch_tokens``: prompt tokens per iteration (a longer prompt still runs, alone,
         when chunking is off). ``max_prefill_chunk``: 0 = whole prompts only; N > 0 = at most N
@@ -112,6 +121,7 @@ class PrefillEngine:
         # Prefill batches are eager; a graph per batch of one-token prompts would be waste.
         self.runner = ModelRunner(model, PagedAttention(layout, caches), graphs=False)
         self.handoff = handoff
+        self.layer_push = layer_push
         self.max_batch_tokens = max_batch_tokens
         self.max_prefill_chunk = max_prefill_chunk
         self.max_prompt_tokens = min(model.config.max_position_embeddings, layout.num_blocks * layout.block_size)
@@ -254,10 +264,30 @@ class PrefillEngine:
             out.append(p)
         return out
 
+    def _feeds(self, batch: list[_Piece]) -> dict[_Job, LayerFeed]:
+        """Layer-wise pushes of the prompts this forward completes (none without ``layer_push``)."""
+        if self.layer_push is None:
+            return {}
+        feeds = {}
+        for p in batch:
+            if p.last:
+                try:
+                    feed = self.layer_push(p.job.request_id, len(p.job.prompt_ids), list(p.job.blocks or []))
+                except Exception:  # noqa: BLE001 - no push: the KV goes the pull way
+                    log.exception("starting the layer-wise push of %s failed", p.job.request_id)
+                    feed = None
+                if feed is not None:
+                    feeds[p.job] = feed
+        return feeds
+
     def _run(self, batch: list[_Piece]) -> None:
         batch = self._runnable(batch)
         if not batch:
             return
+        feeds = self._feeds(batch)
+        attn = self.runner.attn
+        if feeds:
+            attn.after_layer = lambda layer: [f.layer_written(layer) for f in feeds.values()]
         try:
             slices = [SeqSlice(p.job.blocks, p.start, p.q_len) for p in batch]  # type: ignore[arg-type]
             logits = self.runner.forward([p.tokens for p in batch], slices)
@@ -265,17 +295,22 @@ class PrefillEngine:
                 torch.cuda.synchronize(self.caches[0].device)
         except Exception as e:  # noqa: BLE001 - fail this batch, keep serving
             log.exception("prefill batch failed")
+            for f in feeds.values():
+                f.failed(e)
             for p in batch:
                 self._fail(p.job, e)
             return
+        finally:
+            if feeds:
+                attn.after_layer = None
         t1 = time.monotonic()
         for p in batch:
             p.job.done, p.job.chunks = p.start + p.q_len, p.job.chunks + 1
         rows = [i for i, p in enumerate(batch) if p.last]
         if rows:
-            self._finish([batch[i].job for i in rows], logits[rows] if len(rows) < len(batch) else logits, t1)
+            self._finish([batch[i].job for i in rows], logits[rows] if len(rows) < len(batch) else logits, t1, feeds)
 
-    def _finish(self, jobs: list[_Job], logits: torch.Tensor, t1: float) -> None:
+    def _finish(self, jobs: list[_Job], logits: torch.Tensor, t1: float, feeds: dict[_Job, LayerFeed] | None = None) -> None:
         """Prompts whose last chunk just ran: sample each first token, hand the KV off."""
         firsts = self._sample(jobs, logits)
         for j, first in zip(jobs, firsts):
@@ -297,6 +332,8 @@ class PrefillEngine:
                 self.handoff(j.request_id, len(j.prompt_ids), blocks, free)
             except Exception as e:  # noqa: BLE001 - this request only: its blocks come back
                 log.warning("prefill of %s failed: %s", j.request_id, e)
+                if feeds and j in feeds:
+                    feeds[j].failed(e)
                 free()
                 j.blocks = None
                 j.future.set_exception(e)

@@ -1,0 +1,44 @@
+"""Where a layer-wise push meets the device: knowing that a layer's KV is written, and producing the
+layer's send bytes beside the forward instead of behind it.
+
+On CUDA the forward only enqueues work, so "layer l is done" is an event recorded on the forward's
+stream when the engine passes layer l; the push worker makes a side stream wait for that event, runs
+the layer's transform there (overlapping the next layers' compute) and waits for the side stream
+alone before posting the layer's WRITE. On a CPU the forward has run by the time the engine passes
+a layer, so there is nothing to wait for: the worker thread's transform overlaps the next layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def mark(device: torch.device) -> Any:
+    """A marker of everything enqueued so far on ``device``'s current stream (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(device))
+    return ev
+
+
+class SideStream:
+    """Runs layer work after a marker, on a stream of its own (CUDA) or inline (CPU)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def run(self, marker: Any, work: Callable[[], None]) -> None:
+        """``work`` after ``marker``; returns when its device work has finished."""
+        if self.stream is None:
+            work()
+            return
+        if marker is not None:
+            self.stream.wait_event(marker)
+        with torch.cuda.stream(self.stream):
+            work()
+        self.stream.synchronize()
