@@ -9,6 +9,7 @@
 #     smoke     - a quick end-to-end check after changes: small transfers and a tiny model on the GPUs
 #     reverse   - the reverse direction (ng-hawk: NPU prefill on GPU0's memory -> GPU decode on GPU1) beside gg-direct
 #     engine    - `hawk bench engine`: 8B decode step / prefill times vs read-bandwidth and GEMM ceilings (GPU0 only)
+#     ttft      - `hawk bench ttft`: TTFT disaggregated / colocated at 1k/4k/16k, pull and layer-wise push (both roles on GPU0)
 #     kernels   - the CUDA tests of the attention kernels (paged, NPU-tile) and the fused ops
 #     tp        - 8B token equality across tensor-parallel degrees: prefill TP2 -> decode TP1, TP1 -> TP2 (two GPUs)
 # Wheels missing on the box (nixl, nixl_cu13, pyzmq for cp312) are carried in .whl/ (see docs/gpu.md).
@@ -44,11 +45,14 @@ want transfer && \
     --configs gg-host,gn-host,gg-direct,gn-direct-single,gn-hawk,gn-hawk@staging,gn-hawk@direct \
     --json "$OUT/transfer_h200x2.json" --plot "$OUT/transfer_h200x2.png"
 want model && \
-  step model_8b 300 python3 -m hawk.bench.equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 \
+  step model_8b 200 python3 -m hawk.bench.equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 \
     --decode-device npu-emu:cuda:$dec --configs gn-hawk,gg-direct --max-tokens 32 --kv-tokens 8192 --json "$OUT/e2e_8b_h200x2.json"
+want ttft && \
+  step ttft 240 python3 -m hawk.bench.ttft --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device npu-emu:cuda:0 \
+    --prompts 1024,4096,16384 --configs gn-hawk,gg-direct --kv-flows pull,layerwise --repeats 3 --warmup 1 --json "$OUT/ttft_h200.json"
 # A TP group takes consecutive GPUs from its instance's device (rank r on cuda:N+r), so TP2 needs two.
 if want tp && [ "$ngpu" -ge 2 ]; then
-  step tp_2to1 200 python3 -m hawk.bench.equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 \
+  step tp_2to1 150 python3 -m hawk.bench.equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 \
     --decode-device npu-emu:cuda:1 --prefill-tp 2 --decode-tp 1 --configs gn-hawk,gg-direct --max-tokens 32 --kv-tokens 8192 --json "$OUT/tp_8b_2to1.json"
   step tp_1to2 200 python3 -m hawk.bench.equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:1 \
     --decode-device npu-emu:cuda:0 --prefill-tp 1 --decode-tp 2 --configs gn-hawk,gg-direct --max-tokens 32 --kv-tokens 8192 --json "$OUT/tp_8b_1to2.json"
