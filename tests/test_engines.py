@@ -11,6 +11,7 @@ from hawk.bench.equivalence import run_colocated
 from hawk.engine.decode_engine import KVHandle, TokenEvent
 from hawk.engine.instances import ColocatedInstance, DecodeInstance, InstanceConfig, PrefillInstance
 from hawk.engine.sequence import SamplingParams
+from hawk.errors import BadRequest, DuplicateRequest, PromptTooLong
 
 
 @pytest.fixture(scope="module")
@@ -106,12 +107,14 @@ def test_abort_frees_blocks_everywhere(tiny):
 
 def test_impossible_requests_are_refused_up_front(tiny):
     p, d, _ = tiny
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(BadRequest, match="empty"):
         p.engine.submit("e", [], SamplingParams())
-    with pytest.raises(ValueError, match="exceeds"):
+    with pytest.raises(PromptTooLong, match="exceeds"):
         p.engine.submit("big", list(range(1, 100000)), SamplingParams())
-    with pytest.raises(ValueError, match="blocks"):
+    with pytest.raises(PromptTooLong, match="blocks"):
         d.engine.submit("x", 500, 1, SamplingParams(max_tokens=100), KVHandle(p.kv_address, "x"), Collector())
+    with pytest.raises(BadRequest, match="positive"):
+        d.engine.submit("z", 0, 1, SamplingParams(max_tokens=4), KVHandle(p.kv_address, "z"), Collector())
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
 
@@ -247,3 +250,17 @@ def test_a_first_token_failure_fails_that_prefill_and_frees_its_blocks(tiny, mon
     ok = p.engine.submit("unmarked", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.5, seed=2**80)).result(60)
     assert ok.first_token >= 0
     assert _threads_alive(p, d)
+
+
+def test_a_request_id_in_use_is_refused_by_name(tiny):
+    """A second decode of a live id, and KV offered twice under one id, raise DuplicateRequest where
+    found (the server maps that class to 409 without reading messages)."""
+    p, d, _ = tiny
+    col = _submit(p, d, "dup", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True))
+    with pytest.raises(DuplicateRequest, match="already being decoded"):
+        d.engine.submit("dup", 3, 5, SamplingParams(max_tokens=4), KVHandle(p.kv_address, "dup"), Collector())
+    assert d.engine.abort("dup") and col.done.wait(10)
+    p.sender.add("twice", 4, [], None)
+    with pytest.raises(DuplicateRequest, match="already has KV waiting"):
+        p.sender.add("twice", 4, [], None)
+    assert p.sender.discard("twice")

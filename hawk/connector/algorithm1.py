@@ -71,8 +71,8 @@ from typing import Any
 
 from hawk.connector.control import ControlClient, ControlServer, Deferred, PeerUnreachable
 from hawk.connector.formats import Held, SendFormat, Staged
-from hawk.connector.layer_stream import SideStream, mark
 from hawk.connector.landings import Landing
+from hawk.connector.layer_stream import SideStream, mark
 from hawk.connector.messages import (
     Ack,
     AwaitPush,
@@ -90,6 +90,7 @@ from hawk.connector.messages import (
     layout_from_wire,
     layout_to_wire,
 )
+from hawk.errors import DuplicateRequest
 from hawk.memory.reservations import BufferFull
 from hawk.transport.base import Desc, Transport, TransferError
 
@@ -248,12 +249,12 @@ class KVSender:
         with self._lock:
             push = self._pushes.get(request_id)
             if push is None and (request_id in self._prefilled or request_id in self._sent):
-                raise ValueError(f"request {request_id!r} already has KV waiting")
+                raise DuplicateRequest(f"request {request_id!r} already has KV waiting")
             if push is None:
                 self._prefilled[request_id] = job
                 return
             if push.blocks is not None:
-                raise ValueError(f"request {request_id!r} already handed its blocks to its push")
+                raise DuplicateRequest(f"request {request_id!r} already handed its blocks to its push")
             push.blocks, push.handoff_expected = job, False
             whole = push.state is PushState.WAITING
             over = push.state in (PushState.PUSHED, PushState.FAILED)

@@ -52,6 +52,7 @@ from hawk.engine.runner import ModelRunner, StepOutput
 from hawk.engine.sampler import NO_TOKEN, make_generator, sample, sample_batch
 from hawk.engine.sequence import SamplingParams, Sequence, Status
 from hawk.engine.swap import BlockSwapper, SwappedKV, swapper_for
+from hawk.errors import BadRequest, DuplicateRequest, PromptTooLong
 
 log = logging.getLogger(__name__)
 
@@ -281,16 +282,16 @@ class DecodeEngine:
 
     def submit(self, request_id: str, prompt_len: int, first_token: int, params: SamplingParams, handle: Any, on_event: OnEvent) -> None:
         if prompt_len <= 0:
-            raise ValueError(f"prompt_len must be positive, got {prompt_len}")
+            raise BadRequest(f"prompt_len must be positive, got {prompt_len}")
         if prompt_len + params.max_tokens > self.max_len:
-            raise ValueError(f"prompt ({prompt_len}) + max_tokens ({params.max_tokens}) exceeds the context length {self.max_len}")
+            raise PromptTooLong(f"prompt ({prompt_len}) + max_tokens ({params.max_tokens}) exceeds the context length {self.max_len}")
         seq = Sequence(request_id, prompt_len, params, output_ids=[first_token])
         peak = self.kv.blocks.blocks_for(prompt_len + params.max_tokens)
         if peak > self.kv.blocks.num_blocks:  # alone with the whole cache it could still not finish
-            raise ValueError(f"request needs {peak} KV blocks, the decode cache has {self.kv.blocks.num_blocks}")
+            raise PromptTooLong(f"request needs {peak} KV blocks, the decode cache has {self.kv.blocks.num_blocks}")
         with self._lock:
             if request_id in self._entries:
-                raise ValueError(f"request {request_id!r} is already being decoded")
+                raise DuplicateRequest(f"request {request_id!r} is already being decoded")
             e = _Entry(seq, handle, on_event)
             self._entries[request_id] = e
             self._waiting.append(e)

@@ -42,6 +42,7 @@ from hawk.engine.paged_attention import PagedAttention, SeqSlice
 from hawk.engine.runner import ModelRunner
 from hawk.engine.sampler import NO_TOKEN, NonFiniteLogits, make_generator, sample, sample_batch
 from hawk.engine.sequence import SamplingParams
+from hawk.errors import BadRequest, PromptTooLong
 from hawk.layouts.gpu import GpuKVLayout
 
 log = logging.getLogger(__name__)
@@ -135,9 +136,9 @@ class PrefillEngine:
     def submit(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> Future:
         """Queue a prompt; the future resolves to a :class:`PrefillResult` (or the error)."""
         if not prompt_ids:
-            raise ValueError("the prompt is empty")
+            raise BadRequest("the prompt is empty")
         if len(prompt_ids) > self.max_prompt_tokens:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens exceeds this instance's limit of {self.max_prompt_tokens}")
+            raise PromptTooLong(f"prompt of {len(prompt_ids)} tokens exceeds this instance's limit of {self.max_prompt_tokens}")
         fut: Future = Future()
         with self._cv:
             self._queue.append(_Job(request_id, list(prompt_ids), params, fut))

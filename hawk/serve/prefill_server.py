@@ -80,10 +80,6 @@ class PrefillService:
             raise
         except FutureCancelled:
             raise Aborted(f"request {rid!r} was aborted") from None
-        except DuplicateRequest:
-            raise
-        except ValueError as e:  # the sender's refusal of KV already waiting under rid (see kv_connector.py)
-            raise DuplicateRequest(str(e)) from None
         finally:
             self._running.discard(rid)
         if self._aborted.pop(rid, None) is not None:
