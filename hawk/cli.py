@@ -80,7 +80,7 @@ def build_app() -> typer.Typer:
 def bench_transfer(
     sizes_mb: str = typer.Option("10,20,40,80,160,320,640,1280", help="KV sizes per transfer (MiB, Llama-3.1-70B TP4 rank shape)"),
     configs: str = typer.Option("gg-host,gn-host,gg-direct,gn-direct-single,gn-hawk", help="configurations; 'gn-hawk@direct' forces a landing mode"),
-    transport: str = typer.Option("nixl", help="nixl | mooncake | cuda-ipc"),
+    transport: str = typer.Option("nixl", help="a transport of hawk/transport/registry.py: nixl | mooncake | cuda-ipc | local | auto (per peer: same process local, same host cuda-ipc, else nixl)"),
     repeats: int = typer.Option(5, min=1),
     warmup: int = typer.Option(1, min=0),
     prefill_device: str = typer.Option("cpu", help="cpu or cuda:N"),

@@ -31,7 +31,7 @@ DEFAULT_MODEL = "smollm2-135m"
 TRANSFERS: dict[str, str] = {
     "gn-hawk": "npu", "gn-host": "npu", "gn-direct-single": "npu", "gg-direct": "gpu", "gg-host": "gpu", "colocated": "gpu",
 }
-TRANSPORTS = ("nixl", "mooncake", "local", "cuda-ipc")
+TRANSPORTS = ("nixl", "mooncake", "local", "cuda-ipc", "auto")
 ARCHS = ("blackhole-p150a", "blackhole-p100a", "wormhole-n150", "wormhole-n300")
 COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
 NPU_KV_DTYPES = ("bf16", "bfp8_b")
@@ -87,7 +87,7 @@ class ServeConfig:
     model: str = opt(DEFAULT_MODEL, "the embedded default, a preset (tiny, llama-3.1-8b, llama-3.1-70b-tp4), a .gguf file or a HF checkpoint dir")
     dtype: str = opt("fp32", "compute dtype", choices=COMPUTE_DTYPES)
     transfer: str = opt("gn-hawk", "KV transfer configuration (colocated = one engine, no transfer)", choices=tuple(TRANSFERS))
-    transport: str = opt("nixl", "transfer engine (local: inside one process only)", choices=TRANSPORTS)
+    transport: str = opt("nixl", "transfer engine (local: inside one process only; auto: per peer, local / cuda-ipc on this host, else nixl)", choices=TRANSPORTS)
     prefill_device: str = opt("cpu", "the GPU role: cpu or cuda:N")
     decode_device: str = opt("npu-emu:cpu", "npu-emu:cpu | npu-emu:cuda:N for gn-*; cpu | cuda:N for gg-*")
     arch: str = opt("blackhole-p150a", "the emulated NPU", choices=ARCHS)

@@ -448,7 +448,7 @@ def test_local_matches_numpy_reference(case):
 
 # ============================================================================ registry
 def test_registry_names_and_errors():
-    assert TRANSPORTS == ("nixl", "mooncake", "local", "cuda-ipc")
+    assert TRANSPORTS == ("nixl", "mooncake", "local", "cuda-ipc", "auto")
     with pytest.raises(ValueError, match="unknown transport 'rdma'.*nixl, mooncake, local, cuda-ipc"):
         make_transport("rdma")
     with pytest.raises(ValueError, match="bad options"):

@@ -5,6 +5,11 @@ shape: 80 layers, 2 KV heads, head_dim 128) and the decode process running this 
 is measured as the paper does: from the decode side's request (D1) until the KV is stored in its
 KV-cache pool (after D7). Before each pull the driver tells the prefill process which blocks hold
 the request's KV, as a finished prefill would.
+
+Every record also carries a same-run reference: ``copy_ms``, the median time of one plain device copy
+of the same bytes from the prefill's memory device to the decode's (``copy_path``), measured in this
+process, and ``x_copy`` / ``transfer_x_copy`` (the pull's and its transfer step's multiple of it).
+With ``--transport auto`` each record names the engine(s) that carried its batches (``engine``).
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ class BenchSpec:
     transform_impl: str = "auto"
     shard_pages: int = 1  # the NPU cache's page map (1 = interleaved)
     plan_ahead: bool = True  # the decode side plans while D1 is in flight (the prompt length is known)
+    copy_ref: bool = True  # time a plain device copy of the same bytes per (configuration, size)
 
     def tokens(self, size_mb: int) -> int:
         return max(1, size_mb * MiB // self.shape.bytes_per_token())
@@ -135,6 +141,8 @@ def _prefill_main(conn: Any, spec: BenchSpec) -> None:
                 rid, ntok, blocks = args
                 sender.add(rid, ntok, blocks)
                 conn.send(("ok", None))
+            elif cmd == "engines":  # batches this side posted, by engine (auto; push mode posts here)
+                conn.send(("ok", _engine_batches(transport)))
             elif cmd == "accounting":
                 a = sender.accounting()
                 conn.send(("ok", {k: (len(v) if isinstance(v, list) else v) for k, v in a.items()}))
@@ -189,8 +197,6 @@ def _decode_side(spec: BenchSpec, config: str, mode: str) -> tuple[Any, Any]:
     from hawk.devices.emulated import open_npu
     from hawk.layouts.npu import NpuKVLayout, get_arch
     from hawk.memory.npu_kv_cache import NpuKVCacheMemory
-    from hawk.plan.cost_model import cost_model_for
-
     s = spec.shape
     rx = spec.max_tokens * s.bytes_per_token() + 4 * MiB
     if get_config(config).decode_on == "gpu":
@@ -208,7 +214,58 @@ def _decode_side(spec: BenchSpec, config: str, mode: str) -> tuple[Any, Any]:
     layout = NpuKVLayout(npu.arch, s.layers, blocks, s.kv_heads, s.npu_block, s.head_dim, spec.kv_dtype, shard_pages=spec.shard_pages)
     kv = NpuKVCacheMemory(npu, layout)
     memory = parse_device(spec.npu_device).memory_kind
-    return NpuSide(npu, kv, rx, cost_model_for(spec.transport, memory), mode), kv
+    return NpuSide(npu, kv, rx, _cost_model(spec.transport, memory), mode), kv
+
+
+def _cost_model(transport: str, memory: str) -> Any:
+    """The landing's cost model; for "auto" (until plan/cost_model.py has its own figures) the engine
+    auto picks for the benchmark's same-host prefill process: cuda-ipc for CUDA memory, else nixl."""
+    from hawk.plan.cost_model import cost_model_for
+
+    if transport == "auto":
+        try:
+            return cost_model_for("auto", memory)
+        except ValueError:
+            transport = "cuda-ipc" if memory.startswith("cuda") else "nixl"
+    return cost_model_for(transport, memory)
+
+
+def _engine_batches(transport: Any) -> dict[str, int]:
+    """Batches by the engine that carried them (auto), or all under the transport's own name."""
+    f = getattr(transport, "batches_by_engine", None)
+    return dict(f()) if f is not None else {transport.name: transport.stats()["batches"]}
+
+
+def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0) > 0}
+
+
+def _sync(*devices: torch.device) -> None:
+    for d in devices:
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
+
+
+def device_copy_ms(nbytes: int, src: str, dst: str, repeats: int, warmup: int = 1) -> float:
+    """Median ms of one plain ``copy_`` of ``nbytes`` from a buffer on ``src`` to one on ``dst``: the
+    reference a transfer between those memories is held against (issue 9: "<= 2x a device copy")."""
+    sd, dd = torch.device(src), torch.device(dst)
+    a = torch.ones(nbytes, dtype=torch.uint8, device=sd)
+    b = torch.zeros(nbytes, dtype=torch.uint8, device=dd)  # both touched: no first-use page faults timed
+    times = []
+    try:
+        for i in range(warmup + max(1, repeats)):
+            _sync(sd, dd)
+            t0 = time.perf_counter()
+            b.copy_(a)
+            _sync(sd, dd)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+    finally:
+        del a, b
+        if torch.cuda.is_available() and "cuda" in (sd.type, dd.type):
+            torch.cuda.empty_cache()
+    return statistics.median(times) * 1e3
 
 
 def _blocks(n: int, shuffle: bool, seed: int) -> list[int]:
@@ -232,6 +289,7 @@ def run_transfer_bench(spec: BenchSpec, progress: Any = None) -> list[dict[str, 
 
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     records: list[dict[str, Any]] = []
+    copies: dict[tuple[int, str, str], float] = {}
     prefill = PrefillProcess(spec)
     try:
         for name in spec.configs:
@@ -249,6 +307,7 @@ def run_transfer_bench(spec: BenchSpec, progress: Any = None) -> list[dict[str, 
                     nblock = spec.shape.npu_block if cfg.decode_on == "npu" else spec.shape.gpu_block
                     dblocks = _blocks(-(-ntok // nblock), spec.shuffle_blocks, size + 1)
                     lat, parts, last = [], [], None
+                    before = (_engine_batches(transport), prefill.call("engines"))
                     for i in range(spec.warmup + spec.repeats):
                         rid = f"{name}-{size}-{i}-{uuid.uuid4().hex[:6]}"
                         prefill.call("add", rid, ntok, gblocks)
@@ -260,13 +319,25 @@ def run_transfer_bench(spec: BenchSpec, progress: Any = None) -> list[dict[str, 
                             parts.append(last.timings)
                         if progress is not None:
                             progress()
+                    used = {"decode": _delta(_engine_batches(transport), before[0]),
+                            "prefill": _delta(prefill.call("engines"), before[1])}  # fmt: skip
+                    src = spec.prefill_device
+                    dst = parse_device(spec.npu_device if cfg.decode_on == "npu" else spec.gpu_decode_device).torch_device
+                    key = (last.bytes, src, dst)
+                    if spec.copy_ref and key not in copies:
+                        copies[key] = device_copy_ms(last.bytes, src, dst, spec.repeats)
+                    copy_ms = copies.get(key)
+                    median_ms = statistics.median(lat) * 1e3
+                    transfer_ms = statistics.median(p["transfer_s"] for p in parts) * 1e3
                     records.append(
                         {
                             "config": name,
                             "transport": spec.transport,
+                            "engine": "+".join(sorted(set(used["decode"]) | set(used["prefill"]))) or spec.transport,
+                            "engine_batches": used,
                             "size_mb": size,
                             "tokens": ntok,
-                            "median_ms": statistics.median(lat) * 1e3,
+                            "median_ms": median_ms,
                             "p90_ms": _pct(lat, 0.9) * 1e3,
                             "min_ms": min(lat) * 1e3,
                             "requests": last.requests,
@@ -274,7 +345,11 @@ def run_transfer_bench(spec: BenchSpec, progress: Any = None) -> list[dict[str, 
                             "mode": last.mode,
                             "ready_ms": statistics.median(p["ready_s"] for p in parts) * 1e3,
                             "pair_ms": statistics.median(p["pair_s"] for p in parts) * 1e3,
-                            "transfer_ms": statistics.median(p["transfer_s"] for p in parts) * 1e3,
+                            "transfer_ms": transfer_ms,
+                            "copy_ms": copy_ms,
+                            "copy_path": f"{src} -> {dst}",
+                            "x_copy": median_ms / copy_ms if copy_ms else None,
+                            "transfer_x_copy": transfer_ms / copy_ms if copy_ms else None,
                             "finish_ms": statistics.median(p["finish_s"] for p in parts) * 1e3,
                             "host_breakdown_ms": host_breakdown(parts),
                             "host_ms": host_ms(host_breakdown(parts)),
@@ -347,15 +422,21 @@ def print_table(records: list[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title="KV transfer latency (decode request -> KV in cache pool)")
-    for col in ("config", "size_mb", "median_ms", "p90_ms", "requests", "mode", "ready_ms", "pair_ms", "transfer_ms", "finish_ms"):
-        t.add_column(col, justify="right" if col not in ("config", "mode") else "left")
+    def num(v: Any, fmt: str = ".2f") -> str:
+        return "-" if v is None else format(v, fmt)
+
+    t = Table(title="KV transfer latency (decode request -> KV in cache pool); copy = one device copy of the same bytes")
+    cols = ("config", "size_mb", "median_ms", "p90_ms", "requests", "mode", "engine", "ready_ms", "pair_ms", "transfer_ms",
+            "finish_ms", "copy_ms", "x_copy", "transfer_x_copy")  # fmt: skip
+    for col in cols:
+        t.add_column(col, justify="right" if col not in ("config", "mode", "engine") else "left")
     for r in records:
         t.add_row(
             r["config"], str(r["size_mb"]), f"{r['median_ms']:.2f}", f"{r['p90_ms']:.2f}", str(r["requests"]), r["mode"],
-            f"{r['ready_ms']:.2f}", f"{r['pair_ms']:.2f}", f"{r['transfer_ms']:.2f}", f"{r['finish_ms']:.2f}",
+            r.get("engine", r.get("transport", "")), f"{r['ready_ms']:.2f}", f"{r['pair_ms']:.2f}", f"{r['transfer_ms']:.2f}",
+            f"{r['finish_ms']:.2f}", num(r.get("copy_ms"), ".3f"), num(r.get("x_copy")), num(r.get("transfer_x_copy")),
         )
-    Console(width=160).print(t)
+    Console(width=220).print(t)
     print_breakdown(records)
 
 

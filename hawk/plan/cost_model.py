@@ -56,6 +56,8 @@ LINKS: dict[tuple[str, str], tuple[float, float]] = {
     ("local", "cpu"): (2e-6, 10 * GB),
     ("local", "cuda"): (5e-6, 350 * GB),
     ("cuda-ipc", "cuda"): (10e-6, 350 * GB),  # peer copies between the two H200s
+    ("auto", "cpu"): (5e-6, 10 * GB),  # auto picks per peer; plan for its slower same-host case
+    ("auto", "cuda"): (10e-6, 350 * GB),
     ("rdma-200g", "tt-p150a"): (5e-6, 25 * GB),  # the paper's HDR InfiniBand (for what-if planning)
 }
 

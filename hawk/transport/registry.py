@@ -22,6 +22,8 @@ _ENGINES: dict[str, tuple[str, str, str]] = {
     ),
     "local": ("hawk.transport.local", "LocalTransport", "nothing (built in)"),
     "cuda-ipc": ("hawk.transport.local", "CudaIpcTransport", "a CUDA build of torch"),
+    # per peer: local (same process), cuda-ipc (same host, CUDA), else nixl / mooncake (transport/auto.py)
+    "auto": ("hawk.transport.auto", "AutoTransport", "nothing (built in; NIXL or Mooncake for other hosts)"),
 }
 TRANSPORTS: tuple[str, ...] = tuple(_ENGINES)
 
@@ -58,7 +60,7 @@ def make_transport(name: str, **options: Any) -> Transport:
 
 
 def available(name: str) -> bool:
-    """Whether ``name`` can be created here (its engine imports; cuda-ipc also needs CUDA)."""
+    """Whether ``name`` can be created here (its engine imports; cuda-ipc also needs CUDA; auto always)."""
     try:
         cls = transport_class(name)
         if name == "nixl":
