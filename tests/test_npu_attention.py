@@ -24,15 +24,15 @@ from tests.interpreter import emit, run_interpreted
 
 
 def _cache(dtype: str, shard: int, heads: int = 2, head_dim: int = 64, blocks: int = 12, device: str = "cpu", layers: int = 2,
-           bank_capacity: int = 8 << 20):
+           bank_capacity: int = 8 << 20, block_size: int = 64):
     """A small cache filled with random tiles (every byte defined, as after a KV transfer)."""
     npu = open_npu(f"npu-emu:{device}", bank_capacity=bank_capacity)
-    lay = NpuKVLayout(npu.arch, layers, blocks, heads, 64, head_dim, dtype, shard_pages=shard)
+    lay = NpuKVLayout(npu.arch, layers, blocks, heads, block_size, head_dim, dtype, shard_pages=shard)
     kv = NpuKVCacheMemory(npu, lay)
     g = torch.Generator().manual_seed(0)
     pages = torch.arange(lay.pages_per_tensor, device=npu.torch_device)
     for t in range(lay.num_tensors):
-        x = torch.randn(blocks, heads, 64, head_dim, generator=g)
+        x = torch.randn(blocks, heads, block_size, head_dim, generator=g)
         kv.write_pages(t, pages, tiles_to_bytes(to_tiles(x), dtype).to(npu.torch_device))
     return npu, kv
 
@@ -85,18 +85,21 @@ def _qkv(rows: int, hq: int, hkv: int, d: int, seed: int, dtype=torch.float32, d
 
 
 def _compare(dtype: str, shard: int, batch, hq: int = 4, backend: str = "torch", splits: int | None = None,
-             pad_to: int | None = None, atol: float = 1e-5, fast: bool = False) -> None:
+             pad_to: int | None = None, atol: float = 1e-5, fast: bool = False, variant: str | None = None,
+             q_dtype: torch.dtype = torch.float32, block_size: int = 64) -> None:
     """Backend vs oracle: every byte of memory after the writes, and the outputs, over two layers.
 
     ``fast``: give the Triton path an explicit launch shape, which routes bf16 to the chunked kernel too.
+    ``variant``: a bfloat8_b decode variant by name (``BFP8_VARIANTS``), which must then be the kernel
+    that runs (the page map is separable).
     """
     from hawk.engine.npu_attention import NpuTileAttention
 
-    npu, kv = _cache(dtype, shard)
+    npu, kv = _cache(dtype, shard, block_size=block_size)
     try:
         n = sum(s.q_len for s in batch)
         rows = pad_to or n
-        q, k, v = _qkv(rows, hq, 2, 64, seed=len(batch) + hq)
+        q, k, v = _qkv(rows, hq, 2, 64, seed=len(batch) + hq, dtype=q_dtype)
         mem0 = npu.memory.clone()
         want = [_oracle_attention(kv, layer, batch, q[:n], k[:n], v[:n]) for layer in range(2)]
         mem_want = npu.memory.clone()
@@ -106,13 +109,19 @@ def _compare(dtype: str, shard: int, batch, hq: int = 4, backend: str = "torch",
             from hawk.engine.triton_npu_attention import DecodeConfig
 
             attn.decode_config = DecodeConfig()
+        if variant is not None:
+            from hawk.engine import triton_npu_attention as tk
+
+            geom = tk.tile_geometry(kv)
+            assert geom is not None and geom.separable and geom.bfp8, "the variant would not run on this cache"
+            attn.decode_config = tk.BFP8_VARIANTS[variant]
         attn.begin(batch, pad_to=pad_to)
         got = [attn(layer, q, k, v) for layer in range(2)]
         assert torch.equal(npu.memory, mem_want), "row writes differ from the codecs (or touched other bytes)"
         for w, o in zip(want, got):
             assert o.shape == (rows, hq, 64) and o.dtype == q.dtype
             assert torch.isfinite(o).all()
-            assert torch.allclose(o[:n], w, atol=atol), float((o[:n] - w).abs().max())
+            assert torch.allclose(o[:n].float(), w.float(), atol=atol), float((o[:n].float() - w.float()).abs().max())
     finally:
         kv.close()
 
@@ -166,11 +175,11 @@ def _bitwise_vs_paged(dtype: str, shard: int, batch, hq: int, hkv: int = 2, head
                       paths: tuple[str, ...] = tuple(PAGED_PATHS)) -> list[tuple[str, int, bool]]:
     """NPU-tile decode (Triton) vs paged decode (Triton) on the same K/V values: ``torch.equal``.
 
-    ``kernel``: "default" (as the backend picks), "generic" (whole-tile loads) or "chunked". Returns
-    ``(path, splits, fused)`` per compared paged path.
+    ``kernel``: "default" (as the backend picks), "generic" (whole-tile loads), "chunked", or a
+    bfloat8_b variant's name (``BFP8_VARIANTS``). Returns ``(path, splits, fused)`` per compared paged path.
     """
     from hawk.engine.npu_attention import NpuTileAttention
-    from hawk.engine.triton_npu_attention import DecodeConfig
+    from hawk.engine.triton_npu_attention import BFP8_VARIANTS, DecodeConfig
 
     npu, kv = _cache(dtype, shard, heads=hkv, head_dim=head_dim, blocks=blocks, device=device, layers=1,
                      bank_capacity=bank_capacity)
@@ -182,7 +191,7 @@ def _bitwise_vs_paged(dtype: str, shard: int, batch, hq: int, hkv: int = 2, head
                    for h in (hq, hkv, hkv))
         attn = NpuTileAttention(kv, max_batch=max(rows, 8), backend="triton")
         attn.generic = kernel == "generic"
-        attn.decode_config = DecodeConfig() if kernel == "chunked" else None
+        attn.decode_config = DecodeConfig() if kernel == "chunked" else BFP8_VARIANTS.get(kernel)
         attn.begin(batch, pad_to=pad_to)
         got = attn(0, q, k, v)
         done = []
@@ -276,9 +285,65 @@ _BITWISE_CASES = {
 }
 
 
+# ---- bfloat8_b decode variants (``BFP8_VARIANTS``) -----------------------------------------
+
+BATCH_B32 = [SeqSlice([3, 7, 1, 11], 100, 1), SeqSlice([0, 2, 5], 70, 1), SeqSlice([4, 6, 8, 9, 10], 150, 1)]
+#: Variants whose kernel paths the interpreter tells apart (register prefetch, loads in their own
+#: iteration, 128-token chunks across two NPU blocks) get the cases below (128-token chunks the layout
+#: ones); the others differ only in GPU launch knobs (register cap, warps, stages, PTX or integer
+#: decode, all compiled out here) and get one case each, which checks their plumbing.
+_VARIANTS_FULL = {"words": None, "words-pipe2": None,
+                  "words-t128w8": ("interleaved", "blockcyclic2-rows-sharing-a-tile-gqa3-split2", "block32-split3")}
+_VARIANT_COMPARE = {
+    "interleaved": dict(shard=1, batch="BATCH"),
+    "blockcyclic2-rows-sharing-a-tile-gqa3-split2": dict(shard=2, batch="BATCH_MULTI", hq=6, splits=2),
+    "pad5-gqa8-split4": dict(shard=1, batch="BATCH", pad_to=5, hq=8, splits=4),
+    "block32-split3": dict(shard=1, batch="BATCH_B32", splits=3, block_size=32),
+    "edges-fp16q-split2": dict(shard=2, batch="BATCH_EDGE", splits=2, q_dtype=torch.float16, atol=2e-2),
+    "edges-bf16q-pad6": dict(shard=1, batch="BATCH_EDGE", pad_to=6, q_dtype=torch.bfloat16, atol=3e-2),
+}
+_VARIANT_BITWISE = {
+    "b1-hkv1-splits8": dict(shard=1, batch="BATCH_ONE", hq=4, hkv=1),
+    "edges-pad6-blockcyclic2": dict(shard=2, batch="BATCH_EDGE", hq=4, hkv=2, pad_to=6),
+    "edges-splits2-fp32q": dict(shard=1, batch="BATCH_EDGE", hq=4, hkv=1, q_dtype=torch.float32),
+}
+
+
+def _variant_cases() -> dict[str, tuple[str, str, dict]]:
+    """``{case: (kind, variant, kwargs)}``: kind "compare" (vs the codec oracle) or "bitwise" (vs paged)."""
+    from hawk.engine.triton_npu_attention import BFP8_VARIANTS
+
+    cases = {}
+    for name, cfg in BFP8_VARIANTS.items():
+        if name == "bytes":  # the cases above cover it (it is the byte kernel)
+            continue
+        if name in _VARIANTS_FULL:
+            for cname, kw in _VARIANT_COMPARE.items():
+                if _VARIANTS_FULL[name] is None or cname in _VARIANTS_FULL[name]:
+                    cases[f"{name}/{cname}"] = ("compare", name, kw)
+            if cfg.tokens is None:  # 128-token chunks do not give the paged decode's bits
+                for cname, kw in _VARIANT_BITWISE.items():
+                    cases[f"{name}/bitwise-{cname}"] = ("bitwise", name, kw)
+        else:
+            cases[f"{name}/pad5-gqa8-split4"] = ("compare", name, _VARIANT_COMPARE["pad5-gqa8-split4"])
+    return cases
+
+
 def _interpreter_main() -> None:
     """Run every interpreter case in this process (TRITON_INTERPRET=1 set by the parent); print JSON."""
     results = {}
+    for name, (kind, variant, case) in _variant_cases().items():
+        case = dict(case)
+        batch = globals()[case.pop("batch")]
+        try:
+            if kind == "compare":
+                case.setdefault("atol", 1e-4)
+                _compare("bfp8_b", batch=batch, backend="triton", variant=variant, **case)
+                results["variant/" + name] = "ok"
+            else:
+                results["variant/" + name] = "ok " + json.dumps(_bitwise_vs_paged("bfp8_b", batch=batch, kernel=variant, **case))
+        except Exception:  # noqa: BLE001 - reported to the parent test
+            results["variant/" + name] = traceback.format_exc()
     for name, case in _BITWISE_CASES.items():
         case = dict(case)
         batch = globals()[case.pop("batch")]
@@ -313,6 +378,78 @@ def test_triton_decode_bitwise_equals_paged_under_interpreter(interpreter_result
     """Same K/V values in -> the very bits of the paged decode out, on every paged path."""
     r = interpreter_results["bitwise/" + case]
     assert r.startswith("ok "), r
+
+
+@pytest.mark.parametrize("case", list(_variant_cases()))
+def test_bfp8_variants_under_interpreter(interpreter_results: dict[str, str], case: str) -> None:
+    """Each bfloat8_b decode variant against the codec oracle (outputs, and every byte the row writes
+    touch), and, where it keeps the paged decode's bits, against the paged decode bit for bit."""
+    r = interpreter_results["variant/" + case]
+    assert r == "ok" or r.startswith("ok "), r
+
+
+def test_bfp8_variant_selection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 tiles always get ``DecodeConfig()``; bfloat8_b gets ``DEFAULT_BFP8_VARIANT`` unless
+    ``HAWK_NPU_BFP8_KERNEL`` names another variant (an unknown name is an error, not a silent default)."""
+    from types import SimpleNamespace
+
+    from hawk.engine import triton_npu_attention as tk
+
+    bf16, bfp8 = SimpleNamespace(bfp8=False), SimpleNamespace(bfp8=True)
+    monkeypatch.delenv("HAWK_NPU_BFP8_KERNEL", raising=False)
+    assert tk.DEFAULT_BFP8_VARIANT in tk.BFP8_VARIANTS
+    assert tk.default_config(bfp8) == tk.BFP8_VARIANTS[tk.DEFAULT_BFP8_VARIANT]
+    assert tk.default_config(bf16) == tk.DecodeConfig()
+    monkeypatch.setenv("HAWK_NPU_BFP8_KERNEL", "words-pipe2-r128")
+    assert tk.default_config(bfp8) == tk.BFP8_VARIANTS["words-pipe2-r128"]
+    assert tk.default_config(bf16) == tk.DecodeConfig()
+    monkeypatch.setenv("HAWK_NPU_BFP8_KERNEL", "nope")
+    with pytest.raises(ValueError, match="HAWK_NPU_BFP8_KERNEL"):
+        tk.default_config(bfp8)
+    assert tk.BFP8_VARIANTS["bytes"] == tk.DecodeConfig()  # the byte kernel is the plain config
+    assert not tk.BFP8_VARIANTS["words-t128w8"].keeps_paged_bits and tk.BFP8_VARIANTS["words"].keeps_paged_bits
+
+
+def _prmt(a: torch.Tensor, b: torch.Tensor, sel: int) -> torch.Tensor:
+    """PTX ``prmt.b32 d, a, b, sel`` (default mode) on int64 tensors holding 32-bit words."""
+    src = torch.stack([(x >> (8 * i)) & 0xFF for x in (a, b) for i in range(4)])
+    return sum(src[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4))
+
+
+def _bf16_halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 32-bit word (int64 tensor) -> its low and high bf16 halves as fp32 values."""
+    lo = (x & 0xFFFF).to(torch.int32) << 16
+    hi = ((x >> 16) & 0xFFFF).to(torch.int32) << 16
+    return lo.view(torch.float32), hi.view(torch.float32)
+
+
+def test_bfp8_word_decode_bit_tricks() -> None:
+    """The word kernel's FAST decode, emulated bit for bit on the CPU (the interpreter cannot run it):
+    both the PTX (two LOP3, two PRMT, then ``mul.bf16x2``) and the integer formulas turn a word of four
+    value bytes into the codec's values times 2^-64, in value order, for shared exponents 64..191."""
+    from hawk.layouts.tt import unpack_bfp8_rows
+
+    g = torch.Generator().manual_seed(7)
+    vals = torch.cat([torch.arange(256), torch.randint(0, 256, (4 * 4096,), generator=g)]).to(torch.uint8)
+    vals = vals[: vals.numel() // 16 * 16].reshape(-1, 16)
+    exps = torch.tensor([64, 65, 100, 127, 133, 150, 190, 191], dtype=torch.uint8).repeat(vals.shape[0] // 8 + 1)[: vals.shape[0]]
+    want = unpack_bfp8_rows(exps, vals).double() * 2.0**-64  # [R, 16]
+    w = vals.to(torch.int64).reshape(-1, 4, 4)
+    words = w[..., 0] | (w[..., 1] << 8) | (w[..., 2] << 16) | (w[..., 3] << 24)  # [R, 4] little-endian
+    sc = ((exps.to(torch.int64).clamp(max=191) + 63) << 7)[:, None]  # bf16 bits of 2^(E-64)
+    scale = (sc.to(torch.int32) << 16).view(torch.float32).double()
+    # PTX path: m = w & 0x7F7F7F7F, s = w & 0x80808080, a = prmt(m, s, 0x5140), b = prmt(m, s, 0x7362)
+    m, s = words & 0x7F7F7F7F, words & 0x80808080
+    ptx = (_prmt(m, s, 0x5140), _prmt(m, s, 0x7362))
+    # integer path
+    ints = ((words & 0x7F) | ((words & 0x7F80) << 8) | ((words & 0x8000) << 16),
+            ((words >> 16) & 0x7F) | ((words >> 8) & 0x7F8000) | (words & 0x80000000))
+    for lo, hi in (ptx, ints):
+        v0, v1 = _bf16_halves(lo)
+        v2, v3 = _bf16_halves(hi)
+        got = torch.stack([v0, v1, v2, v3], dim=-1).reshape(-1, 16).double() * scale  # products are exact
+        assert torch.equal(got.float().to(torch.bfloat16).double(), got), "a product is not a bf16 value"
+        assert torch.equal(got, want), float((got - want).abs().max())
 
 
 # ---- GPU (device machine) -------------------------------------------------------------------
@@ -359,8 +496,10 @@ def test_gpu_8b_shape_matches_codecs(dtype: str) -> None:
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_cuda_graph_replays_a_new_batch_of_the_same_padded_size() -> None:
+@pytest.mark.parametrize("variant", ["default", "words", "words-pipe2-r128"])
+def test_gpu_cuda_graph_replays_a_new_batch_of_the_same_padded_size(variant: str) -> None:
     from hawk.engine.npu_attention import NpuTileAttention
+    from hawk.engine.triton_npu_attention import BFP8_VARIANTS
 
     npu, kv = _gpu_setup("bfp8_b")
     try:
@@ -373,6 +512,7 @@ def test_gpu_cuda_graph_replays_a_new_batch_of_the_same_padded_size() -> None:
         npu.memory.copy_(mem0)
 
         attn = NpuTileAttention(kv, max_batch=8)
+        attn.decode_config = BFP8_VARIANTS.get(variant)
         sq, sk, sv = q1.clone(), k1.clone(), v1.clone()
         attn.begin(b1, pad_to=8)
         s = torch.cuda.Stream()
@@ -424,6 +564,67 @@ def test_gpu_8b_shape_bitwise_equals_paged(dtype: str, kernel: str, batch: int) 
         assert splits["auto"] == (1, True)
     else:
         assert splits["auto"][0] > 1 and not splits["auto"][1]
+
+
+def _bank_capacity(blocks: int) -> int:
+    """Per-bank bytes for one layer of ``blocks`` 8B-shaped bfloat8_b/bf16 blocks, with headroom."""
+    return (-(-blocks * 8 * 8 * 2048 * 2 // 7 // (1 << 20)) + 16) << 20
+
+
+def _variant_names(bitwise: bool | None = None) -> list[str]:
+    from hawk.engine.triton_npu_attention import BFP8_VARIANTS
+
+    return [n for n, c in BFP8_VARIANTS.items() if bitwise is None or c.keeps_paged_bits == bitwise]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("batch", [5, 64])
+@pytest.mark.parametrize("variant", _variant_names())
+def test_gpu_bfp8_variant_matches_codecs(variant: str, batch: int) -> None:
+    """Every bfloat8_b variant at the 8B shape, ~1k contexts over shuffled block-cyclic blocks: the
+    codec oracle's outputs (bf16 tolerance) and its row writes byte for byte; pad rows give 0. Batch 5
+    (padded to 8) runs split-K, batch 64 one split."""
+    from hawk.engine.npu_attention import NpuTileAttention
+    from hawk.engine.triton_npu_attention import BFP8_VARIANTS
+
+    pytest.importorskip("triton")
+    slices, blocks = _gpu_batch(batch)
+    npu, kv = _cache("bfp8_b", 2, heads=8, head_dim=128, blocks=blocks, device="cuda", layers=1,
+                     bank_capacity=_bank_capacity(blocks))
+    try:
+        rows = 8 if batch == 5 else batch
+        q, k, v = _qkv(rows, 32, 8, 128, 3, torch.bfloat16, "cuda")
+        mem0 = npu.memory.clone()
+        want = _oracle_attention(kv, 0, slices, q[:batch], k[:batch], v[:batch])
+        mem_want = npu.memory.clone()
+        npu.memory.copy_(mem0)
+        attn = NpuTileAttention(kv, max_batch=rows)
+        attn.decode_config = BFP8_VARIANTS[variant]
+        attn.begin(slices, pad_to=rows)
+        got = attn(0, q, k, v)
+        torch.cuda.synchronize()
+        assert torch.equal(npu.memory, mem_want)
+        assert torch.isfinite(got).all() and got.dtype == torch.bfloat16
+        assert (got[batch:] == 0).all()
+        err = float((got[:batch].float() - want.float()).abs().max())
+        assert torch.allclose(got[:batch].float(), want.float(), atol=2e-2), err
+    finally:
+        kv.close()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("batch", [1, 8, 64])
+@pytest.mark.parametrize("variant", _variant_names(bitwise=True))
+def test_gpu_bfp8_variant_bitwise_equals_paged(variant: str, batch: int) -> None:
+    """The bfloat8_b variants that keep the paged decode's chunks and warps give its bits (as
+    ``test_gpu_8b_shape_bitwise_equals_paged`` does for the default)."""
+    pytest.importorskip("triton")
+    slices, blocks = _gpu_batch(batch)
+    paths = ("auto", "3launch") + (("fused",) if batch == 64 else ())
+    _bitwise_vs_paged("bfp8_b", 2, slices, hq=32, hkv=8, head_dim=128, pad_to=batch + (1 if batch == 8 else 0),
+                      kernel=variant, device="cuda", blocks=blocks, bank_capacity=_bank_capacity(blocks), paths=paths)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,12 @@ Everything about placement is a parameter (page strides, banks, shard size, bank
 memory), so another arch or page map needs no kernel change. ``hawk/layouts/tt.py`` stays the oracle
 for every byte written here.
 
+Kernels: ``_decode_attention_kernel`` (whole row tiles, any page map), ``_decode_tiles_kernel`` (separable
+page maps, bf16 and bfloat8_b "bytes"), ``_decode_bfp8_kernel`` (separable maps, bfloat8_b value bytes as
+32-bit words: per-row-tile addressing and a four-values-per-word decode, ~0.5x the bytes kernel's
+instructions per chunk in an offline sm_90 compile), ``_write_rows_kernel``. Which bfloat8_b kernel and
+launch shape runs is a :class:`DecodeConfig`; named variants are in ``BFP8_VARIANTS``.
+
 Metadata (one int32 row per new token, written by ``NpuTileAttention.begin``):
 ``[seq_len, row_loc, block_table[0..W)]`` where ``seq_len`` counts the tokens this query sees (0 for a
 pad row) and ``row_loc = npu_block * block_size + row`` is where its K/V row goes (-1: write nothing).
@@ -16,6 +22,7 @@ pad row) and ``row_loc = npu_block * block_size + row`` is where its K/V row goe
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -513,6 +520,270 @@ if HAVE_TRITON:
         _decode_epilogue(acc, m, l_sum, out, part_out, part_lse, row, qh, hq_total, sp, num_splits,
                          o_s0, o_s1, d, hmask, d < D, D, DIRECT)
 
+    # ---- the bfloat8_b word kernel: value bytes as 32-bit words, decoded four at a time --------
+
+    @triton.jit
+    def _rowtile_offset(mrow, pos, n, h, s0, s1, s2, bank_stride, page_stride,
+                        NB: tl.constexpr, SHARD: tl.constexpr, BS: tl.constexpr):
+        """Byte offset of the row tile (column tile 0) holding token ``pos`` of this row and head.
+
+        A scalar per row tile: a chunk's per-token addresses are one of these plus constants, so the
+        address arithmetic is per chunk, not per token. A position past the context reads block 0 (a
+        real block; its tokens are masked later) instead of a block-table entry that may not exist.
+        """
+        blk = tl.load(mrow + 2 + pos // BS, mask=pos < n, other=0)
+        page = blk * s0 + h * s1 + ((pos % BS) // 32) * s2
+        return _page_offset_c(page, bank_stride, page_stride, NB, SHARD)
+
+    @triton.jit
+    def _word_columns(bank_stride, page_stride, NJ: tl.constexpr, NB: tl.constexpr, SHARD: tl.constexpr):
+        """Per 32-bit word ``i`` of a token's row (values ``4i .. 4i+3``): its word offset in a tile row;
+        per 16-wide group ``j = (col_tile, face_col)``: its exponent's byte offset. Once per program."""
+        i = tl.arange(0, NJ * 4)
+        j = i // 4
+        jw = _page_offset_c(j // 2, bank_stride, page_stride, NB, SHARD) // 4 + (j % 2) * 64 + i % 4
+        jw = tl.max_contiguous(tl.multiple_of(jw, 4), 4)
+        jj = tl.arange(0, NJ)
+        je = _page_offset_c(jj // 2, bank_stride, page_stride, NB, SHARD) + (jj % 2) * 16
+        return jw, je
+
+    @triton.jit
+    def _words_chunk(
+        mrow, c, n, h, kw_ptr, vw_ptr, ke_ptr, ve_ptr, jw, je, s0, s1, s2, bank_stride, page_stride,
+        NB: tl.constexpr, SHARD: tl.constexpr, BS: tl.constexpr, TOKN: tl.constexpr,
+    ):
+        """Chunk ``c``'s K and V value bytes as int32 words ``[TOKN, D/4]`` (four values of one 16-wide
+        group each, column order; 16-byte loads) and their shared exponents ``[TOKN, D/16]``.
+
+        Words, not bytes: the prefetched chunk then lives in 32 registers per thread instead of 128, and
+        the decode works on four values per instruction. ``kw_ptr``/``vw_ptr`` are the K/V tensors'
+        bases as int32 pointers, ``ke_ptr``/``ve_ptr`` as byte pointers.
+        """
+        t = tl.arange(0, TOKN)
+        c0 = c * TOKN
+        if TOKN >= 32:
+            loc = t
+        else:
+            loc = c0 % 32 + t
+        toff = _rowtile_offset(mrow, c0, n, h, s0, s1, s2, bank_stride, page_stride, NB, SHARD, BS)
+        toff = tl.zeros([TOKN], tl.int64) + toff
+        for i in tl.static_range(1, TOKN // 32):
+            oi = _rowtile_offset(mrow, c0 + 32 * i, n, h, s0, s1, s2, bank_stride, page_stride, NB, SHARD, BS)
+            toff = tl.where(t >= 32 * i, oi, toff)
+        fr = (loc % 32) // 16
+        r = loc % 16
+        wrow = tl.multiple_of(toff // 4 + 16 + fr * 128 + r * 4, 4)  # 64-byte exponent header, then faces
+        wptr = wrow[:, None] + jw[None, :]
+        kw = tl.load(kw_ptr + wptr)
+        vw = tl.load(vw_ptr + wptr)
+        eptr = (toff + fr * 32 + r)[:, None] + je[None, :]
+        ke = tl.load(ke_ptr + eptr)
+        ve = tl.load(ve_ptr + eptr)
+        return kw, vw, ke, ve
+
+    @triton.jit
+    def _bfp8_words_asm(w, s2):
+        """Word of four value bytes -> two bf16x2 words: ``(sign << 15 | m7)`` per byte is the bf16
+        subnormal ``m7 * 2^-133``; one ``mul.bf16x2`` by the group's ``2^(E-64)`` (``s2``, both halves)
+        makes it exact. Two LOP3, two PRMT, two HMUL2 per four values."""
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 m, s, a, b;
+            and.b32 m, $2, 0x7F7F7F7F;
+            and.b32 s, $2, 0x80808080;
+            prmt.b32 a, m, s, 0x5140;
+            prmt.b32 b, m, s, 0x7362;
+            mul.rn.bf16x2 $0, a, $3;
+            mul.rn.bf16x2 $1, b, $3;
+            }""",
+            constraints="=r,=r,r,r",
+            args=[w, s2],
+            dtype=(tl.int32, tl.int32),
+            is_pure=True,
+            pack=1,
+        )
+
+    @triton.jit
+    def _width_barrier(x):
+        """Identity on bf16 pairs, marked impure so the compiler's search for "the width this dot operand
+        was loaded with" stops here: it would find the 8-bit exponents and pick a dot-operand layout for
+        8-bit data (kWidth 4), which reads the decoded bf16 back from shared memory with narrow loads and
+        register shuffles instead of ldmatrix."""
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.bfloat16, is_pure=False, pack=2)
+
+    @triton.jit
+    def _bf16_pairs(lo, hi):
+        """Two int32 tensors of bf16 pairs (``lo``: values 0, 1 of a word; ``hi``: 2, 3) -> bf16 ``[T, 4W]``
+        in value order (register moves only: the halves of a 32-bit word are its two bf16)."""
+        x = tl.interleave(lo, hi)
+        return tl.interleave(x.to(tl.int16).to(tl.bfloat16, bitcast=True),
+                             (x >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True))
+
+    @triton.jit
+    def _bfp8_words_fast(w, e, ASM: tl.constexpr):
+        """Words ``[T, W]`` and exponents ``[T, W/4]`` -> bf16 ``[T, 4W]``: the codec's values times 2^-64,
+        exactly (as ``_bfp8_decode``'s FAST path, for exponents 64..191). ASM: the PTX of
+        ``_bfp8_words_asm``; else the same bits from integer ops the compiler schedules."""
+        T: tl.constexpr = w.shape[0]
+        W: tl.constexpr = w.shape[1]
+        sc = (tl.minimum(e.to(tl.int32), 191) + 63) << 7  # bf16 bits of 2^(E-64)
+        if ASM:
+            s2 = sc | (sc << 16)
+            s2 = tl.reshape(tl.broadcast_to(s2[:, :, None], (T, W // 4, 4)), (T, W))
+            lo, hi = _bfp8_words_asm(w, s2)
+            return _width_barrier(_bf16_pairs(lo, hi))
+        lo = (w & 0x7F) | ((w & 0x7F80) << 8) | ((w & 0x8000) << 16)
+        hi = ((w >> 16) & 0x7F) | ((w >> 8) & 0x7F8000) | (w & -2147483648)
+        scale = sc.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (T, W // 4, 16)), (T, 4 * W))
+        return _width_barrier(_bf16_pairs(lo, hi) * scale)
+
+    @triton.jit
+    def _bfp8_words_exact(w, e, KDT: tl.constexpr):
+        """Words ``[T, W]`` and exponents ``[T, W/4]`` -> the codec's values ``±m7 * 2^(E-133)`` in KDT,
+        through fp32 (the interpreter's path, and non-bf16 queries')."""
+        T: tl.constexpr = w.shape[0]
+        W: tl.constexpr = w.shape[1]
+        b = tl.interleave(tl.interleave(w & 0xFF, (w >> 16) & 0xFF), tl.interleave((w >> 8) & 0xFF, (w >> 24) & 0xFF))
+        scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 0.015625
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (T, W // 4, 16)), (T, 4 * W))
+        mag = (b & 0x7F).to(tl.float32) * scale
+        return tl.where((b & 0x80) != 0, -mag, mag).to(KDT)
+
+    @triton.jit
+    def _words_step(
+        qv, m, l_sum, acc, c, hi, kw, vw, ke, ve, qk_scale,
+        TOKN: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr, ANCHOR: tl.constexpr, KDT: tl.constexpr,
+        VMASK: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr, MASKED: tl.constexpr,
+    ):
+        """Chunk ``c`` (words from ``_words_chunk``) through the paged decode's own steps, as
+        ``_tiles_chunk`` does for bytes (FAST values are scaled by 2^-64, undone on q and p).
+
+        MASKED masks the scores past ``hi``; their weights are then exactly 0. V rows there are zeroed
+        only with VMASK: decoded bfloat8_b values are finite in bf16 and fp32 (not always in fp16), and
+        ``0 * finite`` is a zero, so skipping the select changes no sum (at most the sign of a zero).
+        """
+        valid = c * TOKN + tl.arange(0, TOKN) < hi
+        if FAST:
+            k = _bfp8_words_fast(kw, ke, ASM)
+        else:
+            k = _bfp8_words_exact(kw, ke, KDT)
+        p, alpha, m, l_sum = _qk_step(qv, k, valid[None, :], m, l_sum, qk_scale, MASKED, PREC, INTERP)
+        if FAST:
+            v = _bfp8_words_fast(vw, ve, ASM)
+            if ANCHOR:
+                if not INTERP:
+                    v = _layout_anchor(v)
+            acc = _pv_step(acc, p, alpha, v, valid, qv, MASKED and VMASK, _FAST_BIAS, PREC, INTERP)
+        else:
+            v = _bfp8_words_exact(vw, ve, KDT)
+            acc = _pv_step(acc, p, alpha, v, valid, qv, MASKED and VMASK, 1.0, PREC, INTERP)
+        return m, l_sum, acc
+
+    @triton.jit
+    def _decode_bfp8_kernel(
+        q, q_s0, q_s1, out, o_s0, o_s1, part_out, part_lse,
+        mem, k_base, v_base, meta, meta_s0, qk_scale, num_splits,
+        bank_stride, page_stride, s0, s1, s2,
+        NB: tl.constexpr, SHARD: tl.constexpr, G: tl.constexpr, BH: tl.constexpr, WT: tl.constexpr,
+        BS: tl.constexpr, TOKN: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr, ANCHOR: tl.constexpr,
+        PREFETCH: tl.constexpr, KDT: tl.constexpr, VMASK: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr,
+        INTERP: tl.constexpr,
+    ):
+        """bfloat8_b, separable page maps: ``_decode_tiles_kernel``'s splits, chunks, steps and epilogue,
+        with value bytes loaded and decoded as 32-bit words and per-row-tile (not per-token) address
+        arithmetic. Same chunks and steps, so with TOKN = the paged decode's BLOCK_N and 4 warps it gives
+        the same bits as the paged decode of the decoded values.
+
+        PREFETCH: chunk ``c+1`` is loaded into registers while chunk ``c`` is computed (as
+        ``_decode_tiles_kernel``); else each chunk is loaded in its own iteration and ``num_stages`` > 1
+        lets the compiler pipeline the loads through shared memory (words keep those loads 16 bytes wide)."""
+        D: tl.constexpr = WT * 32
+        row = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        sp = tl.program_id(2)
+        hq_total = tl.num_programs(1) * G
+        mrow = meta + row * meta_s0
+        n = tl.load(mrow)
+        lo, tail, hi = _split_chunks(n, sp, num_splits, TOKN)
+        last = tl.maximum(tl.cdiv(n, TOKN) - 1, 0)
+        c_lo = lo // TOKN
+        c_tail = tail // TOKN
+        c_hi = tl.cdiv(hi, TOKN)
+        hh = tl.arange(0, BH)
+        d = tl.arange(0, D)
+        qh = h * G + hh
+        hmask = hh < G
+        qv = tl.load(q + row * q_s0 + qh[:, None] * q_s1 + d[None, :], mask=hmask[:, None], other=0.0)
+        if FAST:  # exact: K comes scaled by 2^-64, so q . k is the same product
+            qv = (qv.to(tl.float32) * _FAST_BIAS).to(qv.dtype)
+        jw, je = _word_columns(bank_stride, page_stride, 2 * WT, NB, SHARD)
+        ke_ptr = mem + k_base
+        ve_ptr = mem + v_base
+        kw_ptr = ke_ptr.to(tl.pointer_type(tl.int32))
+        vw_ptr = ve_ptr.to(tl.pointer_type(tl.int32))
+        m = tl.full([BH], -1.0e30, tl.float32)
+        l_sum = tl.zeros([BH], tl.float32)
+        acc = tl.zeros([BH, D], tl.float32)
+        if PREFETCH:
+            kw, vw, ke, ve = _words_chunk(mrow, tl.minimum(c_lo, last), n, h, kw_ptr, vw_ptr, ke_ptr, ve_ptr,
+                                          jw, je, s0, s1, s2, bank_stride, page_stride, NB, SHARD, BS, TOKN)
+            if INTERP:  # the interpreter cannot use a loaded scalar as a range bound
+                c = c_lo
+                while c < c_tail:
+                    nkw, nvw, nke, nve = _words_chunk(mrow, tl.minimum(c + 1, last), n, h, kw_ptr, vw_ptr, ke_ptr,
+                                                      ve_ptr, jw, je, s0, s1, s2, bank_stride, page_stride,
+                                                      NB, SHARD, BS, TOKN)
+                    m, l_sum, acc = _words_step(qv, m, l_sum, acc, c, hi, kw, vw, ke, ve, qk_scale,
+                                                TOKN, FAST, ASM, ANCHOR, KDT, VMASK, PREC, INTERP, False)
+                    kw, vw, ke, ve = nkw, nvw, nke, nve
+                    c += 1
+                c = c_tail
+                while c < c_hi:
+                    m, l_sum, acc = _words_step(qv, m, l_sum, acc, c, hi, kw, vw, ke, ve, qk_scale,
+                                                TOKN, FAST, ASM, ANCHOR, KDT, VMASK, PREC, INTERP, True)
+                    c += 1
+            else:
+                for c in range(c_lo, c_tail):
+                    nkw, nvw, nke, nve = _words_chunk(mrow, tl.minimum(c + 1, last), n, h, kw_ptr, vw_ptr, ke_ptr,
+                                                      ve_ptr, jw, je, s0, s1, s2, bank_stride, page_stride,
+                                                      NB, SHARD, BS, TOKN)
+                    m, l_sum, acc = _words_step(qv, m, l_sum, acc, c, hi, kw, vw, ke, ve, qk_scale,
+                                                TOKN, FAST, ASM, ANCHOR, KDT, VMASK, PREC, INTERP, False)
+                    kw, vw, ke, ve = nkw, nvw, nke, nve
+                for c in range(c_tail, c_hi):
+                    m, l_sum, acc = _words_step(qv, m, l_sum, acc, c, hi, kw, vw, ke, ve, qk_scale,
+                                                TOKN, FAST, ASM, ANCHOR, KDT, VMASK, PREC, INTERP, True)
+        else:  # every chunk index here is <= last: no clamping
+            if INTERP:
+                c = c_lo
+                while c < c_tail:
+                    kw, vw, ke, ve = _words_chunk(mrow, c, n, h, kw_ptr, vw_ptr, ke_ptr, ve_ptr, jw, je,
+                                                  s0, s1, s2, bank_stride, page_stride, NB, SHARD, BS, TOKN)
+                    m, l_sum, acc = _words_step(qv, m, l_sum, acc, c, hi, kw, vw, ke, ve, qk_scale,
+                                                TOKN, FAST, ASM, ANCHOR, KDT, VMASK, PREC, INTERP, False)
+                    c += 1
+                c = c_tail
+                while c < c_hi:
+                    kw, vw, ke, ve = _words_chunk(mrow, c, n, h, kw_ptr, vw_ptr, ke_ptr, ve_ptr, jw, je,
+                                                  s0, s1, s2, bank_stride, page_stride, NB, SHARD, BS, TOKN)
+                    m, l_sum, acc = _words_step(qv, m, l_sum, acc, c, hi, kw, vw, ke, ve, qk_scale,
+                                                TOKN, FAST, ASM, ANCHOR, KDT, VMASK, PREC, INTERP, True)
+                    c += 1
+            else:
+                for c in range(c_lo, c_tail):
+                    kw, vw, ke, ve = _words_chunk(mrow, c, n, h, kw_ptr, vw_ptr, ke_ptr, ve_ptr, jw, je,
+                                                  s0, s1, s2, bank_stride, page_stride, NB, SHARD, BS, TOKN)
+                    m, l_sum, acc = _words_step(qv, m, l_sum, acc, c, hi, kw, vw, ke, ve, qk_scale,
+                                                TOKN, FAST, ASM, ANCHOR, KDT, VMASK, PREC, INTERP, False)
+                for c in range(c_tail, c_hi):
+                    kw, vw, ke, ve = _words_chunk(mrow, c, n, h, kw_ptr, vw_ptr, ke_ptr, ve_ptr, jw, je,
+                                                  s0, s1, s2, bank_stride, page_stride, NB, SHARD, BS, TOKN)
+                    m, l_sum, acc = _words_step(qv, m, l_sum, acc, c, hi, kw, vw, ke, ve, qk_scale,
+                                                TOKN, FAST, ASM, ANCHOR, KDT, VMASK, PREC, INTERP, True)
+        _decode_epilogue(acc, m, l_sum, out, part_out, part_lse, row, qh, hq_total, sp, num_splits,
+                         o_s0, o_s1, d, hmask, d < D, D, DIRECT)
+
     @triton.jit
     def _pack_bfp8(x):
         """fp32 ``[WT, 2, 16]`` (16-value face rows) -> (shared exponents [WT, 2], value bytes), as tt.py packs."""
@@ -592,19 +863,80 @@ def write_rows(g: TileGeometry, layer: int, k: torch.Tensor, v: torch.Tensor, me
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch shape of the fast decode kernel: warps, pipeline stages, asm decode.
+    """Launch shape of the fast decode kernel: warps, pipeline stages, asm decode, bfloat8_b kernel.
 
-    The chunk size is not here: it is the paged decode's ``decode_block_n`` (equal chunks are part of
-    giving equal bits). ``num_warps`` other than the paged decode's 4 changes how the score sums
-    are reduced across warps, so it breaks bitwise equality with the paged decode (probes only).
-    ``num_stages`` 1: the kernel prefetches the next chunk into registers itself (see
-    ``_decode_tiles_kernel``). ``asm``: the inline-PTX bfloat8_b decode (same bits, fewer ops, but it
-    spilled at 4 warps and measured 2.7x slower at b64 on an H200; kept for probes).
+    The chunk size is the paged decode's ``decode_block_n`` (equal chunks are part of giving equal
+    bits) unless ``tokens`` overrides it (word kernel only; probes). ``num_warps`` other than the paged
+    decode's 4 changes how the score sums are reduced across warps, so it breaks bitwise equality with
+    the paged decode (probes only). ``num_stages`` 1: the kernel prefetches the next chunk into
+    registers itself (see ``_decode_tiles_kernel``). ``asm``: the byte kernel's inline-PTX bfloat8_b
+    decode (same bits, fewer ops, but it spilled at 4 warps and measured 2.7x slower at b64 on an H200;
+    kept for probes).
+
+    ``bfp8`` picks the bfloat8_b kernel (bf16 tiles ignore it and every field below): ``"bytes"``,
+    ``_decode_tiles_kernel`` (value bytes, per-token addresses); ``"words"``, ``_decode_bfp8_kernel``
+    (value bytes as 32-bit words, per-row-tile addresses, PTX decode four values at a time);
+    ``"words-int"``, the same kernel decoding with integer ops instead of PTX. ``prefetch`` (word
+    kernel): next chunk into registers (else ``num_stages`` > 1 pipelines through shared memory).
+    ``maxnreg``: a per-thread register cap (more programs per SM; may spill). All of these keep the
+    paged decode's bits except ``tokens`` and ``num_warps``.
     """
 
     num_warps: int = 4
     num_stages: int = 1
     asm: bool = False
+    bfp8: str = "bytes"
+    prefetch: bool = True
+    tokens: int | None = None
+    maxnreg: int | None = None
+
+    @property
+    def keeps_paged_bits(self) -> bool:
+        """True when this config gives the paged decode's bits (its chunks and warp count)."""
+        return self.tokens is None and self.num_warps == 4
+
+
+#: Named bfloat8_b decode variants (for probes, tests and ``HAWK_NPU_BFP8_KERNEL``). "b" in the comment:
+#: bitwise equal to the paged decode of the decoded values (same chunks, warps and steps). Programs per
+#: SM are for the 8B shape on an H200 (registers from an offline sm_90 compile: words 199, pipe2 159).
+BFP8_VARIANTS: dict[str, DecodeConfig] = {
+    "bytes": DecodeConfig(),  # b; the kernel before the word kernel
+    "words": DecodeConfig(bfp8="words"),  # b
+    "words-r168": DecodeConfig(bfp8="words", maxnreg=168),  # b; 3 programs per SM
+    "words-r128": DecodeConfig(bfp8="words", maxnreg=128),  # b; 4 programs per SM, some spills
+    "words-int": DecodeConfig(bfp8="words-int"),  # b; no PTX decode
+    "words-pipe2": DecodeConfig(bfp8="words", prefetch=False, num_stages=2),  # b; 3 programs per SM
+    "words-pipe2-r128": DecodeConfig(bfp8="words", prefetch=False, num_stages=2, maxnreg=128),  # b; 4 per SM
+    "words-pipe3-r128": DecodeConfig(bfp8="words", prefetch=False, num_stages=3, maxnreg=128),  # b; 4 per SM
+    "words-w8": DecodeConfig(bfp8="words", num_warps=8),  # not bitwise: 8 warps
+    "words-t128w8": DecodeConfig(bfp8="words", tokens=128, num_warps=8),  # not bitwise: 128-token chunks
+}
+#: The variant bfloat8_b tiles get when no config is given (``HAWK_NPU_BFP8_KERNEL`` overrides it).
+DEFAULT_BFP8_VARIANT = "bytes"
+
+
+def _has_bf16x2_mul(device: torch.device) -> bool:
+    """``mul.bf16x2`` (the word kernel's PTX decode) needs sm_90; older GPUs take its integer decode."""
+    if device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def default_config(g: TileGeometry) -> DecodeConfig:
+    """The fast kernel's config for ``g`` when the caller gives none: ``DecodeConfig()`` for bf16 tiles;
+    for bfloat8_b, ``BFP8_VARIANTS[$HAWK_NPU_BFP8_KERNEL or DEFAULT_BFP8_VARIANT]``."""
+    if not g.bfp8:
+        return DecodeConfig()
+    name = os.environ.get("HAWK_NPU_BFP8_KERNEL") or DEFAULT_BFP8_VARIANT
+    try:
+        return BFP8_VARIANTS[name]
+    except KeyError:
+        raise ValueError(f"HAWK_NPU_BFP8_KERNEL={name!r}: expected one of {sorted(BFP8_VARIANTS)}") from None
 
 
 def decode_attention(
@@ -625,8 +957,8 @@ def decode_attention(
     values), q, split count and ``block_n`` (default: the paged decode's, ``decode_block_n``).
     ``partials``: fp32 ``[rows*Hq*num_splits*D]`` and ``[rows*Hq*num_splits]`` (the paged decode's
     split-partial layout; needed when ``num_splits > 1``), merged by the paged decode's reduce.
-    A separable page map takes the chunked kernel (``config``, default :class:`DecodeConfig`), bf16
-    and bfloat8_b alike: on an H200 the whole-tile kernel's bf16 output was not bitwise equal to the
+    A separable page map takes the chunked kernel (``config``, default :func:`default_config`; bfloat8_b
+    may take the word kernel, see :class:`DecodeConfig`), bf16 and bfloat8_b alike: on an H200 the whole-tile kernel's bf16 output was not bitwise equal to the
     paged decode (its ``tl.join`` of two row tiles reorders the chunk), which broke token equality with
     the colocated reference. ``generic=True`` forces the whole-tile kernel (non-separable maps use it).
     """
@@ -648,10 +980,29 @@ def decode_attention(
               g.memory, g.bases[2 * layer], g.bases[2 * layer + 1], meta, meta.stride(0), qk_scale, num_splits)
     bh = max(16, _next_pow2(group))
     if g.separable and not generic:
-        cfg = config or DecodeConfig()
+        cfg = config or default_config(g)
         # FAST is GPU-only: the interpreter's int16 -> bf16 bitcast gives wrong values (its bf16 is
         # emulated), so CPU tests run the exact fp32 decode; the gpu tests check FAST bitwise.
         fast = g.bfp8 and q.dtype == torch.bfloat16 and not interp
+        if g.bfp8 and cfg.bfp8 != "bytes":
+            if cfg.bfp8 not in ("words", "words-int"):
+                raise ValueError(f"DecodeConfig.bfp8 must be bytes, words or words-int, got {cfg.bfp8!r}")
+            tokn = cfg.tokens or block_n
+            if tokn not in (16, 32, 64, 128):
+                raise ValueError(f"DecodeConfig.tokens must be 16, 32, 64 or 128, got {tokn}")
+            extra = {"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interp else {}
+            _decode_bfp8_kernel[grid](
+                *common, g.bank_stride, g.page_stride, g.s0, g.s1, g.s2,
+                NB=g.num_banks, SHARD=g.shard_pages, G=group, BH=bh, WT=g.col_tiles, BS=g.block_size, TOKN=tokn,
+                FAST=fast, ASM=fast and cfg.bfp8 == "words" and _has_bf16x2_mul(q.device), ANCHOR=True,
+                PREFETCH=cfg.prefetch, KDT=kdt,
+                VMASK=q.dtype == torch.float16,
+                DIRECT=num_splits == 1, PREC=prec, INTERP=interp, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages, **extra,
+            )
+            if num_splits > 1:
+                ta.decode_reduce(part_out, part_lse, out, num_splits)
+            return out
         _decode_tiles_kernel[grid](
             *common, g.bank_stride, g.page_stride, g.s0, g.s1, g.s2,
             NB=g.num_banks, SHARD=g.shard_pages, G=group, BH=bh, WT=g.col_tiles, BS=g.block_size, TOKN=block_n,
