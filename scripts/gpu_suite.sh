@@ -10,6 +10,8 @@
 #     reverse   - the reverse direction (ng-hawk: NPU prefill on GPU0's memory -> GPU decode on GPU1) beside gg-direct
 #     engine    - `hawk bench engine`: 8B decode step / prefill times vs read-bandwidth and GEMM ceilings (GPU0 only)
 #     ttft      - `hawk bench ttft`: TTFT disaggregated / colocated at 1k/4k/16k, pull and layer-wise push (both roles on GPU0)
+#     bfp8      - the bfloat8_b NPU-tile decode variants against the paged decode (benchmarks/bfp8_kernel_probe.py)
+#     sameg     - one GPU, both roles: the auto transport's tests, Fig. 9 sizes vs a same-run device copy, TTFT at 1k/4k/16k
 #     kernels   - the CUDA tests of the attention kernels (paged, NPU-tile) and the fused ops
 #     tp        - 8B token equality across tensor-parallel degrees: prefill TP2 -> decode TP1, TP1 -> TP2 (two GPUs)
 # Wheels missing on the box (nixl, nixl_cu13, pyzmq for cp312) are carried in .whl/ (see docs/gpu.md).
@@ -47,6 +49,15 @@ want transfer && \
 want model && \
   step model_8b 200 python3 -m hawk.bench.equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 \
     --decode-device npu-emu:cuda:$dec --configs gn-hawk,gg-direct --max-tokens 32 --kv-tokens 8192 --json "$OUT/e2e_8b_h200x2.json"
+want bfp8 && \
+  step bfp8_probe 200 python3 benchmarks/bfp8_kernel_probe.py --json "$OUT/bfp8_kernel_probe.json"
+if want sameg; then
+  step auto_tests 120 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_transport_auto.py
+  step transfer_h200x1 150 python3 -m hawk.cli bench transfer --transport auto --prefill-device cuda:0 --npu-device npu-emu:cuda:0 \
+    --gpu-decode-device cuda:0 --sizes-mb 10,80,320,1280 --repeats 10 --configs gg-direct,gn-hawk --json "$OUT/transfer_h200x1.json"
+  step ttft_auto 200 python3 -m hawk.bench.ttft --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device npu-emu:cuda:0 \
+    --transport auto --prompts 1024,4096,16384 --configs gn-hawk,gg-direct --kv-flows pull,layerwise --repeats 3 --warmup 1 --json "$OUT/ttft_h200.json"
+fi
 want ttft && \
   step ttft 240 python3 -m hawk.bench.ttft --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device npu-emu:cuda:0 \
     --prompts 1024,4096,16384 --configs gn-hawk,gg-direct --kv-flows pull,layerwise --repeats 3 --warmup 1 --json "$OUT/ttft_h200.json"
