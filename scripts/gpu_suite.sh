@@ -55,12 +55,12 @@ if want sameg; then
   step auto_tests 120 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_transport_auto.py
   step transfer_h200x1 150 python3 -m hawk.cli bench transfer --transport auto --prefill-device cuda:0 --npu-device npu-emu:cuda:0 \
     --gpu-decode-device cuda:0 --sizes-mb 10,80,320,1280 --repeats 10 --configs gg-direct,gn-hawk --json "$OUT/transfer_h200x1.json"
-  step ttft_auto 200 python3 -m hawk.bench.ttft --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device npu-emu:cuda:0 \
-    --transport auto --prompts 1024,4096,16384 --configs gn-hawk,gg-direct --kv-flows pull,layerwise --repeats 3 --warmup 1 --json "$OUT/ttft_h200.json"
+  step ttft_auto 170 python3 -m hawk.bench.ttft --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device npu-emu:cuda:0 \
+    --transport auto --prompts 1024,4096,16384 --configs gn-hawk,gg-direct --kv-flows pull,layerwise --repeats 2 --warmup 1 --json "$OUT/ttft_h200.json"
 fi
 want ttft && \
   step ttft 240 python3 -m hawk.bench.ttft --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device npu-emu:cuda:0 \
-    --prompts 1024,4096,16384 --configs gn-hawk,gg-direct --kv-flows pull,layerwise --repeats 3 --warmup 1 --json "$OUT/ttft_h200.json"
+    --prompts 1024,4096,16384 --configs gn-hawk,gg-direct --kv-flows pull,layerwise --repeats 2 --warmup 1 --json "$OUT/ttft_h200.json"
 # A TP group takes consecutive GPUs from its instance's device (rank r on cuda:N+r), so TP2 needs two.
 if want tp && [ "$ngpu" -ge 2 ]; then
   step tp_2to1 150 python3 -m hawk.bench.equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 \
