@@ -54,14 +54,27 @@ def _fail(e: Exception) -> None:
 
 
 def _serve_commands(app: typer.Typer, bench: typer.Typer) -> None:
-    """``serve``, ``demo`` and ``bench equivalence``: their options are generated from ``ServeConfig``."""
-    from hawk.bench.equivalence_cli import equivalence_command
-    from hawk.serve.demo import demo_command
-    from hawk.serve.launcher import serve_command
+    """``serve``, ``demo`` and ``bench equivalence``: their options are generated from ``ServeConfig``.
 
+    Without the HTTP stack (fastapi, uvicorn: a GPU box that carries only what a benchmark needs) the
+    benchmarks still run, and ``serve``/``demo`` say what is missing instead of the whole command failing."""
+    from hawk.bench.equivalence_cli import equivalence_command
+
+    bench.command("equivalence")(equivalence_command())
+    try:
+        from hawk.serve.demo import demo_command
+        from hawk.serve.launcher import serve_command
+    except ImportError as e:
+        missing = str(e)
+
+        def unavailable(ctx: typer.Context) -> None:
+            _fail(RuntimeError(f"the serving stack is not installed ({missing}); pip install 'fastapi' 'uvicorn' (see pyproject.toml)"))
+
+        for name in ("serve", "demo"):
+            app.command(name, context_settings=PASS_THROUGH, help="(needs the serving stack: fastapi, uvicorn)")(unavailable)
+        return
     app.command("serve")(serve_command())
     app.command("demo")(demo_command())
-    bench.command("equivalence")(equivalence_command())
 
 
 _serve_commands(app, bench_app)

@@ -12,6 +12,8 @@
 #     ttft      - `hawk bench ttft`: TTFT disaggregated / colocated at 1k/4k/16k, pull and layer-wise push (both roles on GPU0)
 #     bfp8      - the bfloat8_b NPU-tile decode variants against the paged decode (benchmarks/bfp8_kernel_probe.py)
 #     sameg     - one GPU, both roles: the auto transport's tests, Fig. 9 sizes vs a same-run device copy, TTFT at 1k/4k/16k
+#     quick     - the acceptance points in one short call: transform v1/v2 vs copy, one-GPU transfers vs a device copy,
+#                 engine decode at batch 1/64 (1k) and prefill 2k
 #     kernels   - the CUDA tests of the attention kernels (paged, NPU-tile) and the fused ops
 #     tp        - 8B token equality across tensor-parallel degrees: prefill TP2 -> decode TP1, TP1 -> TP2 (two GPUs)
 # Wheels missing on the box (nixl, nixl_cu13, pyzmq for cp312) are carried in .whl/ (see docs/gpu.md).
@@ -57,6 +59,18 @@ if want sameg; then
     --gpu-decode-device cuda:0 --sizes-mb 10,80,320,1280 --repeats 10 --configs gg-direct,gn-hawk --json "$OUT/transfer_h200x1.json"
   step ttft_auto 170 python3 -m hawk.bench.ttft --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device npu-emu:cuda:0 \
     --transport auto --prompts 1024,4096,16384 --configs gn-hawk,gg-direct --kv-flows pull,layerwise --repeats 2 --warmup 1 --json "$OUT/ttft_h200.json"
+fi
+if want quick; then  # most important first: a call cut short keeps what ran
+  step engine_quick 200 python3 -m hawk.bench.engine --device cuda:0 --model llama-3.1-8b --dtype bf16 --batches 1,64 --contexts 1024 \
+    --prefill-tokens 2048 --paths gpu-paged,npu-tile --kv-dtypes bf16,bfp8_b --steps 30 --point-budget-s 8 --time-budget-s 140 \
+    --json "$OUT/engine_h200.json"
+  step copy_tests 60 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_devices.py tests/test_transport_auto.py -k "copy_pairs or same_gpu"
+  step transfer_h200x1 100 python3 -m hawk.cli bench transfer --transport auto --prefill-device cuda:0 --npu-device npu-emu:cuda:0 \
+    --gpu-decode-device cuda:0 --sizes-mb 10,80,320,1280 --repeats 10 --configs gg-direct,gn-hawk --json "$OUT/transfer_h200x1.json"
+  step ttft_auto 90 python3 -m hawk.bench.ttft --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device npu-emu:cuda:0 \
+    --transport auto --prompts 1024,4096,16384 --configs gn-hawk,gg-direct --kv-flows pull,layerwise --repeats 2 --warmup 1 --json "$OUT/ttft_h200.json"
+  step transform_v2 110 python3 -m hawk.bench.transform --impls triton --kernels v1,v2 --sizes-mb 10,80,320,1280 \
+    --dtypes bf16,bfp8_b --blocks contiguous --json "$OUT/transform_h200.json"
 fi
 want ttft && \
   step ttft 240 python3 -m hawk.bench.ttft --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device npu-emu:cuda:0 \

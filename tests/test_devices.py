@@ -115,3 +115,54 @@ def test_unknown_device_is_a_clear_error():
     with pytest.raises(RuntimeError, match="ttnn"):
         open_npu("ttnn:0")
     assert isinstance(open_npu("npu-emu:cpu", bank_capacity=1 << 16), EmulatedNpu)
+
+
+def _pairs(dev: str) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
+    """Twelve (dst, src) pairs of distinct tensors and sub-tensors, odd sizes in 8-byte words."""
+    g = torch.Generator().manual_seed(3)
+    src = torch.randint(0, 255, (4096,), dtype=torch.uint8, generator=g).to(dev)
+    dst = torch.zeros(8192, dtype=torch.uint8, device=dev)
+    pairs = [(dst[1024 * i + 8 : 1024 * i + 8 + 40 * (i + 1)], src[256 * i : 256 * i + 40 * (i + 1)]) for i in range(8)]
+    others = [torch.randint(0, 255, (8 * (k + 3),), dtype=torch.uint8, generator=g).to(dev) for k in range(4)]
+    outs = [torch.zeros_like(o) for o in others]
+    return pairs + list(zip(outs, others)), [src, dst]
+
+
+def test_copy_pairs_refuses_what_it_cannot_do():
+    from hawk.devices.batched_copy import copy_pairs
+
+    pairs, _ = _pairs("cpu")
+    assert not copy_pairs(pairs)  # not CUDA: the caller copies
+    assert not copy_pairs(pairs[:3])
+    odd = torch.zeros(16, dtype=torch.uint8)
+    assert not copy_pairs([(odd[1:9], odd[8:16])], force=True)  # not 8-byte aligned
+
+
+def test_copy_pairs_kernel_in_interpreter():
+    code = textwrap.dedent(
+        """
+        import torch
+        from hawk.devices.batched_copy import copy_pairs
+        from tests.test_devices import _pairs
+        pairs, _ = _pairs("cpu")
+        want = [s.clone() for _, s in pairs]
+        assert copy_pairs(pairs, force=True)
+        assert all(torch.equal(d, w) for (d, _), w in zip(pairs, want))
+        print("ok")
+        """
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_copy_pairs_cuda():
+    from hawk.devices.batched_copy import copy_pairs
+
+    pairs, _ = _pairs("cuda")
+    want = [s.clone() for _, s in pairs]
+    assert copy_pairs(pairs)
+    torch.cuda.synchronize()
+    assert all(torch.equal(d, w) for (d, _), w in zip(pairs, want))

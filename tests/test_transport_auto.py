@@ -295,7 +295,7 @@ def _bandwidth_gbs(t, peer, op, local, remote, nbytes, reps=5):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("copy_mode", ["auto", "torch"])
+@pytest.mark.parametrize("copy_mode", ["raw", "torch"])
 def test_gpu_same_process_same_gpu_is_a_device_copy(monkeypatch, copy_mode):
     monkeypatch.setenv("HAWK_CUDA_COPY", copy_mode)
     big = 256 << 20
@@ -322,7 +322,7 @@ def test_gpu_same_process_same_gpu_is_a_device_copy(monkeypatch, copy_mode):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("copy_mode", ["auto", "torch"])
+@pytest.mark.parametrize("copy_mode", ["raw", "torch"])
 def test_gpu_two_processes_same_gpu_use_cuda_ipc(monkeypatch, copy_mode):
     monkeypatch.setenv("HAWK_CUDA_COPY", copy_mode)
     big = 256 << 20

@@ -6,15 +6,17 @@ the Llama-3.1-70B TP4 rank shape (80 layers, 2 KV heads, head_dim 128, bf16, GPU
 to a Blackhole p150a cache (NPU block 64), with the GPU block ids in order or shuffled.
 
     python -m hawk.bench.transform --sizes-mb 10,80,320,1280 --dtypes bf16,bfp8_b --json PATH
+    python -m hawk.bench.transform --impls triton --kernels v1,v2 --check-edges   # both kernels, edge bytes first
 
-The JSON is a list of records (one per size, dtype, block order and impl) with ``size_mb``,
-``dtype``, ``impl``, ``gbps``, ``copy_gbps``, ``ratio``, ``ms`` and the device name.
+The JSON is a list of records (one per size, dtype, block order, impl and Triton kernel) with
+``size_mb``, ``dtype``, ``impl``, ``kernel``, ``gbps``, ``copy_gbps``, ``ratio``, ``ms`` and the device name.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -69,8 +71,9 @@ def build_problem(
     device: str | torch.device = "cuda",
     seed: int = 0,
     arch: str = "blackhole-p150a",
+    gdtype: str = "bf16",
 ) -> Problem:
-    """A bf16 NHD GPU cache holding exactly the request's blocks, and its plan to the NPU cache.
+    """A (bf16 by default) NHD GPU cache holding exactly the request's blocks, and its plan to the NPU cache.
 
     ``shuffled`` permutes the block ids on both sides (what a long-running allocator hands out).
     """
@@ -78,15 +81,182 @@ def build_problem(
     g_blocks, n_blocks = -(-tokens // gbs), -(-tokens // nbs)
     gids = rng.permutation(g_blocks) if shuffled else np.arange(g_blocks)
     nids = rng.permutation(n_blocks) if shuffled else np.arange(n_blocks)
-    src = GpuKVLayout(layers, g_blocks, gbs, heads, head_dim, "bf16", "NHD")
+    src = GpuKVLayout(layers, g_blocks, gbs, heads, head_dim, gdtype, "NHD")
     dst = NpuKVLayout(get_arch(arch), layers, n_blocks, heads, nbs, head_dim, ndtype)
     per_bank = dst.tensor_buffer(0).bytes_per_bank
     plan = plan_kv_transfer(tokens, gids, nids, src, dst, [t * per_bank for t in range(dst.num_tensors)])
     gen = torch.Generator(device=device).manual_seed(seed)
-    caches = [torch.randn(src.layer_shape, generator=gen, device=device, dtype=torch.float32).to(torch.bfloat16)
+    caches = [torch.randn(src.layer_shape, generator=gen, device=device, dtype=torch.float32).to(src.torch_dtype)
               for _ in range(layers)]
     read = tokens * layers * 2 * heads * head_dim * src.elem_bytes
     return Problem(caches, plan, tokens, read, plan.total_bytes)
+
+
+# -- edge values: every bf16/fp16 bit pattern at every interesting distance from its row's max -------
+
+#: Distances ``d = E - e`` (shared minus own exponent) every pattern is placed at: each rounding shift
+#: up to and past the last that can leave a nonzero magnitude (7), and the extremes of the range.
+EDGE_DISTANCES = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 24, 100, 132, 133, 134, 200, 254)
+
+_BITS = {"bf16": np.uint16, "fp16": np.uint16, "fp32": np.uint32}
+
+
+def fp32_bits_of(pats: np.ndarray, gdtype: str) -> np.ndarray:
+    """uint32 fp32 bit patterns of ``gdtype`` bit patterns (exact widening)."""
+    if gdtype == "bf16":
+        return pats.astype(np.uint32) << 16
+    if gdtype == "fp16":
+        return pats.astype(np.uint16).view(np.float16).astype(np.float32).view(np.uint32)
+    return pats.astype(np.uint32)
+
+
+def _fp32_tie_patterns(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """fp32 patterns whose bfloat8_b rounding sits on or next to a tie, and the distance d each needs.
+
+    With distance d the magnitude keeps the 24-bit mantissa's top ``7 - d`` bits after the implicit
+    one; the dropped ``17 + d`` bits are set to exactly half, half -+ 1, 0 and all ones.
+    """
+    pats, dists = [], []
+    for d in range(10):
+        shift = 17 + d
+        half, full = 1 << (shift - 1), (1 << shift) - 1
+        q = np.arange(0, 129, dtype=np.int64)[:, None]
+        off = np.array([0, half - 1, half, half + 1, full], dtype=np.int64)[None, :]
+        m = ((q << shift) + off).reshape(-1)
+        m = m[(m >= 1 << 23) & (m < 1 << 24)]
+        e = rng.integers(1, 255 - d, size=m.size)
+        sign = rng.integers(0, 2, size=m.size) << 31
+        pats.append((sign | (e << 23) | (m - (1 << 23))).astype(np.uint32))
+        dists.append(np.full(m.size, d))
+    return np.concatenate(pats), np.concatenate(dists)
+
+
+def edge_rows(gdtype: str, seed: int = 0, nan: bool = True) -> np.ndarray:
+    """Face rows (``[n, 16]`` bit patterns of ``gdtype``) that stress bfloat8_b and bf16 encoding.
+
+    bf16 and fp16: every bit pattern (zeros, subnormals, normals, both infinities and, with ``nan``,
+    every NaN) at every distance of :data:`EDGE_DISTANCES` below its row's max exponent that the
+    format can reach, so every rounding tie, saturation (127) and magnitude that rounds to 0 (+0,
+    also for negative inputs) occurs; rows whose max is inf/NaN (exponent 255) and rows of only
+    zeros/subnormals (exponent 0) included. fp32: random patterns plus constructed ties.
+    Each row holds one "setter" of the row's max exponent and 15 tested values, shuffled; the rest
+    of a row is +0 or -0.
+    """
+    rng = np.random.default_rng(seed)
+    if gdtype == "fp32":
+        rnd = rng.integers(0, 1 << 32, size=60_000, dtype=np.uint64).astype(np.uint32)
+        ties, tie_d = _fp32_tie_patterns(rng)
+        pool = np.concatenate([rnd, ties])
+    else:
+        pool = np.arange(1 << 16, dtype=np.uint32).astype(_BITS[gdtype])
+    b32 = fp32_bits_of(pool, gdtype)
+    exp = ((b32 >> 23) & 0xFF).astype(np.int64)
+    is_nan = (exp == 255) & ((b32 & 0x7FFFFF) != 0)
+    if not nan:
+        pool, b32, exp = pool[~is_nan], b32[~is_nan], exp[~is_nan]
+        if gdtype == "fp32":
+            tie_d = tie_d[~is_nan[len(rnd):]]
+    # Setters: patterns of each exponent; fp32 builds any exponent it needs.
+    by_exp: dict[int, np.ndarray] = {int(e): pool[exp == e] for e in np.unique(exp)}
+    if gdtype == "fp32":
+        for e in range(256):
+            m = rng.integers(0, 1 << 23, size=8) if (e < 255 or nan) else np.zeros(8, dtype=np.int64)
+            by_exp[e] = (rng.integers(0, 2, size=8) << 31 | e << 23 | m).astype(np.uint32)
+    # (pattern, row exponent) pairs.
+    idx = np.arange(len(pool))
+    pair_i, pair_e = [], []
+    for d in EDGE_DISTANCES:
+        tgt = exp + d
+        ok = np.isin(tgt, list(by_exp))
+        pair_i.append(idx[ok])
+        pair_e.append(tgt[ok])
+    if gdtype == "fp32":
+        tie_i = np.arange(len(pool) - len(tie_d), len(pool))
+        pair_i.append(tie_i)
+        pair_e.append(exp[tie_i] + tie_d)
+    pi, pe = np.concatenate(pair_i), np.concatenate(pair_e)
+    order = np.argsort(pe, kind="stable")
+    pi, pe = pi[order], pe[order]
+    rows = []
+    for e in np.unique(pe):
+        members = pool[pi[pe == e]]
+        members = members[rng.permutation(len(members))]
+        n = -(-len(members) // 15)
+        block = np.zeros((n, 16), dtype=pool.dtype)
+        flat = block[:, 1:].reshape(-1)
+        flat[: len(members)] = members
+        if gdtype == "fp32":
+            neg0 = np.uint32(0x80000000)
+        else:
+            neg0 = np.uint16(0x8000)
+        flat[len(members):] = np.where(rng.random(len(flat) - len(members)) < 0.5, neg0, 0).astype(pool.dtype)
+        block[:, 1:] = flat.reshape(n, 15)
+        setters = by_exp[int(e)]
+        block[:, 0] = setters[rng.integers(0, len(setters), size=n)]
+        rows.append(block)
+    rows = np.concatenate(rows)
+    rows = rng.permuted(rows, axis=1)  # the setter anywhere in its row
+    rows = rows[rng.permutation(len(rows))]
+    zeros = np.zeros((4, 16), dtype=pool.dtype)
+    zeros[1] = 0x80000000 if gdtype == "fp32" else 0x8000  # a row of -0
+    zeros[2, ::2] = zeros[1, ::2]  # mixed +-0
+    # Rows whose max exponent is 1..7 (magnitudes 2^-126..2^-120) or 255 (inf, NaN) last, together: a
+    # kernel may take a slower path for the part of a request holding one, and the rest must
+    # exercise the fast one.
+    row_exp = ((fp32_bits_of(rows, gdtype) >> 23) & 0xFF).max(axis=1)
+    rare = ((row_exp >= 1) & (row_exp <= 7)) | (row_exp == 255)
+    return np.concatenate([zeros, rows[~rare], rows[rare]])
+
+
+def edge_problem(gdtype: str, ndtype: str, device: str | torch.device, seed: int = 0, nan: bool = True,
+                 shuffled: bool = True) -> Problem:
+    """A one-layer, one-head cache (head_dim 128) whose every face row is one of :func:`edge_rows`,
+    all of it in the request (whole blocks), so every row reaches the send buffer."""
+    rows = edge_rows(gdtype, seed, nan)
+    per_token = 2 * 128 // 16  # face rows per token (K and V)
+    tokens = -(-len(rows) // per_token)
+    tokens += -tokens % 64
+    prob = build_problem(tokens, layers=1, heads=1, head_dim=128, ndtype=ndtype, shuffled=shuffled, device="cpu",
+                         seed=seed, gdtype=gdtype)
+    need = tokens * per_token
+    rng = np.random.default_rng(seed + 1)
+    fill = rows[rng.integers(0, len(rows), size=need - len(rows))]
+    bits = np.concatenate([fill, rows]).reshape(-1)  # edge_rows' last rows stay last
+    cache = prob.caches[0]
+    signed = np.int16 if bits.dtype == np.uint16 else np.int32
+    cache.view(-1).copy_(torch.from_numpy(bits.view(signed)).view(cache.dtype))
+    prob.caches = [cache.to(device)]
+    return prob
+
+
+def check_edges(kernels: Sequence[str | None] = (None,), device: str | torch.device = "cuda",
+                gdtypes: Sequence[str] = ("bf16", "fp16", "fp32"), ndtypes: Sequence[str] = ("bfp8_b", "bf16"),
+                verbose: bool = True) -> list[dict]:
+    """Triton bytes against the torch reference on :func:`edge_problem` for each kernel and dtype pair.
+
+    NaNs are left out where an fp16/fp32 -> bf16 or fp16 -> fp32 conversion is involved (the kernels
+    and the reference may canonicalize NaN payloads differently there); bf16 and fp32 sources keep
+    them for bfloat8_b output, bf16 keeps them for bf16 output (a bit copy).
+    """
+    from hawk.transform.triton_kernel import transform_triton
+
+    out = []
+    for g in gdtypes:
+        for n in ndtypes:
+            nan = g == "bf16" or (g == "fp32" and n == "bfp8_b")
+            prob = edge_problem(g, n, device, nan=nan)
+            ref = transform(prob.caches, prob.plan, impl="torch")
+            for k in kernels:
+                got = transform_triton(prob.caches, prob.plan, kernel=k)
+                diff = int((got != ref).sum())
+                rows = prob.read_bytes // (16 * prob.caches[0].element_size())
+                rec = {"gdtype": g, "ndtype": n, "kernel": k or "default", "rows": rows, "bytes": int(ref.numel()),
+                       "differ": diff, "match": diff == 0}
+                out.append(rec)
+                if verbose:
+                    print(f"edges {g:5} -> {n:7} kernel {rec['kernel']:7} face rows {rec['rows']:8} "
+                          f"bytes differing {diff}", flush=True)
+    return out
 
 
 def _sync(device: torch.device) -> None:
@@ -128,12 +298,13 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()})"
 
 
-def _runner(impl: str, prob: Problem, out: torch.Tensor, num_warps: int) -> Callable[[], object]:
-    """One transform call as the benchmark times it (Triton directly, to pass ``num_warps``)."""
+def _runner(impl: str, prob: Problem, out: torch.Tensor, num_warps: int, kernel: str | None = None,
+            tpp: int | None = None) -> Callable[[], object]:
+    """One transform call as the benchmark times it (Triton directly, to pass the kernel options)."""
     if impl == "triton":
         from hawk.transform.triton_kernel import transform_triton
 
-        return lambda: transform_triton(prob.caches, prob.plan, out, num_warps=num_warps)
+        return lambda: transform_triton(prob.caches, prob.plan, out, num_warps=num_warps, kernel=kernel, tpp=tpp)
     return lambda: transform(prob.caches, prob.plan, out, impl=impl)
 
 
@@ -148,16 +319,21 @@ def run_benchmark(
     warmup: int = 3,
     verbose: bool = True,
     num_warps: int = 4,
+    kernels: Sequence[str | None] = (None,),
+    tpp: int | None = None,
 ) -> list[dict]:
-    """Measure every (size, dtype, block order, impl); each record carries its copy ceiling.
+    """Measure every (size, dtype, block order, impl, Triton kernel); each record carries its copy ceiling.
 
     Before timing, the Triton output is compared with the torch reference (``match``); the
-    token counts are whole NPU blocks, so the bytes must be equal with no exception.
+    token counts are whole NPU blocks, so the bytes must be equal with no exception. ``kernels``
+    are :func:`hawk.transform.triton_kernel.transform_triton` kernel names (None: its default).
     """
+    from hawk.transform.triton_kernel import ENV_LAUNCH, resolve_kernel
+
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     impls = list(impls or (["triton", "torch"] if dev.type == "cuda" else ["torch"]))
     shp = SHAPES[shape]
-    name = device_name(dev)
+    name_dev = device_name(dev)
     records: list[dict] = []
     for size in sizes_mb:
         tokens = tokens_for_size(size, shp)
@@ -171,23 +347,33 @@ def run_benchmark(
                     copy_ms, copy_rate = copy_gbps(rw, dev, warmup, repeats)
                 out = torch.empty(prob.plan.total_bytes, dtype=torch.uint8, device=dev)
                 ref = transform(prob.caches, prob.plan, impl="torch") if "triton" in impls else None
-                for impl in impls:
-                    run = _runner(impl, prob, out, num_warps)
-                    run()  # compile, build and cache the plan's tables
-                    match = ref is None or bool(torch.equal(out, ref))
+                runs = [(impl, k) for impl in impls for k in (kernels if impl == "triton" else [None])]
+                for impl, kernel in runs:
+                    run = _runner(impl, prob, out, num_warps, kernel, tpp)
+                    match = True
+                    for _ in range(2):  # the first call compiles and builds the plan's tables, the second is a timed one
+                        out.fill_(0xAB)  # a kernel must write every byte; earlier runs' bytes must not count
+                        run()
+                        match = match and (ref is None or bool(torch.equal(out, ref)))
                     ms = time_ms(run, dev, warmup, repeats)
                     gbps = rw / ms / 1e6
+                    name = impl
+                    if impl == "triton":
+                        name = f"triton-{resolve_kernel(kernel, shp['head_dim'])}"
                     rec = {
                         "size_mb": size, "cache_mb": round(prob.read_bytes / MiB, 3), "tokens": tokens,
                         "dtype": dtype, "blocks": order, "impl": impl, "ms": round(ms, 4),
                         "gbps": round(gbps, 2), "copy_ms": round(copy_ms, 4), "copy_gbps": round(copy_rate, 2),
                         "ratio": round(gbps / copy_rate, 4), "read_bytes": prob.read_bytes,
-                        "write_bytes": prob.write_bytes, "match": match, "device": name, "shape": shape,
+                        "write_bytes": prob.write_bytes, "match": match, "device": name_dev, "shape": shape,
                         "num_warps": num_warps if impl == "triton" else None,
+                        "kernel": resolve_kernel(kernel, shp["head_dim"]) if impl == "triton" else None,
+                        "tpp": tpp if impl == "triton" else None,
+                        "launch": os.environ.get(ENV_LAUNCH, "direct") if impl == "triton" else None,
                     }
                     records.append(rec)
                     if verbose:
-                        print(f"{size:>8} MB {dtype:7} {order:10} {impl:6} {ms:9.3f} ms {gbps:9.1f} GB/s "
+                        print(f"{size:>8} MB {dtype:7} {order:10} {name:10} {ms:9.4f} ms {gbps:9.1f} GB/s "
                               f"copy {copy_rate:9.1f} GB/s ratio {gbps / copy_rate:5.2f} match {match}", flush=True)
                 del prob, out, ref
                 if dev.type == "cuda":
@@ -206,11 +392,12 @@ def print_table(records: list[dict]) -> None:
         return
     dev = records[0]["device"] if records else "?"
     table = Table(title=f"KV transform vs device copy (read+write bytes) on {dev}")
-    for col in ("size MB", "dtype", "blocks", "impl", "ms", "GB/s", "copy GB/s", "ratio", "match"):
+    for col in ("size MB", "dtype", "blocks", "impl", "kernel", "ms", "GB/s", "copy GB/s", "ratio", "match"):
         table.add_column(col, justify="right")
     for r in records:
-        table.add_row(str(r["size_mb"]), r["dtype"], r["blocks"], r["impl"], f"{r['ms']:.3f}", f"{r['gbps']:.1f}",
-                      f"{r['copy_gbps']:.1f}", f"{r['ratio']:.2f}", "yes" if r["match"] else "NO")
+        table.add_row(str(r["size_mb"]), r["dtype"], r["blocks"], r["impl"], str(r.get("kernel") or "-"),
+                      f"{r['ms']:.4f}", f"{r['gbps']:.1f}", f"{r['copy_gbps']:.1f}", f"{r['ratio']:.2f}",
+                      "yes" if r["match"] else "NO")
     Console(width=max(110, Console().width)).print(table)
 
 
@@ -229,8 +416,20 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--num-warps", type=int, default=4, help="Triton kernel warps per program")
+    p.add_argument("--kernels", default=None,
+                   help="Triton kernels to time, comma-separated: v1, v2, v2e (default: the default kernel)")
+    p.add_argument("--tpp", type=int, default=None, help="v2: K/V tensors per program (default: ~16 KiB of source)")
+    p.add_argument("--check-edges", action="store_true",
+                   help="first check each Triton kernel's bytes on edge-value caches (every bf16/fp16 pattern, "
+                        "fp32 ties; zeros, subnormals, inf/NaN) against the torch reference")
     p.add_argument("--json", default=None, help="write the records here (a JSON list)")
     a = p.parse_args(argv)
+    kernels = _csv(a.kernels) if a.kernels else [None]
+    if a.check_edges:
+        dev = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        edges = check_edges(kernels, dev)
+        if not all(e["match"] for e in edges):
+            raise SystemExit("Triton output differs from the torch reference on edge values (see above)")
     records = run_benchmark(
         sizes_mb=[float(x) if "." in x else int(x) for x in _csv(a.sizes_mb)],
         dtypes=_csv(a.dtypes),
@@ -241,6 +440,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         repeats=a.repeats,
         warmup=a.warmup,
         num_warps=a.num_warps,
+        kernels=kernels,
+        tpp=a.tpp,
     )
     print_table(records)
     if a.json:

@@ -418,7 +418,8 @@ class KVSender:
         t1 = time.perf_counter()
         descs = self.fmt.layer_descs(push.plan, layer, staged)
         if descs:
-            self.transport.transfer("WRITE", push.receiver.peer, descs, timeout_s=self.ttl_s)
+            with self._side.current():  # ordered after this layer's transform, not the rest of the forward
+                self.transport.transfer("WRITE", push.receiver.peer, descs, timeout_s=self.ttl_s)
         t2 = time.perf_counter()
         push.timings["transform_s"] = push.timings.get("transform_s", 0.0) + t1 - t0
         push.timings["write_s"] = push.timings.get("write_s", 0.0) + t2 - t1

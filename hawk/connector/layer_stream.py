@@ -10,6 +10,7 @@ a layer, so there is nothing to wait for: the worker thread's transform overlaps
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -42,3 +43,9 @@ class SideStream:
         with torch.cuda.stream(self.stream):
             work()
         self.stream.synchronize()
+
+    def current(self) -> contextlib.AbstractContextManager[Any]:
+        """This stream as the calling thread's current one (and its device as the current device):
+        a same-host transport's copies order themselves after the current stream, and the thread's
+        default stream holds the whole forward enqueued so far, later layers included."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()

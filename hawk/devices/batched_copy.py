@@ -60,10 +60,11 @@ def batched_copy(memory: torch.Tensor, copies: Sequence[Copy] | Runs) -> None:
 
 
 def _triton_copy(flat: torch.Tensor, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> None:
+    """Word offsets ``src``/``dst`` (8-byte units) from ``flat``'s start; they may lie before it."""
     from hawk.devices._copy_kernel import copy_words
 
     dev = flat.device
-    words = flat.view(torch.int64)
+    words = flat if flat.dtype == torch.int64 else flat.view(torch.int64)
     t = torch.as_tensor(np.stack([src, dst, lens]), device=dev)
     copy_words(words, t[0], t[1], t[2], int(lens.max()), _BLOCK)
 
@@ -78,3 +79,33 @@ def copy_regions(copies: Sequence[Copy], regions: dict[int, torch.Tensor]) -> No
     for c in copies:
         src, dst = views[c.src_region], views[c.dst_region]
         dst[c.dst_offset : c.dst_offset + c.length].copy_(src[c.src_offset : c.src_offset + c.length], non_blocking=True)
+
+
+#: Fewer pairs than this go through torch's copies: one launch plus the offsets' upload beat them only
+#: when there are several.
+MIN_PAIRS = 8
+
+
+def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], force: bool = False) -> bool:
+    """Copy each ``(dst, src)`` pair of distinct tensors on one CUDA device in one launch; returns
+    False (nothing copied) where that does not apply: other devices, fewer than :data:`MIN_PAIRS`
+    pairs (unless ``force``), or an address or length that is not a multiple of 8 bytes.
+
+    Why: a transfer on one GPU is many small contiguous pairs (a gg-direct layer is a pair per
+    block, a direct-placement gn-hawk layer one per NPU page), and a ``copy_`` per pair costs
+    microseconds of host time each, far more than its bytes take. Addresses are taken relative to
+    one small tensor of this device, so the kernel's words pointer reaches every pair. Runs on the
+    caller's current stream.
+    """
+    if not pairs or (len(pairs) < MIN_PAIRS and not force):
+        return False
+    dev = pairs[0][0].device
+    if not (dev.type == "cuda" or force) or any(d.device != dev or s.device != dev for d, s in pairs):
+        return False
+    base = torch.empty(1, dtype=torch.int64, device=dev)
+    b = base.data_ptr()
+    arr = np.array([(s.data_ptr() - b, d.data_ptr() - b, d.numel() * d.element_size()) for d, s in pairs], dtype=np.int64)
+    if (arr % _UNIT).any() or not all(d.is_contiguous() and s.is_contiguous() and d.numel() * d.element_size() == s.numel() * s.element_size() for d, s in pairs):
+        return False
+    _triton_copy(base, arr[:, 0] // _UNIT, arr[:, 1] // _UNIT, arr[:, 2] // _UNIT)
+    return True

@@ -911,8 +911,10 @@ BFP8_VARIANTS: dict[str, DecodeConfig] = {
     "words-w8": DecodeConfig(bfp8="words", num_warps=8),  # not bitwise: 8 warps
     "words-t128w8": DecodeConfig(bfp8="words", tokens=128, num_warps=8),  # not bitwise: 128-token chunks
 }
-#: The variant bfloat8_b tiles get when no config is given (``HAWK_NPU_BFP8_KERNEL`` overrides it).
-DEFAULT_BFP8_VARIANT = "bytes"
+#: The variant bfloat8_b tiles get when no config is given (``HAWK_NPU_BFP8_KERNEL`` overrides it): the
+#: fastest that keeps the paged decode's bits in `benchmarks/bfp8_kernel_probe.py` on an H200
+#: (2026-11-30; attention alone vs paged bf16: 1.01x at batch 1, 1.21x at batch 64, context 1k; "bytes" 1.03x, 1.57x).
+DEFAULT_BFP8_VARIANT = "words-pipe2-r128"
 
 
 def _has_bf16x2_mul(device: torch.device) -> bool:

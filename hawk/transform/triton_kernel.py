@@ -1,34 +1,52 @@
-"""The fused transfer-aware transformation as one Triton kernel: gather + re-block + tilize + encode.
+"""The fused transfer-aware transformation as Triton kernels: gather + re-block + tilize + encode.
 
-One program handles one *row group* of one K/V tensor: 32 consecutive tokens of one head (one NPU
-row tile), all column tiles. It loads that ``[32, head_dim]`` slab row by row through the GPU block
-table (each row is ``head_dim`` contiguous elements in NHD and HND alike), reorders it in registers
-into tile/face order (``reshape`` + ``permute``) and stores every tile as one contiguous page. On
-H200 this shape of kernel ran at 0.94-0.97 of a plain copy, where per-element scattered stores ran
-at 0.11 (DESIGN §4); keeping stores whole pages is the point of the design.
+Two kernels write the same bytes; ``transform_triton(kernel=...)`` or ``$HAWK_TRANSFORM_KERNEL``
+picks one (default ``v2``; ``v2e`` is v2 without its word path, for comparison):
 
-All encoding is done on integer bit patterns, so the bytes equal the torch reference's on any
-backend (GPU or the Triton interpreter) with no dependence on float modes (denormal flushing,
-NaN canonicalization aside): fp32 -> bf16 is the integer round-to-nearest-even torch uses, and
-bfloat8_b follows :func:`hawk.layouts.tt.pack_bfp8_rows` step for step.
+``v2`` (face rows). One program handles one *row group* (32 consecutive tokens of one head: one
+NPU row tile) of ``TPP`` consecutive K/V tensors (default: about 16 KiB of source per program). It
+gathers straight into tile/face order: every tensor is indexed ``[half, face column, row, tensor,
+unit]``, where ``(half, unit)`` spans one 16-value face row, i.e. 16 contiguous source elements and
+16 contiguous destination values (bf16: 32 bytes; bfloat8_b: 16 value bytes plus one exponent
+byte). Triton's coalescing gives loads and stores the same register layout (16-byte vectors per
+thread, a warp covering whole head_dim rows), so no data goes through shared memory, and the
+bfloat8_b exponent max is an in-thread max plus one lane shuffle. A bf16 source with word-aligned
+rows is read as 32-bit words (two values each) and the bfloat8_b values are written as 16-bit pairs.
 
-The whole request is one launch: grid ``(row groups, 2 * layers)``; per-layer caches are reached
-from ``caches[0]``'s pointer plus an int64 element delta per layer (vLLM allocates one tensor per
-layer). Index tables derived from a plan are cached on the plan, so transforming the same plan
-again uploads nothing.
+``v1`` (slab permute). One program per (row group, tensor) loads the ``[32, head_dim]`` slab row
+by row and reorders it in registers into tile/face order (``reshape`` + ``permute``, through shared
+memory). On an H200 it ran at 0.96-0.98 of a plain copy for bf16 pages but 0.45 for bfloat8_b.
+
+Encoding is exact on any backend (GPU or the Triton interpreter): fp32 -> bf16 is the integer
+round-to-nearest-even torch uses, and bfloat8_b equals :func:`hawk.layouts.tt.pack_bfp8_rows`
+bit for bit. v1 follows that function's integer steps. v2 needs about a third of the integer
+operations: a value of biased exponent ``e`` in a face row of shared (max) exponent ``E`` encodes
+as ``min(rne(|x| * 2^(133 - E)), 127)``, and ``|x| * 2^(133 - E) + 2^23`` in one fused multiply-add
+is exactly ``2^23 + rne(...)`` (the product is exact, the add rounds to nearest even at unit
+spacing; see :func:`_bfp8_fast`). Rows with ``1 <= E <= 7`` (where exponent-0 inputs would not
+vanish) or ``E == 255`` (inf/NaN) take an exact integer path instead (:func:`_bfp8_exact`), chosen
+per program so the common case pays nothing for them.
+
+The whole request is one launch. Per-layer caches are reached from ``caches[0]``'s pointer plus an
+int64 element offset per tensor (vLLM allocates one tensor per layer). Index tables derived from a
+plan are cached on the plan, so transforming the same plan again uploads nothing; v2 launches a
+configuration's compiled kernel directly after its first launch (``$HAWK_TRANSFORM_LAUNCH=jit``
+keeps Triton's dispatcher), which cuts the host time that bounds small requests.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
+from triton import knobs as _knobs
 
 from hawk.layouts.tt import TILE
 from hawk.plan.kv_plan import KVTransferPlan
@@ -144,6 +162,179 @@ def _transform_kernel(
     else:
         v = tl.arange(0, 1024)
         tl.store(out + (page * 1024)[:, None] + v[None, :], tl.reshape(faces, (CTP, 1024)), mask=has_page)
+
+
+@triton.jit
+def _bfp8_fast(a, sgn, scale):
+    """bfloat8_b value bytes of fp32 magnitudes ``a`` (int32 bits) with signs at bit 7 of ``sgn``
+    (bits 0-6 and 24-31 of ``sgn`` must be 0; bits 8-23 are ignored), in a row with shared exponent
+    ``8 <= E <= 254`` and ``scale = 2^(133 - E)``.
+
+    ``t = |x| * scale + 2^23`` in one fused multiply-add (or a multiply and an add: the same bits):
+    ``y = |x| * 2^(133 - E) = m8 / 2^(E - e + 1)`` is exact whenever it is a normal float, and
+    adding 2^23 rounds it to nearest even at unit spacing, so ``t = 2^23 + rne(y)`` for ``y < 128``.
+    Values more than 2^126 below the row max (and subnormal or zero inputs: ``E >= 8`` keeps their
+    ``y < 0.5``) land on ``t = 2^23`` however they are flushed or rounded. ``min`` saturates at 127;
+    the sign is kept where ``rne(y) >= 1`` (bit 7 of ``t + 127``, whose bits 8-23 are 0), so
+    magnitudes that round to 0 pack as +0. The byte is the low 8 bits (bits 24-30 hold 2^23's
+    exponent; callers truncate).
+    """
+    t = (a.to(tl.float32, bitcast=True) * scale + 8388608.0).to(tl.int32, bitcast=True)
+    return tl.minimum(t, 0x4B00007F) | ((t + 127) & sgn)
+
+
+@triton.jit
+def _bfp8_exact(a, sgn, shared):
+    """:func:`_bfp8_fast` for any row, including ``E <= 7`` and ``E == 255`` (inf/NaN), where the
+    scale is not a float or turns inf into inf: integer arithmetic on the exponent field.
+
+    ``y`` is made by adding ``(133 - E) << 23`` to the bits of ``max(a, (E - 133) << 23)``: the clamp
+    keeps the field from wrapping for values 2^133 or more below the row max, which become
+    ``y = +0``; exponent-0 inputs (zeros, subnormals) are dropped explicitly, as the oracle does.
+    Rows of only exponent-0 values (E == 0) come out all +0 either way.
+    """
+    k = (133 - shared) << 23
+    y = (tl.maximum(a, (shared - 133) << 23) + k).to(tl.float32, bitcast=True)
+    t = (y + 8388608.0).to(tl.int32, bitcast=True)
+    b = tl.minimum(t, 0x4B00007F) | ((t + 127) & sgn)
+    return tl.where(a >= 0x800000, b, 0)
+
+
+@triton.jit
+def _row_constants(amax):
+    """Per face row max magnitude bits ``[NF, 32, TPP]`` -> (shared exponent ``E``, its fast-path
+    scale ``2^(133 - E)`` and ``E`` as ``[1, NF, 32, TPP, 1]``, whether any row needs the exact path).
+
+    The fast path holds for ``8 <= E <= 254`` and ``E == 0`` (scale 1: its values stay below 0.5)."""
+    shared = amax >> 23
+    scale = tl.where(shared >= 8, (260 - shared) << 23, 127 << 23).to(tl.float32, bitcast=True)
+    rare = tl.max((((shared >= 1) & (shared <= 7)) | (shared == 255)).to(tl.int32))
+    return shared, scale[None, :, :, :, None], shared[None, :, :, :, None], rare
+
+
+@triton.jit
+def _rows_kernel(
+    src,  # caches[0]'s storage as int16/int32 bits (int32 words of two bf16 values when WORDS)
+    meta,  # int64 tables, at element offsets: 0: row_off [G, 32]; o_valid: row_valid [G];
+    # o_pa: page_a [G, CTP]; o_pb: page_b [G, CTP]; o_tb: tbase [T] (see _v2_meta)
+    out,  # send buffer, uint8
+    out16,  # the same, int16 (bf16 pages, bfloat8_b value pairs when WORDS)
+    n_tensors,
+    o_valid,
+    o_pa,
+    o_pb,
+    o_tb,
+    HEAD_DIM: tl.constexpr,  # a multiple of 16
+    CTP: tl.constexpr,  # column tiles, rounded up to a power of two
+    SRC_KIND: tl.constexpr,
+    BFP8: tl.constexpr,
+    VEC: tl.constexpr,  # proven divisibility of tbase and row_off, in elements
+    TPP: tl.constexpr,  # tensors per program (a power of two)
+    WORDS: tl.constexpr,  # bf16 source read as int32 words; bfloat8_b values written as int16 pairs
+    EVEN_T: tl.constexpr,  # TPP divides n_tensors: no tensor mask
+):
+    # Axes of every per-element tensor: [2 halves of a face row, NF face columns, 32 rows, TPP
+    # tensors, X units]. Only the last is contiguous in memory; Triton's coalescing puts it in a
+    # thread (16-byte vectors) and spreads lanes over the next axes in axis order: halves, face
+    # columns, rows. So one warp instruction reads whole head_dim rows, and the two halves of a
+    # face row sit in neighbouring lanes (the exponent max is one shuffle).
+    NF: tl.constexpr = 2 * CTP  # face columns (16 wide) of the padded tile row
+    NF_SRC: tl.constexpr = HEAD_DIM // 16  # face columns holding data
+    X: tl.constexpr = 4 if WORDS else 8  # source units per half face row
+    UNIT: tl.constexpr = 2 if WORDS else 1  # elements per source unit
+    g = tl.program_id(0)
+    t = tl.program_id(1) * TPP + tl.arange(0, TPP)
+    r = tl.arange(0, 32)
+    f = tl.arange(0, NF)
+    h = tl.arange(0, 2)
+    x = tl.arange(0, X)
+    h5 = h[:, None, None, None, None]
+    f5 = f[None, :, None, None, None]
+    r5 = r[None, None, :, None, None]
+    t5 = t[None, None, None, :, None]
+    x5 = x[None, None, None, None, :]
+
+    # Gather.
+    if EVEN_T:
+        base = tl.load(meta + o_tb + t)
+    else:
+        base = tl.load(meta + o_tb + t, mask=t < n_tensors, other=0)
+    roff = tl.load(meta + g * 32 + r)
+    if WORDS:
+        base = base // 2
+        roff = roff // 2
+    base = tl.multiple_of(base, VEC // UNIT)  # (a hint on a division by 1 would be folded away with it)
+    roff = tl.multiple_of(roff, VEC // UNIT)
+    nvalid = tl.load(meta + o_valid + g)
+    hx = h5 * X + x5  # unit within the face row; in output units as well
+    ptrs = src + base[None, None, None, :, None] + roff[None, None, :, None, None] + f5 * (16 // UNIT) + hx
+    mask = r5 < nvalid
+    if not EVEN_T:
+        mask = mask & (t5 < n_tensors)
+    if NF_SRC < NF:
+        mask = mask & (f5 < NF_SRC)
+    v = tl.load(ptrs, mask=mask, other=0)
+
+    # Destination page of each (face column, tensor) and each face row's index in its tile.
+    ct = f // 2
+    pa = tl.load(meta + o_pa + g * CTP + ct)
+    pb = tl.load(meta + o_pb + g * CTP + ct)
+    page = pa[:, None] + pb[:, None] * t.to(tl.int64)[None, :]  # [NF, TPP]
+    smask = (pa >= 0)[:, None]
+    if not EVEN_T:
+        smask = smask & (t < n_tensors)[None, :]
+    frow = ((r // 16) * 32 + (r % 16))[None, :] + ((f % 2) * 16)[:, None]  # face * 16 + row in face, [NF, 32]
+    page5 = page[None, :, None, :, None]
+    frow5 = frow[None, :, :, None, None]
+    smask5 = smask[None, :, None, :, None]
+
+    if BFP8:
+        if WORDS:
+            alo = (v << 16) & 0x7FFFFFFF  # fp32 magnitude bits of the even element of each word
+            ahi = v & 0x7FFF0000  # ... and of the odd one
+            amax = tl.max(tl.max(tl.maximum(alo, ahi), axis=4), axis=0)
+            shared, scale, e5, rare = _row_constants(amax)
+            vbase = tl.multiple_of(page5 * 544 + 32, [32, 32, 32, 32, 32])  # int16 units: values follow 64 exponent bytes
+            vptr = out16 + vbase + frow5 * 8 + hx
+            sg = (v & -2147450880).to(tl.uint32, bitcast=True)  # 0x80008000: both signs; >> 8 and >> 24
+            slo = (sg >> 8).to(tl.int32, bitcast=True)  # put them at bit 7, with the other at bit 23 or
+            shi = (sg >> 24).to(tl.int32, bitcast=True)  # shifted out (bits 8-23 are ignored)
+            blo = _bfp8_fast(alo, slo, scale)
+            bhi = _bfp8_fast(ahi, shi, scale)
+            tl.store(vptr, (blo | (bhi << 8)).to(tl.int16), mask=smask5)  # two value bytes, little endian
+            if rare > 0:
+                # A row with max exponent 1..7 (magnitudes below 2^-120) or 255 (inf/NaN): rewrite this
+                # program's values the exact way. The store keeps this a branch rather than selects on
+                # every element, and reloading (from L2) keeps the values from staying live until here.
+                v = tl.load(ptrs, mask=mask, other=0)
+                alo = (v << 16) & 0x7FFFFFFF
+                ahi = v & 0x7FFF0000
+                sg = (v & -2147450880).to(tl.uint32, bitcast=True)
+                blo = _bfp8_exact(alo, (sg >> 8).to(tl.int32, bitcast=True), e5)
+                bhi = _bfp8_exact(ahi, (sg >> 24).to(tl.int32, bitcast=True), e5)
+                tl.store(vptr, (blo | (bhi << 8)).to(tl.int16), mask=smask5)
+        else:
+            bits = _fp32_bits(v, SRC_KIND)
+            a = bits & 0x7FFFFFFF
+            amax = tl.max(tl.max(a, axis=4), axis=0)
+            shared, scale, e5, rare = _row_constants(amax)
+            vbase = tl.multiple_of(page5 * 1088 + 64, [64, 64, 64, 64, 64])
+            vptr = out + vbase + frow5 * 16 + hx
+            tl.store(vptr, _bfp8_fast(a, (bits >> 24) & 0x80, scale).to(tl.uint8), mask=smask5)
+            if rare > 0:  # as above
+                bits = _fp32_bits(tl.load(ptrs, mask=mask, other=0), SRC_KIND)
+                a = bits & 0x7FFFFFFF
+                tl.store(vptr, _bfp8_exact(a, (bits >> 24) & 0x80, e5).to(tl.uint8), mask=smask5)
+        ebase = tl.multiple_of(page * 1088, [64, 64])  # 64 exponent bytes open each page
+        tl.store(out + ebase[:, None, :] + frow[:, :, None], shared.to(tl.uint8), mask=smask[:, None, :])
+    else:
+        tl.static_assert(not WORDS, "WORDS is for bfloat8_b output")
+        if SRC_KIND == 0:
+            y = v  # bf16 -> bf16 moves bits unchanged
+        else:
+            y = _bf16_bits(_fp32_bits(v, SRC_KIND))
+        vbase = tl.multiple_of(page5 * 1024, [1024, 1024, 1024, 1024, 1024])  # int16 units
+        tl.store(out16 + vbase + frow5 * 16 + hx, y, mask=smask5)
 
 
 @dataclass(frozen=True)
@@ -262,13 +453,29 @@ class _Launch:
     It holds no cache tensor, so a plan that outlives its caches does not keep them allocated.
     """
 
-    deltas: torch.Tensor
+    deltas: torch.Tensor  # [L] int64 (v1)
     tables: _PlanTables
     kv_stride: int
-    constexprs: dict
+    constexprs: dict  # v1's
+    meta: torch.Tensor  # v2's tables in one int64 tensor (one pointer to pass): see _v2_meta
+    meta_offsets: tuple[int, int, int, int]  # where row_valid, page_a, page_b and tbase start in it
+    vec2: int  # divisibility of every tbase and row offset, in elements, capped at 16 bytes
+    words: bool  # v2 may read the source as int32 words (bf16, word-aligned rows and base)
+    calls: dict = field(default_factory=dict, compare=False)  # v2 configuration -> _V2Call
 
 
-def _prepare(plan: KVTransferPlan, caches: Sequence[torch.Tensor]) -> tuple[_Launch, list[torch.Tensor]]:
+def _v2_meta(tables: _PlanTables, tbase: np.ndarray, device: torch.device) -> tuple[torch.Tensor, tuple]:
+    """v2's index tables concatenated into one int64 tensor, and the offsets of its sections."""
+    parts = [tables.row_off.reshape(-1), tables.row_valid.to(torch.int64), tables.page_a.reshape(-1),
+             tables.page_b.reshape(-1), torch.as_tensor(tbase).to(device)]
+    offs, o = [], 0
+    for part in parts[:-1]:
+        o += part.numel()
+        offs.append(o)
+    return torch.cat(parts), tuple(offs)
+
+
+def _prepare(plan: KVTransferPlan, caches: Sequence[torch.Tensor]) -> tuple[_Launch, Sequence[torch.Tensor]]:
     """Validate the caches and build (or fetch) the launch state cached on the plan; also return the
     caches the kernel reads (contiguous copies in the rare case the given ones disagree on strides).
 
@@ -276,11 +483,11 @@ def _prepare(plan: KVTransferPlan, caches: Sequence[torch.Tensor]) -> tuple[_Lau
     on every call would cost more host time than the kernel takes on a small request.
     """
     c0 = caches[0]
-    key = ("launch", c0.device, c0.dtype, tuple(c0.shape), c0.stride(), tuple(c.data_ptr() for c in caches))
+    key = ("launch", c0.device, c0.dtype, tuple(c0.shape), c0.stride(), tuple(map(torch.Tensor.data_ptr, caches)))
     cache = _plan_cache(plan)
     hit = cache.get(key)
     if hit is not None:
-        return hit, list(caches)
+        return hit, caches
     given = list(caches)
     plan.src.check_cache(given)
     used = _uniform_caches(given)
@@ -291,12 +498,19 @@ def _prepare(plan: KVTransferPlan, caches: Sequence[torch.Tensor]) -> tuple[_Lau
     kv_stride = c0.stride(0)
     # Row starts divisible by VEC elements (16 B) let loads vectorize; Triton checks the base pointer.
     vec = min(16 // esize, tables.vec_rows, vec_layers, _pow2_divisor(np.asarray([kv_stride]), 16))
+    tbase = (deltas[:, None] + np.arange(2, dtype=np.int64)[None, :] * kv_stride).reshape(-1)
+    vec2 = min(16 // esize, tables.vec_rows, _pow2_divisor(tbase, 16))
+    meta, meta_offsets = _v2_meta(tables, tbase, c0.device)
     copied = any(u is not g for u, g in zip(used, given))
     launch = _Launch(
         deltas=torch.as_tensor(deltas).to(c0.device),
         tables=tables,
         kv_stride=kv_stride,
         constexprs={"HEAD_DIM": plan.src.head_dim, "CTP": tables.ctp, "SRC_KIND": _SRC_KIND[c0.dtype], "VEC": vec},
+        meta=meta,
+        meta_offsets=meta_offsets,
+        vec2=vec2,
+        words=c0.dtype == torch.bfloat16 and vec2 >= 2 and c0.data_ptr() % 4 == 0,
     )
     if copied:
         return launch, used  # copies made for this call only: their pointers mean nothing next time
@@ -306,22 +520,135 @@ def _prepare(plan: KVTransferPlan, caches: Sequence[torch.Tensor]) -> tuple[_Lau
     return launch, used
 
 
+#: Kernel names ``transform_triton(kernel=...)`` and ``HAWK_TRANSFORM_KERNEL`` take; ``v2e`` is v2
+#: without the word path (each element loaded on its own), for comparison.
+KERNELS = ("auto", "v1", "v2", "v2e")
+ENV_KERNEL = "HAWK_TRANSFORM_KERNEL"
+ENV_TPP = "HAWK_TRANSFORM_TPP"  # tensors per v2 program (a power of two); default: ~16 KiB of source each
+#: ``jit`` launches through Triton's JIT dispatcher every time; ``direct`` (the default) does so
+#: once per configuration and then calls the compiled kernel's launcher, skipping argument binding
+#: and specialization (host time the 10 MiB case is bound by). Interpreted runs always use ``jit``.
+ENV_LAUNCH = "HAWK_TRANSFORM_LAUNCH"
+
+
+def resolve_kernel(kernel: str | None, head_dim: int) -> str:
+    """The kernel a call uses: ``kernel``, else ``$HAWK_TRANSFORM_KERNEL``, else auto (v2; v1 when
+    head_dim is not a multiple of 16, which v2 does not handle)."""
+    name = kernel or os.environ.get(ENV_KERNEL) or "auto"
+    if name not in KERNELS:
+        raise ValueError(f"unknown transform kernel {name!r}; expected one of {KERNELS}")
+    if name == "auto":
+        name = "v2"
+    if name != "v1" and head_dim % 16:
+        name = "v1"
+    return name
+
+
+def default_tpp(head_dim: int, elem_bytes: int, num_tensors: int) -> int:
+    """Tensors per v2 program: ``$HAWK_TRANSFORM_TPP``, else about 16 KiB of source per program;
+    at most the tensors there are (rounded up to a power of two)."""
+    env = os.environ.get(ENV_TPP)
+    if env:
+        tpp = int(env)
+    else:
+        tpp = max(1, (16 << 10) // (32 * head_dim * elem_bytes))
+        tpp = 1 << (tpp.bit_length() - 1)
+    return max(1, min(tpp, triton.next_power_of_2(num_tensors)))
+
+
+@dataclass
+class _V2Call:
+    """One v2 configuration of one launch state: grid, the arguments after (src, meta, out), and
+    the compiled kernel per send-buffer alignment once the JIT has produced it."""
+
+    grid: tuple[int, int, int]
+    rest: tuple
+    num_warps: int
+    direct: bool  # launch through the compiled kernel's launcher after the first launch
+    compiled: dict = field(default_factory=dict)
+
+
+def _v2_call(launch: _Launch, plan: KVTransferPlan, bfp8: bool, words: bool, num_warps: int, tpp: int | None,
+             elem_bytes: int) -> _V2Call:
+    direct = os.environ.get(ENV_LAUNCH, "direct") != "jit"
+    key = (bfp8, words, num_warps, tpp, direct)
+    hit = launch.calls.get(key)
+    if hit is not None:
+        return hit
+    n = plan.num_tensors
+    tpp = tpp or default_tpp(plan.src.head_dim, elem_bytes, n)
+    if tpp < 1 or tpp & (tpp - 1):
+        raise ValueError(f"tensors per program must be a power of two, got {tpp}")
+    t = launch.tables
+    consts = (plan.src.head_dim, t.ctp, launch.constexprs["SRC_KIND"], bfp8, launch.vec2, tpp, words, n % tpp == 0)
+    hit = _V2Call(grid=(t.groups, triton.cdiv(n, tpp), 1), rest=(n, *launch.meta_offsets, *consts), num_warps=num_warps,
+                  direct=direct)
+    launch.calls[key] = hit
+    return hit
+
+
+def _launch_v2(call: _V2Call, args: tuple, device: torch.device, align: int) -> None:
+    """Launch v2. The first launch of a configuration goes through Triton's JIT dispatcher; later ones
+    call the compiled kernel's launcher directly with the same arguments (``$HAWK_TRANSFORM_LAUNCH``
+    = ``direct``, the default). Everything the JIT specializes on is fixed per launch state except
+    the send buffer's alignment, so compiled kernels are kept per ``align`` (its address mod 16)."""
+    compiled = call.compiled.get(align)
+    if compiled is not None and _knobs.runtime.launch_enter_hook is None and _knobs.runtime.launch_exit_hook is None:
+        g = call.grid
+        try:
+            compiled.run(g[0], g[1], g[2], _raw_stream(device.index), compiled.function, compiled.packed_metadata,
+                         None, None, None, *args)
+            return
+        except Exception:  # noqa: BLE001 - a launcher this code does not know: use the dispatcher from now on
+            call.compiled.clear()
+            call.direct = False
+    compiled = _rows_kernel[call.grid](*args, num_warps=call.num_warps)
+    if (call.direct and device.type == "cuda" and getattr(compiled, "function", None) is not None
+            and hasattr(compiled, "packed_metadata")):
+        call.compiled[align] = compiled
+
+
+def _raw_stream(index: int) -> int:
+    """The current CUDA stream's handle on device ``index`` (what Triton's launcher takes)."""
+    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if get is not None:
+        return get(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+def _word_view(c: torch.Tensor) -> torch.Tensor:
+    """An int32 tensor starting at ``c``'s first element (the kernel only uses the pointer)."""
+    try:
+        return c.view(torch.int32)
+    except RuntimeError:
+        w = torch.empty(0, dtype=torch.int32, device=c.device)
+        return w.set_(c.untyped_storage(), c.storage_offset() * c.element_size() // 4, (1,), (1,))
+
+
 def transform_triton(
-    caches: Sequence[torch.Tensor], plan: KVTransferPlan, out: torch.Tensor | None = None, num_warps: int = 4
+    caches: Sequence[torch.Tensor],
+    plan: KVTransferPlan,
+    out: torch.Tensor | None = None,
+    num_warps: int = 4,
+    kernel: str | None = None,
+    tpp: int | None = None,
 ) -> torch.Tensor:
     """Write the plan's send buffer (1-D uint8, ``plan.total_bytes``) in one kernel launch.
 
     Same contract and bytes as :func:`hawk.transform.reference.transform_reference`, except that rows
     past the request are always +0 (the reference's multiply-by-0 can leave -0, or NaN from inf).
+    ``kernel`` picks v1 or v2 (see the module docstring; default ``$HAWK_TRANSFORM_KERNEL`` or v2),
+    ``tpp`` v2's tensors per program (default ``$HAWK_TRANSFORM_TPP`` or about 16 KiB of source).
     """
     ndtype = plan.dst.dtype
     if ndtype not in ("bf16", "bfp8_b"):
         raise ValueError(f"Triton transform supports NPU dtypes bf16 and bfp8_b, got {ndtype!r}")
     if len(caches) != plan.src.num_layers:
         raise ValueError(f"expected {plan.src.num_layers} layer tensors, got {len(caches)}")
+    which = resolve_kernel(kernel, plan.src.head_dim)
     launch, used = _prepare(plan, caches)
-    src = used[0].view(_SRC_BITS[used[0].dtype])  # `used` stays alive until the launch is enqueued
-    device = src.device
+    c0 = used[0]
+    device = c0.device
     total = plan.total_bytes
     if out is None:
         out = torch.empty(total, dtype=torch.uint8, device=device)
@@ -333,18 +660,27 @@ def transform_triton(
         raise ValueError("send buffer must be contiguous")
 
     bfp8 = ndtype == "bfp8_b"
-    dst = out[:total]
-    if not bfp8:
-        if dst.data_ptr() % 2:
-            # An odd-aligned buffer cannot be viewed as int16: write aside, then copy.
-            dst.copy_(transform_triton(caches, plan, None, num_warps))
-            return out
-        dst = dst.view(torch.int16)
+    dst = out if out.numel() == total else out[:total]
+    ptr = dst.data_ptr()
+    if ptr % 2 and (not bfp8 or which == "v1"):
+        # An odd-aligned buffer cannot take int16 stores: write aside, then copy.
+        dst.copy_(transform_triton(caches, plan, None, num_warps, kernel, tpp))
+        return out
 
-    t = launch.tables
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():  # launch on the caches' GPU
-        _transform_kernel[(t.groups, plan.num_tensors)](
-            src, launch.deltas, t.row_off, t.row_valid, t.page_a, t.page_b, dst, launch.kv_stride,
-            BFP8=bfp8, num_warps=num_warps, **launch.constexprs,
-        )
+    switch = device.type == "cuda" and device.index != torch.cuda.current_device()
+    with torch.cuda.device(device) if switch else contextlib.nullcontext():  # launch on the caches' GPU
+        if which == "v1":
+            t = launch.tables
+            src = c0.view(_SRC_BITS[c0.dtype])  # `used` stays alive until the launch is enqueued
+            _transform_kernel[(t.groups, plan.num_tensors)](
+                src, launch.deltas, t.row_off, t.row_valid, t.page_a, t.page_b,
+                dst if bfp8 else dst.view(torch.int16), launch.kv_stride,
+                BFP8=bfp8, num_warps=num_warps, **launch.constexprs,
+            )
+        else:
+            words = bfp8 and launch.words and which == "v2" and ptr % 2 == 0
+            call = _v2_call(launch, plan, bfp8, words, num_warps, tpp, c0.element_size())
+            src = _word_view(c0) if words else c0.view(_SRC_BITS[c0.dtype])
+            dst16 = dst.view(torch.int16) if ptr % 2 == 0 else dst  # (odd: only bfloat8_b bytes are stored)
+            _launch_v2(call, (src, launch.meta, dst, dst16, *call.rest), device, ptr % 16)
     return out
