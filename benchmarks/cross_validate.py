@@ -8,7 +8,8 @@ workload, seed and rates on the calibrated models and compare P90 TTFT / P90 TPO
 
     python benchmarks/cross_validate.py                       # CPU, SmolLM2-135M, ~2 min on 2 cores
     python benchmarks/cross_validate.py --scenarios paced --link-gbps 200 --decode-device npu-emu:cuda:0 \
-        --prefill-device cuda:0 --model llama-3.1-8b --dtype bf16 --workload chatbot --rates 1,2,4
+        --prefill-device cuda:0 --model llama-3.1-8b --dtype bf16 --workload chatbot --rates 1,2,4 \
+        --transfer gn-hawk,gn-host,gg-direct --transport auto
 
 Scenarios: ``plain`` (no timing emulation) and ``paced`` (``--npu-timing p150a --link-gbps N``:
 the simulator then applies the same pacing, see ``hawk/sim/crossval.py``). Writes JSON (probes,
@@ -30,8 +31,9 @@ from typing import Any
 import numpy as np
 
 from hawk.bench.serving import run_serving_bench
-from hawk.config import defaults
+from hawk.config import TRANSFERS, defaults
 from hawk.devices.timing import engine_step_model, timing_label
+from hawk.layouts.device import parse_device
 from hawk.sim.cluster import simulate
 from hawk.sim.crossval import Probes, calibrate, calibrated_config, compare, format_table
 from hawk.sim.workload import LengthDist, Workload, get_workload
@@ -77,14 +79,21 @@ def probe(url: str, seed: int, repeats: int = 2) -> Probes:
     return p
 
 
-def run_scenario(name: str, a: argparse.Namespace) -> dict[str, Any]:
+def decode_device_for(transfer: str, decode_device: str) -> str:
+    """A GPU-decoding configuration decodes on the emulated NPU's backing device (one command line
+    serves every configuration of a run, as in the equivalence benchmark)."""
+    spec = parse_device(decode_device)
+    return spec.torch_device if TRANSFERS[transfer] == "gpu" and spec.is_npu else decode_device
+
+
+def run_scenario(name: str, a: argparse.Namespace, transfer: str) -> dict[str, Any]:
     """One real system: probes, the sweep, then the simulator on the calibrated models."""
     from hawk.serve.launcher import start_system
 
     paced = name == "paced"
     cfg = defaults(
-        model=a.model, dtype=a.dtype, prefill_device=a.prefill_device, decode_device=a.decode_device, transfer=a.transfer,
-        npu_timing="p150a" if paced else None, link_gbps=a.link_gbps if paced else None,
+        model=a.model, dtype=a.dtype, prefill_device=a.prefill_device, decode_device=decode_device_for(transfer, a.decode_device),
+        transfer=transfer, transport=a.transport, npu_timing="p150a" if paced else None, link_gbps=a.link_gbps if paced else None,
     ).validate()
     wl = get_workload(a.workload)
     t0 = time.monotonic()
@@ -116,7 +125,7 @@ def run_scenario(name: str, a: argparse.Namespace) -> dict[str, Any]:
         "npu_step_model": None if npu_step is None else dataclasses.asdict(npu_step),
         "real": real,
         "simulated": sim,
-        "rows": compare(real, sim, name),
+        "rows": compare(real, sim, f"{transfer} {name}"),
         "wall_s": time.monotonic() - t0,
     }
 
@@ -128,7 +137,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="the paced scenario's link (default 0.2 Gb/s: slow enough to bind on a CPU run; 200 on the GPU)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="fp32")
-    p.add_argument("--transfer", default="gn-hawk")
+    p.add_argument("--transfer", default="gn-hawk", help="transfer configurations, comma-separated: one real system each")
+    p.add_argument("--transport", default=defaults().transport, help="KV transport of the real system (hawk/config.py)")
     p.add_argument("--prefill-device", default="cpu")
     p.add_argument("--decode-device", default="npu-emu:cpu")
     p.add_argument("--workload", default="chatbot-tiny")
@@ -142,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     a.rates = [float(x) for x in a.rates.split(",") if x]
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     t0 = time.monotonic()
-    scenarios = [run_scenario(s, a) for s in a.scenarios.split(",") if s]
+    scenarios = [run_scenario(s, a, t) for t in a.transfer.split(",") if t for s in a.scenarios.split(",") if s]
     rows = [r for s in scenarios for r in s["rows"]]
     table = format_table(rows)
     print(table)

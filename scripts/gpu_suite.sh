@@ -14,6 +14,8 @@
 #     sameg     - one GPU, both roles: the auto transport's tests, Fig. 9 sizes vs a same-run device copy, TTFT at 1k/4k/16k
 #     quick     - the acceptance points in one short call: transform v1/v2 vs copy, one-GPU transfers vs a device copy,
 #                 engine decode at batch 1/64 (1k) and prefill 2k
+#     paced     - issue 10: real serving with --npu-timing p150a --link-gbps 200 (gn-hawk, gg-direct, gn-host) beside the
+#                 simulator's `here` prediction calibrated from probes of the same system (benchmarks/cross_validate.py)
 #     kernels   - the CUDA tests of the attention kernels (paged, NPU-tile) and the fused ops
 #     tp        - 8B token equality across tensor-parallel degrees: prefill TP2 -> decode TP1, TP1 -> TP2 (two GPUs)
 # Wheels missing on the box (nixl, nixl_cu13, pyzmq for cp312) are carried in .whl/ (see docs/gpu.md).
@@ -71,6 +73,13 @@ if want quick; then  # most important first: a call cut short keeps what ran
     --transport auto --prompts 1024,4096,16384 --configs gn-hawk,gg-direct --kv-flows pull,layerwise --repeats 2 --warmup 1 --json "$OUT/ttft_h200.json"
   step transform_v2 110 python3 -m hawk.bench.transform --impls triton --kernels v1,v2 --sizes-mb 10,80,320,1280 \
     --dtypes bf16,bfp8_b --blocks contiguous --json "$OUT/transform_h200.json"
+fi
+if want paced; then  # one system per configuration, each its own file, so a call cut short keeps what finished
+  for t in gn-hawk gg-direct gn-host; do
+    step "paced_$t" 200 python3 benchmarks/cross_validate.py --scenarios paced --link-gbps 200 --prefill-device cuda:0 \
+      --decode-device npu-emu:cuda:0 --model llama-3.1-8b --dtype bf16 --workload chatbot --rates 1,2 --num-requests 10 \
+      --transfer "$t" --transport auto --json "$OUT/crossval_h200_$t.json"
+  done
 fi
 want ttft && \
   step ttft 240 python3 -m hawk.bench.ttft --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device npu-emu:cuda:0 \
