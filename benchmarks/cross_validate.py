@@ -38,7 +38,7 @@ from hawk.sim.cluster import simulate
 from hawk.sim.crossval import Probes, calibrate, calibrated_config, compare, format_table
 from hawk.sim.workload import LengthDist, Workload, get_workload
 
-PREFILL_LENS = (8, 32, 64, 128)  # spans chatbot-tiny's 8..128 prompts
+PREFILL_LENS = (8, 32, 64, 128)  # spans chatbot-tiny's 8..128 prompts (the default when no workload is given)
 DECODE_BATCHES = (1, 2, 4, 8)
 DECODE_PROMPT, DECODE_OUT = 48, 24
 
@@ -58,12 +58,20 @@ def _hawks(recs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, A
     return out
 
 
-def probe(url: str, seed: int, repeats: int = 2) -> Probes:
-    """Calibration probes of the running system (see the module docstring); ~15-25 s on 2 CPU cores."""
+def prefill_lengths(wl: Workload) -> tuple[int, ...]:
+    """Probe prompt lengths spanning the workload's (a line fitted on 8-128 tokens says little about
+    750-token prompts): its minimum, a quarter of its mean, its mean and twice it, capped at its maximum."""
+    i = wl.input
+    return tuple(sorted({int(max(8, i.min)), int(max(8, i.mean // 4)), int(i.mean), int(min(i.max, 2 * i.mean))}))
+
+
+def probe(url: str, seed: int, lengths: tuple[int, ...] = PREFILL_LENS, repeats: int = 2) -> Probes:
+    """Calibration probes of the running system (see the module docstring); ~15-25 s on 2 CPU cores.
+    Each probe starts with one unrecorded request: first requests of a shape compile kernels."""
     p = Probes()
-    for n in PREFILL_LENS:  # sequential: nothing queues, each stage is seen alone
+    for n in lengths:  # sequential: nothing queues, each stage is seen alone
         recs = run_serving_bench(url, [float("inf")], fixed(f"probe-prefill-{n}", n, 2), repeats, seed + n,
-                                 max_concurrency=1, warmup_requests=0, per_request=True)
+                                 max_concurrency=1, warmup_requests=1, per_request=True)
         for r, h in _hawks(recs):
             p.prefill.append((n, h["prefill_s"]))
             p.transfer.append((float(h["kv_bytes"]), h["kv_transfer_s"]))
@@ -72,7 +80,7 @@ def probe(url: str, seed: int, repeats: int = 2) -> Probes:
             p.frontend.append(r["ttft_s"] - server)
     for b in DECODE_BATCHES:  # b at once: the decode runs batch b for most of their steps
         recs = run_serving_bench(url, [float("inf")], fixed(f"probe-decode-{b}", DECODE_PROMPT, DECODE_OUT), b, seed + 100 + b,
-                                 warmup_requests=0, per_request=True)
+                                 warmup_requests=1, per_request=True)
         tpots = [h["tpot_s"] for _, h in _hawks(recs) if h.get("tpot_s")]
         if tpots:
             p.decode.append((b, float(np.median(tpots))))
@@ -99,7 +107,7 @@ def run_scenario(name: str, a: argparse.Namespace, transfer: str) -> dict[str, A
     t0 = time.monotonic()
     with start_system(cfg, log_dir=a.log_dir) as system:
         print(f"[{name}] system up in {time.monotonic() - t0:.1f} s at {system.url}", flush=True)
-        probes = probe(system.url, a.seed)
+        probes = probe(system.url, a.seed, prefill_lengths(wl))
         print(f"[{name}] probes done at {time.monotonic() - t0:.1f} s", flush=True)
         real = run_serving_bench(system.url, a.rates, wl, a.num_requests, a.seed, warmup_requests=1)
         print(f"[{name}] sweep done at {time.monotonic() - t0:.1f} s", flush=True)

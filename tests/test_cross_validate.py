@@ -62,3 +62,14 @@ def test_compare_judges_p90s_within_the_tolerance():
     assert rows["ttft_p50_ms"]["within"] is None  # reported, not judged
     assert TOLERANCE == 0.2 and deviation(None, 1.0) is None
     assert "**no**" in format_table(list(rows.values()))
+
+
+def test_fit_line_is_not_moved_by_one_slow_first_request():
+    """Probes repeat each length; a first request that compiled kernels (seconds, not ms) must not
+    become the model's fixed cost: each length counts by its median."""
+    from hawk.sim.crossval import fit_line
+
+    xs = [8, 8, 8, 128, 128, 128]
+    ys = [2.6, 0.020, 0.020, 0.040, 0.040, 0.040]
+    a, b = fit_line(xs, ys)
+    assert abs(a - (0.020 - 8 * b)) < 1e-9 and abs(b - 0.020 / 120) < 1e-9

@@ -339,6 +339,7 @@ def run_transfer_bench(spec: BenchSpec, progress: Any = None) -> list[dict[str, 
                             "tokens": ntok,
                             "median_ms": median_ms,
                             "p90_ms": _pct(lat, 0.9) * 1e3,
+                            "iqr_ms": [_pct(lat, 0.25) * 1e3, _pct(lat, 0.75) * 1e3],  # the spread issue 9 asks beside the median
                             "min_ms": min(lat) * 1e3,
                             "requests": last.requests,
                             "bytes_moved": last.bytes,

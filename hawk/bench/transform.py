@@ -359,7 +359,7 @@ def run_benchmark(
                     gbps = rw / ms / 1e6
                     name = impl
                     if impl == "triton":
-                        name = f"triton-{resolve_kernel(kernel, shp['head_dim'])}"
+                        name = f"triton-{resolve_kernel(kernel, shp['head_dim'], dtype)}"
                     rec = {
                         "size_mb": size, "cache_mb": round(prob.read_bytes / MiB, 3), "tokens": tokens,
                         "dtype": dtype, "blocks": order, "impl": impl, "ms": round(ms, 4),
@@ -367,7 +367,7 @@ def run_benchmark(
                         "ratio": round(gbps / copy_rate, 4), "read_bytes": prob.read_bytes,
                         "write_bytes": prob.write_bytes, "match": match, "device": name_dev, "shape": shape,
                         "num_warps": num_warps if impl == "triton" else None,
-                        "kernel": resolve_kernel(kernel, shp["head_dim"]) if impl == "triton" else None,
+                        "kernel": resolve_kernel(kernel, shp["head_dim"], dtype) if impl == "triton" else None,
                         "tpp": tpp if impl == "triton" else None,
                         "launch": os.environ.get(ENV_LAUNCH, "direct") if impl == "triton" else None,
                     }

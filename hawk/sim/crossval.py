@@ -53,9 +53,14 @@ class Probes:
 
 
 def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """Least-squares ``y = a + b x``, with both kept non-negative (a time model cannot go below 0);
-    one distinct x gives the mean as ``a`` and slope 0."""
-    x, y = np.asarray(xs, float), np.asarray(ys, float)
+    """Least-squares ``y = a + b x`` through the median ``y`` of each distinct ``x`` (one slow
+    outlier, such as a first request that compiled kernels, must not set the model), with both kept
+    non-negative (a time model cannot go below 0); one distinct x gives its median as ``a`` and slope 0."""
+    groups: dict[float, list[float]] = {}
+    for xv, yv in zip(xs, ys):
+        groups.setdefault(float(xv), []).append(float(yv))
+    x = np.asarray(sorted(groups), float)
+    y = np.asarray([np.median(groups[k]) for k in sorted(groups)], float)
     if len(x) == 0:
         raise ValueError("no points to fit")
     if np.ptp(x) == 0:
