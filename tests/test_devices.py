@@ -80,6 +80,13 @@ def test_batched_copy_cpu():
         batched_copy(mem, [Copy(0, 2040, 1, 0, 64)])
 
 
+def _interpret(code: str) -> None:
+    """Run ``code`` (which prints "ok" at its end) under Triton's interpreter in a fresh process."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
 def test_batched_copy_triton_kernel_in_interpreter():
     code = textwrap.dedent(
         """
@@ -94,9 +101,7 @@ def test_batched_copy_triton_kernel_in_interpreter():
         print("ok")
         """
     )
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+    _interpret(code)
 
 
 @pytest.mark.gpu
@@ -151,9 +156,56 @@ def test_copy_pairs_kernel_in_interpreter():
         print("ok")
         """
     )
+    _interpret(code)
+
+
+def test_copy_spans_refuses_what_it_cannot_do():
+    from hawk.devices.batched_copy import copy_spans
+
+    a = np.arange(10, dtype=np.int64) * 64
+    assert not copy_spans(torch.device("cpu"), a, a + 4096, np.full(10, 64))  # not CUDA: the caller copies
+    assert not copy_spans(torch.device("cpu"), a[:3], a[:3] + 4096, np.full(3, 64))  # too few
+    assert not copy_spans(torch.device("cpu"), a + 1, a + 4096, np.full(10, 64), force=True)  # not 8-byte aligned
+    assert not copy_spans(torch.device("cpu"), a, a + 4096, np.zeros(10, dtype=np.int64), force=True)  # empty
+
+
+def test_copy_spans_kernel_in_interpreter():
+    code = textwrap.dedent(
+        """
+        import numpy as np, torch
+        from hawk.devices.batched_copy import copy_spans
+        from tests.test_devices import _pairs
+        pairs, _ = _pairs("cpu")
+        want = [s.clone() for _, s in pairs]
+        src = np.array([s.data_ptr() for _, s in pairs], dtype=np.int64)
+        dst = np.array([d.data_ptr() for d, _ in pairs], dtype=np.int64)
+        n = np.array([d.numel() for d, _ in pairs], dtype=np.int64)
+        assert copy_spans(torch.device("cpu"), src, dst, n, force=True)
+        assert all(torch.equal(d, w) for (d, _), w in zip(pairs, want))
+        print("ok")
+        """
+    )
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_copy_spans_cuda():
+    """A transport's many ranges of two regions on one GPU: one launch, the same bytes as slice copies."""
+    from hawk.transport.local import copy_span_batch
+
+    g = torch.Generator().manual_seed(5)
+    a = torch.randint(0, 255, (1 << 16,), dtype=torch.uint8, generator=g).cuda()
+    b = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda")
+    spans = [(b, 4096 * i + 8 * i, a, 2048 * i, 512 + 8 * i) for i in range(12)]
+    streams: dict = {}
+    batch = copy_span_batch(spans, streams)
+    for ev in batch.events:
+        ev.synchronize()
+    for d, do, s, so, n in spans:
+        assert torch.equal(d[do : do + n], s[so : so + n])
 
 
 @pytest.mark.gpu
