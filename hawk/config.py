@@ -42,6 +42,9 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 KV_FLOWS = ("pull", "layerwise")
 LAYERWISE_TRANSFERS = ("gn-hawk", "gg-direct")  # whose send format pushes layer by layer (connector/formats.py)
 NPU_TIMINGS = ("p150a",)  # hawk.devices.timing.NPU_TIMINGS (tests check they agree)
+#: The least ``--staging-mb`` / ``--rx-mb`` "auto" gives (their fixed default before auto); the
+#: rule itself needs the model's shape and lives in ``hawk.engine.instances.auto_buffer_mb``.
+AUTO_BUFFER_MIN_MB = 64
 
 #: Which commands show a field: ``hawk serve`` shows all; ``hawk demo`` and the benchmarks that
 #: build instances show the engine's; the router and launcher fields are ``serve``'s alone.
@@ -97,8 +100,8 @@ class ServeConfig:
     gpu_block_size: int = opt(16, "tokens per paged GPU cache block", min=1)
     npu_block_size: int = opt(64, "tokens per NPU cache block", min=1)
     kv_tokens: int = opt(8192, "KV-cache capacity of each instance, in tokens", min=1)
-    staging_mb: int = opt(64, "prefill staging (GPU RDMA) buffer, MiB", min=1)
-    rx_mb: int = opt(64, "decode receive buffers, MiB (split over NPU channels for gn-hawk)", min=1)
+    staging_mb: int | None = opt(None, "prefill staging (GPU RDMA) buffer, MiB (default: auto, room for the KV of the longest request an instance holds: min(--kv-tokens, --max-model-len or the model's context) tokens of a rank's KV heads, in the form sent (NPU tiles for gn-*, paged blocks for *-host), at least " f"{AUTO_BUFFER_MIN_MB}); a prompt whose KV can never fit is refused up front (HTTP 400)", min=1)
+    rx_mb: int | None = opt(None, "decode receive buffers, MiB, split over the NPU channels for gn-hawk (default: auto, as --staging-mb: room for what the decode reserves for the longest request, per channel for gn-hawk, at least " f"{AUTO_BUFFER_MIN_MB})", min=1)
     landing_mode: str = opt("auto", "gn-hawk landing: auto (cost model) | staging | direct", choices=("auto", "staging", "direct"))
     post: str = opt("pull", "pull (decode READs) | push (prefill WRITEs)", choices=("pull", "push"))
     kv_flow: str = opt("pull", "pull: the decode asks for the KV after prefill (Algorithm 1 as written) | layerwise: the decode hands its blocks over before prefill and the prefill writes each layer there as its forward finishes it (gn-hawk, gg-direct; TP 1)", choices=KV_FLOWS)

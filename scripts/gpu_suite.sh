@@ -77,8 +77,8 @@ fi
 if want paced; then  # one system per configuration, each its own file, so a call cut short keeps what finished
   for t in gn-hawk gg-direct gn-host; do
     step "paced_$t" 155 python3 benchmarks/cross_validate.py --scenarios paced --link-gbps 200 --prefill-device cuda:0 \
-      --decode-device npu-emu:cuda:0 --model llama-3.1-8b --dtype bf16 --workload chatbot --rates 1,2 --num-requests 10 \
-      --transfer "$t" --transport auto --json "$OUT/crossval_h200_$t.json"
+      --decode-device npu-emu:cuda:0 --model llama-3.1-8b --dtype bf16 --workload "${PACED_WORKLOAD:-chatbot}" --rates 1,2 --num-requests 10 \
+      --transfer "$t" --transport auto --json "$OUT/crossval_h200_${PACED_WORKLOAD:-chatbot}_$t.json"
   done
 fi
 want ttft && \

@@ -35,7 +35,7 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 class System:
     def __init__(self) -> None:
         transport = "nixl" if available("nixl") else "local"
-        cfg = InstanceConfig(model="smollm2-135m", transport=transport, kv_tokens=KV_TOKENS, staging_mb=16, rx_mb=16, kv_ttl_s=60.0)
+        cfg = InstanceConfig(model="smollm2-135m", transport=transport, kv_tokens=KV_TOKENS, kv_ttl_s=60.0)
         self.prefill_inst = PrefillInstance(cfg)
         self.decode_inst = DecodeInstance(cfg, loaded=self.prefill_inst.loaded)
         self.coloc_inst = ColocatedInstance(replace(cfg, transfer="colocated"), loaded=self.prefill_inst.loaded)

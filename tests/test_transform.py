@@ -296,7 +296,7 @@ def _bench_smoke_interpreted() -> None:
     try:
         recs = run_benchmark(sizes_mb=[0.125], dtypes=["bf16", "bfp8_b"], impls=["triton"], device="cpu",
                              repeats=1, warmup=0, shape="tiny", verbose=False, kernels=[None, *KERNELS])
-        ok = all(r["match"] for r in recs) and len(recs) == 16 and recs[0]["kernel"] == "v2"
+        ok = all(r["match"] for r in recs) and len(recs) == 16 and recs[0]["kernel"] == "v1"  # auto: v1 for bf16
         res = {"name": "bench-triton", "ok": ok, "error": "" if ok else json.dumps(recs)}
     except Exception as e:  # noqa: BLE001
         res = {"name": "bench-triton", "ok": False, "error": f"{type(e).__name__}: {e}"}
@@ -384,12 +384,13 @@ def test_triton_rejects_bad_input() -> None:
 
 
 def test_kernel_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    """v2 by default and for auto; the environment variable picks otherwise; head_dim % 16 != 0 -> v1."""
+    """auto: v2 for bfloat8_b, v1 for bf16; the environment variable picks otherwise; head_dim % 16 != 0 -> v1."""
     pytest.importorskip("triton")
     from hawk.transform.triton_kernel import ENV_KERNEL, default_tpp, resolve_kernel
 
     monkeypatch.delenv(ENV_KERNEL, raising=False)
     assert resolve_kernel(None, 128) == "v2" and resolve_kernel("auto", 128) == "v2"
+    assert resolve_kernel(None, 128, "bf16") == "v1" and resolve_kernel("v2", 128, "bf16") == "v2"
     assert resolve_kernel("v1", 128) == "v1" and resolve_kernel("v2e", 128) == "v2e"
     assert resolve_kernel(None, 72) == "v1" and resolve_kernel("v2", 72) == "v1"
     monkeypatch.setenv(ENV_KERNEL, "v1")

@@ -14,8 +14,8 @@ import typer
 from hawk.config import ServeConfig
 from hawk.config_cli import config_command
 
-#: Where the benchmark differs from ``hawk serve``: a smaller cache, and buffers that never limit it.
-EQUIVALENCE_DEFAULTS: dict[str, Any] = {"kv_tokens": 4096, "staging_mb": 256, "rx_mb": 256}
+#: Where the benchmark differs from ``hawk serve``: a smaller cache (the buffers size themselves to it).
+EQUIVALENCE_DEFAULTS: dict[str, Any] = {"kv_tokens": 4096}
 
 
 def _run(cfg: ServeConfig, configs: str, max_tokens: int, json_path: Optional[str]) -> None:

@@ -159,18 +159,6 @@ def print_table(records: list[dict[str, Any]]) -> None:
     Console(width=200).print(t)
 
 
-def _staging_mb(model: str, tokens: int) -> int:
-    """Staging / receive room for one prompt of ``tokens`` (bf16 KV of the model, with slack)."""
-    from hawk.engine.config import preset
-
-    try:
-        mc = preset(model)
-        per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 2
-    except Exception:  # noqa: BLE001 - a file or checkpoint: assume up to 128 KiB per token (an 8B model)
-        per_token = 128 << 10
-    return max(64, -(-tokens * per_token * 5 // 4 // (1 << 20)) + 16)
-
-
 def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
@@ -201,11 +189,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     if not flows or any(f not in KV_FLOWS for f in flows):
         raise SystemExit(f"--kv-flows takes {', '.join(KV_FLOWS)}, got {a.kv_flows!r}")
     longest = max(prompts)
-    kv_mb = _staging_mb(a.model, longest)
     extra = {} if a.max_prefill_chunk is None else {"max_prefill_chunk": a.max_prefill_chunk}
     base = ServeConfig(
         model=a.model, dtype=a.dtype, prefill_device=a.prefill_device, decode_device=a.decode_device, transport=a.transport,
-        kv_tokens=longest + 256, staging_mb=kv_mb, rx_mb=kv_mb, **extra,
+        kv_tokens=longest + 256, **extra,  # staging and receive buffers: auto, sized for the longest prompt
     )
     records = run(base, prompts, configs, a.repeats, a.warmup, flows)
     print_table(records)

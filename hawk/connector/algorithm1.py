@@ -731,6 +731,9 @@ def _pull_timings(t: _Clock, t_stored: float, ready: Any) -> dict[str, float]:
     handler = min(_sender_time(ready, "handler_s"), lap.get("wait_ready_s", 0.0))
     sender = {f"sender_{k}": _sender_time(ready, f"{k}_s") for k in ("plan", "reserve", "transform", "transform_wait")}
     sender = {k + "_s": v for k, v in sender.items()}
+    inside = sum(sender.values())
+    if inside > handler > 0:  # D1 reached the sender while this side still planned ahead: the handler
+        sender = {k: v * handler / inside for k, v in sender.items()}  # overlapped the wait; scale to what was waited
     out = {k: v for k, v in lap.items() if k != "wait_ready_s"}
     out.update(sender)
     out["sender_other_s"] = max(0.0, handler - sum(sender.values()))

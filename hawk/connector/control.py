@@ -1,26 +1,45 @@
-"""The control channel of Algorithm 1 over ZeroMQ: a ROUTER server and a DEALER client.
+"""The control channel of Algorithm 1 over ZeroMQ: a ROUTER server and DEALER clients.
 
-Each side owns its socket in one I/O thread (ZeroMQ sockets are not thread-safe). Other threads
-hand frames to that thread over an inproc PUSH/PULL pair, so a reply leaves as soon as it is
-ready, with no polling delay. Requests and replies are matched by an 8-byte correlation id.
+A round trip costs as few thread hand-offs as ZeroMQ allows (each is a futex wake and a GIL
+acquisition, 100-300 us on a VM): the calling thread sends its request and reads its reply
+itself, and the server thread that receives a request runs its handler and sends the reply.
 
-Frames are ``[correlation id, tag, payload]``. With a cluster secret (the ``secret`` argument, or
-$HAWK_CLUSTER_SECRET, which the launcher gives its children), the tag is an HMAC of the frame
-(messages.sign); the server checks it before decoding and answers a bad one with an Error, and
-the client drops replies whose tag is wrong.
+Client: a pool of DEALER sockets, all connected to the server. A call takes a free socket (or
+opens one) and owns it until its reply is read, so no socket is ever used by two threads at once
+and concurrent callers each wait on their own socket; :meth:`ControlClient.start` hands the
+socket to the returned :class:`PendingCall`, which reads the reply on ``result`` (from any
+thread). A reply to a call that timed out reaches the socket's next user, who drops it by its
+correlation id.
+
+Server: ``workers`` threads take turns as the listener (leader/followers): the leader waits on
+the ROUTER socket's notification fd (an OS-level poll, which is not a socket operation), takes
+one request under the socket lock, hands the listener role on, and serves the request itself.
+Replies, Deferred ones included, are sent under the same lock by whichever thread has them;
+ZeroMQ allows a socket to move between threads when a full memory barrier (the lock) separates
+them. As the fd only signals new events, a thread that has just sent checks the socket for
+pending input and, finding some, wakes the listener through a pipe.
+
+Frames are ``[correlation id, tag, payload]``; requests and replies are matched by the 8-byte
+correlation id. With a cluster secret (the ``secret`` argument, or $HAWK_CLUSTER_SECRET, which
+the launcher gives its children), the tag is an HMAC of the frame (messages.sign); the server
+checks it before decoding and answers a bad one with an Error, and the client drops replies
+whose tag is wrong.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
+import select
 import struct
 import threading
-import uuid
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
+import weakref
+from collections.abc import Callable, Collection
 
+import msgpack
 import zmq
 
 from hawk.connector.messages import AuthError, Error, Message, ProtocolError, decode, encode, sign, verify
@@ -29,6 +48,7 @@ log = logging.getLogger(__name__)
 
 _NO_REPLY = struct.pack("<Q", 0)
 SECRET_ENV = "HAWK_CLUSTER_SECRET"
+_FLUSH_MS = 100  # how long a closed client's socket may still flush fire-and-forget messages (in the background)
 
 
 def _secret(secret: str | bytes | None) -> bytes | None:
@@ -41,74 +61,45 @@ def _secret(secret: str | bytes | None) -> bytes | None:
 
 
 class PeerUnreachable(TimeoutError):
-    """No reply from the control peer in time: it may be dead, or the address is wrong."""
+    """No reply from the control peer in time: it may be dead, or the address is wrong (or the
+    client was closed while the call waited)."""
 
 
-class _Loop:
-    """An I/O thread owning ``sock``; ``post(frames)`` from any thread sends through it."""
+def _pipe() -> tuple[int, int]:
+    """A non-blocking pipe: a wake-up signal another thread can poll along with a socket's fd."""
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    return r, w
 
-    def __init__(self, ctx: zmq.Context, sock: zmq.Socket, on_frames: Callable[[list[bytes]], None], name: str):
-        self._ctx = ctx
-        self._sock = sock
-        self._on_frames = on_frames
-        self._inbox_addr = f"inproc://hawk-ctl-{uuid.uuid4().hex}"
-        self._inbox = ctx.socket(zmq.PULL)
-        self._inbox.bind(self._inbox_addr)
-        self._local = threading.local()
-        self._pushers: list[zmq.Socket] = []
-        self._push_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
 
-    def post(self, frames: list[bytes]) -> None:
-        if self._stop.is_set():  # closed: nobody would send it (and a new inproc pusher could block)
-            return
-        p = getattr(self._local, "push", None)
-        if p is None:
-            p = self._ctx.socket(zmq.PUSH)
-            p.setsockopt(zmq.LINGER, 0)
-            p.connect(self._inbox_addr)
-            self._local.push = p
-            with self._push_lock:
-                self._pushers.append(p)
-        p.send_multipart(frames)
+def _signal(w: int) -> None:
+    try:
+        os.write(w, b"x")
+    except (BlockingIOError, OSError):  # full: it is signalled already; closed: nobody listens
+        pass
 
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._inbox, zmq.POLLIN)
-        while not self._stop.is_set():
-            try:
-                events = dict(poller.poll(50))
-            except zmq.ZMQError:
-                break
-            if self._inbox in events:
-                while True:
-                    try:
-                        self._sock.send_multipart(self._inbox.recv_multipart(zmq.NOBLOCK), zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-            if self._sock in events:
-                while True:
-                    try:
-                        frames = self._sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    try:
-                        self._on_frames(frames)
-                    except Exception:  # noqa: BLE001 - one bad frame must not kill the loop
-                        log.exception("control frame handler failed")
-        self._sock.close(linger=0)
-        self._inbox.close(linger=0)
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        with self._push_lock:
-            for p in self._pushers:
-                p.close(linger=0)
-            self._pushers.clear()
+def _peek_type(payload: bytes) -> str | None:
+    """The ``type`` of an encoded message (messages.encode puts it second), without decoding the rest."""
+    try:
+        u = msgpack.Unpacker(raw=False)
+        u.feed(payload)
+        for _ in range(min(u.read_map_header(), 2)):
+            key, value = u.unpack(), u.unpack()
+            if key == "type":
+                return value if isinstance(value, str) else None
+    except Exception:  # noqa: BLE001 - not ours to judge here: _serve rejects it
+        return None
+    return None
+
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 class Deferred:
@@ -146,7 +137,15 @@ class Deferred:
 
 
 class ControlServer:
-    """Serves ``handler(message, peer_identity) -> reply`` on a ROUTER socket (127.0.0.1 by default)."""
+    """Serves ``handler(message, peer_identity) -> reply`` on a ROUTER socket (127.0.0.1 by default).
+
+    ``workers`` threads serve, up to that many handlers at once (a handler may block: the others
+    keep serving). ``peer_identity`` names the client's socket that sent the message (a client
+    may call through several).
+
+    ``inline``: message types (``Message.TYPE``) whose handlers are quick and never block. The
+    thread that receives one serves it without first handing the listener role on, which saves a
+    thread wake-up per round trip; while it does, no other request is taken. Empty by default."""
 
     def __init__(
         self,
@@ -155,9 +154,11 @@ class ControlServer:
         port: int = 0,
         workers: int = 4,
         secret: str | bytes | None = None,
+        inline: Collection[str] = (),
     ):
         self._handler = handler
         self._key = _secret(secret)
+        self._inline = frozenset(inline)
         self._ctx = zmq.Context.instance()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -168,14 +169,66 @@ class ControlServer:
         else:
             self.port = sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{self.port}"
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hawk-ctl-worker")
-        self._loop = _Loop(self._ctx, sock, self._dispatch, "hawk-ctl-server")
+        self._sock = sock
+        self._fd = sock.getsockopt(zmq.FD)  # readable when the socket has new events (edge-like: see _send)
+        self._sock_lock = threading.Lock()  # every operation on the socket holds it; _closed too
+        self._closed = False
+        self._lead = threading.Lock()  # held by the listener
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = _pipe()
+        self._threads = [threading.Thread(target=self._run, name=f"hawk-ctl-server-{i}", daemon=True) for i in range(max(1, workers))]
+        for t in self._threads:
+            t.start()
 
-    def _dispatch(self, frames: list[bytes]) -> None:
-        if len(frames) != 4:
-            return
-        ident, corr, tag, payload = frames
-        self._pool.submit(self._serve, ident, corr, tag, payload)
+    # -- the serving threads -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = select.poll()
+        poller.register(self._fd, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        while True:
+            with self._lead:  # followers wait here; the leader listens
+                while True:
+                    if self._stop.is_set():
+                        return
+                    try:
+                        frames = self._listen(poller)
+                    except Exception:  # noqa: BLE001 - the serving threads must not die
+                        log.exception("control server failed to receive")
+                        time.sleep(0.01)
+                        continue
+                    if frames is None or len(frames) != 4 or not self._inline or _peek_type(frames[3]) not in self._inline:
+                        break
+                    try:  # quick: served by the listener, which keeps its role (nobody is woken)
+                        self._serve(*frames)
+                    except Exception:  # noqa: BLE001 - one bad frame must not kill the thread
+                        log.exception("control frame handler failed")
+            if frames is None:
+                return
+            if len(frames) != 4:
+                continue
+            try:
+                self._serve(*frames)
+            except Exception:  # noqa: BLE001 - one bad frame must not kill the thread
+                log.exception("control frame handler failed")
+
+    def _listen(self, poller: select.poll) -> list[bytes] | None:
+        """The next request's frames (None once closed)."""
+        while not self._stop.is_set():
+            with self._sock_lock:
+                if self._closed:
+                    return None
+                try:
+                    return self._sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:  # having processed the socket's commands, so the fd is quiet now
+                    pass
+            for fd, _ in poller.poll(1000):  # the socket's fd (new events) or the wake-up pipe
+                if fd == self._wake_r:
+                    try:
+                        os.read(self._wake_r, 4096)
+                    except OSError:  # BlockingIOError: drained already
+                        pass
+        return None
 
     def _serve(self, ident: bytes, corr: bytes, tag: bytes, payload: bytes) -> None:
         try:
@@ -185,7 +238,7 @@ class ControlServer:
         except AuthError as e:  # answered untagged: the peer's key (if any) is not ours
             log.warning("control message refused: %s", e)
             if corr != _NO_REPLY:
-                self._loop.post([ident, corr, b"", encode(Error("", f"rejected: {e}"))])
+                self._send([ident, corr, b"", encode(Error("", f"rejected: {e}"))])
             return
         except ProtocolError as e:
             reply = Error("", f"rejected: {e}")
@@ -201,45 +254,82 @@ class ControlServer:
 
     def _answer(self, ident: bytes, corr: bytes, reply: Message) -> None:
         out = encode(reply)
-        try:
-            self._loop.post([ident, corr, sign(self._key, corr, out), out])
-        except zmq.ZMQError:  # the server closed meanwhile: the caller's timeout decides
-            log.debug("control reply after close dropped")
+        self._send([ident, corr, sign(self._key, corr, out), out])
+
+    def _send(self, frames: list[bytes]) -> None:
+        """Send from any thread. Sending processes the socket's pending commands, which may include
+        a request's arrival that the listener's poll will then not see: if input is pending after
+        the send, the listener is woken."""
+        with self._sock_lock:
+            if self._closed:  # the caller's timeout decides
+                log.debug("control reply after close dropped")
+                return
+            try:
+                self._sock.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.ZMQError as e:  # a full queue to a peer that reads nothing: its timeout decides
+                log.debug("control reply dropped: %s", e)
+            if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                _signal(self._wake_w)
 
     def close(self) -> None:
-        self._loop.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop serving: requests not yet taken are dropped, and so are the replies of handlers
+        still running (and of Deferreds resolved later). Returns without waiting for them."""
+        with self._sock_lock:
+            if self._stop.is_set():
+                return
+            self._stop.set()
+            _signal(self._wake_w)  # the listener leaves its poll
+        leading = self._lead.acquire(timeout=5)  # held: no thread polls the socket's fd, nor will
+        try:
+            with self._sock_lock:
+                self._closed = True
+                self._sock.close(linger=0)
+            if leading:  # else a listener may still poll them: left to the process
+                _close_fds(self._wake_r, self._wake_w)
+        finally:
+            if leading:
+                self._lead.release()
 
 
 class ControlClient:
-    """Calls a :class:`ControlServer`; safe to use from many threads at once."""
+    """Calls a :class:`ControlServer`; safe to use from many threads at once (each call waits on a
+    socket of its own, so concurrent callers do not wait for each other)."""
 
     def __init__(self, address: str, secret: str | bytes | None = None):
         self.address = address
         self._key = _secret(secret)
         self._ctx = zmq.Context.instance()
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()  # guards _free, _closed, _opened
+        self._free: list[zmq.Socket] = []  # connected sockets no call owns
+        self._opened = 0
+        self._closed = False
+        self._wake_r, self._wake_w = _pipe()  # readable once closed: wakes every waiting call
+        weakref.finalize(self, _close_fds, self._wake_r, self._wake_w)  # after the last waiter is gone
+        self._free.append(self._open())  # connect now, as the handshake is being prepared
+
+    def _open(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(address)
-        self._pending: dict[bytes, Future] = {}
-        self._lock = threading.Lock()
-        self._ids = itertools.count(1)
-        self._loop = _Loop(self._ctx, sock, self._on_reply, "hawk-ctl-client")
-
-    def _on_reply(self, frames: list[bytes]) -> None:
-        if len(frames) != 3:
-            return
-        corr, tag, payload = frames
-        if tag:  # an untagged reply is accepted only as an Error (see call)
-            try:
-                verify(self._key, corr, tag, payload)
-            except AuthError:
-                log.warning("dropped a control reply from %s with a bad tag", self.address)
-                return
+        sock.connect(self.address)
         with self._lock:
-            fut = self._pending.pop(corr, None)
-        if fut is not None and not fut.done():
-            fut.set_result((tag, payload))
+            self._opened += 1
+        return sock
+
+    def _take(self) -> zmq.Socket:
+        with self._lock:
+            if self._closed:
+                raise PeerUnreachable(f"control client for {self.address} is closed")
+            if self._free:
+                return self._free.pop()
+        return self._open()
+
+    def _give(self, sock: zmq.Socket) -> None:
+        with self._lock:
+            if not self._closed:
+                self._free.append(sock)
+                return
+        sock.close(linger=_FLUSH_MS)
 
     def call(self, msg: Message, timeout_s: float) -> Message:
         """Send ``msg`` and wait for its reply; :class:`PeerUnreachable` after ``timeout_s``."""
@@ -249,21 +339,45 @@ class ControlClient:
         """Send ``msg`` now and return at once; the reply is ``.result(timeout_s)`` (so the caller can
         do work while the request is in flight, e.g. plan its side of a transfer during D1)."""
         corr = struct.pack("<Q", next(self._ids))
-        fut: Future = Future()
-        with self._lock:
-            self._pending[corr] = fut
         payload = encode(msg)
-        self._loop.post([corr, sign(self._key, corr, payload), payload])
-        return PendingCall(self, msg, corr, fut)
-
-    def _finish(self, msg: Message, corr: bytes, fut: Future, timeout_s: float) -> Message:
+        frames = [corr, sign(self._key, corr, payload), payload]
+        sock = self._take()
         try:
-            tag, payload = fut.result(timeout=timeout_s)
-        except TimeoutError:
-            raise PeerUnreachable(f"no reply to {msg.TYPE} from {self.address} within {timeout_s:.3g} s") from None
-        finally:
-            with self._lock:
-                self._pending.pop(corr, None)
+            sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # Again: the queue to the peer is full, it has not been reading
+            self._give(sock)
+            raise PeerUnreachable(f"{msg.TYPE} to {self.address} not sent: {e}") from None
+        return PendingCall(self, msg, corr, sock)
+
+    def _wait(self, sock: zmq.Socket, msg: Message, corr: bytes, timeout_s: float) -> tuple[bytes, bytes]:
+        """Read ``sock`` until the reply to ``corr`` comes (others are stale: dropped)."""
+        deadline = time.monotonic() + timeout_s
+        items = [(sock, zmq.POLLIN), (self._wake_r, zmq.POLLIN)]
+        while True:
+            if self._closed:
+                raise PeerUnreachable(f"control client for {self.address} closed while waiting for the reply to {msg.TYPE}")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise PeerUnreachable(f"no reply to {msg.TYPE} from {self.address} within {timeout_s:.3g} s")
+            if not zmq.zmq_poll(items, max(1, math.ceil(remaining * 1000))):
+                continue
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if len(frames) != 3 or frames[0] != corr:  # a late reply to a call that timed out
+                    continue
+                _, tag, payload = frames
+                if tag:  # an untagged reply is accepted only as an Error (see PendingCall.result)
+                    try:
+                        verify(self._key, corr, tag, payload)
+                    except AuthError:
+                        log.warning("dropped a control reply from %s with a bad tag", self.address)
+                        continue
+                return tag, payload
+
+    def _decode(self, tag: bytes, payload: bytes) -> Message:
         reply = decode(payload)
         if self._key and not tag and not isinstance(reply, Error):
             raise AuthError(f"untagged {reply.TYPE} reply from {self.address}: the peer does not share this cluster's secret")
@@ -272,22 +386,68 @@ class ControlClient:
     def send(self, msg: Message) -> None:
         """Fire and forget (the server sends no reply): D9's single notification per transfer."""
         payload = encode(msg)
-        self._loop.post([_NO_REPLY, sign(self._key, _NO_REPLY, payload), payload])
+        frames = [_NO_REPLY, sign(self._key, _NO_REPLY, payload), payload]
+        try:
+            sock = self._take()
+        except PeerUnreachable:  # closed: nobody would send it
+            return
+        try:
+            sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.debug("control message %s to %s dropped: %s", msg.TYPE, self.address, e)
+        finally:
+            self._give(sock)
 
     def close(self) -> None:
-        self._loop.close()
+        """Close the sockets; calls still waiting end with :class:`PeerUnreachable` at once, and later
+        calls too (sends are dropped). Messages already sent are flushed for a short while."""
         with self._lock:
-            for f in self._pending.values():
-                f.cancel()
-            self._pending.clear()
+            if self._closed:
+                return
+            self._closed = True
+            free, self._free = self._free, []
+        for sock in free:
+            sock.close(linger=_FLUSH_MS)
+        _signal(self._wake_w)
 
 
 class PendingCall:
-    """A request sent by :meth:`ControlClient.start` whose reply has not been collected yet."""
+    """A request sent by :meth:`ControlClient.start` whose reply has not been collected yet; it owns
+    the socket the reply comes on until then."""
 
-    def __init__(self, client: ControlClient, msg: Message, corr: bytes, fut: Future):
-        self._client, self._msg, self._corr, self._fut = client, msg, corr, fut
+    def __init__(self, client: ControlClient, msg: Message, corr: bytes, sock: zmq.Socket):
+        self._client, self._msg, self._corr = client, msg, corr
+        self._sock: zmq.Socket | None = sock
+        self._reply: tuple[bytes, bytes] | None = None
+        self._failed = ""  # why the call ended without a reply
+        self._lock = threading.Lock()
 
     def result(self, timeout_s: float) -> Message:
-        """The reply; :class:`PeerUnreachable` after ``timeout_s`` (counted from this call)."""
-        return self._client._finish(self._msg, self._corr, self._fut, timeout_s)
+        """The reply; :class:`PeerUnreachable` after ``timeout_s`` (counted from this call). Once it
+        has timed out, the call is over (the socket goes back to the client) and so is every later
+        ``result``."""
+        if not self._lock.acquire(timeout=max(0.0, timeout_s)):  # another thread is reading it
+            raise PeerUnreachable(f"no reply to {self._msg.TYPE} from {self._client.address} within {timeout_s:.3g} s")
+        try:
+            if self._reply is None:
+                if self._sock is None:
+                    raise PeerUnreachable(self._failed)
+                try:
+                    self._reply = self._client._wait(self._sock, self._msg, self._corr, timeout_s)
+                except PeerUnreachable as e:
+                    self._failed = str(e)
+                    raise
+                finally:
+                    sock, self._sock = self._sock, None
+                    self._client._give(sock)
+        finally:
+            self._lock.release()
+        return self._client._decode(*self._reply)
+
+    def __del__(self) -> None:  # never collected: the socket goes back (a late reply on it is dropped)
+        sock, self._sock = getattr(self, "_sock", None), None
+        if sock is not None:
+            try:
+                self._client._give(sock)
+            except Exception:  # noqa: BLE001 - at interpreter exit
+                pass

@@ -146,7 +146,14 @@ class ChannelLanding(_NpuTilesLanding):
             runs = plan.direct_runs()  # iterates as (src region, src offset, dst region, dst offset, length)
         else:
             runs = [(r.src_region, r.src_offset, r.dst_region, r.dst_offset, r.length) for r in plan.staging_requests(addresses)]
-        descs = [Desc(channel_region(r[2]), r[3], ready.region, ready.offset + r[1], r[4]) for r in runs]
+        region, base = ready.region, ready.offset
+        names: dict[int, str] = {}  # channel -> region name, formatted once per channel, not per run
+        descs = []
+        for _, so, ch, do, n in runs:
+            name = names.get(ch)
+            if name is None:
+                name = names[ch] = channel_region(ch)
+            descs.append(Desc(name, do, region, base + so, n))
         memo["descs"] = (key, descs)
         return descs
 

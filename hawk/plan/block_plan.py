@@ -16,6 +16,12 @@ from hawk.layouts.gpu import GpuKVLayout
 from hawk.plan.requests import Copy, Request, merge_runs
 
 
+def _block_bytes(layout: GpuKVLayout) -> int:
+    """``layout.block_bytes`` without its probe tensor (``GpuKVLayout.elem_bytes`` allocates one per call:
+    microseconds, on every plan's size and request list)."""
+    return layout.block_size * layout.num_kv_heads * layout.head_dim * layout.torch_dtype.itemsize
+
+
 @dataclass(eq=False)
 class BlockCopyPlan:
     src: GpuKVLayout
@@ -33,7 +39,7 @@ class BlockCopyPlan:
 
     @property
     def total_bytes(self) -> int:
-        return self.src.num_layers * 2 * self.num_blocks * self.src.block_bytes
+        return self.src.num_layers * 2 * self.num_blocks * _block_bytes(self.src)
 
     def _runs(self, *id_lists: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Runs of request blocks whose ids go up by one in every list: ``(first j, blocks)``."""
@@ -48,7 +54,7 @@ class BlockCopyPlan:
 
     def _expand(self, first: np.ndarray, count: np.ndarray, ids: np.ndarray, layout: GpuKVLayout) -> tuple[np.ndarray, ...]:
         """Per ``(layer, kv, run)``: layer, byte offset in that layer's cache, offset in the compact buffer, length."""
-        nl, n, bb = layout.num_layers, self.num_blocks, layout.block_bytes
+        nl, n, bb = layout.num_layers, self.num_blocks, _block_bytes(layout)
         lk = np.arange(nl * 2, dtype=np.int64)[:, None]  # layer * 2 + kv
         cache = (lk % 2) * layout.num_blocks * bb + ids[first][None, :] * bb
         compact = (lk * n + first[None, :]) * bb

@@ -199,13 +199,22 @@ class KVTransferPlan:
         return [Copy(*r) for r in self.staging_copy_runs(channel_dst)]
 
     def staging_copy_runs(self, channel_dst: Mapping[int, int]) -> Runs:
-        """:meth:`staging_copies` as arrays (what the device copy consumes)."""
+        """:meth:`staging_copies` as arrays (what the device copy consumes). The last result is kept
+        with the placement: an idle receiver reserves the same per-channel offsets again, and then
+        its finish step (D7) reuses the runs as they are."""
         self._check_channel_dst(channel_dst)
+        key = tuple(sorted((int(c), int(a)) for c, a in channel_dst.items()))
+        memo = self._shared_memo()
+        hit = memo.get("staging_copy")
+        if hit is not None and hit[0] == key:
+            return hit[1]
         off, chan, addr, length = self._pieces()
         shift = np.zeros(int(chan.max()) + 1, dtype=np.int64)
         for c, o, _ in self.channel_extents:
             shift[c] = channel_dst[c] - o  # send-buffer offset -> per-channel buffer address
-        return merge_runs(chan, shift[chan] + off, chan, addr, length)
+        runs = merge_runs(chan, shift[chan] + off, chan, addr, length)
+        memo["staging_copy"] = (key, runs)
+        return runs
 
     def gather_copy_runs(self, channel_dst: Mapping[int, int]) -> Runs:
         """The reverse of :meth:`staging_copy_runs`: cache pages -> per-channel buffers (an NPU sender).

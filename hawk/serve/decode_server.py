@@ -54,9 +54,12 @@ def event_line(ev: TokenEvent) -> bytes:
 class DecodeService:
     def __init__(
         self, engine: DecodeEngine, handle_for: HandleFor = remote_handle, give_back: GiveBack | None = None,
-        unavailable: Callable[[], str | None] = lambda: None,
+        unavailable: Callable[[], str | None] = lambda: None, check_prompt: Callable[[int], None] = lambda n: None,
     ):
+        """``check_prompt(prompt_len)`` raises ``PromptTooLong`` for a prompt whose KV can never land
+        here (it fits no empty receive buffer): refused before its KV is pulled."""
         self.engine, self.handle_for, self.give_back, self.unavailable = engine, handle_for, give_back, unavailable
+        self.check_prompt = check_prompt
         self.aborts = {"aborted_on_disconnect": 0}
 
     def start(self, req: DecodeRequest) -> StreamingResponse:
@@ -69,6 +72,7 @@ class DecodeService:
             raise BadRequest(f"params: {e}") from None
         if req.prompt_len + params.max_tokens > self.engine.max_len:  # before the handle: nothing to give back
             raise PromptTooLong(f"prompt ({req.prompt_len}) + max_tokens ({params.max_tokens}) exceeds the context length {self.engine.max_len}")
+        self.check_prompt(req.prompt_len)  # before the handle: nothing to give back
         try:
             handle = self.handle_for(req)
         except (KeyError, ValueError) as e:
@@ -149,7 +153,7 @@ def create_decode_app(instance: DecodeInstance, close_on_shutdown: bool = True, 
         max_model_len=instance.engine.max_len, max_kv_tokens=blocks.num_blocks * blocks.block_size, vocab_size=mc.vocab_size,
     )
 
-    svc = DecodeService(instance.engine, unavailable=lambda: unavailable_reason("decode", instance))
+    svc = DecodeService(instance.engine, unavailable=lambda: unavailable_reason("decode", instance), check_prompt=instance.check_prompt)
 
     def accounting() -> dict[str, Any]:
         return {**instance.accounting(), **{f"engine_{k}": v for k, v in instance.engine.stats().items()}, **svc.aborts}

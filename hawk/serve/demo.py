@@ -100,7 +100,7 @@ def timing_line(h: dict[str, Any]) -> str:
 
 
 #: Where the demo differs from ``hawk serve``: a smaller cache starts faster, and greedy answers repeat.
-DEMO_DEFAULTS: dict[str, Any] = {"kv_tokens": 4096, "staging_mb": 32, "rx_mb": 32, "default_temperature": 0.0}
+DEMO_DEFAULTS: dict[str, Any] = {"kv_tokens": 4096, "default_temperature": 0.0}
 
 
 def demo(cfg: ServeConfig | None = None) -> list[dict[str, Any]]:

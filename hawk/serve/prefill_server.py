@@ -42,9 +42,12 @@ class PrefillService:
         kv_address: str,
         vocab_size: int,
         unavailable: Callable[[], str | None] = lambda: None,
+        check_prompt: Callable[[int], None] = lambda n: None,
     ):
+        """``check_prompt(num_tokens)`` raises ``PromptTooLong`` for a prompt this instance can
+        prefill but never transfer (its KV fits no empty transfer buffer): refused before prefill."""
         self.engine, self.discard, self.kv_address, self.vocab_size = engine, discard, kv_address, vocab_size
-        self.unavailable = unavailable
+        self.unavailable, self.check_prompt = unavailable, check_prompt
         self._running: set[str] = set()
         self._aborted: dict[str, float] = {}
         # how aborts ended, for /internal/accounting and /metrics
@@ -61,6 +64,7 @@ class PrefillService:
         bad = next((t for t in req.prompt_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:  # an out-of-range id would fail the whole batch it lands in
             raise BadRequest(f"prompt token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
+        self.check_prompt(len(req.prompt_ids))  # says which transfer buffer it could never fit
         if len(req.prompt_ids) > self.engine.max_prompt_tokens:
             raise PromptTooLong(f"prompt of {len(req.prompt_ids)} tokens exceeds this instance's limit of {self.engine.max_prompt_tokens}")
         rid = req.request_id
@@ -129,7 +133,9 @@ def create_prefill_app(instance: PrefillInstance, close_on_shutdown: bool = True
     """The HTTP face of a :class:`PrefillInstance`; shutdown closes it unless told not to (tests
     that reuse one loaded instance across apps)."""
     cfg, mc = instance.cfg, instance.loaded.config
-    svc = PrefillService(instance.engine, instance.discard, instance.kv_address, mc.vocab_size, lambda: unavailable_reason("prefill", instance))
+    svc = PrefillService(
+        instance.engine, instance.discard, instance.kv_address, mc.vocab_size, lambda: unavailable_reason("prefill", instance), instance.check_prompt,
+    )
     info = InstanceInfo.of(
         role="prefill", model=instance.loaded.name, transfer=cfg.transfer, transport=cfg.transport, device=cfg.prefill_device,
         kv_address=instance.kv_address, max_prompt_tokens=instance.engine.max_prompt_tokens,

@@ -29,16 +29,21 @@ per program so the common case pays nothing for them.
 
 The whole request is one launch. Per-layer caches are reached from ``caches[0]``'s pointer plus an
 int64 element offset per tensor (vLLM allocates one tensor per layer). Index tables derived from a
-plan are cached on the plan, so transforming the same plan again uploads nothing; v2 launches a
-configuration's compiled kernel directly after its first launch (``$HAWK_TRANSFORM_LAUNCH=jit``
-keeps Triton's dispatcher), which cuts the host time that bounds small requests.
+plan are cached on the plan and, by content, across plan objects (a request's plan is a new object
+each time, assembled from cached parts), so transforming the same request shape and blocks again
+builds and uploads nothing; a new one uploads its tables in one copy that does not stall the host.
+Both kernels launch a configuration's compiled kernel directly after its first launch
+(``$HAWK_TRANSFORM_LAUNCH=jit`` keeps Triton's dispatcher), which cuts the host time that bounds
+small requests.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -337,28 +342,32 @@ def _rows_kernel(
         tl.store(out16 + vbase + frow5 * 16 + hx, y, mask=smask5)
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class _PlanTables:
-    """Device index tables of one plan: built once per (plan, device, cache strides)."""
+    """Index tables of one plan, on the host: built once per (plan, cache strides); what goes to the
+    device is uploaded by the launch state (:class:`_Launch`), in one copy."""
 
-    row_off: torch.Tensor
-    row_valid: torch.Tensor
-    page_a: torch.Tensor
-    page_b: torch.Tensor
+    host: np.ndarray  # int64, flat: row_off [G, 32] | row_valid [G] | page_a [G, CTP] | page_b [G, CTP]
     groups: int
     ctp: int
     vec_rows: int  # gcd-style divisibility of every row offset (elements)
 
+    @property
+    def sections(self) -> tuple[int, int, int, int]:
+        """Where row_valid, page_a, page_b start in ``host``, and its length."""
+        g, c = self.groups, self.ctp
+        return g * 32, g * 33, g * (33 + c), g * (33 + 2 * c)
+
 
 def _pow2_divisor(values: np.ndarray, cap: int) -> int:
-    """Largest power of two <= cap dividing every value (cap if there are none)."""
-    d = cap
-    while d > 1 and np.any(values % d):
-        d //= 2
-    return d
+    """Largest power of two <= cap (a power of two) dividing every value (cap if there are none): the
+    lowest set bit of all values OR-ed together, in one pass."""
+    v = np.asarray(values, dtype=np.int64)
+    acc = int(np.bitwise_or.reduce(v, axis=None)) if v.size else 0
+    return cap if acc == 0 else min(cap, acc & -acc)
 
 
-def _build_tables(plan: KVTransferPlan, strides: tuple[int, ...], device: torch.device) -> _PlanTables:
+def _build_tables(plan: KVTransferPlan, strides: tuple[int, ...]) -> _PlanTables:
     """Group the plan's pages by (token_start, gpu_head) and lay out per-group row and page tables.
 
     Why host-side: the q arrays are small (pages per tensor), while the grid's other axis (the
@@ -370,41 +379,52 @@ def _build_tables(plan: KVTransferPlan, strides: tuple[int, ...], device: torch.
     ts = np.asarray(plan.token_start, dtype=np.int64)
     gh = np.asarray(plan.gpu_head, dtype=np.int64)
     ct = np.asarray(plan.col_tile, dtype=np.int64)
-    keys, group = np.unique(np.stack([ts, gh], axis=1), axis=0, return_inverse=True)
+    # Groups: the distinct (token_start, gpu_head) pairs in lexicographic order, found as one int64
+    # key per page (np.unique over rows of a 2-D array sorts a structured view: several times slower).
+    lo = int(gh.min()) if len(gh) else 0
+    span = int(gh.max()) - lo + 1 if len(gh) else 1
+    ukeys, group = np.unique(ts * span + (gh - lo), return_inverse=True)
     group = group.reshape(-1)
-    n_groups = len(keys)
+    key_ts, key_gh = ukeys // span, ukeys % span + lo
+    n_groups = len(ukeys)
     ctp = triton.next_power_of_2(plan.dst.col_tiles)
 
-    # Rows: token -> (GPU block, slot) through the block table; padding rows point at offset 0.
-    tok = keys[:, 0:1] + np.arange(TILE, dtype=np.int64)[None, :]
-    valid = tok < plan.num_tokens
-    tok = np.minimum(tok, plan.num_tokens - 1)
+    # Everything lands in one flat int64 buffer (what the device gets in one copy), section by section.
+    host = np.empty(n_groups * (33 + 2 * ctp), dtype=np.int64)
+    row_off = host[: n_groups * TILE].reshape(n_groups, TILE)
+    row_valid = host[n_groups * TILE : n_groups * 33]
+    page_a = host[n_groups * 33 : n_groups * (33 + ctp)].reshape(n_groups, ctp)
+    page_b = host[n_groups * (33 + ctp) :].reshape(n_groups, ctp)
+
+    # Rows: token -> (GPU block, slot) through the block table, per token once (a group's 32 rows are
+    # 32 consecutive tokens), then gathered per group plus its head; padding rows point at offset 0.
+    ntok = plan.num_tokens
+    span_t = int(key_ts.max()) + TILE if n_groups else 0
+    m = min(ntok, span_t)
+    tok_off = np.zeros(max(span_t, 1), dtype=np.int64)
+    t = np.arange(m, dtype=np.int64)
     gids = np.asarray(plan.gpu_block_ids, dtype=np.int64)
-    blk = gids[tok // src.block_size]
-    row_off = blk * s["block"] + (tok % src.block_size) * s["slot"] + keys[:, 1:2] * s["head"]
-    row_off = np.where(valid, row_off, 0)
-    row_valid = valid.sum(axis=1).astype(np.int32)
+    tok_off[:m] = gids[t // src.block_size] * s["block"] + (t % src.block_size) * s["slot"]
+    np.take(tok_off, key_ts[:, None] + np.arange(TILE, dtype=np.int64)[None, :], out=row_off)
+    row_off += key_gh[:, None] * s["head"]
+    row_valid[:] = np.clip(ntok - key_ts, 0, TILE)
+    part = np.flatnonzero(row_valid < TILE)  # groups running past the request: zero their padding rows
+    if len(part):
+        sub = row_off[part]
+        sub[np.arange(TILE)[None, :] >= row_valid[part][:, None]] = 0
+        row_off[part] = sub
 
     # Pages: A and B of each (group, col tile), in page units.
     a, b = plan.offset_terms()
     pbytes = plan.page_bytes
     if np.any(a % pbytes) or np.any(b % pbytes):
         raise ValueError("send-buffer offsets are not whole pages; the plan is inconsistent")
-    page_a = np.full((n_groups, ctp), -1, dtype=np.int64)
-    page_b = np.zeros((n_groups, ctp), dtype=np.int64)
+    page_a.fill(-1)
+    page_b.fill(0)
     page_a[group, ct] = a // pbytes
     page_b[group, ct] = b // pbytes
 
-    as_dev = lambda x: torch.as_tensor(np.ascontiguousarray(x)).to(device)  # noqa: E731
-    return _PlanTables(
-        row_off=as_dev(row_off),
-        row_valid=as_dev(row_valid),
-        page_a=as_dev(page_a),
-        page_b=as_dev(page_b),
-        groups=n_groups,
-        ctp=ctp,
-        vec_rows=_pow2_divisor(row_off, 16),
-    )
+    return _PlanTables(host=host, groups=n_groups, ctp=ctp, vec_rows=_pow2_divisor(row_off, 16))
 
 
 def _plan_cache(plan: KVTransferPlan) -> dict:
@@ -415,11 +435,11 @@ def _plan_cache(plan: KVTransferPlan) -> dict:
     return cache
 
 
-def _tables(plan: KVTransferPlan, strides: tuple[int, ...], device: torch.device) -> _PlanTables:
+def _tables(plan: KVTransferPlan, strides: tuple[int, ...]) -> _PlanTables:
     cache = _plan_cache(plan)
-    key = ("tables", str(device), strides)
+    key = ("tables", strides)
     if key not in cache:
-        cache[key] = _build_tables(plan, strides, device)
+        cache[key] = _build_tables(plan, strides)
     return cache[key]
 
 
@@ -446,53 +466,150 @@ def _uniform_caches(caches: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [c.contiguous() for c in caches]
 
 
-@dataclass(frozen=True)
+def _pad16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+@dataclass(eq=False)
 class _Launch:
     """Everything one launch needs but the tensors themselves: built once per (plan, cache pointers).
 
-    It holds no cache tensor, so a plan that outlives its caches does not keep them allocated.
+    It holds no cache tensor, so a plan that outlives its caches does not keep them allocated. Device
+    tables are uploaded on first use by the kernel that needs them (v1 or v2), each set in one copy
+    that does not stall the host (:func:`hawk.devices.batched_copy.upload_int64`); a launch on another
+    stream than the upload's waits for it on the device (:meth:`order_after_uploads`).
     """
 
-    deltas: torch.Tensor  # [L] int64 (v1)
     tables: _PlanTables
+    deltas_host: np.ndarray  # [L] int64 (v1)
+    tbase: np.ndarray  # [2L] int64 (v2)
+    device: torch.device
     kv_stride: int
     constexprs: dict  # v1's
-    meta: torch.Tensor  # v2's tables in one int64 tensor (one pointer to pass): see _v2_meta
-    meta_offsets: tuple[int, int, int, int]  # where row_valid, page_a, page_b and tbase start in it
+    meta_offsets: tuple[int, int, int, int]  # where row_valid, page_a, page_b and tbase start in meta
     vec2: int  # divisibility of every tbase and row offset, in elements, capped at 16 bytes
     words: bool  # v2 may read the source as int32 words (bf16, word-aligned rows and base)
-    calls: dict = field(default_factory=dict, compare=False)  # v2 configuration -> _V2Call
+    calls: dict = field(default_factory=dict)  # kernel configuration -> _V2Call
+    _meta: torch.Tensor | None = None
+    _v1: tuple | None = None
+    _pending: list = field(default_factory=list)  # (event, raw stream) of uploads not known complete
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # two threads may launch one state
+
+    def _upload(self, arr: np.ndarray) -> torch.Tensor:
+        from hawk.devices.batched_copy import upload_int64
+
+        return upload_int64(arr, self.device)
+
+    def _uploaded(self) -> None:
+        """Note the device work enqueued so far on the current stream (uploads, casts)."""
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            self._pending.append((ev, _raw_stream(self.device.index)))
+
+    @property
+    def meta(self) -> torch.Tensor:
+        """v2's tables in one int64 tensor (one pointer to pass): row_off, row_valid, page_a, page_b, tbase."""
+        if self._meta is None:
+            with self._lock:
+                if self._meta is None:
+                    meta = self._upload(np.concatenate([self.tables.host, self.tbase]))
+                    self._uploaded()
+                    self._meta = meta
+        return self._meta
+
+    def v1_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """v1's (deltas, row_off, row_valid int32, page_a, page_b), views of one upload (each section
+        starting on a 128-byte boundary)."""
+        if self._v1 is None:
+            with self._lock:
+                if self._v1 is None:
+                    self._v1 = self._v1_upload()
+        return self._v1  # type: ignore[return-value]
+
+    def _v1_upload(self) -> tuple:
+        t = self.tables
+        o_valid, o_pa, o_pb, end = t.sections
+        parts = [self.deltas_host, t.host[:o_valid], t.host[o_valid:o_pa], t.host[o_pa:o_pb], t.host[o_pb:end]]
+        starts, pos = [], 0
+        for p in parts:
+            starts.append(pos)
+            pos += _pad16(len(p))
+        buf = np.zeros(pos, dtype=np.int64)
+        for p, s in zip(parts, starts):
+            buf[s : s + len(p)] = p
+        dev = self._upload(buf)
+        views = [dev[s : s + len(p)] for p, s in zip(parts, starts)]
+        views[2] = views[2].to(torch.int32)  # row_valid: the kernel's int32 table (a device cast)
+        self._uploaded()
+        return tuple(views)
+
+    def order_after_uploads(self) -> None:
+        """Make the current stream wait for uploads made on another stream that may not have run yet."""
+        if not self._pending:
+            return
+        with self._lock:
+            cur = _raw_stream(self.device.index)
+            left = []
+            for ev, stream in self._pending:
+                if ev.query():
+                    continue
+                if stream != cur:
+                    torch.cuda.current_stream(self.device).wait_event(ev)
+                left.append((ev, stream))
+            self._pending = left
 
 
-def _v2_meta(tables: _PlanTables, tbase: np.ndarray, device: torch.device) -> tuple[torch.Tensor, tuple]:
-    """v2's index tables concatenated into one int64 tensor, and the offsets of its sections."""
-    parts = [tables.row_off.reshape(-1), tables.row_valid.to(torch.int64), tables.page_a.reshape(-1),
-             tables.page_b.reshape(-1), torch.as_tensor(tbase).to(device)]
-    offs, o = [], 0
-    for part in parts[:-1]:
-        o += part.numel()
-        offs.append(o)
-    return torch.cat(parts), tuple(offs)
+#: Launch states by what they depend on, across plan objects: a plan is a new object per request
+#: (``PLANS.kv_plan`` assembles one from cached parts), so state kept on the plan alone was rebuilt,
+#: re-uploaded and re-dispatched through Triton's JIT on every transfer. Bounded: each holds device
+#: tables (about 64 bytes per token per KV head).
+_LAUNCHES: OrderedDict = OrderedDict()
+_LAUNCHES_MAX = 16
+_LAUNCHES_LOCK = threading.Lock()
+
+
+def _content_key(plan: KVTransferPlan, key: tuple) -> tuple | None:
+    """What a launch state depends on beyond ``key`` (the caches): the placement (shared by every plan
+    assembled on it; held by the entry, so its id cannot be reused while cached), the GPU layout, the
+    token count and the GPU block ids. None for a plan that does not share a placement."""
+    memo = getattr(plan, "_memo", None)
+    if memo is None:
+        return None
+    return (id(memo), plan.src, plan.num_tokens, np.ascontiguousarray(plan.gpu_block_ids, dtype=np.int64).tobytes(), key)
 
 
 def _prepare(plan: KVTransferPlan, caches: Sequence[torch.Tensor]) -> tuple[_Launch, Sequence[torch.Tensor]]:
-    """Validate the caches and build (or fetch) the launch state cached on the plan; also return the
-    caches the kernel reads (contiguous copies in the rare case the given ones disagree on strides).
+    """Validate the caches and build (or fetch) the launch state cached on the plan (and, by content,
+    across plans: :data:`_LAUNCHES`); also return the caches the kernel reads (contiguous copies in
+    the rare case the given ones disagree on strides).
 
-    The key is the layer pointers plus layer 0's shape, dtype and strides: checking all 2L tensors
-    on every call would cost more host time than the kernel takes on a small request.
+    The key is the layers' pointers relative to layer 0's, layer 0's alignment (what the compiled
+    kernel is specialized on) and its shape, dtype and strides: checking all 2L tensors on every call
+    would cost more host time than the kernel takes on a small request. Nothing in the state holds an
+    absolute cache address (layer 0's pointer is passed at launch), so one state serves every layer of
+    a layer-wise push (one-layer lists) and caches that moved together.
     """
     c0 = caches[0]
-    key = ("launch", c0.device, c0.dtype, tuple(c0.shape), c0.stride(), tuple(map(torch.Tensor.data_ptr, caches)))
+    p0 = c0.data_ptr()
+    key = ("launch", c0.device, c0.dtype, tuple(c0.shape), c0.stride(), p0 % 16, tuple(c.data_ptr() - p0 for c in caches))
     cache = _plan_cache(plan)
     hit = cache.get(key)
     if hit is not None:
         return hit, caches
+    ckey = _content_key(plan, key)
+    if ckey is not None:
+        with _LAUNCHES_LOCK:
+            entry = _LAUNCHES.get(ckey)
+            if entry is not None and entry[0] is plan._memo:
+                _LAUNCHES.move_to_end(ckey)
+                cache[key] = entry[1]
+                return entry[1], caches
     given = list(caches)
     plan.src.check_cache(given)
     used = _uniform_caches(given)
     c0 = used[0]
-    tables = _tables(plan, tuple(c0.stride()), c0.device)
+    tables = _tables(plan, tuple(c0.stride()))
     deltas, vec_layers = _layer_deltas(used)
     esize = c0.element_size()
     kv_stride = c0.stride(0)
@@ -500,15 +617,15 @@ def _prepare(plan: KVTransferPlan, caches: Sequence[torch.Tensor]) -> tuple[_Lau
     vec = min(16 // esize, tables.vec_rows, vec_layers, _pow2_divisor(np.asarray([kv_stride]), 16))
     tbase = (deltas[:, None] + np.arange(2, dtype=np.int64)[None, :] * kv_stride).reshape(-1)
     vec2 = min(16 // esize, tables.vec_rows, _pow2_divisor(tbase, 16))
-    meta, meta_offsets = _v2_meta(tables, tbase, c0.device)
     copied = any(u is not g for u, g in zip(used, given))
     launch = _Launch(
-        deltas=torch.as_tensor(deltas).to(c0.device),
         tables=tables,
+        deltas_host=deltas,
+        tbase=tbase,
+        device=c0.device,
         kv_stride=kv_stride,
         constexprs={"HEAD_DIM": plan.src.head_dim, "CTP": tables.ctp, "SRC_KIND": _SRC_KIND[c0.dtype], "VEC": vec},
-        meta=meta,
-        meta_offsets=meta_offsets,
+        meta_offsets=tables.sections,
         vec2=vec2,
         words=c0.dtype == torch.bfloat16 and vec2 >= 2 and c0.data_ptr() % 4 == 0,
     )
@@ -517,6 +634,12 @@ def _prepare(plan: KVTransferPlan, caches: Sequence[torch.Tensor]) -> tuple[_Lau
     for stale in [k for k in cache if k[0] == "launch"][:-7]:
         del cache[stale]  # caches moved: keep only the last few pointer sets
     cache[key] = launch
+    if ckey is not None:
+        with _LAUNCHES_LOCK:
+            _LAUNCHES[ckey] = (plan._memo, launch)
+            _LAUNCHES.move_to_end(ckey)
+            while len(_LAUNCHES) > _LAUNCHES_MAX:
+                _LAUNCHES.popitem(last=False)
     return launch, used
 
 
@@ -531,14 +654,15 @@ ENV_TPP = "HAWK_TRANSFORM_TPP"  # tensors per v2 program (a power of two); defau
 ENV_LAUNCH = "HAWK_TRANSFORM_LAUNCH"
 
 
-def resolve_kernel(kernel: str | None, head_dim: int) -> str:
-    """The kernel a call uses: ``kernel``, else ``$HAWK_TRANSFORM_KERNEL``, else auto (v2; v1 when
-    head_dim is not a multiple of 16, which v2 does not handle)."""
+def resolve_kernel(kernel: str | None, head_dim: int, dtype: str = "bfp8_b") -> str:
+    """The kernel a call uses: ``kernel``, else ``$HAWK_TRANSFORM_KERNEL``, else auto: v2 for bfloat8_b
+    output, v1 for bf16 (measured on an H200, 2026-11-30, v1 -> v2 of copy: bfloat8_b 0.45 -> 0.64 at
+    1280 MiB; bf16 0.98 -> 0.93), and v1 whenever head_dim is not a multiple of 16, which v2 does not handle."""
     name = kernel or os.environ.get(ENV_KERNEL) or "auto"
     if name not in KERNELS:
         raise ValueError(f"unknown transform kernel {name!r}; expected one of {KERNELS}")
     if name == "auto":
-        name = "v2"
+        name = "v2" if dtype == "bfp8_b" else "v1"
     if name != "v1" and head_dim % 16:
         name = "v1"
     return name
@@ -587,11 +711,28 @@ def _v2_call(launch: _Launch, plan: KVTransferPlan, bfp8: bool, words: bool, num
     return hit
 
 
-def _launch_v2(call: _V2Call, args: tuple, device: torch.device, align: int) -> None:
-    """Launch v2. The first launch of a configuration goes through Triton's JIT dispatcher; later ones
-    call the compiled kernel's launcher directly with the same arguments (``$HAWK_TRANSFORM_LAUNCH``
-    = ``direct``, the default). Everything the JIT specializes on is fixed per launch state except
-    the send buffer's alignment, so compiled kernels are kept per ``align`` (its address mod 16)."""
+def _v1_call(launch: _Launch, plan: KVTransferPlan, bfp8: bool, num_warps: int) -> _V2Call:
+    """v1's launch configuration; ``rest`` is every argument after the send buffer, in signature order."""
+    direct = os.environ.get(ENV_LAUNCH, "direct") != "jit"
+    key = ("v1", bfp8, num_warps, direct)
+    hit = launch.calls.get(key)
+    if hit is None:
+        k = launch.constexprs
+        hit = _V2Call(grid=(launch.tables.groups, plan.num_tensors, 1),
+                      rest=(launch.kv_stride, k["HEAD_DIM"], k["CTP"], k["SRC_KIND"], bfp8, k["VEC"]),
+                      num_warps=num_warps, direct=direct)  # fmt: skip
+        launch.calls[key] = hit
+    return hit
+
+
+def _launch_v2(call: _V2Call, args: tuple, device: torch.device, align: int, kernel: object = None) -> None:
+    """Launch v2 (or ``kernel``: v1). The first launch of a configuration goes through Triton's JIT
+    dispatcher; later ones call the compiled kernel's launcher directly with the same arguments
+    (``$HAWK_TRANSFORM_LAUNCH`` = ``direct``, the default): ``args`` are all the kernel's parameters in
+    signature order, constexprs included, as the dispatcher passes them. Everything the JIT
+    specializes on is fixed per launch state except the send buffer's alignment, so compiled kernels
+    are kept per ``align`` (its address mod 16)."""
+    kernel = _rows_kernel if kernel is None else kernel
     compiled = call.compiled.get(align)
     if compiled is not None and _knobs.runtime.launch_enter_hook is None and _knobs.runtime.launch_exit_hook is None:
         g = call.grid
@@ -602,7 +743,7 @@ def _launch_v2(call: _V2Call, args: tuple, device: torch.device, align: int) -> 
         except Exception:  # noqa: BLE001 - a launcher this code does not know: use the dispatcher from now on
             call.compiled.clear()
             call.direct = False
-    compiled = _rows_kernel[call.grid](*args, num_warps=call.num_warps)
+    compiled = kernel[call.grid](*args, num_warps=call.num_warps)  # type: ignore[index]
     if (call.direct and device.type == "cuda" and getattr(compiled, "function", None) is not None
             and hasattr(compiled, "packed_metadata")):
         call.compiled[align] = compiled
@@ -645,7 +786,7 @@ def transform_triton(
         raise ValueError(f"Triton transform supports NPU dtypes bf16 and bfp8_b, got {ndtype!r}")
     if len(caches) != plan.src.num_layers:
         raise ValueError(f"expected {plan.src.num_layers} layer tensors, got {len(caches)}")
-    which = resolve_kernel(kernel, plan.src.head_dim)
+    which = resolve_kernel(kernel, plan.src.head_dim, plan.dst.dtype)
     launch, used = _prepare(plan, caches)
     c0 = used[0]
     device = c0.device
@@ -670,17 +811,18 @@ def transform_triton(
     switch = device.type == "cuda" and device.index != torch.cuda.current_device()
     with torch.cuda.device(device) if switch else contextlib.nullcontext():  # launch on the caches' GPU
         if which == "v1":
-            t = launch.tables
+            deltas, row_off, row_valid, page_a, page_b = launch.v1_tables()
+            launch.order_after_uploads()
+            call = _v1_call(launch, plan, bfp8, num_warps)
             src = c0.view(_SRC_BITS[c0.dtype])  # `used` stays alive until the launch is enqueued
-            _transform_kernel[(t.groups, plan.num_tensors)](
-                src, launch.deltas, t.row_off, t.row_valid, t.page_a, t.page_b,
-                dst if bfp8 else dst.view(torch.int16), launch.kv_stride,
-                BFP8=bfp8, num_warps=num_warps, **launch.constexprs,
-            )
+            args = (src, deltas, row_off, row_valid, page_a, page_b, dst if bfp8 else dst.view(torch.int16), *call.rest)
+            _launch_v2(call, args, device, ptr % 16, _transform_kernel)
         else:
             words = bfp8 and launch.words and which == "v2" and ptr % 2 == 0
             call = _v2_call(launch, plan, bfp8, words, num_warps, tpp, c0.element_size())
+            meta = launch.meta
+            launch.order_after_uploads()
             src = _word_view(c0) if words else c0.view(_SRC_BITS[c0.dtype])
             dst16 = dst.view(torch.int16) if ptr % 2 == 0 else dst  # (odd: only bfloat8_b bytes are stored)
-            _launch_v2(call, (src, launch.meta, dst, dst16, *call.rest), device, ptr % 16)
+            _launch_v2(call, (src, meta, dst, dst16, *call.rest), device, ptr % 16)
     return out

@@ -25,9 +25,10 @@ import weakref
 from typing import Any
 
 import msgpack
+import numpy as np
 import torch
 
-from hawk.devices.batched_copy import copy_pairs
+from hawk.devices.batched_copy import MIN_PAIRS, copy_pairs, copy_spans
 from hawk.transport.base import (
     ConnectError,
     RegionInfo,
@@ -124,6 +125,34 @@ def _raw_copy_fn(dev: torch.device) -> Any:
     return _MEMCPY["fn"] if ok else None
 
 
+@contextlib.contextmanager
+def _on_side_streams(streams: dict[int, Any], sdev: torch.device | None, ddev: torch.device | None) -> Any:
+    """Make the side stream of each CUDA device of a (src, dst) group current, after it waited for that
+    device's current stream; yields (the group's CUDA devices, whether it is one GPU to itself)."""
+    devs = [d for d in (sdev, ddev) if d is not None]
+    if len(devs) == 2 and devs[0] == devs[1]:
+        devs = devs[:1]
+    with contextlib.ExitStack() as stack:
+        for d in devs:
+            s = _side_stream(streams, d)
+            s.wait_stream(torch.cuda.current_stream(d))
+            stack.enter_context(torch.cuda.stream(s))
+        same_gpu = len(devs) == 1 and sdev is not None and ddev is not None
+        if same_gpu:
+            stack.enter_context(torch.cuda.device(devs[0]))
+        yield devs, same_gpu
+
+
+def _raw_copies(raw: Any, side: Any, copies: Any) -> None:
+    """``(dst address, src address, bytes)`` as raw cudaMemcpyAsync calls on ``side``."""
+    sp = side.cuda_stream
+    for d, s, n in copies:
+        rc = raw(d, s, n, 3, sp)
+        if rc != 0:
+            side.synchronize()  # the pairs issued so far end before the batch is reported failed
+            raise TransferError(f"cudaMemcpyAsync (device to device, {n} B) returned error {rc}")
+
+
 def copy_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], streams: dict[int, Any]) -> _CopyBatch:
     """Copy every (dst, src) pair; CUDA copies go on dedicated side streams, one per device.
 
@@ -135,6 +164,7 @@ def copy_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], streams: dict[int
     With ``HAWK_CUDA_COPY=raw``, pairs on one GPU are issued as raw cudaMemcpyAsync calls where that
     passed its self-test: copy_'s per-call setup costs several microseconds, and a gg-direct pull is
     160 such pairs, a direct-placement gn-hawk pull over a thousand (see COPY_ENV for why it is opt-in).
+    The transports themselves use :func:`copy_span_batch` (no tensor per pair).
     """
     groups: dict[tuple[torch.device | None, torch.device | None], list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for dst, src in pairs:
@@ -145,31 +175,68 @@ def copy_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], streams: dict[int
             groups.setdefault(key, []).append((dst, src))
     events = []
     for (sdev, ddev), group in groups.items():
-        devs = [d for d in (sdev, ddev) if d is not None]
-        if len(devs) == 2 and devs[0] == devs[1]:
-            devs = devs[:1]
-        with contextlib.ExitStack() as stack:
-            for d in devs:
-                s = _side_stream(streams, d)
-                s.wait_stream(torch.cuda.current_stream(d))
-                stack.enter_context(torch.cuda.stream(s))
-            same_gpu = len(devs) == 1 and sdev is not None and ddev is not None
-            if same_gpu:
-                stack.enter_context(torch.cuda.device(devs[0]))
+        with _on_side_streams(streams, sdev, ddev) as (devs, same_gpu):
             raw = _raw_copy_fn(devs[0]) if same_gpu else None
             if same_gpu and copy_pairs(group):
                 pass  # many pairs on one GPU: one launch for all of them
             elif raw is not None:  # same GPU: one cudaMemcpyAsync per pair, none of copy_'s per-call setup
-                side = _side_stream(streams, devs[0])
-                sp = side.cuda_stream
-                for dst, src in group:
-                    rc = raw(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size(), 3, sp)
-                    if rc != 0:
-                        side.synchronize()  # the pairs issued so far end before the batch is reported failed
-                        raise TransferError(f"cudaMemcpyAsync (device to device, {dst.numel()} B) returned error {rc}")
+                _raw_copies(raw, _side_stream(streams, devs[0]),
+                            ((d.data_ptr(), s.data_ptr(), d.numel() * d.element_size()) for d, s in group))  # fmt: skip
             else:
                 for dst, src in group:
                     dst.copy_(src, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(_side_stream(streams, devs[0]))
+        events.append(ev)
+    return _CopyBatch(events)
+
+
+#: One copy of a batch: (dst region's bytes, dst offset, src region's bytes, src offset, length). The
+#: region tensors are whole registered regions (flat uint8); offsets were validated by the transport.
+Span = tuple[torch.Tensor, int, torch.Tensor, int, int]
+
+
+def copy_span_batch(spans: list[Span], streams: dict[int, Any]) -> _CopyBatch:
+    """:func:`copy_batch` for byte ranges of whole regions, as transports hold them: the same streams,
+    events and grouping, but no tensor view per range where it is not needed. Ranges are grouped by
+    their (dst region, src region) first, so per-range host work is a tuple append; a group on one GPU
+    with :data:`~hawk.devices.batched_copy.MIN_PAIRS` ranges or more is one launch whose address table
+    is computed with numpy (:func:`~hawk.devices.batched_copy.copy_spans`)."""
+    by_regions: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int]]]] = {}
+    for dst, doff, src, soff, n in spans:
+        entry = by_regions.get((id(dst), id(src)))
+        if entry is None:
+            entry = by_regions[(id(dst), id(src))] = (dst, src, [])
+        entry[2].append((doff, soff, n))
+    groups: dict[tuple[torch.device | None, torch.device | None], list[tuple[torch.Tensor, torch.Tensor, list]]] = {}
+    for dst, src, items in by_regions.values():
+        if not dst.is_cuda and not src.is_cuda:
+            for doff, soff, n in items:
+                dst[doff : doff + n].copy_(src[soff : soff + n])
+            continue
+        key = (src.device if src.is_cuda else None, dst.device if dst.is_cuda else None)
+        groups.setdefault(key, []).append((dst, src, items))
+    events = []
+    for (sdev, ddev), parts in groups.items():
+        with _on_side_streams(streams, sdev, ddev) as (devs, same_gpu):
+            done = False
+            if same_gpu and sum(len(items) for _, _, items in parts) >= MIN_PAIRS:
+                flat: list[tuple[int, int, int]] = []
+                for dst, src, items in parts:
+                    dp, sp = dst.data_ptr(), src.data_ptr()
+                    flat.extend([(sp + soff, dp + doff, n) for doff, soff, n in items])
+                t = np.array(flat, dtype=np.int64)
+                done = copy_spans(devs[0], t[:, 0], t[:, 1], t[:, 2])  # many ranges on one GPU: one launch
+            if not done:
+                raw = _raw_copy_fn(devs[0]) if same_gpu else None
+                if raw is not None:
+                    _raw_copies(raw, _side_stream(streams, devs[0]),
+                                ((dst.data_ptr() + doff, src.data_ptr() + soff, n) for dst, src, items in parts
+                                 for doff, soff, n in items))  # fmt: skip
+                else:
+                    for dst, src, items in parts:
+                        for doff, soff, n in items:
+                            dst[doff : doff + n].copy_(src[soff : soff + n], non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(_side_stream(streams, devs[0]))
         events.append(ev)
@@ -217,21 +284,36 @@ class LocalTransport(Transport):
         if other is None or other.closed:
             raise TransferError(f"peer {peer.id!r} is closed")
 
+    def _peer_region(self, peer: _Peer, remote: RegionInfo) -> torch.Tensor:
+        """The peer's whole region ``remote`` as flat bytes: straight from the peer object (same process)."""
+        reg = peer.state()._regions.get(remote.name)
+        if reg is None or reg.info != remote:
+            raise TransferError(f"peer region {remote.name!r} was deregistered or changed since connect()")
+        return reg.token
+
     def _peer_view(self, peer: _Peer, seg: Segment) -> torch.Tensor:
-        """The peer's bytes for ``seg``: straight from the peer object (same process)."""
-        reg = peer.state()._regions.get(seg.remote.name)
-        if reg is None or reg.info != seg.remote:
-            raise TransferError(f"peer region {seg.remote.name!r} was deregistered or changed since connect()")
-        return reg.token[seg.remote_offset : seg.remote_offset + seg.length]
+        """The peer's bytes for ``seg``."""
+        return self._peer_region(peer, seg.remote)[seg.remote_offset : seg.remote_offset + seg.length]
 
     def _engine_submit(self, h: TransferHandle, peer: _Peer, segs: list[Segment]) -> int:
         self._peer_ready(peer)
-        pairs = []
+        # Each region is looked up (and a peer's checked) once per batch, not once per descriptor.
+        local: dict[str, torch.Tensor] = {}
+        remote: dict[str, torch.Tensor] = {}
+        spans: list[Span] = []
+        read = h.op == "READ"
         for s in segs:
-            local = self._regions[s.local.name].token[s.local_offset : s.local_offset + s.length]
-            remote = self._peer_view(peer, s)
-            pairs.append((local, remote) if h.op == "READ" else (remote, local))
-        h.engine_state = copy_batch(pairs, self._streams)
+            lt = local.get(s.local.name)
+            if lt is None:
+                lt = local[s.local.name] = self._regions[s.local.name].token
+            rt = remote.get(s.remote.name)
+            if rt is None:
+                rt = remote[s.remote.name] = self._peer_region(peer, s.remote)
+            if read:
+                spans.append((lt, s.local_offset, rt, s.remote_offset, s.length))
+            else:
+                spans.append((rt, s.remote_offset, lt, s.local_offset, s.length))
+        h.engine_state = copy_span_batch(spans, self._streams)
         return 1
 
     def _engine_poll(self, h: TransferHandle) -> tuple[Status, str | None]:
@@ -330,10 +412,10 @@ class CudaIpcTransport(LocalTransport):
         except PermissionError:
             pass
 
-    def _peer_view(self, peer: _Peer, seg: Segment) -> torch.Tensor:
+    def _peer_region(self, peer: _Peer, remote: RegionInfo) -> torch.Tensor:
         if not isinstance(peer.state, dict):
-            return super()._peer_view(peer, seg)
-        return peer.state["opened"][seg.remote.name][seg.remote_offset : seg.remote_offset + seg.length]
+            return super()._peer_region(peer, remote)
+        return peer.state["opened"][remote.name]
 
     def _engine_disconnect(self, peer: _Peer) -> None:
         if isinstance(peer.state, dict):
