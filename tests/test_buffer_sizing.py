@@ -26,18 +26,11 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 from hawk.bench.equivalence import run_disaggregated  # noqa: E402
 from hawk.config import AUTO_BUFFER_MIN_MB, ServeConfig, defaults  # noqa: E402
 from hawk.engine.config import preset  # noqa: E402
-from hawk.engine.instances import (  # noqa: E402
-    DecodeInstance,
-    PrefillInstance,
-    auto_buffer_mb,
-    buffer_mb,
-    kv_limits,
-    max_request_tokens,
-    transfer_buffer_bytes,
-)
+from hawk.engine.instances import DecodeInstance, PrefillInstance  # noqa: E402
 from hawk.engine.loader import LoadedModel  # noqa: E402
 from hawk.engine.model import LlamaModel  # noqa: E402
 from hawk.engine.sequence import SamplingParams  # noqa: E402
+from hawk.engine.transfer_buffers import auto_buffer_mb, buffer_mb, kv_limits, max_request_tokens, transfer_buffer_bytes  # noqa: E402
 from hawk.engine.tokenizer import Tokenizer  # noqa: E402
 from hawk.errors import PromptTooLong  # noqa: E402
 from hawk.layouts.gpu import GpuKVLayout  # noqa: E402
