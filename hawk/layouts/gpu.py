@@ -52,7 +52,7 @@ class GpuKVLayout:
 
     @property
     def elem_bytes(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        return self.torch_dtype.itemsize  # no tensor per call: planning asks this per block
 
     @property
     def heads(self) -> range:
