@@ -8,6 +8,9 @@ A request arrives with its first token (sampled by the prefill) and a handle to 
         | admitted: the blocks its prompt + the first step's token need are free (plus a
         | watermark and the next step's growth of the running batch), first come first served
     TRANSFERRING  its blocks are allocated; a transfer thread pulls the prompt KV into them
+                  (layer-wise flow, a ``KVPush`` handle: the request arrives before its prefill,
+                  its blocks go to the prefill as the destination, and the prefill writes each
+                  layer into them as its forward finishes it; see connector/algorithm1.py)
         | the KV has landed: the prefill's first token goes out (TTFT includes the transfer)
     RUNNING       one token per step. Before each step the engine gives every running sequence the
                   block its next token's KV is written to; when none is free it preempts the most
