@@ -294,12 +294,13 @@ def test_disconnect_mid_stream_frees_everything(system):
     before = accounting(system.decode.url)["aborted_on_disconnect"]
     with httpx.Client(base_url=system.router.url, timeout=60, trust_env=False) as c:
         with c.stream("POST", "/v1/completions", json=body) as r:
-            got = 0
+            lines: list[str] = []
             for line in r.iter_lines():
-                got += line.startswith("data: ")
-                if got >= 3:
+                lines += [line] if line.startswith("data: ") else []
+                if len(lines) >= 3:
                     break
-            assert held(system)["decode_requests"] == 1  # generating; it would run for ~400 tokens
+            # generating; it would run for ~400 tokens (the lines say why if the stream ended early)
+            assert held(system)["decode_requests"] == 1, (lines, accounting(system.decode.url))
         # leaving the block closed the response mid-stream, which drops the connection
     took = wait_released(system, 10)
     assert took < 5  # far sooner than 400 tokens would take (~20 s here): the decode aborted it
