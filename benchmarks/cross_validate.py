@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 
+from hawk.bench.equivalence import config_for
 from hawk.bench.serving import run_serving_bench
-from hawk.config import TRANSFERS, defaults
+from hawk.config import defaults
 from hawk.devices.timing import engine_step_model, timing_label
-from hawk.layouts.device import parse_device
 from hawk.sim.cluster import simulate
 from hawk.sim.crossval import Probes, calibrate, calibrated_config, compare, format_table
 from hawk.sim.workload import LengthDist, Workload, get_workload
@@ -87,22 +87,15 @@ def probe(url: str, seed: int, lengths: tuple[int, ...] = PREFILL_LENS, repeats:
     return p
 
 
-def decode_device_for(transfer: str, decode_device: str) -> str:
-    """A GPU-decoding configuration decodes on the emulated NPU's backing device (one command line
-    serves every configuration of a run, as in the equivalence benchmark)."""
-    spec = parse_device(decode_device)
-    return spec.torch_device if TRANSFERS[transfer] == "gpu" and spec.is_npu else decode_device
-
-
 def run_scenario(name: str, a: argparse.Namespace, transfer: str) -> dict[str, Any]:
     """One real system: probes, the sweep, then the simulator on the calibrated models."""
     from hawk.serve.launcher import start_system
 
     paced = name == "paced"
-    cfg = defaults(
-        model=a.model, dtype=a.dtype, prefill_device=a.prefill_device, decode_device=decode_device_for(transfer, a.decode_device),
-        transfer=transfer, transport=a.transport, npu_timing="p150a" if paced else None, link_gbps=a.link_gbps if paced else None,
-    ).validate()
+    cfg = config_for(defaults(  # a GPU-decoding configuration decodes on the NPU's backing device
+        model=a.model, dtype=a.dtype, prefill_device=a.prefill_device, decode_device=a.decode_device,
+        transport=a.transport, npu_timing="p150a" if paced else None, link_gbps=a.link_gbps if paced else None,
+    ), transfer).validate()
     wl = get_workload(a.workload)
     t0 = time.monotonic()
     with start_system(cfg, log_dir=a.log_dir) as system:

@@ -53,24 +53,30 @@ want transfer && \
 want model && \
   step model_8b 200 python3 -m hawk.bench.equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 \
     --decode-device npu-emu:cuda:$dec --configs gn-hawk,gg-direct --max-tokens 32 --kv-tokens 8192 --json "$OUT/e2e_8b_h200x2.json"
+# One GPU, both roles: Fig. 9 sizes against a same-run device copy, and TTFT at 1k/4k/16k (parts sameg, quick, ttft).
+same_gpu_transfers() {  # same_gpu_transfers LIMIT
+  step transfer_h200x1 "$1" python3 -m hawk.cli bench transfer --transport auto --prefill-device cuda:0 --npu-device npu-emu:cuda:0 \
+    --gpu-decode-device cuda:0 --sizes-mb 10,80,320,1280 --repeats 10 --configs gg-direct,gn-hawk --json "$OUT/transfer_h200x1.json"
+}
+ttft_one_gpu() {  # ttft_one_gpu NAME LIMIT TRANSPORT
+  step "$1" "$2" python3 -m hawk.bench.ttft --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device npu-emu:cuda:0 \
+    --transport "$3" --prompts 1024,4096,16384 --configs gn-hawk,gg-direct --kv-flows pull,layerwise --repeats 2 --warmup 1 --json "$OUT/ttft_h200.json"
+}
+
 want bfp8 && \
   step bfp8_probe 200 python3 benchmarks/bfp8_kernel_probe.py --json "$OUT/bfp8_kernel_probe.json"
 if want sameg; then
   step auto_tests 120 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_transport_auto.py
-  step transfer_h200x1 150 python3 -m hawk.cli bench transfer --transport auto --prefill-device cuda:0 --npu-device npu-emu:cuda:0 \
-    --gpu-decode-device cuda:0 --sizes-mb 10,80,320,1280 --repeats 10 --configs gg-direct,gn-hawk --json "$OUT/transfer_h200x1.json"
-  step ttft_auto 170 python3 -m hawk.bench.ttft --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device npu-emu:cuda:0 \
-    --transport auto --prompts 1024,4096,16384 --configs gn-hawk,gg-direct --kv-flows pull,layerwise --repeats 2 --warmup 1 --json "$OUT/ttft_h200.json"
+  same_gpu_transfers 150
+  ttft_one_gpu ttft_auto 170 auto
 fi
 if want quick; then  # most important first: a call cut short keeps what ran
   step engine_quick 200 python3 -m hawk.bench.engine --device cuda:0 --model llama-3.1-8b --dtype bf16 --batches 1,64 --contexts 1024 \
     --prefill-tokens 2048 --paths gpu-paged,npu-tile --kv-dtypes bf16,bfp8_b --steps 30 --point-budget-s 8 --time-budget-s 140 \
     --json "$OUT/engine_h200.json"
-  step copy_tests 60 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_devices.py tests/test_transport_auto.py -k "copy_pairs or same_gpu"
-  step transfer_h200x1 100 python3 -m hawk.cli bench transfer --transport auto --prefill-device cuda:0 --npu-device npu-emu:cuda:0 \
-    --gpu-decode-device cuda:0 --sizes-mb 10,80,320,1280 --repeats 10 --configs gg-direct,gn-hawk --json "$OUT/transfer_h200x1.json"
-  step ttft_auto 90 python3 -m hawk.bench.ttft --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device npu-emu:cuda:0 \
-    --transport auto --prompts 1024,4096,16384 --configs gn-hawk,gg-direct --kv-flows pull,layerwise --repeats 2 --warmup 1 --json "$OUT/ttft_h200.json"
+  step copy_tests 60 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_devices.py tests/test_transport_auto.py -k "copy_spans or same_gpu"
+  same_gpu_transfers 100
+  ttft_one_gpu ttft_auto 90 auto
   step transform_v2 110 python3 -m hawk.bench.transform --impls triton --kernels v1,v2 --sizes-mb 10,80,320,1280 \
     --dtypes bf16,bfp8_b --blocks contiguous --json "$OUT/transform_h200.json"
 fi
@@ -81,9 +87,7 @@ if want paced; then  # one system per configuration, each its own file, so a cal
       --transfer "$t" --transport auto --json "$OUT/crossval_h200_${PACED_WORKLOAD:-chatbot}_$t.json"
   done
 fi
-want ttft && \
-  step ttft 240 python3 -m hawk.bench.ttft --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device npu-emu:cuda:0 \
-    --prompts 1024,4096,16384 --configs gn-hawk,gg-direct --kv-flows pull,layerwise --repeats 2 --warmup 1 --json "$OUT/ttft_h200.json"
+want ttft && ttft_one_gpu ttft 240 nixl  # NIXL within one GPU: the slow path auto avoids
 # A TP group takes consecutive GPUs from its instance's device (rank r on cuda:N+r), so TP2 needs two.
 if want tp && [ "$ngpu" -ge 2 ]; then
   step tp_2to1 150 python3 -m hawk.bench.equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 \

@@ -133,32 +133,6 @@ def _pairs(dev: str) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torc
     return pairs + list(zip(outs, others)), [src, dst]
 
 
-def test_copy_pairs_refuses_what_it_cannot_do():
-    from hawk.devices.batched_copy import copy_pairs
-
-    pairs, _ = _pairs("cpu")
-    assert not copy_pairs(pairs)  # not CUDA: the caller copies
-    assert not copy_pairs(pairs[:3])
-    odd = torch.zeros(16, dtype=torch.uint8)
-    assert not copy_pairs([(odd[1:9], odd[8:16])], force=True)  # not 8-byte aligned
-
-
-def test_copy_pairs_kernel_in_interpreter():
-    code = textwrap.dedent(
-        """
-        import torch
-        from hawk.devices.batched_copy import copy_pairs
-        from tests.test_devices import _pairs
-        pairs, _ = _pairs("cpu")
-        want = [s.clone() for _, s in pairs]
-        assert copy_pairs(pairs, force=True)
-        assert all(torch.equal(d, w) for (d, _), w in zip(pairs, want))
-        print("ok")
-        """
-    )
-    _interpret(code)
-
-
 def test_copy_spans_refuses_what_it_cannot_do():
     from hawk.devices.batched_copy import copy_spans
 
@@ -204,15 +178,3 @@ def test_copy_spans_cuda():
         ev.synchronize()
     for d, do, s, so, n in spans:
         assert torch.equal(d[do : do + n], s[so : so + n])
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_copy_pairs_cuda():
-    from hawk.devices.batched_copy import copy_pairs
-
-    pairs, _ = _pairs("cuda")
-    want = [s.clone() for _, s in pairs]
-    assert copy_pairs(pairs)
-    torch.cuda.synchronize()
-    assert all(torch.equal(d, w) for (d, _), w in zip(pairs, want))

@@ -28,7 +28,7 @@ import msgpack
 import numpy as np
 import torch
 
-from hawk.devices.batched_copy import MIN_PAIRS, copy_pairs, copy_spans
+from hawk.devices.batched_copy import MIN_PAIRS, copy_spans
 from hawk.transport.base import (
     ConnectError,
     RegionInfo,
@@ -153,55 +153,25 @@ def _raw_copies(raw: Any, side: Any, copies: Any) -> None:
             raise TransferError(f"cudaMemcpyAsync (device to device, {n} B) returned error {rc}")
 
 
-def copy_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], streams: dict[int, Any]) -> _CopyBatch:
-    """Copy every (dst, src) pair; CUDA copies go on dedicated side streams, one per device.
-
-    CPU<->CPU pairs are plain memcpys, done on return. Pairs touching CUDA are grouped by their
-    (src device, dst device); each group is issued inside its side streams (both devices' for a peer
-    copy, so torch's cross-device sync stays off the default streams), after those streams waited
-    for the devices' current streams (data written by earlier kernels of this process is copied).
-    torch runs a copy on the source's device when the source is on CUDA: that stream gets the event.
-    With ``HAWK_CUDA_COPY=raw``, pairs on one GPU are issued as raw cudaMemcpyAsync calls where that
-    passed its self-test: copy_'s per-call setup costs several microseconds, and a gg-direct pull is
-    160 such pairs, a direct-placement gn-hawk pull over a thousand (see COPY_ENV for why it is opt-in).
-    The transports themselves use :func:`copy_span_batch` (no tensor per pair).
-    """
-    groups: dict[tuple[torch.device | None, torch.device | None], list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    for dst, src in pairs:
-        if not dst.is_cuda and not src.is_cuda:
-            dst.copy_(src)
-        else:
-            key = (src.device if src.is_cuda else None, dst.device if dst.is_cuda else None)
-            groups.setdefault(key, []).append((dst, src))
-    events = []
-    for (sdev, ddev), group in groups.items():
-        with _on_side_streams(streams, sdev, ddev) as (devs, same_gpu):
-            raw = _raw_copy_fn(devs[0]) if same_gpu else None
-            if same_gpu and copy_pairs(group):
-                pass  # many pairs on one GPU: one launch for all of them
-            elif raw is not None:  # same GPU: one cudaMemcpyAsync per pair, none of copy_'s per-call setup
-                _raw_copies(raw, _side_stream(streams, devs[0]),
-                            ((d.data_ptr(), s.data_ptr(), d.numel() * d.element_size()) for d, s in group))  # fmt: skip
-            else:
-                for dst, src in group:
-                    dst.copy_(src, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(_side_stream(streams, devs[0]))
-        events.append(ev)
-    return _CopyBatch(events)
-
-
 #: One copy of a batch: (dst region's bytes, dst offset, src region's bytes, src offset, length). The
 #: region tensors are whole registered regions (flat uint8); offsets were validated by the transport.
 Span = tuple[torch.Tensor, int, torch.Tensor, int, int]
 
 
 def copy_span_batch(spans: list[Span], streams: dict[int, Any]) -> _CopyBatch:
-    """:func:`copy_batch` for byte ranges of whole regions, as transports hold them: the same streams,
-    events and grouping, but no tensor view per range where it is not needed. Ranges are grouped by
-    their (dst region, src region) first, so per-range host work is a tuple append; a group on one GPU
-    with :data:`~hawk.devices.batched_copy.MIN_PAIRS` ranges or more is one launch whose address table
-    is computed with numpy (:func:`~hawk.devices.batched_copy.copy_spans`)."""
+    """Copy byte ranges of whole regions, as transports hold them; CUDA copies go on dedicated side
+    streams, one per device, and the batch completes at their events.
+
+    CPU<->CPU ranges are plain memcpys, done on return. Ranges touching CUDA are grouped by their
+    (src device, dst device); each group is issued inside its side streams (both devices' for a peer
+    copy, so torch's cross-device sync stays off the default streams), after those streams waited for
+    the devices' current streams (data written by earlier kernels of this process is copied). Ranges
+    are grouped by their (dst region, src region) first, so per-range host work is a tuple append and
+    no tensor view is made where none is needed. A group on one GPU with
+    :data:`~hawk.devices.batched_copy.MIN_PAIRS` ranges or more is one launch whose address table is
+    computed with numpy (:func:`~hawk.devices.batched_copy.copy_spans`): a gg-direct pull is 160
+    ranges, a direct-placement gn-hawk pull over a thousand, and a ``copy_`` each costs microseconds.
+    With ``HAWK_CUDA_COPY=raw`` a smaller same-GPU group is raw cudaMemcpyAsync calls (see COPY_ENV)."""
     by_regions: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int]]]] = {}
     for dst, doff, src, soff, n in spans:
         entry = by_regions.get((id(dst), id(src)))
