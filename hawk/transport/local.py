@@ -68,9 +68,9 @@ def _side_stream(streams: dict[int, Any], dev: torch.device) -> Any:
 # ------------------------------------------------------------------------- same-GPU copies, fast path
 #: How same-GPU copies are issued: "torch" (``copy_`` per pair, the default) or "raw" (cudaMemcpyAsync
 #: through ctypes when the CUDA runtime torch loaded is found and passes a self-test on the device).
-#: On an H200 (2026-11-30, tests/test_transport_auto.py with -s) torch's copies moved 256 MiB at 532 GB/s
-#: in one process and 969 GB/s over cuda-ipc, the raw calls at 258 and 541: raw saves per-call setup on
-#: many small pairs only, so it is opt-in.
+#: On an H200 (2026-11-30, tests/test_transport_auto.py with -s, two runs) 256 MiB moved at 532 / 947 GB/s
+#: with torch and 258 / 661 raw in one process, 969 / 474 torch and 541 / 688 raw over cuda-ipc: raw is
+#: not reliably faster for large copies, so it is opt-in (docs/transport.md).
 COPY_ENV = "HAWK_CUDA_COPY"
 _MEMCPY: dict[str, Any] = {}  # "fn": the ctypes function or None; per device index: self-test passed
 
