@@ -18,6 +18,9 @@
 #                 simulator's `here` prediction calibrated from probes of the same system (benchmarks/cross_validate.py)
 #     kernels   - the CUDA tests of the attention kernels (paged, NPU-tile) and the fused ops
 #     tp        - 8B token equality across tensor-parallel degrees: prefill TP2 -> decode TP1, TP1 -> TP2 (two GPUs)
+#     fig9      - Fig. 9 on two GPUs with >= 10 repeats (median, IQR): every configuration, bf16 and bfloat8_b NPU KV
+#     ttft2     - `hawk bench ttft` across two GPUs (prefill GPU0, decode GPU1): pull and layer-wise push at 1k/4k/16k
+# LOGS=DIR keeps the per-step logs out of $OUT (the device tool returns at most 8 files); each step's tail still prints.
 # Wheels missing on the box (nixl, nixl_cu13, pyzmq for cp312) are carried in .whl/ (see docs/gpu.md).
 set -uo pipefail
 parts=" ${*:-tests transform transfer model serving} "
@@ -37,7 +40,9 @@ ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 dec=1; [ "$ngpu" -lt 2 ] && dec=0  # one GPU: both roles on it (label the results so)
 post=pull; [ "$dec" = 0 ] && post=push  # NIXL READ within one GPU falls back to a slow path; WRITE does not
 
-step() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; local t0=$SECONDS; timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v "NIXL INFO"; echo "=== $name rc=${PIPESTATUS[0]} in $((SECONDS - t0))s"; }
+LOGS=${LOGS:-$OUT}
+mkdir -p "$LOGS"
+step() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; local t0=$SECONDS; timeout "$limit" "$@" 2>&1 | tee "$LOGS/$name.log" | grep -v "NIXL INFO"; echo "=== $name rc=${PIPESTATUS[0]} in $((SECONDS - t0))s"; }
 
 want tests && \
   step gpu_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_transform.py tests/test_transport.py tests/test_devices.py
@@ -60,7 +65,7 @@ same_gpu_transfers() {  # same_gpu_transfers LIMIT
 }
 ttft_one_gpu() {  # ttft_one_gpu NAME LIMIT TRANSPORT
   step "$1" "$2" python3 -m hawk.bench.ttft --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device npu-emu:cuda:0 \
-    --transport "$3" --prompts 1024,4096,16384 --configs gn-hawk,gg-direct --kv-flows pull,layerwise --repeats 2 --warmup 1 --json "$OUT/ttft_h200.json"
+    --transport "$3" --prompts 1024,4096,16384 --configs gn-hawk,gg-direct --kv-flows pull,layerwise --repeats 3 --warmup 1 --json "$OUT/ttft_h200.json"
 }
 
 want bfp8 && \
@@ -88,6 +93,19 @@ if want paced; then  # one system per configuration, each its own file, so a cal
   done
 fi
 want ttft && ttft_one_gpu ttft 240 nixl  # NIXL within one GPU: the slow path auto avoids
+if want fig9 && [ "$ngpu" -ge 2 ]; then
+  for kvd in bf16 bfp8_b; do
+    step "fig9_$kvd" 280 python3 -m hawk.cli bench transfer --transport nixl --prefill-device cuda:0 --npu-device npu-emu:cuda:1 \
+      --gpu-decode-device cuda:1 --sizes-mb 10,20,40,80,160,320,640,1280 --repeats 10 --kv-dtype "$kvd" \
+      --configs gg-host,gn-host,gg-direct,gn-direct-single,gn-hawk,gn-hawk@staging,gn-hawk@direct \
+      --json "$OUT/transfer_h200x2_$kvd.json"
+  done
+fi
+if want ttft2 && [ "$ngpu" -ge 2 ]; then
+  step ttft_h200x2 240 python3 -m hawk.bench.ttft --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device npu-emu:cuda:1 \
+    --transport auto --prompts 1024,4096,16384 --configs gn-hawk,gg-direct --kv-flows pull,layerwise --repeats 3 --warmup 1 \
+    --json "$OUT/ttft_h200x2.json"
+fi
 # A TP group takes consecutive GPUs from its instance's device (rank r on cuda:N+r), so TP2 needs two.
 if want tp && [ "$ngpu" -ge 2 ]; then
   step tp_2to1 150 python3 -m hawk.bench.equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 \

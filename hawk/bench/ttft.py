@@ -51,6 +51,14 @@ def _median_breakdown(results: Sequence[Any]) -> dict[str, float]:
     return {k[:-2]: statistics.median(b.get(k, 0.0) for b in rows) for k in BREAKDOWN}
 
 
+def _median_timings(results: Sequence[Any]) -> dict[str, float]:
+    """Every timing a push recorded (decode laps and the prefill's ``sender_*``), median ms: where a
+    layer-wise push's time went, beyond the pull breakdown's keys."""
+    rows = [r.timings for r in results if r is not None and getattr(r, "timings", None)]
+    keys = sorted({k for t in rows for k in t})
+    return {k[:-2] if k.endswith("_s") else k: statistics.median(t.get(k, 0.0) for t in rows) * 1e3 for k in keys}
+
+
 def _pull_result(decode: Any, rid: str) -> Any:
     """The decode's record of request ``rid``'s pull (its rank-0 receiver keeps the last few hundred)."""
     receiver = getattr(getattr(decode, "rank", None), "receiver", None)
@@ -122,6 +130,7 @@ def run(
                         "colocated_ttft_ms_all": ttft["colocated"],
                         "kv_transfer_ms": statistics.median(moved[key]),
                         "host_breakdown_ms": breakdown,
+                        "push_timings_ms": _median_timings(pulls[key]) if flow == "layerwise" else None,
                         "kv_bytes": getattr(pulls[key][-1], "bytes", 0) if pulls[key] else 0,
                         "kv_mode": getattr(pulls[key][-1], "mode", "") if pulls[key] else "",
                         "repeats": repeats,

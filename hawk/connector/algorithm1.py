@@ -58,6 +58,7 @@ blocks as possibly still written for the transport's drain time (:class:`PushFai
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -179,6 +180,8 @@ class _Push:
     bytes: int = 0
     requests: int = 0
     t_last_layer: float = 0.0
+    writes: list[Any] = field(default_factory=list)  # posted layer WRITEs not yet waited for
+    failing: Message | None = None  # a failure found while the worker was busy with it: the worker ends it
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -376,6 +379,10 @@ class KVSender:
         the transport's drain time (failed: a write may still read it)."""
         with self._lock:
             push.busy = False
+            failing, push.failing = push.failing, None
+        if failing is not None:
+            self._end_push(push, PushState.FAILED, failing)
+        with self._lock:
             staged = push.staged if push.state in (PushState.PUSHED, PushState.FAILED) else None
             if staged is not None:
                 push.staged = None
@@ -419,7 +426,7 @@ class KVSender:
         descs = self.fmt.layer_descs(push.plan, layer, staged)
         if descs:
             with self._side.current():  # ordered after this layer's transform, not the rest of the forward
-                self.transport.transfer("WRITE", push.receiver.peer, descs, timeout_s=self.ttl_s)
+                push.writes.append(self.transport.submit("WRITE", push.receiver.peer, descs))
         t2 = time.perf_counter()
         push.timings["transform_s"] = push.timings.get("transform_s", 0.0) + t1 - t0
         push.timings["write_s"] = push.timings.get("write_s", 0.0) + t2 - t1
@@ -427,20 +434,44 @@ class KVSender:
         push.requests += len(descs)
         push.layers_left -= 1
         if push.layers_left == 0:
-            push.timings["exposed_s"] = t2 - push.t_last_layer if push.t_last_layer else 0.0
+            self._wait_writes(push)  # the layers' WRITEs overlap each other; only the last one is waited for
+            t3 = time.perf_counter()
+            push.timings["write_s"] += t3 - t2
+            push.timings["exposed_s"] = t3 - push.t_last_layer if push.t_last_layer else 0.0
             self._end_push(push, PushState.PUSHED, Pushed(push.request_id, push.num_tokens, push.bytes, push.requests, dict(push.timings)))
+
+    def _wait_writes(self, push: _Push) -> None:
+        """Wait for (and release) every WRITE the push posted; the first failure raises after all are released."""
+        writes, push.writes = push.writes, []
+        try:
+            for h in writes:
+                self.transport.wait(h, self.ttl_s)
+        finally:
+            for h in writes:
+                self.transport.release(h)
 
     def _fail_push(self, push: _Push, message: str) -> None:
         self._end_push(push, PushState.FAILED, Error(push.request_id, message))
 
     def _end_push(self, push: _Push, state: PushState, outcome: Message) -> None:
-        """P6 + P9 and P7: release what the push held, then give the decode its outcome (once)."""
+        """P6 + P9 and P7: release what the push held, then give the decode its outcome (once).
+
+        The outcome leaves only after every WRITE the push posted has ended: a failed push's decode
+        frees (and may reuse) its destination blocks on hearing of it. A failure found while the
+        worker is inside a step of the push is finished by the worker right after (``_after_work``)."""
         with self._lock:
             if push.state in (PushState.PUSHED, PushState.FAILED):
                 return
-            push.state, push.outcome = state, outcome
-            push.deadline = time.monotonic() + self.ttl_s  # for an outcome nobody claims
+            if state is PushState.FAILED and push.busy:
+                push.failing = push.failing or outcome
+                return
+            push.state = state  # the worker takes no further step of it from here on
+            writes, push.writes = push.writes, []
             job, push.blocks = push.blocks, None
+        self._end_writes(writes)
+        with self._lock:
+            push.outcome = outcome
+            push.deadline = time.monotonic() + self.ttl_s  # for an outcome nobody claims
             staged = None
             if not push.busy and push.staged is not None:  # else the worker releases it (_after_work)
                 staged, push.staged = push.staged, None
@@ -455,6 +486,13 @@ class KVSender:
         if waiter is not None:
             waiter.resolve(outcome)
         self._settle(push)
+
+    def _end_writes(self, writes: list[Any]) -> None:
+        """Wait for the WRITEs a failing push left posted (errors included: they only have to end)."""
+        for h in writes:
+            with contextlib.suppress(Exception):
+                self.transport.wait(h, self.ttl_s)
+            self.transport.release(h)
 
     def _settle(self, push: _Push) -> None:
         with self._lock:

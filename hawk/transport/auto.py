@@ -445,6 +445,11 @@ class AutoTransport(Transport):
             return "ERROR", "batch was never handed to an engine"
         return r.engine._engine_poll(r.handle)
 
+    def _engine_block(self, h: TransferHandle, timeout_s: float) -> None:
+        r: _Routed | None = h.engine_state
+        if r is not None:
+            r.engine._engine_block(r.handle, timeout_s)
+
     def _engine_release(self, h: TransferHandle) -> None:
         r: _Routed | None = h.engine_state
         if r is not None:

@@ -366,6 +366,11 @@ class Transport(abc.ABC):
         """Block until the batch is DONE; TransferError if it failed, TransferTimeout after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         spins = 0
+        if not handle.released:
+            try:
+                self._engine_block(handle, timeout_s)
+            except Exception:  # noqa: BLE001 - the poll below reports the batch's state
+                pass
         while True:
             s = self.poll(handle)
             if s == "DONE":
@@ -555,6 +560,13 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def _engine_release(self, h: TransferHandle) -> None: ...
+
+    def _engine_block(self, h: TransferHandle, timeout_s: float) -> None:
+        """Block until ``h`` is likely finished, without holding the GIL, where the engine can (CUDA
+        events); :meth:`wait` polls afterwards either way. The default returns at once (wait spins).
+
+        Why: ``wait`` runs on connector threads of processes whose engine thread is host-bound Python
+        (a prefill enqueuing its forward, a decode loop); a spinning poll takes the GIL from it."""
 
     def _engine_quiesce(self) -> None:
         """Stop engine activity before peers are dropped and memory is unregistered (close())."""

@@ -56,6 +56,11 @@ class _CopyBatch:
     def done(self) -> bool:
         return all(ev.query() for ev in self.events)
 
+    def block(self) -> None:
+        """Until every copy has run; the GIL is released while the host waits on the events."""
+        for ev in self.events:
+            ev.synchronize()
+
 
 def _side_stream(streams: dict[int, Any], dev: torch.device) -> Any:
     idx = int(dev.index or 0)
@@ -291,6 +296,11 @@ class LocalTransport(Transport):
 
     def _engine_release(self, h: TransferHandle) -> None:
         h.engine_state = None
+
+    def _engine_block(self, h: TransferHandle, timeout_s: float) -> None:
+        batch = h.engine_state
+        if batch is not None:
+            batch.block()  # device copies end in microseconds to milliseconds: no timeout needed here
 
     def _engine_close(self) -> None:
         for s in self._streams.values():
