@@ -5,6 +5,9 @@ NIXL over loopback), calibrate the ``here`` models from probes of it (sequential
 time per token, KV transfer time per MB, the front end; B requests at once: decode step time per
 batch size), run ``hawk bench serving`` at the given rates, stop it, then simulate the same
 workload, seed and rates on the calibrated models and compare P90 TTFT / P90 TPOT (and P50s).
+Both sides keep their per-request records, matched request by request (``per_request`` in the JSON:
+each server-side stage real vs simulated), and a real request far slower than its simulated twin is
+printed as a one-off (with few requests per rate, one such stall is the P90).
 
     python benchmarks/cross_validate.py                       # CPU, SmolLM2-135M, ~2 min on 2 cores
     python benchmarks/cross_validate.py --scenarios paced --link-gbps 200 --decode-device npu-emu:cuda:0 \
@@ -35,7 +38,7 @@ from hawk.bench.serving import run_serving_bench
 from hawk.config import defaults
 from hawk.devices.timing import engine_step_model, timing_label
 from hawk.sim.cluster import simulate
-from hawk.sim.crossval import Probes, calibrate, calibrated_config, compare, format_table
+from hawk.sim.crossval import Probes, calibrate, calibrated_config, compare, format_one_offs, format_table, per_request
 from hawk.sim.workload import LengthDist, Workload, get_workload
 
 PREFILL_LENS = (8, 32, 64, 128)  # spans chatbot-tiny's 8..128 prompts (the default when no workload is given)
@@ -102,9 +105,10 @@ def run_scenario(name: str, a: argparse.Namespace, transfer: str) -> dict[str, A
         print(f"[{name}] system up in {time.monotonic() - t0:.1f} s at {system.url}", flush=True)
         probes = probe(system.url, a.seed, prefill_lengths(wl))
         print(f"[{name}] probes done at {time.monotonic() - t0:.1f} s", flush=True)
-        real = run_serving_bench(system.url, a.rates, wl, a.num_requests, a.seed, warmup_requests=1)
+        real = run_serving_bench(system.url, a.rates, wl, a.num_requests, a.seed, warmup_requests=1, per_request=True)
         print(f"[{name}] sweep done at {time.monotonic() - t0:.1f} s", flush=True)
-    cal = calibrate(probes, max_batch=cfg.max_batch, kv_tokens=cfg.kv_tokens, machine=platform.node() or "this machine")
+    cal = calibrate(probes, max_batch=cfg.max_batch, kv_tokens=cfg.kv_tokens, prefill_chunk=cfg.max_prefill_chunk,
+                    machine=platform.node() or "this machine")
     npu_step = None
     if paced and cfg.decode_device.startswith("npu-emu"):
         from hawk.engine.loader import load_model
@@ -116,7 +120,12 @@ def run_scenario(name: str, a: argparse.Namespace, transfer: str) -> dict[str, A
         npu_step = engine_step_model("p150a", params, mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.kv_dtype)
         del loaded
     sim_cfg = calibrated_config(cal, cfg.transfer, npu_step=npu_step, link_gbps=cfg.link_gbps)
-    sim = [simulate(sim_cfg, r, wl, a.num_requests, a.seed) for r in a.rates]
+    sim = [simulate(sim_cfg, r, wl, a.num_requests, a.seed, per_request=True) for r in a.rates]
+    sims = {round(s["rate"], 9): s for s in sim}
+    pairs = [row for m in real if round(m["rate"], 9) in sims for row in per_request(m, sims[round(m["rate"], 9)])]
+    one_offs = format_one_offs(pairs, f"[{name}] {transfer}")
+    for line in one_offs:
+        print("one-off: " + line, flush=True)
     return {
         "scenario": name,
         "timing_emulation": timing_label(cfg.npu_timing, cfg.link_gbps),
@@ -127,6 +136,8 @@ def run_scenario(name: str, a: argparse.Namespace, transfer: str) -> dict[str, A
         "real": real,
         "simulated": sim,
         "rows": compare(real, sim, f"{transfer} {name}"),
+        "per_request": pairs,
+        "one_offs": one_offs,
         "wall_s": time.monotonic() - t0,
     }
 

@@ -88,9 +88,11 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 # ---- kernels --------------------------------------------------------------------------------
 
 
-def _jit(fn):  # noqa: ANN001, ANN202 - a decorator
+def _jit(fn=None, **options):  # noqa: ANN001, ANN202 - a decorator, bare or with triton.jit's options
     """``triton.jit`` where Triton is installed; the plain function (never called) elsewhere."""
-    return fn if triton is None else triton.jit(fn)
+    if fn is None:
+        return lambda f: _jit(f, **options)
+    return fn if triton is None else triton.jit(fn, **options)
 
 
 @_jit
@@ -112,7 +114,9 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n, eps, HAS_RES: tl.con
     tl.store(out_ptr + row * n + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@_jit
+# ``T`` (tokens) and ``pos_ptr``'s alignment change with the batch: not specialized on, so an unseen
+# batch shape never compiles a new variant while serving.
+@_jit(do_not_specialize=["T"], do_not_specialize_on_alignment=["pos_ptr"])
 def _qkv_rope_kernel(
     qkv_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr, T,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,

@@ -60,6 +60,9 @@ class SimConfig:
     #: request front end: router, HTTP hops and streaming, added to TTFT without occupying an
     #: instance (0 for the testbeds; a real run's cross-validation measures it)
     frontend_s: float = 0.0
+    #: decode admission only between steps, as ``DecodeEngine`` admits (see ``decode.py``); off for
+    #: the testbeds (their numbers stay as published), on for a cross-validation of HAWK's engine
+    admit_between_steps: bool = False
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -80,6 +83,8 @@ class SimConfig:
             "link_gbps": self.link_gbps,
             "npu_timing": getattr(self.decode.floor, "source", None),
             "frontend_s": self.frontend_s,
+            "admit_between_steps": self.admit_between_steps,
+            "prefill_chunk_tokens": self.prefill.chunk_tokens,
         }
 
 
@@ -153,7 +158,8 @@ class Cluster:
         self.occupancy = _Occupancy()
         self.transfer = KVTransferService(env, cfg.transfer, cfg.bytes_per_token, cfg.contention, cfg.link_gbps)
         self.prefills = [PrefillInstance(env, i, cfg.prefill, self._prefilled) for i in range(cfg.num_prefill)]
-        self.decodes = [DecodeInstance(env, i, cfg.decode, self.transfer, self._kv_landed, self._finished) for i in range(cfg.num_decode)]
+        self.decodes = [DecodeInstance(env, i, cfg.decode, self.transfer, self._kv_landed, self._finished, cfg.admit_between_steps)
+                        for i in range(cfg.num_decode)]
         self.router = Router(self.prefills, self.decodes, cfg.router_policy)
         self.requests: list[SimRequest] = []
 

@@ -24,8 +24,18 @@ class PrefillModel:
     max_batch_tokens: int = 8192  # token budget of one prefill batch
     kv_capacity_tokens: int = 1 << 30  # KV the instance can hold until transfers drain it
     source: str = "assumption"
+    #: chunked prefill (``PrefillEngine``'s ``max_prefill_chunk``): no iteration carries more than this
+    #: many prompt tokens, a longer prompt runs over several; 0 = whole prompts (see ``prefill.py``)
+    chunk_tokens: int = 0
+
+    @property
+    def budget(self) -> int:
+        """Prompt tokens one iteration may carry."""
+        return min(self.max_batch_tokens, self.chunk_tokens) if self.chunk_tokens > 0 else self.max_batch_tokens
 
     def batch_time(self, prompt_lens: Sequence[int]) -> float:
+        """One iteration over these prompt tokens (with chunking: the pieces' lengths; a continuing
+        piece's attention over its earlier chunks is not in the model, which is linear here)."""
         return self.base_s + self.per_token_s * sum(prompt_lens) + self.per_token_sq_s * sum(n * n for n in prompt_lens)
 
     def to_dict(self) -> dict[str, Any]:

@@ -90,9 +90,11 @@ class Calibrated:
         }
 
 
-def calibrate(p: Probes, *, max_batch: int, kv_tokens: int, max_batch_tokens: int = 8192, machine: str = "this machine") -> Calibrated:
+def calibrate(p: Probes, *, max_batch: int, kv_tokens: int, max_batch_tokens: int = 8192, prefill_chunk: int = 0,
+              machine: str = "this machine") -> Calibrated:
     """Fit the models (see the module docstring); ``max_batch`` / ``kv_tokens`` are the served
-    config's limits, ``max_batch_tokens`` the prefill engine's token budget."""
+    config's limits, ``max_batch_tokens`` the prefill engine's token budget and ``prefill_chunk`` its
+    ``max_prefill_chunk`` (0: whole prompts)."""
     pa, pb = fit_line([n for n, _ in p.prefill], [t for _, t in p.prefill])
     da, db = fit_line([b for b, _ in p.decode], [t for _, t in p.decode])
     ta, tb = fit_line([b for b, _ in p.transfer], [t for _, t in p.transfer])
@@ -103,7 +105,8 @@ def calibrate(p: Probes, *, max_batch: int, kv_tokens: int, max_batch_tokens: in
         f"{src}: {ta * 1e3:.2f} ms + {tb * 1e9:.3f} ms/MB (D1-D7, least squares)", measured=True,
     )
     return Calibrated(
-        PrefillModel(pa, pb, 0.0, max_batch_tokens, kv_tokens, f"{src}: {pa * 1e3:.1f} ms + {pb * 1e3:.3f} ms/token (least squares)"),
+        PrefillModel(pa, pb, 0.0, max_batch_tokens, kv_tokens, f"{src}: {pa * 1e3:.1f} ms + {pb * 1e3:.3f} ms/token (least squares)",
+                     chunk_tokens=prefill_chunk),
         DecodeModel(da, db, 0.0, max_batch, kv_tokens, f"{src}: {da * 1e3:.1f} ms + {db * 1e3:.2f} ms/sequence (median TPOT at each batch)"),
         curve, int(round(bpt)), float(np.median(p.frontend)) if p.frontend else 0.0,
     )
@@ -111,12 +114,15 @@ def calibrate(p: Probes, *, max_batch: int, kv_tokens: int, max_batch_tokens: in
 
 def calibrated_config(c: Calibrated, name: str, *, npu_step: StepModel | None = None, link_gbps: float | None = None) -> SimConfig:
     """One prefill + one decode instance on the calibrated models, paced as the real run was.
-    Contention: none: the real run paces each batch on its own (``transport/paced.py``)."""
+    Contention: none: the real run paces each batch on its own (``transport/paced.py``). The decode
+    admits between steps, as ``DecodeEngine`` does (a request that arrives during a paced 30 ms step
+    waits for it before its KV pull starts)."""
     decode = replace(c.decode, floor=npu_step) if npu_step is not None else c.decode
     return SimConfig(
         name=name, transfer=c.transfer, prefill=c.prefill, decode=decode, bytes_per_token=c.bytes_per_token,
         contention="none", prefill_profile="here-measured", decode_profile="here-measured",
         note="calibrated from probes of the real run's machine", link_gbps=link_gbps, frontend_s=c.frontend_s,
+        admit_between_steps=True,
     )
 
 
@@ -145,6 +151,71 @@ def compare(measured: Sequence[dict[str, Any]], simulated: Sequence[dict[str, An
                 "within": (None if d is None else abs(d) <= TOLERANCE) if k in judged else None,
             })
     return rows
+
+
+#: A real request is a *one-off* when its TTFT exceeds the simulator's for the same request by both
+#: this factor and this many seconds: a stall no calibrated model has (a kernel compiled on first use
+#: of a new shape or alignment, a first allocation), which with few requests per rate is the P90.
+ONE_OFF_FACTOR, ONE_OFF_S = 3.0, 0.25
+
+#: Server-side stages both records carry (seconds); the rest of TTFT is front end + join wait.
+STAGES = ("prefill_queue_s", "prefill_s", "decode_admit_wait_s", "kv_transfer_s")
+
+
+def _ms(x: Any) -> float | None:
+    return None if x is None else float(x) * 1e3
+
+
+def per_request(real: dict[str, Any], sim: dict[str, Any]) -> list[dict[str, Any]]:
+    """One rate's real and simulated requests side by side, matched by index (the same workload,
+    seed and rate give both the same request stream; both records need ``requests``, i.e.
+    ``per_request=True``). Per request: prompt tokens, TTFT real / simulated, each server-side stage
+    real / simulated (the real ones from the router's ``hawk`` timings; the simulator's prefill queue
+    without its front end), the stage with the largest excess and whether it is a one-off
+    (:data:`ONE_OFF_FACTOR`, :data:`ONE_OFF_S`). Requests without a TTFT on either side are left out."""
+    sims = {r["index"]: r for r in sim.get("requests") or []}
+    frontend = float(sim.get("frontend_s") or 0.0)
+    rows = []
+    for r in real.get("requests") or []:
+        s = sims.get(r["index"])
+        if s is None or r.get("ttft_s") is None or s.get("ttft_s") is None:
+            continue
+        hawk = (r.get("extra") or {}).get("hawk") or {}
+        sx = dict(s.get("extra") or {})
+        if sx.get("prefill_queue_s") is not None:
+            sx["prefill_queue_s"] = max(0.0, sx["prefill_queue_s"] - frontend)
+        stages = {k: (_ms(hawk.get(k)), _ms(sx.get(k))) for k in STAGES}
+        real_ms, sim_ms = r["ttft_s"] * 1e3, s["ttft_s"] * 1e3
+        known = {k: a - b for k, (a, b) in stages.items() if a is not None and b is not None}
+        rest_real = real_ms - sum(a for a, _ in stages.values() if a is not None)
+        rest_sim = sim_ms - sum(b for _, b in stages.values() if b is not None)
+        stages["rest"] = (rest_real, rest_sim)  # front end, join wait, hops
+        known["rest"] = rest_real - rest_sim
+        worst = max(known, key=lambda k: known[k])
+        rows.append({
+            "rate": real.get("rate"), "index": r["index"], "input_len": r["input_len"], "sent_s": r.get("sent_s"),
+            "real_ttft_ms": real_ms, "sim_ttft_ms": sim_ms, "excess_ms": real_ms - sim_ms,
+            "stages_ms": {k: {"real": a, "sim": b} for k, (a, b) in stages.items()},
+            "worst_stage": worst, "worst_excess_ms": known[worst],
+            "one_off": real_ms > ONE_OFF_FACTOR * sim_ms and real_ms - sim_ms > ONE_OFF_S * 1e3,
+        })
+    return rows
+
+
+def format_one_offs(rows: Sequence[dict[str, Any]], scenario: str = "") -> list[str]:
+    """One line per one-off request of :func:`per_request` rows (none: an empty list)."""
+    out = []
+    for r in rows:
+        if not r["one_off"]:
+            continue
+        w = r["stages_ms"][r["worst_stage"]]
+        sent = "" if r.get("sent_s") is None else f", sent at {r['sent_s']:.3f} s"
+        out.append(
+            f"{scenario + ' ' if scenario else ''}rate {r['rate']:g}: request {r['index']} ({r['input_len']} prompt tokens{sent}): "
+            f"TTFT {r['real_ttft_ms']:.0f} ms, simulated {r['sim_ttft_ms']:.0f} ms; {r['worst_stage']} "
+            f"{w['real']:.0f} ms vs {w['sim']:.0f} ms simulated"
+        )
+    return out
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:

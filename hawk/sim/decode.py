@@ -5,7 +5,10 @@ Mirrors ``hawk.engine.decode_engine``:
 1. *Admission* (in arrival order): a request is admitted when a batch slot is free
    (running + transferring + ready < ``max_batch``) and its whole KV reservation (prompt + output
    tokens) fits the free KV memory. Admission reserves the memory and starts the pull (D1); the
-   head of the queue waits for memory, others wait behind it.
+   head of the queue waits for memory, others wait behind it. With ``admit_between_steps`` (what
+   ``DecodeEngine`` does: its thread admits at the top of each iteration, so a request submitted
+   while a step runs waits for that step, pacing included, before its pull starts) a request that
+   arrives during a step is admitted when the step ends; an idle instance admits at once.
 2. *Transfer*: the KV moves (``transfer.py``); when it lands the prefill instance frees its copy.
 3. *Join*: at the next step boundary the request joins the batch and its first token (computed by
    prefill) goes out — TTFT therefore includes prefill, the transfer and any admission wait.
@@ -34,8 +37,11 @@ class DecodeInstance:
         transfer: KVTransferService,
         on_kv_landed: Callable[[SimRequest], None],
         on_finished: Callable[[SimRequest], None],
+        admit_between_steps: bool = False,
     ):
         self.env, self.index, self.model, self.transfer = env, index, model, transfer
+        self.admit_between_steps = admit_between_steps
+        self.stepping = False  # a step is running (admission then waits for its end, if asked to)
         self.on_kv_landed, self.on_finished = on_kv_landed, on_finished
         self.waiting: deque[SimRequest] = deque()
         self.transferring = 0
@@ -60,7 +66,8 @@ class DecodeInstance:
 
     def submit(self, r: SimRequest) -> None:
         self.waiting.append(r)
-        self._admit()
+        if not (self.admit_between_steps and self.stepping):
+            self._admit()
 
     def _slots_used(self) -> int:
         return len(self.running) + self.transferring + len(self.ready)
@@ -115,7 +122,9 @@ class DecodeInstance:
                     self._wake = self.env.event()
                 continue
             start = self.env.now
+            self.stepping = True
             yield self.env.timeout(self.model.step_time(len(self.running), sum(r.context for r in self.running)))
+            self.stepping = False
             self.steps += 1
             self.busy_s += self.env.now - start
             still = []

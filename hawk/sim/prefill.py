@@ -4,6 +4,12 @@ Mirrors ``hawk.engine.prefill_engine``: a batch takes waiting prompts in order w
 stays within ``max_batch_tokens`` and their KV fits; a prompt that does not fit waits (in order)
 for transfers to free memory. That hold-until-pulled is what turns a slow decode side into
 prefill-side queuing (the paper's "backpressure", §5.3.1).
+
+Chunked prefill (``PrefillModel.chunk_tokens`` > 0, the engine's ``max_prefill_chunk``): an
+iteration carries at most ``PrefillModel.budget`` prompt tokens; part-prefilled prompts continue
+first (oldest first), then queued prompts start while the budget lasts, the last one cut to what
+is left. A prompt's KV is reserved when its first chunk is scheduled; it is prefilled (its first
+token exists) when its last chunk ends, and its prefill time runs from its first chunk's start.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ class PrefillInstance:
     def __init__(self, env: simpy.Environment, index: int, model: PrefillModel, on_prefilled: Callable[[SimRequest], None]):
         self.env, self.index, self.model, self.on_prefilled = env, index, model, on_prefilled
         self.queue: deque[SimRequest] = deque()
+        self.active: list[SimRequest] = []  # part-prefilled (chunked prefill), oldest first
+        self._done: dict[int, int] = {}  # prompt tokens prefilled so far, by id(request)
         self.kv_used = 0
         self.kv_peak = 0
         self.busy_s = 0.0
@@ -46,33 +54,49 @@ class PrefillInstance:
         if not self._wake.triggered:
             self._wake.succeed()
 
-    def _take_batch(self) -> list[SimRequest]:
-        batch: list[SimRequest] = []
-        tokens, free = 0, self.model.kv_capacity_tokens - self.kv_used
-        while self.queue:
-            n = self.queue[0].input_len
-            if n > free or (batch and tokens + n > self.model.max_batch_tokens):
+    def _take_batch(self) -> list[tuple[SimRequest, int]]:
+        """This iteration's pieces ``(request, prompt tokens)``; newly started requests move to
+        ``active`` with their KV reserved (``PrefillEngine._take_batch``)."""
+        pieces: list[tuple[SimRequest, int]] = []
+        budget, chunking = self.model.budget, self.model.chunk_tokens > 0
+        for r in self.active:
+            if budget <= 0:
                 break
-            batch.append(self.queue.popleft())
-            tokens += n
-            free -= n
-        return batch
+            n = min(r.input_len - self._done[id(r)], budget)
+            pieces.append((r, n))
+            budget -= n
+        while self.queue and budget > 0:
+            r = self.queue[0]
+            n = min(r.input_len, budget) if chunking else r.input_len
+            if pieces and n > budget:
+                break
+            if r.input_len > self.model.kv_capacity_tokens - self.kv_used:
+                break  # its KV does not fit: wait, in order, for transfers to free some
+            self.queue.popleft()
+            self.kv_used += r.input_len
+            self.kv_peak = max(self.kv_peak, self.kv_used)
+            r.t_prefill_start = self.env.now
+            self._done[id(r)] = 0
+            self.active.append(r)
+            pieces.append((r, n))
+            budget -= n
+        return pieces
 
     def _run(self):  # simpy process
         while True:
-            batch = self._take_batch()
-            if not batch:
+            pieces = self._take_batch()
+            if not pieces:
                 yield self._wake
                 self._wake = self.env.event()
                 continue
             start = self.env.now
-            self.kv_used += sum(r.input_len for r in batch)
-            self.kv_peak = max(self.kv_peak, self.kv_used)
-            for r in batch:
-                r.t_prefill_start = start
-            yield self.env.timeout(self.model.batch_time([r.input_len for r in batch]))
+            yield self.env.timeout(self.model.batch_time([n for _, n in pieces]))
             self.busy_s += self.env.now - start
             self.batches += 1
-            for r in batch:
-                r.t_prefilled = self.env.now
-                self.on_prefilled(r)
+            for r, n in pieces:
+                self._done[id(r)] += n
+                if self._done[id(r)] >= r.input_len:
+                    del self._done[id(r)]
+                    self.active.remove(r)
+                    r.t_prefilled = self.env.now
+                    self.on_prefilled(r)
