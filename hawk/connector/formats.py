@@ -73,6 +73,8 @@ def channel_region(channel: int) -> str:
 
 
 def _sync(t: torch.Tensor) -> None:
+    """Until the calling thread's stream on ``t``'s device has run (not the whole device: a GPU may hold
+    both roles, and one request's step must not wait for another's forward)."""
     if t.is_cuda:
         torch.cuda.current_stream(t.device).synchronize()
 

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from hawk.connector.formats import Held, cache_region, channel_region
+from hawk.connector.formats import Held, _sync, cache_region, channel_region
 from hawk.connector.messages import KVReady, ProtocolError
 from hawk.devices.backend import NpuBackend
 from hawk.devices.batched_copy import copy_regions
@@ -295,6 +295,7 @@ class HostToNpuLanding(_HostLanding):
         page_ids = torch.as_tensor(fx.page, device=dev)
         for t in range(fx.num_tensors):
             self.kv.write_pages(t, page_ids, pages[(a + t * b) // pb])
+        _sync(pages)  # the tilize and page writes ran on this thread's stream
         self.npu.synchronize()
 
 
@@ -319,8 +320,7 @@ class HostToGpuLanding(_HostLanding):
         compact = self.rx.view(held.reservations[0]).to(dev, non_blocking=True)
         regions = {-1: compact, **dict(enumerate(self.caches))}
         copy_regions(plan.blocks.scatter_copies(self.layout, plan.dst_block_ids), regions)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        _sync(compact)  # this thread's stream: not the other work of a GPU the decode may share
 
 
 def head_slice_requests(blocks: BlockCopyPlan, dst: GpuKVLayout, dst_block_ids: Sequence[int]) -> list[Request]:
@@ -395,9 +395,7 @@ class GpuDirectLanding(Landing):
         return plan
 
     def finish(self, plan, held) -> None:
-        dev = self.caches[0].device
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        _sync(self.caches[0])  # the transport's batch has ended (its own events); nothing else to wait for
 
     layerwise = True
 
@@ -440,8 +438,7 @@ class GpuFromTiles(Landing):
 
     def finish(self, plan, held) -> None:
         untransform(self.rx.view(held.reservations[0]), plan, self.caches)
-        if self.caches[0].is_cuda:
-            torch.cuda.synchronize(self.caches[0].device)
+        _sync(self.caches[0])
 
     def release(self, held) -> None:
         for r in held.reservations.values():

@@ -7,6 +7,7 @@ a small Triton kernel runs them all at once; elsewhere plain slice copies do.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -41,19 +42,31 @@ def _check_inside(r: Runs, regions: int, region_bytes: int) -> None:
             )
 
 
+#: Device offset tables of Runs objects already copied once, by (runs, memory): plans keep their Runs
+#: (an idle receiver's finish reuses the same runs), so a repeat uploads and checks nothing.
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def batched_copy(memory: torch.Tensor, copies: Sequence[Copy] | Runs) -> None:
     """Apply ``copies`` inside ``memory`` (uint8 ``[regions, region_bytes]``). Sources must not overlap targets."""
-    if not copies:
+    if not len(copies):
         return
     if memory.dtype != torch.uint8 or memory.dim() != 2 or not memory.is_contiguous():
         raise ValueError("batched_copy needs contiguous uint8 memory shaped [regions, region_bytes]")
     runs = as_runs(copies)
+    flat = memory.view(-1)
+    key = (memory.data_ptr(), tuple(memory.shape), memory.device)
+    hit = _TABLES.get(runs) if memory.is_cuda and isinstance(copies, Runs) else None
+    if hit is not None and hit[0] == key:
+        _launch_copy(flat, *hit[1:])
+        return
     _check_inside(runs, memory.shape[0], memory.shape[1])
     src, dst, lens = _flat_offsets(runs, memory.shape[1])
-    flat = memory.view(-1)
     aligned = memory.shape[1] % _UNIT == 0 and not ((src | dst | lens) % _UNIT).any()
     if memory.is_cuda and aligned:
-        _triton_copy(flat, src // _UNIT, dst // _UNIT, lens // _UNIT)
+        table = _triton_copy(flat, src // _UNIT, dst // _UNIT, lens // _UNIT)
+        if isinstance(copies, Runs):
+            _TABLES[runs] = (key, *table)
         return
     for s, d, n in zip(src.tolist(), dst.tolist(), lens.tolist()):
         flat[d : d + n].copy_(flat[s : s + n])
@@ -77,15 +90,20 @@ def upload_int64(arr: np.ndarray, device: torch.device | str) -> torch.Tensor:
     return host.to(dev, non_blocking=True)
 
 
-def _triton_copy(flat: torch.Tensor, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> None:
-    """Word offsets ``src``/``dst`` (8-byte units) from ``flat``'s start; they may lie before it."""
+def _triton_copy(flat: torch.Tensor, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> tuple[torch.Tensor, int, int]:
+    """Word offsets ``src``/``dst`` (8-byte units) from ``flat``'s start; they may lie before it.
+    Returns what :func:`_launch_copy` needs to run the same copies again."""
+    t = upload_int64(np.stack([src, dst, lens]), flat.device)  # no host sync: same stream as the launch
+    align = 2 if not ((src | dst | lens) % 2).any() else 1  # 16-byte vectors (DRAM-aligned runs always are)
+    _launch_copy(flat, t, int(lens.max()), align)
+    return t, int(lens.max()), align
+
+
+def _launch_copy(flat: torch.Tensor, table: torch.Tensor, max_len: int, align: int) -> None:
     from hawk.devices._copy_kernel import copy_words
 
-    dev = flat.device
     words = flat if flat.dtype == torch.int64 else flat.view(torch.int64)
-    t = upload_int64(np.stack([src, dst, lens]), dev)  # no host sync: same stream as the launch
-    align = 2 if not ((src | dst | lens) % 2).any() else 1  # 16-byte vectors (DRAM-aligned runs always are)
-    copy_words(words, t[0], t[1], t[2], int(lens.max()), _BLOCK, align)
+    copy_words(words, table[0], table[1], table[2], max_len, _BLOCK, align)
 
 
 def copy_regions(copies: Sequence[Copy], regions: dict[int, torch.Tensor]) -> None:

@@ -2,15 +2,18 @@
 
 Faithful where HAWK depends on it: channel windows with the arch's bank offsets and capacities,
 tt-metal's lockstep interleaved allocation, byte-exact pages. Not emulated: compute cores, the
-NoC, DRAM timing. Numbers measured on it are emulation numbers and are labelled so. With a
+NoC, DRAM timing. On CUDA its own copies run on a stream of its own, as a real device's work runs
+on its own command queue: ``synchronize`` waits for the NPU's work, not for a prefill sharing the GPU.
+Numbers measured on it are emulation numbers and are labelled so. With a
 ``copy_timing`` model (``--npu-timing p150a``) its device-side copies take at least the modelled
 DRAM time (``hawk.devices.timing``): still emulation, and labelled as such.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -41,7 +44,20 @@ class EmulatedNpu(NpuBackend):
         if len(cap) != 1 or len(bank_bytes) != 1 or not tiled:
             raise ValueError(f"emulation needs equal banks tiling equal channels in order; {arch.name} does not")
         self._memory = torch.zeros(arch.num_channels, cap.pop(), dtype=torch.uint8, device=dev)
+        self._queue = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
         self.name = f"npu-emu:{dev}"
+
+    @contextlib.contextmanager
+    def _on_queue(self) -> Iterator[None]:
+        """The NPU's command queue as the current stream, after the caller's stream: what the caller
+        enqueued before (e.g. bytes it wrote into a receive buffer) is there when the NPU copies."""
+        if self._queue is None:
+            yield
+            return
+        dev = self._memory.device
+        self._queue.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.device(dev), torch.cuda.stream(self._queue):
+            yield
 
     @property
     def torch_device(self) -> torch.device:
@@ -71,11 +87,13 @@ class EmulatedNpu(NpuBackend):
         if data.dtype != torch.uint8:
             raise ValueError(f"NPU writes take uint8 bytes, got {data.dtype}")
         self._check_range(channel, address, data.numel())
-        self._memory[channel, address : address + data.numel()].copy_(data.reshape(-1), non_blocking=True)
+        with self._on_queue():
+            self._memory[channel, address : address + data.numel()].copy_(data.reshape(-1), non_blocking=True)
 
     def copy(self, copies: Sequence[Copy] | Runs) -> None:
         if self.copy_timing is None:
-            batched_copy(self._memory, copies)
+            with self._on_queue():
+                batched_copy(self._memory, copies)
             return
         self._paced_copy(copies)
 
@@ -83,13 +101,15 @@ class EmulatedNpu(NpuBackend):
         """The copy, finished (synchronized), then held to the modelled DRAM time."""
         assert self.copy_timing is not None
         t0 = time.perf_counter()
-        batched_copy(self._memory, copies)
+        with self._on_queue():
+            batched_copy(self._memory, copies)
         self.synchronize()
         pace_until(t0, self.copy_timing.copy_time(*copy_arrays(copies)))
 
     def synchronize(self) -> None:
-        if self._memory.is_cuda:
-            torch.cuda.synchronize(self._memory.device)
+        """Until the NPU's own work (its queue) has run; a prefill's kernels on the same GPU do not count."""
+        if self._queue is not None:
+            self._queue.synchronize()
 
     def _check_channel(self, channel: int) -> None:
         if not 0 <= channel < self.arch.num_channels:

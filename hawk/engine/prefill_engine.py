@@ -292,8 +292,8 @@ class PrefillEngine:
         try:
             slices = [SeqSlice(p.job.blocks, p.start, p.q_len) for p in batch]  # type: ignore[arg-type]
             logits = self.runner.forward([p.tokens for p in batch], slices)
-            if self.caches[0].is_cuda:
-                torch.cuda.synchronize(self.caches[0].device)
+            if self.caches[0].is_cuda:  # this forward's stream only: a decode may share the GPU
+                torch.cuda.current_stream(self.caches[0].device).synchronize()
         except Exception as e:  # noqa: BLE001 - fail this batch, keep serving
             log.exception("prefill batch failed")
             for f in feeds.values():

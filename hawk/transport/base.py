@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import msgpack
 import torch
@@ -67,11 +67,11 @@ class TransferTimeout(TransferError):
 
 
 # ------------------------------------------------------------------------------------------ data types
-@dataclass(frozen=True, slots=True)
-class Desc:
+class Desc(NamedTuple):
     """One request of a batch: ``length`` bytes between a local and a remote region.
 
     READ copies remote[remote_offset:+length] -> local[local_offset:+length]; WRITE the other way.
+    A named tuple: a direct-placement batch is thousands of these, made and checked per transfer.
     """
 
     local_region: str
@@ -102,8 +102,7 @@ class RegionInfo:
         return cls(str(name), int(addr), int(length), str(device), int(device_id))
 
 
-@dataclass(frozen=True, slots=True)
-class Segment:
+class Segment(NamedTuple):
     """A validated descriptor resolved to absolute addresses (what engines consume)."""
 
     local: RegionInfo
@@ -193,24 +192,32 @@ def _check_int(what: str, i: int, v: Any) -> int:
 def resolve(
     descs: Iterable[Desc], local: dict[str, RegionInfo], remote: dict[str, RegionInfo], peer: str
 ) -> list[Segment]:
-    """Validate every descriptor against both region tables before anything reaches an engine."""
+    """Validate every descriptor against both region tables before anything reaches an engine.
+
+    Per descriptor this is a handful of type and bound checks (consecutive descriptors mostly share
+    their regions, so a region is looked up when it changes): it runs on every transfer's path."""
     out: list[Segment] = []
+    append = out.append
+    lname = rname = None
+    lr = rr = None
     for i, d in enumerate(descs):
         if not isinstance(d, Desc):
             raise ValueError(f"descriptor {i}: expected Desc, got {type(d).__name__}")
-        n = _check_int("length", i, d.length)
-        lo = _check_int("local_offset", i, d.local_offset)
-        ro = _check_int("remote_offset", i, d.remote_offset)
+        ln, lo, rn, ro, n = d
+        if type(n) is not int or type(lo) is not int or type(ro) is not int:  # bool and numpy ints too
+            _check_int("length", i, n)
+            _check_int("local_offset", i, lo)
+            _check_int("remote_offset", i, ro)
         if n <= 0:
             raise ValueError(f"descriptor {i}: length={n} must be positive")
-        lr = local.get(d.local_region)
-        if lr is None:
-            raise ValueError(f"descriptor {i}: unknown local region {d.local_region!r} (have {sorted(local)})")
-        rr = remote.get(d.remote_region)
-        if rr is None:
-            raise ValueError(
-                f"descriptor {i}: unknown remote region {d.remote_region!r} of peer {peer!r} (have {sorted(remote)})"
-            )
+        if ln != lname:
+            lr, lname = local.get(ln), ln
+            if lr is None:
+                raise ValueError(f"descriptor {i}: unknown local region {ln!r} (have {sorted(local)})")
+        if rn != rname:
+            rr, rname = remote.get(rn), rn
+            if rr is None:
+                raise ValueError(f"descriptor {i}: unknown remote region {rn!r} of peer {peer!r} (have {sorted(remote)})")
         if lo < 0 or lo + n > lr.length:
             raise ValueError(
                 f"descriptor {i}: local_offset={lo} length={n} outside local region {lr.name!r} of {lr.length} bytes"
@@ -220,7 +227,7 @@ def resolve(
                 f"descriptor {i}: remote_offset={ro} length={n} outside remote region {rr.name!r} "
                 f"of {rr.length} bytes"
             )
-        out.append(Segment(lr, lo, rr, ro, n))
+        append(Segment(lr, lo, rr, ro, n))
     if not out:
         raise ValueError("empty batch: submit needs at least one descriptor")
     return out
