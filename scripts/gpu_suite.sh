@@ -20,6 +20,9 @@
 #     tp        - 8B token equality across tensor-parallel degrees: prefill TP2 -> decode TP1, TP1 -> TP2 (two GPUs)
 #     fig9      - Fig. 9 on two GPUs with >= 10 repeats (median, IQR): every configuration, bf16 and bfloat8_b NPU KV
 #     ttft2     - `hawk bench ttft` across two GPUs (prefill GPU0, decode GPU1): pull and layer-wise push at 1k/4k/16k
+#     sweeps    - serving sweeps (chatbot, summarization) of gn-hawk, gn-host, gg-direct, gg-host with and without
+#                 --npu-timing p150a --link-gbps 200 (eight servers: more than one call; SWEEP_CONFIGS/SWEEP_TIMING)
+#     tpserve   - one serving rate with prefill TP2 (GPU0+GPU1) and the decode on GPU1
 # LOGS=DIR keeps the per-step logs out of $OUT (the device tool returns at most 8 files); each step's tail still prints.
 # Wheels missing on the box (nixl, nixl_cu13, pyzmq for cp312) are carried in .whl/ (see docs/gpu.md).
 set -uo pipefail
@@ -86,9 +89,9 @@ if want quick; then  # most important first: a call cut short keeps what ran
     --dtypes bf16,bfp8_b --blocks contiguous --json "$OUT/transform_h200.json"
 fi
 if want paced; then  # one system per configuration, each its own file, so a call cut short keeps what finished
-  for t in gn-hawk gg-direct gn-host; do
+  for t in ${PACED_CONFIGS:-gn-hawk gg-direct gn-host}; do
     step "paced_$t" 155 python3 benchmarks/cross_validate.py --scenarios paced --link-gbps 200 --prefill-device cuda:0 \
-      --decode-device npu-emu:cuda:0 --model llama-3.1-8b --dtype bf16 --workload "${PACED_WORKLOAD:-chatbot}" --rates 1,2 --num-requests 10 \
+      --decode-device npu-emu:cuda:0 --model llama-3.1-8b --dtype bf16 --workload "${PACED_WORKLOAD:-chatbot}" --rates 1,2 --num-requests "${PACED_REQUESTS:-20}" \
       --transfer "$t" --transport auto --json "$OUT/crossval_h200_${PACED_WORKLOAD:-chatbot}_$t.json"
   done
 fi
@@ -134,19 +137,37 @@ want engine && \
     --batches 1,8,32,64 --contexts 1024,8192 --prefill-tokens 512,2048,8192 --paths gpu-paged,npu-tile \
     --kv-dtypes bf16,bfp8_b --steps 30 --point-budget-s 8 --time-budget-s 320 --json "$OUT/engine_h200.json"
 
-serve_bench() {  # serve_bench CONFIG DECODE_DEVICE: one server, one load sweep, clean stop
-  local cfg=$1 dev=$2 port=8100
+serve_bench() {  # serve_bench NAME CONFIG DECODE_DEVICE RATES "WORKLOADS" [hawk serve args...]: one server, its sweeps, clean stop
+  local name=$1 cfg=$2 dev=$3 rates=$4 workloads=$5 port=8100; shift 5
   python3 -c 'import fastapi, uvicorn, httpx, zmq' || { echo "serving needs fastapi/uvicorn/pydantic wheels (docs/gpu.md)"; return 1; }
   python3 -m hawk serve --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device "$dev" \
-    --transfer "$cfg" --port $port --kv-tokens 65536 --staging-mb 1024 --rx-mb 1024 --post "$post" > "$OUT/serve_$cfg.log" 2>&1 &
+    --transfer "$cfg" --port $port --kv-tokens 65536 --post "$post" "$@" > "$LOGS/serve_$name.log" 2>&1 &
   local spid=$!
   for _ in $(seq 1 240); do curl -sf 127.0.0.1:$port/health > /dev/null && break; kill -0 $spid 2> /dev/null || break; sleep 1; done
-  step "serving_$cfg" 200 python3 -m hawk.bench.serving --url http://127.0.0.1:$port --workload chatbot \
-    --rates 1,2,4,8 --num-requests 30 --output-scale 0.25 --json "$OUT/serving_$cfg.json"
+  for w in $workloads; do
+    step "serving_${name}_$w" 200 python3 -m hawk.bench.serving --url http://127.0.0.1:$port --workload "$w" \
+      --rates "$rates" --num-requests 30 --output-scale 0.25 --json "$OUT/serving_${name}_$w.json"
+  done
   kill -INT $spid; wait $spid
 }
 if want serving; then
-  serve_bench gn-hawk npu-emu:cuda:$dec
-  serve_bench gg-direct cuda:$dec
+  serve_bench gn-hawk gn-hawk npu-emu:cuda:$dec 1,2,4,8 chatbot
+  serve_bench gg-direct gg-direct cuda:$dec 1,2,4,8 chatbot
+fi
+# Issue 12: the four configurations, prefill GPU0 -> decode GPU1, as fast as they run and with timing emulated
+# (gn-*: the p150a's NPU steps and DRAM copies; all: a 200 Gb/s link); SWEEP_CONFIGS / SWEEP_TIMING pick a subset.
+if want sweeps; then
+  for cfg in ${SWEEP_CONFIGS:-gn-hawk gn-host gg-direct gg-host}; do
+    d=npu-emu:cuda:$dec; [[ $cfg == gg-* ]] && d=cuda:$dec
+    for timing in ${SWEEP_TIMING:-off p150a}; do
+      if [ "$timing" = off ]; then serve_bench "$cfg" "$cfg" "$d" 0.5,1,2,4 "chatbot summarization"
+      elif [[ $cfg == gg-* ]]; then serve_bench "${cfg}_link200" "$cfg" "$d" 0.5,1,2,4 "chatbot summarization" --link-gbps 200
+      else serve_bench "${cfg}_p150a" "$cfg" "$d" 0.5,1,2,4 "chatbot summarization" --npu-timing p150a --link-gbps 200; fi
+    done
+  done
+fi
+# Issue 12: one serving rate with a tensor-parallel prefill (TP2 on GPU0+GPU1) and the decode on GPU1.
+if want tpserve && [ "$ngpu" -ge 2 ]; then
+  serve_bench tp2_gn-hawk gn-hawk npu-emu:cuda:1 2 chatbot --prefill-tp 2
 fi
 exit 0
