@@ -33,16 +33,16 @@ _DIRECT = {"ok": True}
 
 
 def copy_words(words: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, lens: torch.Tensor, max_len: int, block: int,
-               align: int = 1) -> None:
+               align: int = 1, num_warps: int = 4) -> None:
     """``lens[i]`` words from ``words[src[i]:]`` to ``words[dst[i]:]``; ``align`` (1 or 2) divides every
     offset and length, so loads and stores move 16 bytes per vector when it is 2."""
     grid = (src.numel(), triton.cdiv(max_len, block))
     with torch.cuda.device(words.device) if words.is_cuda else contextlib.nullcontext():  # Triton launches on the current device
         if not words.is_cuda:
-            _copy_words_kernel[grid](words, src, dst, lens, BLOCK=block, ALIGN=align)
+            _copy_words_kernel[grid](words, src, dst, lens, BLOCK=block, ALIGN=align, num_warps=num_warps)
             return
         idx = words.device.index
-        key = (idx, block, align, words.data_ptr() % 16 == 0)
+        key = (idx, block, align, num_warps, words.data_ptr() % 16 == 0)
         direct = _DIRECT["ok"] and os.environ.get("HAWK_TRANSFORM_LAUNCH", "direct") != "jit"  # the transform's switch
         compiled = _COMPILED.get(key) if direct else None
         if compiled is not None and _knobs.runtime.launch_enter_hook is None and _knobs.runtime.launch_exit_hook is None:
@@ -53,6 +53,6 @@ def copy_words(words: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, lens: 
             except Exception:  # noqa: BLE001 - a launcher this code does not know: the dispatcher from now on
                 _DIRECT["ok"] = False
                 _COMPILED.clear()
-        compiled = _copy_words_kernel[grid](words, src, dst, lens, BLOCK=block, ALIGN=align)
+        compiled = _copy_words_kernel[grid](words, src, dst, lens, BLOCK=block, ALIGN=align, num_warps=num_warps)
         if direct and getattr(compiled, "function", None) is not None and hasattr(compiled, "packed_metadata"):
             _COMPILED[key] = compiled
