@@ -202,7 +202,8 @@ KERNELS = ("v1", "v2", "v2e")
 
 
 def run_case(c: dict, device: str, kernel: str | None = None) -> None:
-    """Triton vs reference on one case, twice on the same plan (the second uses cached tables)."""
+    """Triton vs reference on one case, twice on the same plan (the second reuses its placement and
+    block tables)."""
     from hawk.transform.triton_kernel import transform_triton
 
     plan = build_plan(c)
@@ -217,8 +218,12 @@ def run_case(c: dict, device: str, kernel: str | None = None) -> None:
     got2 = transform_triton(caches2, plan, out, kernel=kernel)
     assert got2 is out
     assert_same_bytes(got2, ref2, plan)
-    # Device tables were built once for the plan and reused.
-    assert sum(k[0] == "tables" for k in plan._triton_tables) == 1
+    # The placement and block tables were built once for the plan and reused with the new caches
+    # (which only need their own cache-layout state).
+    from hawk.transform.triton_kernel import _prepare
+
+    first, second = _prepare(plan, caches)[0], _prepare(plan, caches2)[0]
+    assert first.placed is second.placed and first.blocks is second.blocks
 
 
 def run_odd_buffer(device: str, kernel: str) -> None:

@@ -28,11 +28,27 @@ vanish) or ``E == 255`` (inf/NaN) take an exact integer path instead (:func:`_bf
 per program so the common case pays nothing for them.
 
 The whole request is one launch. Per-layer caches are reached from ``caches[0]``'s pointer plus an
-int64 element offset per tensor (vLLM allocates one tensor per layer). Index tables derived from a
-plan are cached on the plan and, by content, across plan objects (a request's plan is a new object
-each time, assembled from cached parts), so transforming the same request shape and blocks again
-builds and uploads nothing; a new one uploads its tables in one copy that does not stall the host.
-Both kernels launch a configuration's compiled kernel directly after its first launch
+int64 element offset per tensor (vLLM allocates one tensor per layer). Both kernels compute each
+row's element offset themselves: row ``r`` of a row group is request token ``t = ts + r``, at
+``blk[t // block_size] * s_block + (t % block_size) * s_slot + head * s_head`` in its tensor (the
+block size and the NHD or HND strides are constexprs of the cache layout; their power-of-two divisor
+and the tensor bases' give the vectorization hint), and rows with ``t >= num_tokens`` are masked (zero
+padding). So the host tables split by what they depend on, each built and uploaded once:
+
+- per cache layout (an engine has one): each layer's and tensor's offset from ``caches[0]``;
+- per placement (the plan's NPU side: layout, heads, NPU block ids, tensor bases; with the token
+  count and the GPU head offset): one int32 record per row group, ``[ts, rows holding tokens, head,
+  0, page_a[CTP], page_b[CTP]]``, column tile ``c`` of tensor ``t`` going to page ``page_a[c] + t *
+  page_b[c]`` of the send buffer; cached by the plan's placement (shared by every plan assembled on
+  it: a request's plan is a new object each time, built from cached parts);
+- per request: the GPU block ids, a few KiB in one copy that does not stall the host (cached by
+  content: a request whose blocks repeat uploads nothing).
+
+A request with new GPU blocks on a known placement builds nothing and uploads only its block ids,
+whatever its length; a new placement builds its records with a few vectorized passes over its pages.
+Nothing Triton specializes on changes per request (the per-request tables' pointers are exempt from
+alignment specialization, every integer argument is fixed per cache layout), so no request compiles,
+and both kernels launch a configuration's compiled kernel directly after its first launch
 (``$HAWK_TRANSFORM_LAUNCH=jit`` keeps Triton's dispatcher), which cuts the host time that bounds
 small requests.
 """
@@ -56,7 +72,7 @@ from triton import knobs as _knobs
 from hawk.layouts.tt import TILE
 from hawk.plan.kv_plan import KVTransferPlan
 
-#: Attribute set on a plan holding its device tables, keyed by what they depend on.
+#: Attribute set on a plan holding its launch states (:class:`_Launch`), keyed by the caches.
 _CACHE_ATTR = "_triton_tables"
 
 # Source kinds: how the kernel turns loaded bits into fp32 bits.
@@ -109,16 +125,44 @@ def _bfp8_rows(bits):
     return shared.to(tl.uint8), vals
 
 
+#: int32 fields of one row group's record in the placement table (see :func:`_build_groups`): the
+#: group's first token, its rows holding tokens, its GPU head, one spare (keeps the page sections
+#: 16-byte aligned), then ``page_a[CTP]`` and ``page_b[CTP]``. A record is ``4 + 2 * CTP`` int32s.
+_REC_TS, _REC_VALID, _REC_HEAD, _REC_PAGES = 0, 1, 2, 4
+
+
 @triton.jit
+def _row_offsets(blk, rec, r, S_BLOCK: tl.constexpr, S_SLOT: tl.constexpr, S_HEAD: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr):
+    """Element offsets (from a layer tensor's K or V half) of rows ``r`` of the group whose record is
+    at ``rec``, and their mask (rows that hold tokens): token ``t = ts + r`` sits in GPU block
+    ``blk[t // BLOCK_SIZE]``, slot ``t % BLOCK_SIZE``. Rows past the request read no block id and are
+    masked; their offsets are still sums of stride multiples (the callers' divisibility hints hold)."""
+    ts = tl.load(rec + 0).to(tl.int64)
+    nvalid = tl.load(rec + 1)
+    gh = tl.load(rec + 2).to(tl.int64)
+    tok = ts + r
+    valid = r < nvalid
+    bid = tl.load(blk + tok // BLOCK_SIZE, mask=valid, other=0)
+    return bid * S_BLOCK + (tok % BLOCK_SIZE) * S_SLOT + gh * S_HEAD, valid
+
+
+# The placement table and the block table are per request (a new tensor each): no alignment
+# specialization on their pointers, so every request runs the kernel compiled for the first (the
+# direct launch below would otherwise run a kernel specialized for another alignment). Every other
+# argument is fixed per cache layout; nothing that varies per request is a specialized integer.
+@triton.jit(do_not_specialize_on_alignment=["groups", "blk"])
 def _transform_kernel(
     src,  # caches[0] reinterpreted as int16/int32 bits
     layer_delta,  # [L] int64: element offset of layer l's tensor from caches[0]
-    row_off,  # [G, 32] int64: element offset (K half) of each row of a group; 0 for padding
-    row_valid,  # [G] int32: rows of a group that hold tokens (the rest are zero padding)
-    page_a,  # [G, CTP] int64: A[q] in pages; -1 where the group has no such column tile
-    page_b,  # [G, CTP] int64: B[q] in pages
+    groups,  # [G, 4 + 2 * CTP] int32 records: ts, rows holding tokens, gpu head, -, page_a[CTP], page_b[CTP]
+    blk,  # [blocks] int64: the request's GPU block ids
     out,  # send buffer, int16 (bf16 pages) or uint8 (bfp8_b pages)
-    kv_stride,  # elements between K and V in a layer tensor
+    kv_stride,  # elements between K and V in a layer tensor (fixed per cache layout)
+    S_BLOCK: tl.constexpr,  # element strides of a GPU block, slot and head (fixed per cache layout)
+    S_SLOT: tl.constexpr,
+    S_HEAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per GPU block
     HEAD_DIM: tl.constexpr,
     CTP: tl.constexpr,  # column tiles, rounded up to a power of two
     SRC_KIND: tl.constexpr,
@@ -135,12 +179,13 @@ def _transform_kernel(
     base = tl.multiple_of(base, VEC)
     rows = tl.arange(0, 32)
     cols = tl.arange(0, CTP * 32)
-    roff = tl.multiple_of(tl.load(row_off + g * 32 + rows), VEC)
-    nvalid = tl.load(row_valid + g)
+    rec = groups + g * (4 + 2 * CTP)
+    roff, valid = _row_offsets(blk, rec, rows, S_BLOCK, S_SLOT, S_HEAD, BLOCK_SIZE)
+    roff = tl.multiple_of(roff, VEC)
     if HEAD_DIM == CTP * 32:
-        mask = (rows < nvalid)[:, None]  # no padded columns: a row-constant mask keeps loads wide
+        mask = valid[:, None]  # no padded columns: a row-constant mask keeps loads wide
     else:
-        mask = (rows < nvalid)[:, None] & (cols < HEAD_DIM)[None, :]
+        mask = valid[:, None] & (cols < HEAD_DIM)[None, :]
     x = tl.load(src + base + roff[:, None] + cols[None, :], mask=mask, other=0)
     if BFP8:
         y = _fp32_bits(x, SRC_KIND)
@@ -153,8 +198,8 @@ def _transform_kernel(
     faces = tl.permute(tl.reshape(y, (2, 16, CTP, 2, 16)), (2, 0, 3, 1, 4))
 
     cts = tl.arange(0, CTP)
-    pa = tl.load(page_a + g * CTP + cts)
-    pb = tl.load(page_b + g * CTP + cts)
+    pa = tl.load(rec + 4 + cts).to(tl.int64)
+    pb = tl.load(rec + 4 + CTP + cts).to(tl.int64)
     page = pa + t * pb
     has_page = (pa >= 0)[:, None]
     if BFP8:
@@ -217,23 +262,24 @@ def _row_constants(amax):
     return shared, scale[None, :, :, :, None], shared[None, :, :, :, None], rare
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["groups", "blk"])  # see _transform_kernel
 def _rows_kernel(
     src,  # caches[0]'s storage as int16/int32 bits (int32 words of two bf16 values when WORDS)
-    meta,  # int64 tables, at element offsets: 0: row_off [G, 32]; o_valid: row_valid [G];
-    # o_pa: page_a [G, CTP]; o_pb: page_b [G, CTP]; o_tb: tbase [T] (see _v2_meta)
+    tbase,  # [T] int64: element offset of tensor t (layer, K/V) from caches[0]
+    groups,  # [G, 4 + 2 * CTP] int32 records (see _transform_kernel)
+    blk,  # [blocks] int64: the request's GPU block ids
     out,  # send buffer, uint8
     out16,  # the same, int16 (bf16 pages, bfloat8_b value pairs when WORDS)
-    n_tensors,
-    o_valid,
-    o_pa,
-    o_pb,
-    o_tb,
+    n_tensors,  # fixed per cache layout
+    S_BLOCK: tl.constexpr,  # element strides of a GPU block, slot and head (fixed per cache layout)
+    S_SLOT: tl.constexpr,
+    S_HEAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per GPU block
     HEAD_DIM: tl.constexpr,  # a multiple of 16
     CTP: tl.constexpr,  # column tiles, rounded up to a power of two
     SRC_KIND: tl.constexpr,
     BFP8: tl.constexpr,
-    VEC: tl.constexpr,  # proven divisibility of tbase and row_off, in elements
+    VEC: tl.constexpr,  # proven divisibility of tbase and of the strides, in elements
     TPP: tl.constexpr,  # tensors per program (a power of two)
     WORDS: tl.constexpr,  # bf16 source read as int32 words; bfloat8_b values written as int16 pairs
     EVEN_T: tl.constexpr,  # TPP divides n_tensors: no tensor mask
@@ -255,25 +301,23 @@ def _rows_kernel(
     x = tl.arange(0, X)
     h5 = h[:, None, None, None, None]
     f5 = f[None, :, None, None, None]
-    r5 = r[None, None, :, None, None]
     t5 = t[None, None, None, :, None]
     x5 = x[None, None, None, None, :]
 
-    # Gather.
+    # Gather. Row offsets in source units: with WORDS every stride (and tbase) is even (VEC >= 2).
     if EVEN_T:
-        base = tl.load(meta + o_tb + t)
+        base = tl.load(tbase + t)
     else:
-        base = tl.load(meta + o_tb + t, mask=t < n_tensors, other=0)
-    roff = tl.load(meta + g * 32 + r)
+        base = tl.load(tbase + t, mask=t < n_tensors, other=0)
+    rec = groups + g * (4 + 2 * CTP)
+    roff, valid = _row_offsets(blk, rec, r, S_BLOCK // UNIT, S_SLOT // UNIT, S_HEAD // UNIT, BLOCK_SIZE)
     if WORDS:
         base = base // 2
-        roff = roff // 2
     base = tl.multiple_of(base, VEC // UNIT)  # (a hint on a division by 1 would be folded away with it)
     roff = tl.multiple_of(roff, VEC // UNIT)
-    nvalid = tl.load(meta + o_valid + g)
     hx = h5 * X + x5  # unit within the face row; in output units as well
     ptrs = src + base[None, None, None, :, None] + roff[None, None, :, None, None] + f5 * (16 // UNIT) + hx
-    mask = r5 < nvalid
+    mask = valid[None, None, :, None, None]
     if not EVEN_T:
         mask = mask & (t5 < n_tensors)
     if NF_SRC < NF:
@@ -282,8 +326,8 @@ def _rows_kernel(
 
     # Destination page of each (face column, tensor) and each face row's index in its tile.
     ct = f // 2
-    pa = tl.load(meta + o_pa + g * CTP + ct)
-    pb = tl.load(meta + o_pb + g * CTP + ct)
+    pa = tl.load(rec + 4 + ct).to(tl.int64)
+    pb = tl.load(rec + 4 + CTP + ct).to(tl.int64)
     page = pa[:, None] + pb[:, None] * t.to(tl.int64)[None, :]  # [NF, TPP]
     smask = (pa >= 0)[:, None]
     if not EVEN_T:
@@ -342,23 +386,6 @@ def _rows_kernel(
         tl.store(out16 + vbase + frow5 * 16 + hx, y, mask=smask5)
 
 
-@dataclass(eq=False)
-class _PlanTables:
-    """Index tables of one plan, on the host: built once per (plan, cache strides); what goes to the
-    device is uploaded by the launch state (:class:`_Launch`), in one copy."""
-
-    host: np.ndarray  # int64, flat: row_off [G, 32] | row_valid [G] | page_a [G, CTP] | page_b [G, CTP]
-    groups: int
-    ctp: int
-    vec_rows: int  # gcd-style divisibility of every row offset (elements)
-
-    @property
-    def sections(self) -> tuple[int, int, int, int]:
-        """Where row_valid, page_a, page_b start in ``host``, and its length."""
-        g, c = self.groups, self.ctp
-        return g * 32, g * 33, g * (33 + c), g * (33 + 2 * c)
-
-
 def _pow2_divisor(values: np.ndarray, cap: int) -> int:
     """Largest power of two <= cap (a power of two) dividing every value (cap if there are none): the
     lowest set bit of all values OR-ed together, in one pass."""
@@ -367,80 +394,170 @@ def _pow2_divisor(values: np.ndarray, cap: int) -> int:
     return cap if acc == 0 else min(cap, acc & -acc)
 
 
-def _build_tables(plan: KVTransferPlan, strides: tuple[int, ...]) -> _PlanTables:
-    """Group the plan's pages by (token_start, gpu_head) and lay out per-group row and page tables.
+def _upload(arr: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``arr`` (int64) on ``device`` in one copy that does not stall the host: pinned memory, enqueued
+    on the device's current stream (:func:`hawk.devices.batched_copy.upload_int64`; torch's caching
+    host allocator keeps each pinned block until its copy has run, so none is reused in flight)."""
+    from hawk.devices.batched_copy import upload_int64
 
-    Why host-side: the q arrays are small (pages per tensor), while the grid's other axis (the
-    2L tensors) multiplies them; the kernel then only does two table loads per program.
+    return upload_int64(arr, device)
+
+
+class _Table:
+    """A host table and its device copy, uploaded on first use (:func:`_upload`), and the stream and
+    event of that copy: a launch on another stream waits for the event on the device once (and marks
+    the tensor as used there, so its memory is not reused before that stream's work is done)."""
+
+    __slots__ = ("host", "device", "_dev", "_stream", "_event", "_seen", "_lock")
+
+    def __init__(self, host: np.ndarray, device: torch.device):
+        self.host = host  # int64, or int32 with an even number of elements (uploaded as int64 pairs)
+        self.device = device
+        self._dev: torch.Tensor | None = None
+        self._stream: int | None = None
+        self._event = None
+        self._seen: set = set()
+        self._lock = threading.Lock()
+
+    def get(self) -> torch.Tensor:
+        dev = self._dev
+        if dev is None:
+            with self._lock:
+                if self._dev is None:
+                    flat = self.host.reshape(-1)
+                    t = _upload(flat.view(np.int64), self.device)
+                    if flat.dtype == np.int32:
+                        t = t.view(torch.int32)  # a reinterpretation on the device: no copy
+                    if self.device.type == "cuda":
+                        self._stream = _raw_stream(self.device.index)
+                        self._event = torch.cuda.Event()
+                        self._event.record(torch.cuda.current_stream(self.device))
+                    self._dev = t
+                dev = self._dev
+        return dev
+
+    def order(self, stream: int | None) -> None:
+        """Order launches on ``stream`` (the current one) after the upload, if it ran on another."""
+        if stream == self._stream or stream in self._seen:
+            return
+        with self._lock:
+            cur = torch.cuda.current_stream(self.device)
+            if self._event is not None and not self._event.query():
+                cur.wait_event(self._event)
+            if self._dev is not None:
+                self._dev.record_stream(cur)
+            self._seen.add(stream)
+
+
+def _pad16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+@dataclass(eq=False)
+class _Groups:
+    """A plan's placement table on the host: one int32 record per row group (32 consecutive request
+    tokens of one GPU head, one NPU row tile): ``[ts, rows holding tokens, gpu head, 0, page_a[CTP],
+    page_b[CTP]]``, the group's column tile ``c`` of tensor ``t`` going to send-buffer page
+    ``page_a[c] + t * page_b[c]`` (``page_a`` -1: no such column tile)."""
+
+    host: np.ndarray  # int32 [groups, 4 + 2 * ctp]
+    groups: int
+    ctp: int
+
+
+def _build_groups(plan: KVTransferPlan) -> _Groups:
+    """The placement table of a plan. It depends on the plan's placement (NPU layout, shared heads,
+    NPU block ids, tensor bases: the send-buffer pages), the GPU head offset and the token count, never
+    on the GPU block ids or the caches, so one serves every request on that placement.
+
+    Plans are assembled on a tile grid, which lists each (token start, head)'s column tiles as
+    consecutive pages in order: then a group is a run of ``col_tiles`` pages and the records are a
+    few reshapes. Any other page order is grouped by (token start, head) with ``np.unique``.
     """
-    src = plan.src
-    names = ("kv", "block", "slot", "head", "dim") if src.order == "NHD" else ("kv", "block", "head", "slot", "dim")
-    s = dict(zip(names, strides))
     ts = np.asarray(plan.token_start, dtype=np.int64)
     gh = np.asarray(plan.gpu_head, dtype=np.int64)
     ct = np.asarray(plan.col_tile, dtype=np.int64)
-    # Groups: the distinct (token_start, gpu_head) pairs in lexicographic order, found as one int64
-    # key per page (np.unique over rows of a 2-D array sorts a structured view: several times slower).
-    lo = int(gh.min()) if len(gh) else 0
-    span = int(gh.max()) - lo + 1 if len(gh) else 1
-    ukeys, group = np.unique(ts * span + (gh - lo), return_inverse=True)
-    group = group.reshape(-1)
-    key_ts, key_gh = ukeys // span, ukeys % span + lo
-    n_groups = len(ukeys)
-    ctp = triton.next_power_of_2(plan.dst.col_tiles)
-
-    # Everything lands in one flat int64 buffer (what the device gets in one copy), section by section.
-    host = np.empty(n_groups * (33 + 2 * ctp), dtype=np.int64)
-    row_off = host[: n_groups * TILE].reshape(n_groups, TILE)
-    row_valid = host[n_groups * TILE : n_groups * 33]
-    page_a = host[n_groups * 33 : n_groups * (33 + ctp)].reshape(n_groups, ctp)
-    page_b = host[n_groups * (33 + ctp) :].reshape(n_groups, ctp)
-
-    # Rows: token -> (GPU block, slot) through the block table, per token once (a group's 32 rows are
-    # 32 consecutive tokens), then gathered per group plus its head; padding rows point at offset 0.
-    ntok = plan.num_tokens
-    span_t = int(key_ts.max()) + TILE if n_groups else 0
-    m = min(ntok, span_t)
-    tok_off = np.zeros(max(span_t, 1), dtype=np.int64)
-    t = np.arange(m, dtype=np.int64)
-    gids = np.asarray(plan.gpu_block_ids, dtype=np.int64)
-    tok_off[:m] = gids[t // src.block_size] * s["block"] + (t % src.block_size) * s["slot"]
-    np.take(tok_off, key_ts[:, None] + np.arange(TILE, dtype=np.int64)[None, :], out=row_off)
-    row_off += key_gh[:, None] * s["head"]
-    row_valid[:] = np.clip(ntok - key_ts, 0, TILE)
-    part = np.flatnonzero(row_valid < TILE)  # groups running past the request: zero their padding rows
-    if len(part):
-        sub = row_off[part]
-        sub[np.arange(TILE)[None, :] >= row_valid[part][:, None]] = 0
-        row_off[part] = sub
-
-    # Pages: A and B of each (group, col tile), in page units.
+    n_ct = plan.dst.col_tiles
+    ctp = triton.next_power_of_2(n_ct)
     a, b = plan.offset_terms()
     pbytes = plan.page_bytes
-    if np.any(a % pbytes) or np.any(b % pbytes):
+    pa, pb = a // pbytes, b // pbytes  # (a division and a product are cheaper than a remainder)
+    if not (np.array_equal(pa * pbytes, a) and np.array_equal(pb * pbytes, b)):
         raise ValueError("send-buffer offsets are not whole pages; the plan is inconsistent")
-    page_a.fill(-1)
-    page_b.fill(0)
-    page_a[group, ct] = a // pbytes
-    page_b[group, ct] = b // pbytes
+    if plan.total_bytes // pbytes >= 2**31 or plan.num_tokens >= 2**31:
+        raise ValueError("request too large for the transform's int32 tables")
+    p = len(ts)
+    width = 4 + 2 * ctp
+    runs = p % n_ct == 0
+    if runs:
+        n_groups = p // n_ct
+        ts2, gh2, ct2 = ts.reshape(n_groups, n_ct), gh.reshape(n_groups, n_ct), ct.reshape(n_groups, n_ct)
+        runs = bool((ct2 == np.arange(n_ct)).all() and (ts2 == ts2[:, :1]).all() and (gh2 == gh2[:, :1]).all())
+    if runs:
+        host = np.empty((n_groups, width), dtype=np.int32)
+        host[:, _REC_TS] = ts2[:, 0]
+        host[:, _REC_HEAD] = gh2[:, 0]
+        host[:, 3] = 0
+        pages = host[:, _REC_PAGES:]
+        pages[:, :n_ct] = pa.reshape(n_groups, n_ct)
+        pages[:, n_ct:ctp] = -1
+        pages[:, ctp : ctp + n_ct] = pb.reshape(n_groups, n_ct)
+        pages[:, ctp + n_ct :] = 0
+    else:
+        # Groups: the distinct (token_start, gpu_head) pairs, found as one int64 key per page.
+        lo = int(gh.min()) if p else 0
+        span = int(gh.max()) - lo + 1 if p else 1
+        ukeys, group = np.unique(ts * span + (gh - lo), return_inverse=True)
+        group = group.reshape(-1)
+        n_groups = len(ukeys)
+        host = np.zeros((n_groups, width), dtype=np.int32)
+        host[:, _REC_TS] = ukeys // span
+        host[:, _REC_HEAD] = ukeys % span + lo
+        host[:, _REC_PAGES : _REC_PAGES + ctp] = -1
+        host[group, _REC_PAGES + ct] = pa
+        host[group, _REC_PAGES + ctp + ct] = pb
+    host[:, _REC_VALID] = np.clip(plan.num_tokens - host[:, _REC_TS], 0, TILE)
+    return _Groups(host=host, groups=n_groups, ctp=ctp)
 
-    return _PlanTables(host=host, groups=n_groups, ctp=ctp, vec_rows=_pow2_divisor(row_off, 16))
+
+@dataclass(eq=False)
+class _Placed:
+    """A placement table on one device (built by :func:`_build_groups`, uploaded on first use)."""
+
+    groups: int
+    ctp: int
+    table: _Table
 
 
-def _plan_cache(plan: KVTransferPlan) -> dict:
-    cache = getattr(plan, _CACHE_ATTR, None)
-    if cache is None:
-        cache = {}
-        setattr(plan, _CACHE_ATTR, cache)
-    return cache
+@dataclass(eq=False)
+class _Layout:
+    """How the kernels address one set of caches: strides, block size, each layer's offset from
+    layer 0, divisibility; and the kernel configurations compiled for it. Built once per cache layout
+    (an engine has one: its caches never move), whatever the requests."""
 
+    device: torch.device
+    head_dim: int
+    block_size: int
+    src_kind: int
+    n_layers: int
+    kv_stride: int  # elements between K and V
+    s_block: int  # element strides of a GPU block, slot and head
+    s_slot: int
+    s_head: int
+    vec: int  # v1: divisibility of row starts (strides, layer offsets, kv_stride), in elements, <= 16 bytes
+    vec2: int  # v2: of the strides and every tensor base
+    words: bool  # v2 may read the source as int32 words (bf16, even strides and bases, word-aligned cache)
+    table: _Table  # int64: layer deltas [L] (v1) | padding to 16 | tensor bases [2L] (v2)
+    calls: dict = field(default_factory=dict)  # kernel configuration -> _Call
+    _views: tuple | None = None
 
-def _tables(plan: KVTransferPlan, strides: tuple[int, ...]) -> _PlanTables:
-    cache = _plan_cache(plan)
-    key = ("tables", strides)
-    if key not in cache:
-        cache[key] = _build_tables(plan, strides)
-    return cache[key]
+    def views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(layer deltas, tensor bases) on the device."""
+        if self._views is None:
+            t = self.table.get()
+            off = _pad16(self.n_layers)
+            self._views = (t[: self.n_layers], t[off : off + 2 * self.n_layers])
+        return self._views
 
 
 def _layer_deltas(caches: Sequence[torch.Tensor]) -> tuple[np.ndarray, int]:
@@ -466,129 +583,148 @@ def _uniform_caches(caches: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [c.contiguous() for c in caches]
 
 
-def _pad16(n: int) -> int:
-    return -(-n // 16) * 16
+def _build_layout(plan: KVTransferPlan, used: Sequence[torch.Tensor]) -> _Layout:
+    src = plan.src
+    c0 = used[0]
+    names = ("kv", "block", "slot", "head", "dim") if src.order == "NHD" else ("kv", "block", "head", "slot", "dim")
+    s = dict(zip(names, c0.stride()))
+    deltas, vec_layers = _layer_deltas(used)
+    esize = c0.element_size()
+    kv_stride = s["kv"]
+    # Row starts are sums of stride multiples plus a tensor base: divisible by VEC elements (up to
+    # 16 B) they let loads vectorize (Triton checks the base pointer itself).
+    vec_rows = _pow2_divisor(np.asarray([s["block"], s["slot"], s["head"]]), 16)
+    vec = min(16 // esize, vec_rows, vec_layers, _pow2_divisor(np.asarray([kv_stride]), 16))
+    tbase = (deltas[:, None] + np.arange(2, dtype=np.int64)[None, :] * kv_stride).reshape(-1)
+    vec2 = min(16 // esize, vec_rows, _pow2_divisor(tbase, 16))
+    n = len(used)
+    host = np.zeros(_pad16(n) + 2 * n, dtype=np.int64)
+    host[:n] = deltas
+    host[_pad16(n) :] = tbase
+    return _Layout(
+        device=c0.device,
+        head_dim=src.head_dim,
+        block_size=src.block_size,
+        src_kind=_SRC_KIND[c0.dtype],
+        n_layers=n,
+        kv_stride=kv_stride,
+        s_block=s["block"],
+        s_slot=s["slot"],
+        s_head=s["head"],
+        vec=vec,
+        vec2=vec2,
+        words=c0.dtype == torch.bfloat16 and vec2 >= 2 and c0.data_ptr() % 4 == 0,
+        table=_Table(host, c0.device),
+    )
 
 
 @dataclass(eq=False)
 class _Launch:
-    """Everything one launch needs but the tensors themselves: built once per (plan, cache pointers).
+    """Everything one launch needs but the tensors themselves, in three parts cached by what each
+    depends on: the cache layout (:class:`_Layout`), the placement table (:class:`_Placed`) and the
+    request's GPU block ids (a :class:`_Table`; the only part that changes with every request).
 
     It holds no cache tensor, so a plan that outlives its caches does not keep them allocated. Device
-    tables are uploaded on first use by the kernel that needs them (v1 or v2), each set in one copy
-    that does not stall the host (:func:`hawk.devices.batched_copy.upload_int64`); a launch on another
-    stream than the upload's waits for it on the device (:meth:`order_after_uploads`).
+    tables are uploaded on first use, each in one copy that does not stall the host (:func:`_upload`);
+    a launch on another stream than an upload's waits for it on the device (:meth:`order_after_uploads`).
     """
 
-    tables: _PlanTables
-    deltas_host: np.ndarray  # [L] int64 (v1)
-    tbase: np.ndarray  # [2L] int64 (v2)
-    device: torch.device
-    kv_stride: int
-    constexprs: dict  # v1's
-    meta_offsets: tuple[int, int, int, int]  # where row_valid, page_a, page_b and tbase start in meta
-    vec2: int  # divisibility of every tbase and row offset, in elements, capped at 16 bytes
-    words: bool  # v2 may read the source as int32 words (bf16, word-aligned rows and base)
-    calls: dict = field(default_factory=dict)  # kernel configuration -> _V2Call
-    _meta: torch.Tensor | None = None
-    _v1: tuple | None = None
-    _pending: list = field(default_factory=list)  # (event, raw stream) of uploads not known complete
-    _lock: threading.Lock = field(default_factory=threading.Lock)  # two threads may launch one state
+    layout: _Layout
+    placed: _Placed
+    blocks: _Table
 
-    def _upload(self, arr: np.ndarray) -> torch.Tensor:
-        from hawk.devices.batched_copy import upload_int64
-
-        return upload_int64(arr, self.device)
-
-    def _uploaded(self) -> None:
-        """Note the device work enqueued so far on the current stream (uploads, casts)."""
-        if self.device.type == "cuda":
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(self.device))
-            self._pending.append((ev, _raw_stream(self.device.index)))
-
-    @property
-    def meta(self) -> torch.Tensor:
-        """v2's tables in one int64 tensor (one pointer to pass): row_off, row_valid, page_a, page_b, tbase."""
-        if self._meta is None:
-            with self._lock:
-                if self._meta is None:
-                    meta = self._upload(np.concatenate([self.tables.host, self.tbase]))
-                    self._uploaded()
-                    self._meta = meta
-        return self._meta
-
-    def v1_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """v1's (deltas, row_off, row_valid int32, page_a, page_b), views of one upload (each section
-        starting on a 128-byte boundary)."""
-        if self._v1 is None:
-            with self._lock:
-                if self._v1 is None:
-                    self._v1 = self._v1_upload()
-        return self._v1  # type: ignore[return-value]
-
-    def _v1_upload(self) -> tuple:
-        t = self.tables
-        o_valid, o_pa, o_pb, end = t.sections
-        parts = [self.deltas_host, t.host[:o_valid], t.host[o_valid:o_pa], t.host[o_pa:o_pb], t.host[o_pb:end]]
-        starts, pos = [], 0
-        for p in parts:
-            starts.append(pos)
-            pos += _pad16(len(p))
-        buf = np.zeros(pos, dtype=np.int64)
-        for p, s in zip(parts, starts):
-            buf[s : s + len(p)] = p
-        dev = self._upload(buf)
-        views = [dev[s : s + len(p)] for p, s in zip(parts, starts)]
-        views[2] = views[2].to(torch.int32)  # row_valid: the kernel's int32 table (a device cast)
-        self._uploaded()
-        return tuple(views)
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(layer deltas, tensor bases, placement records, block ids) on the device."""
+        deltas, tbase = self.layout.views()
+        return deltas, tbase, self.placed.table.get(), self.blocks.get()
 
     def order_after_uploads(self) -> None:
         """Make the current stream wait for uploads made on another stream that may not have run yet."""
-        if not self._pending:
-            return
-        with self._lock:
-            cur = _raw_stream(self.device.index)
-            left = []
-            for ev, stream in self._pending:
-                if ev.query():
-                    continue
-                if stream != cur:
-                    torch.cuda.current_stream(self.device).wait_event(ev)
-                left.append((ev, stream))
-            self._pending = left
+        dev = self.layout.device
+        cur = _raw_stream(dev.index) if dev.type == "cuda" else None
+        self.layout.table.order(cur)
+        self.placed.table.order(cur)
+        self.blocks.order(cur)
 
 
-#: Launch states by what they depend on, across plan objects: a plan is a new object per request
-#: (``PLANS.kv_plan`` assembles one from cached parts), so state kept on the plan alone was rebuilt,
-#: re-uploaded and re-dispatched through Triton's JIT on every transfer. Bounded: each holds device
-#: tables (about 64 bytes per token per KV head).
-_LAUNCHES: OrderedDict = OrderedDict()
-_LAUNCHES_MAX = 16
-_LAUNCHES_LOCK = threading.Lock()
+#: Launch-state parts across plan objects (a plan is a new object per request: ``PLANS.kv_plan``
+#: assembles one from cached parts), each keyed by exactly what it depends on, bounded LRUs:
+#: cache layouts (one per engine, in practice), placement tables (48 bytes per 32 tokens per KV head
+#: at head_dim 128; keyed by the plan's placement, which the entry holds so its id is not reused),
+#: and block tables (by content: a request whose GPU blocks repeat uploads nothing).
+_LAYOUTS: OrderedDict = OrderedDict()
+_LAYOUTS_MAX = 8
+_PLACEMENTS: OrderedDict = OrderedDict()
+_PLACEMENTS_MAX = 32
+_BLOCKS: OrderedDict = OrderedDict()
+_BLOCKS_MAX = 32
+_STATES_LOCK = threading.Lock()
 
 
-def _content_key(plan: KVTransferPlan, key: tuple) -> tuple | None:
-    """What a launch state depends on beyond ``key`` (the caches): the placement (shared by every plan
-    assembled on it; held by the entry, so its id cannot be reused while cached), the GPU layout, the
-    token count and the GPU block ids. None for a plan that does not share a placement."""
+def _lru_get(d: OrderedDict, key: object) -> object:
+    with _STATES_LOCK:
+        v = d.get(key)
+        if v is not None:
+            d.move_to_end(key)
+        return v
+
+
+def _lru_put(d: OrderedDict, key: object, value: object, cap: int) -> None:
+    with _STATES_LOCK:
+        d[key] = value
+        d.move_to_end(key)
+        while len(d) > cap:
+            d.popitem(last=False)
+
+
+def _plan_cache(plan: KVTransferPlan) -> dict:
+    cache = getattr(plan, _CACHE_ATTR, None)
+    if cache is None:
+        cache = {}
+        setattr(plan, _CACHE_ATTR, cache)
+    return cache
+
+
+def _placed(plan: KVTransferPlan, device: torch.device) -> _Placed:
+    """The plan's placement table on ``device``: cached by placement (every plan assembled on one
+    shares its ``_memo``), token count and the GPU side's head offset; built and uploaded once."""
     memo = getattr(plan, "_memo", None)
-    if memo is None:
-        return None
-    return (id(memo), plan.src, plan.num_tokens, np.ascontiguousarray(plan.gpu_block_ids, dtype=np.int64).tobytes(), key)
+    key = None if memo is None else (id(memo), device, plan.num_tokens, plan.heads.start - plan.src.head_start)
+    if key is not None:
+        hit = _lru_get(_PLACEMENTS, key)
+        if hit is not None and hit[0] is memo:
+            return hit[1]
+    g = _build_groups(plan)
+    placed = _Placed(groups=g.groups, ctp=g.ctp, table=_Table(g.host, device))
+    if key is not None:
+        _lru_put(_PLACEMENTS, key, (memo, placed), _PLACEMENTS_MAX)
+    return placed
+
+
+def _blocks(plan: KVTransferPlan, device: torch.device) -> _Table:
+    """The request's GPU block ids (those holding its tokens) as a device table, by content."""
+    n = -(-plan.num_tokens // plan.src.block_size)
+    ids = np.ascontiguousarray(np.asarray(plan.gpu_block_ids)[:n], dtype=np.int64)
+    key = (device, ids.tobytes())
+    hit = _lru_get(_BLOCKS, key)
+    if hit is not None:
+        return hit  # type: ignore[return-value]
+    table = _Table(ids, device)
+    _lru_put(_BLOCKS, key, table, _BLOCKS_MAX)
+    return table
 
 
 def _prepare(plan: KVTransferPlan, caches: Sequence[torch.Tensor]) -> tuple[_Launch, Sequence[torch.Tensor]]:
-    """Validate the caches and build (or fetch) the launch state cached on the plan (and, by content,
-    across plans: :data:`_LAUNCHES`); also return the caches the kernel reads (contiguous copies in
-    the rare case the given ones disagree on strides).
+    """Validate the caches and build (or fetch) the launch state cached on the plan (and, part by
+    part, across plans); also return the caches the kernel reads (contiguous copies in the rare case
+    the given ones disagree on strides).
 
     The key is the layers' pointers relative to layer 0's, layer 0's alignment (what the compiled
     kernel is specialized on) and its shape, dtype and strides: checking all 2L tensors on every call
     would cost more host time than the kernel takes on a small request. Nothing in the state holds an
     absolute cache address (layer 0's pointer is passed at launch), so one state serves every layer of
-    a layer-wise push (one-layer lists) and caches that moved together.
+    a layer-wise push (one-layer lists) and caches that moved together. A plan with new GPU block ids
+    on a known placement and caches builds nothing but its block table.
     """
     c0 = caches[0]
     p0 = c0.data_ptr()
@@ -597,49 +733,22 @@ def _prepare(plan: KVTransferPlan, caches: Sequence[torch.Tensor]) -> tuple[_Lau
     hit = cache.get(key)
     if hit is not None:
         return hit, caches
-    ckey = _content_key(plan, key)
-    if ckey is not None:
-        with _LAUNCHES_LOCK:
-            entry = _LAUNCHES.get(ckey)
-            if entry is not None and entry[0] is plan._memo:
-                _LAUNCHES.move_to_end(ckey)
-                cache[key] = entry[1]
-                return entry[1], caches
-    given = list(caches)
-    plan.src.check_cache(given)
-    used = _uniform_caches(given)
-    c0 = used[0]
-    tables = _tables(plan, tuple(c0.stride()))
-    deltas, vec_layers = _layer_deltas(used)
-    esize = c0.element_size()
-    kv_stride = c0.stride(0)
-    # Row starts divisible by VEC elements (16 B) let loads vectorize; Triton checks the base pointer.
-    vec = min(16 // esize, tables.vec_rows, vec_layers, _pow2_divisor(np.asarray([kv_stride]), 16))
-    tbase = (deltas[:, None] + np.arange(2, dtype=np.int64)[None, :] * kv_stride).reshape(-1)
-    vec2 = min(16 // esize, tables.vec_rows, _pow2_divisor(tbase, 16))
-    copied = any(u is not g for u, g in zip(used, given))
-    launch = _Launch(
-        tables=tables,
-        deltas_host=deltas,
-        tbase=tbase,
-        device=c0.device,
-        kv_stride=kv_stride,
-        constexprs={"HEAD_DIM": plan.src.head_dim, "CTP": tables.ctp, "SRC_KIND": _SRC_KIND[c0.dtype], "VEC": vec},
-        meta_offsets=tables.sections,
-        vec2=vec2,
-        words=c0.dtype == torch.bfloat16 and vec2 >= 2 and c0.data_ptr() % 4 == 0,
-    )
-    if copied:
-        return launch, used  # copies made for this call only: their pointers mean nothing next time
+    lkey = (key, plan.src)
+    layout = _lru_get(_LAYOUTS, lkey)
+    used: Sequence[torch.Tensor] = caches
+    if layout is None:
+        given = list(caches)
+        plan.src.check_cache(given)
+        used = _uniform_caches(given)
+        layout = _build_layout(plan, used)
+        if any(u is not g for u, g in zip(used, given)):
+            # Copies made for this call only: their pointers mean nothing next time.
+            return _Launch(layout, _placed(plan, layout.device), _blocks(plan, layout.device)), used
+        _lru_put(_LAYOUTS, lkey, layout, _LAYOUTS_MAX)
+    launch = _Launch(layout, _placed(plan, layout.device), _blocks(plan, layout.device))  # type: ignore[arg-type]
     for stale in [k for k in cache if k[0] == "launch"][:-7]:
         del cache[stale]  # caches moved: keep only the last few pointer sets
     cache[key] = launch
-    if ckey is not None:
-        with _LAUNCHES_LOCK:
-            _LAUNCHES[ckey] = (plan._memo, launch)
-            _LAUNCHES.move_to_end(ckey)
-            while len(_LAUNCHES) > _LAUNCHES_MAX:
-                _LAUNCHES.popitem(last=False)
     return launch, used
 
 
@@ -681,69 +790,71 @@ def default_tpp(head_dim: int, elem_bytes: int, num_tensors: int) -> int:
 
 
 @dataclass
-class _V2Call:
-    """One v2 configuration of one launch state: grid, the arguments after (src, meta, out), and
-    the compiled kernel per send-buffer alignment once the JIT has produced it."""
+class _Call:
+    """One kernel configuration of one cache layout: the grid's tensor axis, the arguments after the
+    send buffer(s) in signature order, and the compiled kernel per send-buffer alignment once the JIT
+    has produced it. Every argument it covers is fixed per cache layout, and the per-request tables'
+    pointers are not specialized on, so the compiled kernel serves every request (any placement, any
+    block ids) with no new compilation and no trip through the JIT dispatcher."""
 
-    grid: tuple[int, int, int]
+    grid_y: int
     rest: tuple
     num_warps: int
     direct: bool  # launch through the compiled kernel's launcher after the first launch
     compiled: dict = field(default_factory=dict)
 
 
-def _v2_call(launch: _Launch, plan: KVTransferPlan, bfp8: bool, words: bool, num_warps: int, tpp: int | None,
-             elem_bytes: int) -> _V2Call:
+def _strides(layout: _Layout, ctp: int) -> tuple:
+    """The constexprs both kernels take after their runtime integer: strides, block size, head_dim, CTP."""
+    return (layout.s_block, layout.s_slot, layout.s_head, layout.block_size, layout.head_dim, ctp)
+
+
+def _v2_call(layout: _Layout, ctp: int, bfp8: bool, words: bool, num_warps: int, tpp: int | None, elem_bytes: int) -> _Call:
     direct = os.environ.get(ENV_LAUNCH, "direct") != "jit"
-    key = (bfp8, words, num_warps, tpp, direct)
-    hit = launch.calls.get(key)
+    key = ("v2", ctp, bfp8, words, num_warps, tpp, direct)
+    hit = layout.calls.get(key)
     if hit is not None:
         return hit
-    n = plan.num_tensors
-    tpp = tpp or default_tpp(plan.src.head_dim, elem_bytes, n)
+    n = 2 * layout.n_layers
+    tpp = tpp or default_tpp(layout.head_dim, elem_bytes, n)
     if tpp < 1 or tpp & (tpp - 1):
         raise ValueError(f"tensors per program must be a power of two, got {tpp}")
-    t = launch.tables
-    consts = (plan.src.head_dim, t.ctp, launch.constexprs["SRC_KIND"], bfp8, launch.vec2, tpp, words, n % tpp == 0)
-    hit = _V2Call(grid=(t.groups, triton.cdiv(n, tpp), 1), rest=(n, *launch.meta_offsets, *consts), num_warps=num_warps,
-                  direct=direct)
-    launch.calls[key] = hit
+    # n_tensors stays a runtime integer: it is fixed per cache layout (so is its specialization).
+    rest = (n, *_strides(layout, ctp), layout.src_kind, bfp8, layout.vec2, tpp, words, n % tpp == 0)
+    hit = _Call(grid_y=triton.cdiv(n, tpp), rest=rest, num_warps=num_warps, direct=direct)
+    layout.calls[key] = hit
     return hit
 
 
-def _v1_call(launch: _Launch, plan: KVTransferPlan, bfp8: bool, num_warps: int) -> _V2Call:
-    """v1's launch configuration; ``rest`` is every argument after the send buffer, in signature order."""
+def _v1_call(layout: _Layout, ctp: int, bfp8: bool, num_warps: int) -> _Call:
     direct = os.environ.get(ENV_LAUNCH, "direct") != "jit"
-    key = ("v1", bfp8, num_warps, direct)
-    hit = launch.calls.get(key)
+    key = ("v1", ctp, bfp8, num_warps, direct)
+    hit = layout.calls.get(key)
     if hit is None:
-        k = launch.constexprs
-        hit = _V2Call(grid=(launch.tables.groups, plan.num_tensors, 1),
-                      rest=(launch.kv_stride, k["HEAD_DIM"], k["CTP"], k["SRC_KIND"], bfp8, k["VEC"]),
-                      num_warps=num_warps, direct=direct)  # fmt: skip
-        launch.calls[key] = hit
+        # kv_stride stays a runtime integer: it is fixed per cache layout (so is its specialization).
+        rest = (layout.kv_stride, *_strides(layout, ctp), layout.src_kind, bfp8, layout.vec)
+        hit = _Call(grid_y=2 * layout.n_layers, rest=rest, num_warps=num_warps, direct=direct)
+        layout.calls[key] = hit
     return hit
 
 
-def _launch_v2(call: _V2Call, args: tuple, device: torch.device, align: int, kernel: object = None) -> None:
-    """Launch v2 (or ``kernel``: v1). The first launch of a configuration goes through Triton's JIT
-    dispatcher; later ones call the compiled kernel's launcher directly with the same arguments
-    (``$HAWK_TRANSFORM_LAUNCH`` = ``direct``, the default): ``args`` are all the kernel's parameters in
-    signature order, constexprs included, as the dispatcher passes them. Everything the JIT
-    specializes on is fixed per launch state except the send buffer's alignment, so compiled kernels
-    are kept per ``align`` (its address mod 16)."""
-    kernel = _rows_kernel if kernel is None else kernel
+def _launch(call: _Call, groups: int, args: tuple, device: torch.device, align: int, kernel: object) -> None:
+    """Launch ``kernel`` on ``groups`` row groups. The first launch of a configuration goes through
+    Triton's JIT dispatcher; later ones call the compiled kernel's launcher directly with the same
+    arguments (``$HAWK_TRANSFORM_LAUNCH`` = ``direct``, the default): ``args`` are all the kernel's
+    parameters in signature order, constexprs included, as the dispatcher passes them. Everything the
+    JIT specializes on is fixed per cache layout except the send buffer's alignment, so compiled
+    kernels are kept per ``align`` (its address mod 16)."""
     compiled = call.compiled.get(align)
     if compiled is not None and _knobs.runtime.launch_enter_hook is None and _knobs.runtime.launch_exit_hook is None:
-        g = call.grid
         try:
-            compiled.run(g[0], g[1], g[2], _raw_stream(device.index), compiled.function, compiled.packed_metadata,
+            compiled.run(groups, call.grid_y, 1, _raw_stream(device.index), compiled.function, compiled.packed_metadata,
                          None, None, None, *args)
             return
         except Exception:  # noqa: BLE001 - a launcher this code does not know: use the dispatcher from now on
             call.compiled.clear()
             call.direct = False
-    compiled = kernel[call.grid](*args, num_warps=call.num_warps)  # type: ignore[index]
+    compiled = kernel[(groups, call.grid_y, 1)](*args, num_warps=call.num_warps)  # type: ignore[index]
     if (call.direct and device.type == "cuda" and getattr(compiled, "function", None) is not None
             and hasattr(compiled, "packed_metadata")):
         call.compiled[align] = compiled
@@ -810,19 +921,18 @@ def transform_triton(
 
     switch = device.type == "cuda" and device.index != torch.cuda.current_device()
     with torch.cuda.device(device) if switch else contextlib.nullcontext():  # launch on the caches' GPU
+        deltas, tbase, groups, blk = launch.tables()
+        launch.order_after_uploads()
+        layout, placed = launch.layout, launch.placed
         if which == "v1":
-            deltas, row_off, row_valid, page_a, page_b = launch.v1_tables()
-            launch.order_after_uploads()
-            call = _v1_call(launch, plan, bfp8, num_warps)
+            call = _v1_call(layout, placed.ctp, bfp8, num_warps)
             src = c0.view(_SRC_BITS[c0.dtype])  # `used` stays alive until the launch is enqueued
-            args = (src, deltas, row_off, row_valid, page_a, page_b, dst if bfp8 else dst.view(torch.int16), *call.rest)
-            _launch_v2(call, args, device, ptr % 16, _transform_kernel)
+            args = (src, deltas, groups, blk, dst if bfp8 else dst.view(torch.int16), *call.rest)
+            _launch(call, placed.groups, args, device, ptr % 16, _transform_kernel)
         else:
-            words = bfp8 and launch.words and which == "v2" and ptr % 2 == 0
-            call = _v2_call(launch, plan, bfp8, words, num_warps, tpp, c0.element_size())
-            meta = launch.meta
-            launch.order_after_uploads()
+            words = bfp8 and layout.words and which == "v2" and ptr % 2 == 0
+            call = _v2_call(layout, placed.ctp, bfp8, words, num_warps, tpp, c0.element_size())
             src = _word_view(c0) if words else c0.view(_SRC_BITS[c0.dtype])
             dst16 = dst.view(torch.int16) if ptr % 2 == 0 else dst  # (odd: only bfloat8_b bytes are stored)
-            _launch_v2(call, (src, meta, dst, dst16, *call.rest), device, ptr % 16)
+            _launch(call, placed.groups, (src, tbase, groups, blk, dst, dst16, *call.rest), device, ptr % 16, _rows_kernel)
     return out
