@@ -16,6 +16,14 @@ from tests.kv_fixtures import L, dst_blocks_for, make_pair
 CONFIGS = ("gn-hawk", "gg-direct")
 
 
+@pytest.fixture(autouse=True, params=["worker", "inline"])
+def post_from(request, monkeypatch):
+    """Every test twice: layers produced and posted by the push worker, and by the forward's thread
+    (what a stream-ordered transport on CUDA gets; forced here on the CPU)."""
+    monkeypatch.setenv("HAWK_LAYERWISE_INLINE", "0" if request.param == "worker" else "always")
+    return request.param
+
+
 class FaultyLocal(LocalTransport):
     """Local copies whose batches fail on demand (the sender posts the WRITEs, so it gets this one)."""
 
@@ -74,7 +82,7 @@ def _prefill(pair, rid, tokens, blocks, fail_at=None):
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-def test_layerwise_push_lands_the_kv_and_releases_everything(config):
+def test_layerwise_push_lands_the_kv_and_releases_everything(config, post_from):
     pair = make_pair(config, LocalTransport(), LocalTransport())
     try:
         for i, (tokens, blocks) in enumerate([(100, [9, 3, 4, 5, 6, 7, 8]), (1, [0]), (64, [10, 11, 12, 13])]):
@@ -84,6 +92,7 @@ def test_layerwise_push_lands_the_kv_and_releases_everything(config):
             t.join(10)
             assert "result" in out, out
             assert out["result"].mode == "layerwise" and out["result"].bytes > 0 and out["result"].num_tokens == tokens
+            assert ("sender_post_s" in out["result"].timings) == (post_from == "inline")  # the path asked for ran
             assert pair.landed(tokens, blocks, dst)
         assert _clean(pair)
         assert sorted(pair.freed) == ["r0", "r1", "r2"]  # every prefill's blocks back exactly once

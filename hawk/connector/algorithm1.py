@@ -42,7 +42,11 @@ blocks first and hands them over before the prefill runs.
                                                      P3+P5  as each layer's forward finishes it: that
                                                          layer's transform on a side stream, then its
                                                          WRITE straight into r's pages (D4-D6 done by
-                                                         the sender: it pairs and posts)
+                                                         the sender: it pairs and posts). Over a
+                                                         stream-ordered transport (same host, CUDA) the
+                                                         forward's thread posts both as it passes the
+                                                         layer, ordered after it on the device; else
+                                                         the push worker does, as the layer completes
                                                      P6+P9  after the last write: release the staging
                                                          and the paged blocks
     D2  AwaitPush ◀──────────────────────────────── P7  Pushed (or Error), when all writes completed
@@ -60,6 +64,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -147,6 +152,15 @@ class _Receiver:
     info: dict[str, Any]
 
 
+#: A push-worker item meaning "every layer of this inline push is posted" (layer numbers are >= 0,
+#: -1 is "plan it").
+_ALL_POSTED = -2
+#: ``0`` keeps every layer-wise push on the push worker (for comparison); default (``1``): inline on
+#: CUDA when the transport is stream-ordered; ``always``: inline on a CPU too (tests: on a CPU the
+#: copies then run on the forward's thread, which the worker would have overlapped).
+INLINE_ENV = "HAWK_LAYERWISE_INLINE"
+
+
 class PushState(Enum):
     """Where one layer-wise push is, on the prefill side."""
 
@@ -182,6 +196,7 @@ class _Push:
     t_last_layer: float = 0.0
     writes: list[Any] = field(default_factory=list)  # posted layer WRITEs not yet waited for
     failing: Message | None = None  # a failure found while the worker was busy with it: the worker ends it
+    inline: bool = False  # layers are produced and posted on the forward's thread (stream-ordered transport)
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -198,7 +213,10 @@ class LayerFeed:
 
     def layer_written(self, layer: int) -> None:
         """Layer ``layer``'s KV is written (enqueued, on CUDA): produce and send it beside the forward."""
-        self._sender._enqueue(self._push, layer, mark(self._sender.device))
+        if self._push.inline:
+            self._sender._push_layer_inline(self._push, layer)
+        else:
+            self._sender._enqueue(self._push, layer, mark(self._sender.device))
 
     def failed(self, error: BaseException | str) -> None:
         """The forward (or the first token) failed: stop; the engine keeps and frees its blocks."""
@@ -296,8 +314,65 @@ class KVSender:
                 mismatch = f"request {request_id}: the decode expects {push.num_tokens} tokens, the prefill has {num_tokens}"
             else:
                 mismatch = ""
+        if not mismatch and self._plan_inline(push):
+            return LayerFeed(self, push)
         self._work.put((push, -1, mismatch))
         return LayerFeed(self, push)
+
+    def _plan_inline(self, push: _Push) -> bool:
+        """Plan the push now, on the forward's thread, if its layers can be posted from there: a CUDA
+        cache, a stream-ordered route to the decode, and staging free at once (no waiting here)."""
+        mode = os.environ.get(INLINE_ENV, "1")
+        if mode == "0" or (self.device.type != "cuda" and mode != "always"):
+            return False
+        try:
+            if not self.transport.stream_ordered(push.receiver.peer):
+                return False
+            with self._lock:
+                push.busy = True
+            try:
+                self._plan_push(push, "", wait_s=0.0)
+            finally:
+                self._after_work(push)
+        except BufferFull:
+            return False  # the worker plans it, waiting for staging
+        except Exception as e:  # noqa: BLE001 - this request's push fails; the forward goes on
+            self._fail_push(push, f"request {push.request_id}: push failed: {type(e).__name__}: {e}")
+            return True
+        push.inline = push.staged is not None
+        return push.inline or push.state is not PushState.PUSHING
+
+    def _push_layer_inline(self, push: _Push, layer: int) -> None:
+        """P3 + P5 for one layer on the forward's thread: the transform on the side stream after the
+        layer's kernels, the WRITE posted after it (the transport orders it on the device); nothing
+        waits here. The worker waits for the writes once the last layer is posted."""
+        with self._lock:
+            if push.state is not PushState.PUSHING:
+                return
+            push.busy = True
+        try:
+            t0 = time.perf_counter()
+            staged = push.staged
+            if staged is None:
+                raise RuntimeError("layer pushed before its plan")
+            self._side.after_current()
+            with self._side.current():
+                self.fmt.produce_layer(push.plan, layer, staged)
+                descs = self.fmt.layer_descs(push.plan, layer, staged)
+                if descs:
+                    push.writes.append(self.transport.submit("WRITE", push.receiver.peer, descs))
+            push.timings["post_s"] = push.timings.get("post_s", 0.0) + time.perf_counter() - t0
+            push.bytes += sum(d.length for d in descs)
+            push.requests += len(descs)
+            push.layers_left -= 1
+            if push.layers_left == 0:
+                push.t_last_layer = time.perf_counter()
+                self._work.put((push, _ALL_POSTED, None))
+        except Exception as e:  # noqa: BLE001 - this request's push fails; the forward goes on
+            log.warning("layer-wise push of %s failed: %s", push.request_id, e)
+            self._fail_push(push, f"request {push.request_id}: push failed: {type(e).__name__}: {e}")
+        finally:
+            self._after_work(push)
 
     def _push_to(self, msg: PushTo) -> Message:
         """P1: keep the destination. A request already prefilled (its D1 came late) is pushed whole."""
@@ -364,7 +439,9 @@ class KVSender:
                     continue
                 push.busy = True
             try:
-                if layer < 0:
+                if layer == _ALL_POSTED:
+                    self._finish_posted(push)
+                elif layer < 0:
                     self._plan_push(push, arg)
                 else:
                     self._push_layer(push, layer, arg)
@@ -391,14 +468,15 @@ class KVSender:
         if staged is not None and push.state is PushState.PUSHED:
             self.fmt.release(staged.held)
 
-    def _plan_push(self, push: _Push, mismatch: str) -> None:
-        """P2-P4 of a push, beside the forward: plan it and reserve its staging."""
+    def _plan_push(self, push: _Push, mismatch: str, wait_s: float | None = None) -> None:
+        """P2-P4 of a push, beside the forward: plan it and reserve its staging (waiting up to
+        ``wait_s`` for room, default ``staging_wait_s``)."""
         if mismatch:
             raise ValueError(mismatch)
         t0 = time.perf_counter()
         push.plan = self.fmt.plan_layers(push.num_tokens, push.src_block_ids, push.receiver.info, push.dst_block_ids)
         t1 = time.perf_counter()
-        deadline = time.monotonic() + self.staging_wait_s
+        deadline = time.monotonic() + (self.staging_wait_s if wait_s is None else wait_s)
         while True:
             try:
                 staged = self.fmt.reserve_layers(push.plan, push.request_id, ttl_s=self.ttl_s * 2)
@@ -439,6 +517,13 @@ class KVSender:
             push.timings["write_s"] += t3 - t2
             push.timings["exposed_s"] = t3 - push.t_last_layer if push.t_last_layer else 0.0
             self._end_push(push, PushState.PUSHED, Pushed(push.request_id, push.num_tokens, push.bytes, push.requests, dict(push.timings)))
+
+    def _finish_posted(self, push: _Push) -> None:
+        """Every layer of an inline push is posted: wait for the writes, then P6-P9 and P7."""
+        self._wait_writes(push)
+        t = time.perf_counter()
+        push.timings["exposed_s"] = t - push.t_last_layer if push.t_last_layer else 0.0
+        self._end_push(push, PushState.PUSHED, Pushed(push.request_id, push.num_tokens, push.bytes, push.requests, dict(push.timings)))
 
     def _wait_writes(self, push: _Push) -> None:
         """Wait for (and release) every WRITE the push posted; the first failure raises after all are released."""

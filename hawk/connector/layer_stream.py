@@ -44,6 +44,12 @@ class SideStream:
             work()
         self.stream.synchronize()
 
+    def after_current(self) -> None:
+        """Order this stream after everything enqueued so far on the calling thread's stream (the
+        forward's, when the forward's own thread posts a layer)."""
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
     def current(self) -> contextlib.AbstractContextManager[Any]:
         """This stream as the calling thread's current one (and its device as the current device):
         a same-host transport's copies order themselves after the current stream, and the thread's

@@ -11,26 +11,41 @@ Routes (all under a cluster secret when one is set):
   POST /internal/prefill       PrefillRequest  -> PrefillResponse
   POST /internal/abort         AbortRequest    -> PrefillAbortReply
   POST /internal/decode        DecodeRequest   -> NDJSON stream of TokenLine
+  POST /internal/first_token   FirstToken      -> FirstTokenReply   (kv_flow=layerwise only)
   POST /internal/decode_abort  AbortRequest    -> DecodeAbortReply
   GET  /internal/info          InstanceInfo
   GET  /internal/accounting    Accounting
   GET  /health                 Health (503 when an engine thread has died)
 
 Sampling parameters travel as ``SamplingParams.to_dict()``; the engine's ``from_dict`` checks them.
+
+Two KV flows (``kv_flow``, hawk/config.py), one set of messages; hawk/serve/generation.py states the
+request's lifecycle in each. ``pull``: PrefillRequest, then a DecodeRequest carrying the prefill's
+first token and KV handle. ``layerwise`` (decode first): a DecodeRequest without a first token,
+naming the prefill that will push the KV; the decode's stream opens with a ``handed`` line once its
+blocks are that prefill's push destination; then the PrefillRequest; then FirstToken hands the
+prefill's first token to the decode, whose stream continues as in pull mode.
+
+Version history: 2 added ``kv_flow`` (PrefillRequest, DecodeRequest, InstanceInfo),
+``TokenLine.handed``, FirstToken/FirstTokenReply, and made ``DecodeRequest.first_token`` optional
+(required in pull mode, refused in layer-wise mode).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hawk.errors import BadUpstream
 
 #: Bump when a message changes shape; both ends must agree exactly.
-CONTRACT_VERSION = 1
+CONTRACT_VERSION = 2
 
 Role = Literal["prefill", "decode", "colocated"]
+#: How a request's KV reaches the decode (hawk/config.py ``kv_flow``): pulled after prefill, or
+#: pushed layer by layer into blocks the decode handed over before prefill.
+KVFlow = Literal["pull", "layerwise"]
 M = TypeVar("M", bound="Message")
 
 
@@ -58,7 +73,8 @@ class Message(BaseModel):
 
 
 class KVRef(BaseModel):
-    """Where a prefilled request's KV waits: the prefill's KV control address and the id there."""
+    """Where a request's KV is: the prefill's KV control address and the request's id there (pull:
+    where the prefilled KV waits; layer-wise: the prefill that will push it)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -67,9 +83,13 @@ class KVRef(BaseModel):
 
 
 class PrefillRequest(Message):
+    """``kv_flow="layerwise"``: a decode already holds a push destination for this request at this
+    prefill, so a prefill that fails or is refused must release it (not leave it to the TTL)."""
+
     request_id: str = Field(min_length=1, max_length=256)
     prompt_ids: list[int] = Field(min_length=1)
     params: dict[str, Any] = Field(default_factory=dict)
+    kv_flow: KVFlow = "pull"
 
 
 class PrefillResponse(Message):
@@ -81,22 +101,52 @@ class PrefillResponse(Message):
 
 
 class DecodeRequest(Message):
+    """Pull: the prefill's ``first_token`` and where its KV waits (``kv``). Layer-wise: no first token
+    yet (it comes as :class:`FirstToken`); ``kv`` names the prefill that will push the KV."""
+
     request_id: str = Field(min_length=1, max_length=256)
     prompt_len: int = Field(ge=1)
-    first_token: int = Field(ge=0)
+    first_token: int | None = Field(default=None, ge=0)
     params: dict[str, Any] = Field(default_factory=dict)
     kv: KVRef
+    kv_flow: KVFlow = "pull"
+
+    @model_validator(mode="after")
+    def _first_token_matches_the_flow(self) -> DecodeRequest:
+        if self.kv_flow == "pull" and self.first_token is None:
+            raise ValueError("first_token is required with kv_flow 'pull' (the prefill ran first)")
+        if self.kv_flow == "layerwise" and self.first_token is not None:
+            raise ValueError("first_token must be left out with kv_flow 'layerwise' (it is sent later, as FirstToken)")
+        return self
 
 
 class TokenLine(Message):
     """One line of the decode stream: a token, and on the last line why it finished. ``info``
-    (on the first line) carries the KV transfer's time and bytes; ``error`` explains
-    finish_reason "error"."""
+    (on the first token's line) carries the KV transfer's time and bytes; ``error`` explains
+    finish_reason "error". Layer-wise only, the stream opens with a line of just ``handed``: the
+    decode's blocks are the prefill's push destination now, so the prefill may start."""
 
     token: int | None = None
     finish_reason: str | None = None
     error: str | None = None
     info: dict[str, Any] | None = None
+    handed: bool | None = None
+
+
+class FirstToken(Message):
+    """Layer-wise: the prefill's first token for a request the decode admitted first; the decode
+    emits it once the pushed KV has landed."""
+
+    request_id: str = Field(min_length=1, max_length=256)
+    token: int = Field(ge=0)
+
+
+class FirstTokenReply(Message):
+    """``accepted`` is False when the request no longer waits for a first token here (it ended,
+    was aborted, or was never admitted): its decode stream says why."""
+
+    request_id: str
+    accepted: bool
 
 
 class AbortRequest(Message):
@@ -130,6 +180,7 @@ class InstanceInfo(Message):
     max_model_len: int
     max_kv_tokens: int | None = None  # decode and colocated
     vocab_size: int
+    kv_flow: KVFlow = "pull"  # colocated moves no KV: always "pull"
 
 
 class Health(Message):

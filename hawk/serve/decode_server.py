@@ -8,13 +8,22 @@ time and bytes.
 If the reader goes away mid-stream (the router's client disconnected, or the router hit a stop
 string), the request is aborted in the engine so its NPU KV blocks and receive reservations are
 freed, wherever it was: queued for memory, transferring, or generating.
+
+Layer-wise (``kv_flow=layerwise``, decode first): the request comes before its prefill, with no first
+token and the address of the prefill that will push its KV. The engine admits it by memory as
+always and hands its blocks to that prefill as the push destination; the stream's first line,
+``{"handed": true}``, tells the router to start the prefill then. POST /internal/first_token later
+brings the prefill's first token, which the engine emits once the last layer has landed. A reader
+that leaves also fails the first token it is waiting for, so the engine stops waiting at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import InvalidStateError
 from typing import Any
 
 from fastapi import APIRouter, FastAPI
@@ -22,12 +31,12 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
 from hawk.devices.timing import timing_label
-from hawk.engine.decode_engine import DecodeEngine, KVHandle, TokenEvent
+from hawk.engine.decode_engine import DecodeEngine, KVHandle, KVPush, TokenEvent
 from hawk.engine.instances import DecodeInstance
 from hawk.engine.sequence import SamplingParams
 from hawk.layouts.device import parse_device
-from hawk.errors import BadRequest, EngineUnavailable, PromptTooLong, UnknownKV
-from hawk.serve.contract import AbortRequest, DecodeAbortReply, DecodeRequest, InstanceInfo, TokenLine
+from hawk.errors import Aborted, BadRequest, ContractMismatch, EngineUnavailable, PromptTooLong, UnknownKV
+from hawk.serve.contract import AbortRequest, DecodeAbortReply, DecodeRequest, FirstToken, FirstTokenReply, InstanceInfo, TokenLine
 from hawk.serve.instance_app import build_instance_app, dead_rank_names, unavailable_reason
 
 log = logging.getLogger(__name__)
@@ -51,21 +60,53 @@ def event_line(ev: TokenEvent) -> bytes:
     return (line.model_dump_json(exclude_none=True) + "\n").encode()
 
 
+class Handed:
+    """The stream item that says a layer-wise request's blocks are its prefill's push destination."""
+
+    LINE = (TokenLine.of(handed=True).model_dump_json(exclude_none=True) + "\n").encode()
+
+
+#: What the engine thread puts on a request's stream: its events, and (layer-wise) the handover.
+StreamItem = TokenEvent | Handed
+
+
+class _HandedSignal(threading.Event):
+    """``KVPush.handed`` that also tells the stream, once: the engine sets it when the prefill holds
+    the destination (or the attempt is over: then the failure follows as the next event)."""
+
+    def __init__(self, on_first_set: Callable[[], None]):
+        super().__init__()
+        self._on_first_set = on_first_set
+        self._once = threading.Lock()
+
+    def set(self) -> None:
+        with self._once:
+            first = not self.is_set()
+            super().set()
+        if first:
+            self._on_first_set()
+
+
 class DecodeService:
     def __init__(
         self, engine: DecodeEngine, handle_for: HandleFor = remote_handle, give_back: GiveBack | None = None,
         unavailable: Callable[[], str | None] = lambda: None, check_prompt: Callable[[int], None] = lambda n: None,
+        kv_flow: str = "pull", vocab_size: int | None = None,
     ):
         """``check_prompt(prompt_len)`` raises ``PromptTooLong`` for a prompt whose KV can never land
-        here (it fits no empty receive buffer): refused before its KV is pulled."""
+        here (it fits no empty receive buffer): refused before its KV is pulled. ``kv_flow``: the
+        flow this instance was configured for (its receive buffers are sized by it); requests of the
+        other flow are refused. ``vocab_size`` bounds a layer-wise first token."""
         self.engine, self.handle_for, self.give_back, self.unavailable = engine, handle_for, give_back, unavailable
-        self.check_prompt = check_prompt
+        self.check_prompt, self.kv_flow, self.vocab_size = check_prompt, kv_flow, vocab_size
         self.aborts = {"aborted_on_disconnect": 0}
+        self._pushes: dict[str, KVPush] = {}  # layer-wise requests admitted here, until their stream ends
 
     def start(self, req: DecodeRequest) -> StreamingResponse:
         down = self.unavailable()
         if down is not None:  # before the handle: nothing was taken
             raise EngineUnavailable(down)
+        self._check_flow(req)
         try:
             params = SamplingParams.from_dict(req.params)
         except (ValueError, TypeError) as e:
@@ -73,37 +114,39 @@ class DecodeService:
         if req.prompt_len + params.max_tokens > self.engine.max_len:  # before the handle: nothing to give back
             raise PromptTooLong(f"prompt ({req.prompt_len}) + max_tokens ({params.max_tokens}) exceeds the context length {self.engine.max_len}")
         self.check_prompt(req.prompt_len)  # before the handle: nothing to give back
-        try:
-            handle = self.handle_for(req)
-        except (KeyError, ValueError) as e:
-            raise UnknownKV(f"no KV for request {req.kv.request_id!r}: {e}") from None
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        queue: asyncio.Queue[StreamItem] = asyncio.Queue()
 
-        def on_event(ev: TokenEvent) -> None:  # engine thread -> event loop
+        def put(item: StreamItem) -> None:  # engine thread -> event loop
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, ev)
+                loop.call_soon_threadsafe(queue.put_nowait, item)
             except RuntimeError:  # the loop is gone (server shutting down)
                 pass
 
+        handle = self._handle(req, lambda: put(Handed()))
         rid = req.request_id
         try:
-            self.engine.submit(rid, req.prompt_len, req.first_token, params, handle, on_event)
+            self.engine.submit(rid, req.prompt_len, self._first_token(req), params, handle, put)
         except ValueError as e:  # the engine's own refusals (a duplicate id, a cache too small)
-            if self.give_back is not None:
+            if self.give_back is not None and req.kv_flow == "pull":
                 self.give_back(req, handle)
             if isinstance(e, BadRequest):
                 raise
             raise BadRequest(str(e)) from None
+        if isinstance(handle, KVPush):
+            self._pushes[rid] = handle
         state = {"finished": False}
 
         async def lines() -> AsyncIterator[bytes]:
             try:
                 while True:
-                    ev = await queue.get()
-                    if ev.finish_reason is not None:
+                    item = await queue.get()
+                    if isinstance(item, Handed):
+                        yield Handed.LINE
+                        continue
+                    if item.finish_reason is not None:
                         state["finished"] = True
-                    yield event_line(ev)
+                    yield event_line(item)
                     if state["finished"]:
                         return
             finally:  # cancelled because the reader disconnected: stop the request
@@ -112,12 +155,60 @@ class DecodeService:
         # The background task runs even when the stream was never started (a reader gone early).
         return StreamingResponse(lines(), media_type=NDJSON, background=BackgroundTask(self._abort_unfinished, rid, state))
 
+    def _check_flow(self, req: DecodeRequest) -> None:
+        """A request of the other KV flow would find no receive buffer sized for it, or no push."""
+        if req.kv_flow != self.kv_flow:
+            raise ContractMismatch(
+                f"request {req.request_id!r} uses kv_flow {req.kv_flow!r}, this decode instance runs {self.kv_flow!r}: "
+                "start the router and the instances with the same --kv-flow"
+            )
+
+    def _handle(self, req: DecodeRequest, on_handed: Callable[[], None]) -> Any:
+        """What the engine fetches the KV through: pull, the prefilled KV's handle; layer-wise, a
+        push from the named prefill whose handover is announced on the stream."""
+        if req.kv_flow == "layerwise":
+            return KVPush(req.kv.address, req.kv.request_id, handed=_HandedSignal(on_handed))
+        try:
+            return self.handle_for(req)
+        except (KeyError, ValueError) as e:
+            raise UnknownKV(f"no KV for request {req.kv.request_id!r}: {e}") from None
+
+    @staticmethod
+    def _first_token(req: DecodeRequest) -> int:
+        """Pull: the prefill's token. Layer-wise: a placeholder the engine replaces with FirstToken's."""
+        return req.first_token if req.first_token is not None else 0
+
+    def first_token(self, msg: FirstToken) -> FirstTokenReply:
+        """Give a layer-wise request its prefill's first token; not accepted once it stopped waiting."""
+        push = self._pushes.get(msg.request_id)
+        if push is None:
+            return FirstTokenReply.of(request_id=msg.request_id, accepted=False)
+        if self.vocab_size is not None and msg.token >= self.vocab_size:  # refused; the request still waits
+            raise BadRequest(f"first token {msg.token} is outside the vocabulary (0..{self.vocab_size - 1})")
+        try:
+            push.first_token.set_result(msg.token)
+        except InvalidStateError:  # given already, or failed because its reader left
+            return FirstTokenReply.of(request_id=msg.request_id, accepted=False)
+        return FirstTokenReply.of(request_id=msg.request_id, accepted=True)
+
     def _abort_unfinished(self, rid: str, state: dict[str, bool]) -> None:
         if not state["finished"]:
             state["finished"] = True
+            self.stop_waiting(rid)
             if self.engine.abort(rid):
                 self.aborts["aborted_on_disconnect"] += 1
                 log.info("decode %s aborted: its reader went away", rid)
+        self._pushes.pop(rid, None)
+
+    def stop_waiting(self, rid: str) -> None:
+        """A layer-wise request whose reader left will get no first token: fail the wait, so the
+        engine frees its blocks as soon as its push is over instead of after the receiver timeout."""
+        push = self._pushes.get(rid)
+        if push is not None and not push.first_token.done():
+            try:
+                push.first_token.set_exception(Aborted(f"request {rid!r} was aborted before its first token arrived"))
+            except InvalidStateError:
+                pass
 
 
 def decode_routes(svc: DecodeService) -> APIRouter:
@@ -127,9 +218,15 @@ def decode_routes(svc: DecodeService) -> APIRouter:
     async def decode(req: DecodeRequest) -> StreamingResponse:
         return svc.start(req)
 
+    @r.post("/internal/first_token")
+    async def first_token(msg: FirstToken) -> FirstTokenReply:
+        """Layer-wise: the prefill's first token, relayed by the router."""
+        return svc.first_token(msg)
+
     @r.post("/internal/decode_abort")
     async def abort(req: AbortRequest) -> DecodeAbortReply:
         """Explicit abort (closing the /internal/decode stream does the same)."""
+        svc.stop_waiting(req.request_id)
         return DecodeAbortReply.of(request_id=req.request_id, aborted=svc.engine.abort(req.request_id))
 
     return r
@@ -151,9 +248,13 @@ def create_decode_app(instance: DecodeInstance, close_on_shutdown: bool = True, 
         arch=cfg.arch if on_npu else None,
         kv_dtype=cfg.kv_dtype if on_npu else cfg.gpu_kv_dtype, emulated_npu=on_npu,
         max_model_len=instance.engine.max_len, max_kv_tokens=blocks.num_blocks * blocks.block_size, vocab_size=mc.vocab_size,
+        kv_flow=cfg.kv_flow,
     )
 
-    svc = DecodeService(instance.engine, unavailable=lambda: unavailable_reason("decode", instance), check_prompt=instance.check_prompt)
+    svc = DecodeService(
+        instance.engine, unavailable=lambda: unavailable_reason("decode", instance), check_prompt=instance.check_prompt,
+        kv_flow=cfg.kv_flow, vocab_size=mc.vocab_size,
+    )
 
     def accounting() -> dict[str, Any]:
         return {**instance.accounting(), **{f"engine_{k}": v for k, v in instance.engine.stats().items()}, **svc.aborts}

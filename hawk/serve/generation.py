@@ -1,14 +1,35 @@
-"""One request's path through the router: prefill, then decode with the KV handle, then text.
+"""One request's path through the router: the lifecycle below, then tokens to text.
 
-``Generation.start`` asks a prefill instance for the first token and a KV handle, then opens a
-decode stream that carries them; every input error surfaces there, before the client has been sent
-a status line, so it can still be answered with a 4xx. ``Generation.deltas`` turns the decode
-stream's token ids into text (incrementally, never splitting a UTF-8 character), cuts at stop
-strings, and records the timings the client gets in ``hawk``.
+The lifecycle of one request, as the router drives it (each instance's own states are in its engine:
+hawk/engine/prefill_engine.py, hawk/engine/decode_engine.py):
 
-Whatever ends the request early (a stop string, an error, the client leaving), ``aclose`` closes
-the upstream decode stream, which makes the decode instance abort it and free its blocks; if no
-token ever came back, the prefill instance is told too, so KV waiting there is dropped at once.
+  pull (kv_flow=pull; Algorithm 1 as written)
+    1 PREFILL  POST /internal/prefill: the prompt runs; the answer is the first token and a KV handle
+               (the KV waits on the prefill, in its paged blocks, until pulled or its TTL)
+    2 DECODE   POST /internal/decode with both: the decode reserves blocks, pulls the KV, then streams
+    3 STREAM   token lines -> text (below), until a finish reason, a stop string, or an error
+
+  layer-wise (kv_flow=layerwise; decode first, so the transfer hides behind the prefill's forward)
+    1 ADMIT    POST /internal/decode (no first token; ``kv`` names the prefill): the decode admits it
+               by memory, reserves its blocks and hands them to that prefill (the KV connector) as the
+               push destination; its stream's first line is ``handed``
+    2 PREFILL  POST /internal/prefill (kv_flow=layerwise): the forward writes each layer into those
+               blocks as it finishes it. The decode stream is watched meanwhile: a decode failure
+               cancels the prefill instead of waiting for it
+    3 FIRST    POST /internal/first_token: the prefill's first token to the decode, which emits it
+               once the last layer has landed (its first line carries the transfer's time and bytes)
+    4 STREAM   as pull
+
+  Release, on every path (``aclose``, idempotent, shielded from cancellation): the decode stream is
+  closed, so the decode aborts the request wherever it is and frees its blocks and reservations
+  (layer-wise, its wait for the first token fails at once); and, if no token came back, the prefill
+  is told to abort, which cancels a queued prompt, drops prefilled KV, and (layer-wise) fails the push
+  destination, so the decode's blocks come back now rather than at the connector's TTL.
+
+Every input error surfaces in ``Generation.start``, before the client has been sent a status line,
+so it can still be answered with a 4xx. ``Generation.deltas`` turns the decode stream's token ids
+into text (incrementally, never splitting a UTF-8 character), cuts at stop strings, and records the
+timings the client gets in ``hawk``.
 """
 
 from __future__ import annotations
@@ -27,7 +48,17 @@ import httpx
 from hawk.engine.sequence import SamplingParams
 from hawk.engine.tokenizer import Tokenizer
 from hawk.errors import BadUpstream
-from hawk.serve.contract import AbortRequest, DecodeRequest, PrefillRequest, PrefillResponse, TokenLine, receive
+from hawk.serve.contract import (
+    AbortRequest,
+    DecodeRequest,
+    FirstToken,
+    FirstTokenReply,
+    KVRef,
+    PrefillRequest,
+    PrefillResponse,
+    TokenLine,
+    receive,
+)
 from hawk.serve.protocol import InstanceDown, OpenAIError
 
 log = logging.getLogger(__name__)
@@ -98,37 +129,58 @@ class Generation:
         stop: list[str],
         arrival: float,
         extra_info: dict[str, Any] | None = None,
+        kv_flow: str = "pull",
+        kv_address: str | None = None,
     ):
+        """``kv_flow="layerwise"`` needs ``kv_address``: the chosen prefill's KV control address,
+        which the decode hands its blocks to before the prefill runs."""
+        if kv_flow == "layerwise" and not kv_address:
+            raise ValueError("a layer-wise generation needs the prefill's KV address")
         self.client, self.prefill_url, self.decode_url = client, prefill_url, decode_url
         self.request_id, self.prompt_ids, self.params = request_id, prompt_ids, params
         self.tokenizer, self.stop, self.arrival = tokenizer, stop, arrival
         self.extra_info = dict(extra_info or {})
+        self.kv_flow, self.kv_address = kv_flow, kv_address
         self._resp: httpx.Response | None = None
+        self._lines: AsyncIterator[str] | None = None
+        self._pending: asyncio.Future[TokenLine | None] | None = None  # a decode line being read ahead
         self._prefilled = False
         self._got_token = False
         self._closed = False
         self.prefill_reply: PrefillResponse | None = None
         self.kv_info: dict[str, Any] = {}
         self.t_prefilled: float | None = None
+        self.t_handed: float | None = None
         self.t_first: float | None = None
         self.t_last: float | None = None
         self.num_tokens = 0
         self.finish_reason: str | None = None
 
-    # -- phase 1: prefill, then open the decode stream ------------------------------------------
+    # -- phase 1: prefill and decode started (the order depends on the KV flow) ----------------
 
     async def start(self) -> None:
         """Raises OpenAIError for anything the instances refuse; on any failure or cancellation
         the request's state on both instances is released."""
         try:
-            await self._prefill()
-            await self._open_decode()
+            if self.kv_flow == "layerwise":
+                await self._start_layerwise()
+            else:
+                await self._prefill()
+                await self._open_decode(self._pull_decode_request())
         except BaseException:
             await self.aclose()
             raise
 
+    async def _start_layerwise(self) -> None:
+        """Decode first: admit (the destination is handed over), prefill, then the first token."""
+        await self._open_decode(self._push_decode_request())
+        self._prefilled = True  # the decode may hand the prefill a destination from now on: release it too
+        await self._await_handed()
+        await self._prefill_watching_decode()
+        await self._deliver_first_token()
+
     async def _prefill(self) -> None:
-        body = PrefillRequest.of(request_id=self.request_id, prompt_ids=self.prompt_ids, params=self.params.to_dict())
+        body = PrefillRequest.of(request_id=self.request_id, prompt_ids=self.prompt_ids, params=self.params.to_dict(), kv_flow=self.kv_flow)
         self._prefilled = True  # from here on the prefill may hold something for this request
         try:
             r = await self.client.post(f"{self.prefill_url}/internal/prefill", content=body.model_dump_json(), headers=_JSON)
@@ -139,13 +191,24 @@ class Generation:
         self.prefill_reply = receive(PrefillResponse, r.content, f"prefill at {self.prefill_url}")
         self.t_prefilled = time.monotonic()
 
-    async def _open_decode(self) -> None:
+    def _pull_decode_request(self) -> DecodeRequest:
+        """Pull: the prefill's first token and where its KV waits."""
         pre = self.prefill_reply
         assert pre is not None
-        body = DecodeRequest.of(
+        return DecodeRequest.of(
             request_id=self.request_id, prompt_len=pre.num_prompt_tokens, first_token=pre.first_token,
             params=self.params.to_dict(), kv=pre.kv,
         )
+
+    def _push_decode_request(self) -> DecodeRequest:
+        """Layer-wise: no first token yet; the prefill that will push the KV, under this request's id."""
+        assert self.kv_address is not None
+        return DecodeRequest.of(
+            request_id=self.request_id, prompt_len=len(self.prompt_ids), params=self.params.to_dict(),
+            kv=KVRef(address=self.kv_address, request_id=self.request_id), kv_flow="layerwise",
+        )
+
+    async def _open_decode(self, body: DecodeRequest) -> None:
         req = self.client.build_request("POST", f"{self.decode_url}/internal/decode", content=body.model_dump_json(), headers=_JSON)
         try:
             resp = await self.client.send(req, stream=True)
@@ -156,6 +219,72 @@ class Generation:
             await resp.aclose()
             raise upstream_error(resp.status_code, content, f"decode at {self.decode_url}")
         self._resp = resp
+        self._lines = resp.aiter_lines()
+
+    async def _await_handed(self) -> None:
+        """The decode's first line: its blocks are the prefill's push destination (or why not)."""
+        ev = await self._read_event()
+        if ev is None or ev.finish_reason is not None:
+            raise self._decode_ended(ev)
+        if not ev.handed:
+            raise BadUpstream(f"decode instance {self.decode_url} sent {ev.model_dump(exclude_none=True)} before handing its blocks over")
+        self.t_handed = time.monotonic()
+
+    async def _prefill_watching_decode(self) -> None:
+        """Run the prefill while reading ahead on the decode stream. Nothing but a failure can come
+        there before the first token is delivered, so a line that does ends the request now (the
+        prefill is cancelled and aborted by ``aclose``) instead of after the whole prefill."""
+        prefill = asyncio.ensure_future(self._prefill())
+        ahead = asyncio.ensure_future(self._read_event())
+        keep_ahead = False
+        try:
+            await asyncio.wait({prefill, ahead}, return_when=asyncio.FIRST_COMPLETED)
+            if not prefill.done():
+                raise self._decode_ended(ahead.result())
+            prefill.result()  # the prefill's own failure, if any
+            self._check_same_prefill()
+            self._pending, keep_ahead = ahead, True  # its line (the first token, or why not) comes next
+        finally:
+            await _cancel(prefill)
+            if not keep_ahead:
+                await _cancel(ahead)
+
+    def _check_same_prefill(self) -> None:
+        """The prefill that answered must be the one the decode's blocks were handed to; else
+        nothing will ever be pushed there (a prefill restarted since the router read its address),
+        and the request fails now instead of at the connector's TTL."""
+        pre = self.prefill_reply
+        assert pre is not None
+        if pre.kv.address != self.kv_address:
+            raise BadUpstream(
+                f"prefill at {self.prefill_url} answered from KV address {pre.kv.address}, but the decode's blocks were handed "
+                f"to {self.kv_address} (restarted since the router read its address?); retry"
+            )
+
+    async def _deliver_first_token(self) -> None:
+        """Relay the prefill's first token to the decode. If the decode no longer waits for it, its
+        stream says why (the next line), so a refusal here is not an error of its own."""
+        pre = self.prefill_reply
+        assert pre is not None
+        body = FirstToken.of(request_id=self.request_id, token=pre.first_token)
+        try:
+            r = await self.client.post(f"{self.decode_url}/internal/first_token", content=body.model_dump_json(), headers=_JSON)
+        except httpx.HTTPError as e:
+            raise InstanceDown(f"decode instance {self.decode_url} unreachable: {e!r}") from None
+        if r.status_code != 200:
+            raise upstream_error(r.status_code, r.content, f"decode at {self.decode_url}")
+        reply = receive(FirstTokenReply, r.content, f"decode at {self.decode_url}")
+        if not reply.accepted:
+            log.info("decode %s did not take %s's first token; its stream says why", self.decode_url, self.request_id)
+
+    def _decode_ended(self, ev: TokenLine | None) -> OpenAIError | BadUpstream:
+        """What a decode line that ends the request before its first token means for the client."""
+        if ev is None:
+            return BadUpstream(f"decode instance {self.decode_url} ended the stream early")
+        if ev.finish_reason in ("error", "abort"):
+            detail = ev.error or "the request was aborted on the decode instance"
+            return OpenAIError(500, f"decode failed: {detail}", type="server_error")
+        return BadUpstream(f"decode instance {self.decode_url} sent {ev.model_dump(exclude_none=True)} before the first token was delivered")
 
     # -- phase 2: tokens to text ------------------------------------------------------------
 
@@ -165,10 +294,7 @@ class Generation:
         decoder = self.tokenizer.incremental_decoder()
         stopper = StopMatcher(self.stop)
         try:
-            async for line in self._resp.aiter_lines():
-                if not line:
-                    continue
-                ev = receive(TokenLine, line, f"decode at {self.decode_url}")
+            while (ev := await self._next_event()) is not None:
                 if ev.info:
                     self.kv_info.update(ev.info)
                 tok, reason = ev.token, ev.finish_reason
@@ -204,10 +330,26 @@ class Generation:
                 yield TextDelta(text + stopper.flush(), reason)
                 return
             raise BadUpstream(f"decode instance {self.decode_url} ended the stream early")
-        except httpx.HTTPError as e:
-            raise BadUpstream(f"decode stream from {self.decode_url} broke: {e!r}") from None
         finally:
             await self.aclose()
+
+    async def _next_event(self) -> TokenLine | None:
+        """The decode stream's next line: the one read ahead during the prefill, if any."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            return await pending
+        return await self._read_event()
+
+    async def _read_event(self) -> TokenLine | None:
+        """One line of the decode stream, checked against the contract; None at its end."""
+        assert self._lines is not None
+        try:
+            async for line in self._lines:
+                if line:
+                    return receive(TokenLine, line, f"decode at {self.decode_url}")
+        except httpx.HTTPError as e:
+            raise BadUpstream(f"decode stream from {self.decode_url} broke: {e!r}") from None
+        return None
 
     # -- the end ----------------------------------------------------------------------------
 
@@ -217,6 +359,9 @@ class Generation:
             return
         self._closed = True
         with anyio.move_on_after(CLEANUP_TIMEOUT_S, shield=True):
+            if self._pending is not None:  # a read ahead that nobody will take
+                await _cancel(self._pending)
+                self._pending = None
             if self._resp is not None:
                 await self._resp.aclose()  # a decode still running sees its reader leave and aborts
             if self._prefilled and not self._got_token and self.finish_reason is None:
@@ -255,7 +400,18 @@ class Generation:
         }
         if self.t_prefilled is not None and self.t_first is not None:
             out["prefill_to_first_token_s"] = self.t_first - self.t_prefilled
+        if self.kv_flow == "layerwise":  # the part of the transfer the prefill's forward did not hide
+            out["kv_flow"] = "layerwise"
+            out["kv_exposed_s"] = self.kv_info.get("kv_exposed_s")
+            out["decode_handed_s"] = None if self.t_handed is None else self.t_handed - self.arrival
         return out
+
+
+async def _cancel(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` and wait for it to end, whatever it ends with (nobody reads its result)."""
+    if not task.done():
+        task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 async def until_disconnected(receive_disconnect: Any, work: Any) -> Any:

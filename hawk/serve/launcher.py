@@ -581,6 +581,13 @@ def router_config(cfg: ServeConfig, prefill_urls: list[str], decode_urls: list[s
     )
 
 
+def describe_transfer(cfg: ServeConfig) -> str:
+    """How KV moves in this system, as the start-up line says it (the KV flow when it is not the
+    default pull: layer-wise changes the order of a request's steps, see serve/generation.py)."""
+    flow = ", layer-wise KV push" if cfg.kv_flow == "layerwise" and cfg.transfer != "colocated" else ""
+    return f"{cfg.transfer} over {cfg.transport}{flow}"
+
+
 def serve(cfg: ServeConfig) -> None:
     """Run HAWK (or one part of it) in the foreground until Ctrl-C / SIGTERM.
 
@@ -617,7 +624,7 @@ def serve(cfg: ServeConfig) -> None:
             with start_cluster(cfg, secret) as cluster:
                 cluster.supervise(cfg.max_restarts)
                 app = create_router_app(router_config(cfg, cluster.prefill_urls, cluster.decode_urls, secret))
-                print(f"HAWK serving {cfg.model} ({cfg.transfer} over {cfg.transport}) at {url_of(sock)}/v1", flush=True)
+                print(f"HAWK serving {cfg.model} ({describe_transfer(cfg)}) at {url_of(sock)}/v1", flush=True)
                 serve_foreground(app, sock, cfg.log_level)
         except KeyboardInterrupt:
             pass  # Ctrl-C / SIGTERM: children were stopped by the ``with`` block

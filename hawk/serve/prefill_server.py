@@ -4,6 +4,12 @@ POST /internal/prefill runs one prompt through the batched prefill engine and an
 token and a KV handle (the HAWK sender's control address + the request id) that the router passes
 to a decode instance. POST /internal/abort undoes a request the client gave up on: it leaves the
 queue, or its finished KV is dropped so its paged blocks come back at once instead of at the TTL.
+
+Layer-wise (``kv_flow=layerwise``): a decode has already handed this prefill a push destination for
+the request (the connector holds it); the forward writes each layer there as it finishes it, and
+the answer's first token goes, through the router, to that decode. A request that fails or is
+refused here, or is aborted, has its destination released at once (the decode hears an Error and
+frees its blocks) rather than at the connector's TTL.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from fastapi import APIRouter, FastAPI
 from hawk.engine.instances import PrefillInstance
 from hawk.engine.prefill_engine import PrefillEngine
 from hawk.engine.sequence import SamplingParams
-from hawk.errors import Aborted, BadRequest, DuplicateRequest, EngineUnavailable, PromptTooLong
+from hawk.errors import Aborted, BadRequest, ContractMismatch, DuplicateRequest, EngineUnavailable, PromptTooLong
 from hawk.serve.contract import AbortRequest, InstanceInfo, KVRef, PrefillAbortReply, PrefillRequest, PrefillResponse
 from hawk.serve.instance_app import build_instance_app, dead_rank_names, unavailable_reason
 
@@ -43,17 +49,49 @@ class PrefillService:
         vocab_size: int,
         unavailable: Callable[[], str | None] = lambda: None,
         check_prompt: Callable[[int], None] = lambda n: None,
+        kv_flow: str = "pull",
     ):
         """``check_prompt(num_tokens)`` raises ``PromptTooLong`` for a prompt this instance can
-        prefill but never transfer (its KV fits no empty transfer buffer): refused before prefill."""
+        prefill but never transfer (its KV fits no empty transfer buffer): refused before prefill.
+        ``kv_flow``: how this instance's engine was built (its sender pushes layer by layer only
+        when "layerwise"); requests of the other flow are refused."""
         self.engine, self.discard, self.kv_address, self.vocab_size = engine, discard, kv_address, vocab_size
-        self.unavailable, self.check_prompt = unavailable, check_prompt
+        self.unavailable, self.check_prompt, self.kv_flow = unavailable, check_prompt, kv_flow
         self._running: set[str] = set()
         self._aborted: dict[str, float] = {}
         # how aborts ended, for /internal/accounting and /metrics
         self.aborts = {"aborts_cancelled": 0, "aborts_discarded": 0, "aborts_pending": 0, "aborts_unknown": 0, "aborts_discarded_after_prefill": 0}
+        if kv_flow == "layerwise":  # push destinations released because their prefill failed or was refused
+            self.aborts["push_destinations_released"] = 0
 
     async def prefill(self, req: PrefillRequest) -> PrefillResponse:
+        """Prefill one prompt. A layer-wise request that does not end in an answer (refused, failed,
+        aborted, cancelled) releases the push destination its decode handed over first."""
+        if req.kv_flow != "layerwise":
+            return await self._prefill(req)
+        try:
+            return await self._prefill(req)
+        except DuplicateRequest:  # the destination belongs to the request running under this id
+            raise
+        except BaseException:
+            self._release_destination(req.request_id)
+            raise
+
+    def _release_destination(self, rid: str) -> None:
+        """Fail ``rid``'s layer-wise push (and drop any KV it left): its decode frees its blocks now."""
+        if self.discard(rid):
+            self.aborts["push_destinations_released"] = self.aborts.get("push_destinations_released", 0) + 1
+
+    def _check_flow(self, req: PrefillRequest) -> None:
+        """A request of the other KV flow would strand its KV (nobody pulls it, or nobody pushes it)."""
+        if req.kv_flow != self.kv_flow:
+            raise ContractMismatch(
+                f"request {req.request_id!r} uses kv_flow {req.kv_flow!r}, this prefill instance runs {self.kv_flow!r}: "
+                "start the router and the instances with the same --kv-flow"
+            )
+
+    async def _prefill(self, req: PrefillRequest) -> PrefillResponse:
+        self._check_flow(req)
         down = self.unavailable()
         if down is not None:
             raise EngineUnavailable(down)
@@ -96,9 +134,13 @@ class PrefillService:
         )
 
     def abort(self, rid: str) -> str:
-        """Release whatever ``rid`` holds here; says which of the three cases it was."""
+        """Release whatever ``rid`` holds here; says which of the three cases it was. Layer-wise,
+        a prompt cancelled before its forward also gives up its push destination (the connector
+        would otherwise keep it until the TTL, and its decode's blocks with it)."""
         result = self._abort(rid)
         self.aborts[f"aborts_{result}"] += 1
+        if result == "cancelled" and self.kv_flow == "layerwise":
+            self._release_destination(rid)
         return result
 
     def _abort(self, rid: str) -> str:
@@ -135,11 +177,12 @@ def create_prefill_app(instance: PrefillInstance, close_on_shutdown: bool = True
     cfg, mc = instance.cfg, instance.loaded.config
     svc = PrefillService(
         instance.engine, instance.discard, instance.kv_address, mc.vocab_size, lambda: unavailable_reason("prefill", instance), instance.check_prompt,
+        cfg.kv_flow,
     )
     info = InstanceInfo.of(
         role="prefill", model=instance.loaded.name, transfer=cfg.transfer, transport=cfg.transport, device=cfg.prefill_device,
         kv_address=instance.kv_address, max_prompt_tokens=instance.engine.max_prompt_tokens,
-        max_model_len=mc.max_position_embeddings, vocab_size=mc.vocab_size,
+        max_model_len=mc.max_position_embeddings, vocab_size=mc.vocab_size, kv_flow=cfg.kv_flow,
     )
     return build_instance_app(
         "prefill", [prefill_routes(svc)], info, lambda: {**instance.accounting(), **svc.aborts}, instance.loaded.tokenizer,

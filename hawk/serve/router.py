@@ -1,9 +1,12 @@
 """The router: HAWK's OpenAI-compatible front door (vLLM's disaggregated-serving proxy pattern).
 
 For each request it tokenizes (chat template included), checks the request against the instances'
-limits, sends the prompt to a prefill instance, passes the returned KV handle to a decode instance,
-and streams the decode's tokens back as text (SSE when ``stream`` is set). Instances of each role
-are used round-robin. The router loads no weights: the tokenizer comes from a prefill instance.
+limits, then runs it on one prefill and one decode instance in the order of the instances' KV flow
+(``kv_flow``: pull = prefill, then decode with the KV handle; layerwise = admit at the decode first,
+then prefill, then the first token to the decode; the lifecycle is stated in generation.py), and
+streams the decode's tokens back as text (SSE when ``stream`` is set). Instances of each role are
+used round-robin. The router loads no weights: the tokenizer comes from a prefill instance. All
+instances must run the same KV flow; the router follows theirs and refuses to start on a mix.
 
 Every response carries a non-standard ``hawk`` object (in the last chunk when streaming) with the
 request's TTFT, TPOT and KV-transfer time and bytes, so a client can see what the transfer cost.
@@ -130,11 +133,23 @@ class InstancePool:
         why = "; ".join(f"{u}: {down[u]}" for u in (i.url for i in insts))
         raise InstanceDown(f"no {role} instance is available ({why}); it is being restarted, retry shortly")
 
+    def all_entries(self) -> list[Instance]:
+        """Every entry, a colocated instance's two (prefill and decode) included."""
+        return [*self.prefill, *self.decode]
+
     def all(self) -> list[Instance]:
         seen: dict[str, Instance] = {}
         for i in [*self.prefill, *self.decode]:
             seen.setdefault(i.url, i)
         return list(seen.values())
+
+
+def common_kv_flow(infos: dict[str, InstanceInfo]) -> str:
+    """The one KV flow every instance runs (the order of a request's steps depends on it)."""
+    flows = {url: i.kv_flow for url, i in infos.items()}
+    if len(set(flows.values())) != 1:
+        raise RuntimeError(f"instances run different KV flows ({', '.join(f'{u}: {f}' for u, f in flows.items())}): start them all with the same --kv-flow")
+    return next(iter(flows.values()))
 
 
 async def fetch_info(client: httpx.AsyncClient, url: str, timeout_s: float) -> InstanceInfo:
@@ -168,6 +183,7 @@ class Router:
         self.down: dict[str, str] = {}  # instance url -> why it is down
         self._down_events: dict[str, asyncio.Event] = {}
         self._monitor: asyncio.Task | None = None
+        self.kv_flow = "pull"  # the instances' (read at startup)
 
     async def startup(self) -> None:
         cfg = self.cfg
@@ -187,6 +203,7 @@ class Router:
         models = {i.model for i in infos}
         if len(models) != 1:
             raise RuntimeError(f"instances serve different models: {sorted(models)}")
+        self.kv_flow = common_kv_flow(dict(zip([*cfg.prefill_urls, *cfg.decode_urls], infos)))
         served = models.pop()
         self.names = list(dict.fromkeys([cfg.model or served, served, *cfg.aliases]))
         if self.tokenizer is None:
@@ -211,10 +228,33 @@ class Router:
             try:
                 res = await self.probe("/health")
                 for (role, url), ok in res.items():
+                    if ok is not None and url in self.down and not await self._refresh_info(url):
+                        continue  # up, but its identity could not be read: still down for requests
                     self.mark(url, None if ok is not None else f"{role} instance not healthy")
             except Exception:  # noqa: BLE001 - the monitor must outlive any one probe
                 log.exception("health monitor")
             await asyncio.sleep(self.cfg.health_interval_s)
+
+    async def _refresh_info(self, url: str) -> bool:
+        """Re-read a restarted instance's /internal/info before using it again: a restarted prefill
+        has a new KV control address, which layer-wise requests give the decode before prefill."""
+        assert self.pool is not None and self.client is not None
+        try:
+            r = await self.client.get(f"{url}/internal/info", timeout=5.0)
+            r.raise_for_status()
+            info = receive(InstanceInfo, r.content, f"instance {url}")
+        except (httpx.HTTPError, HawkError) as e:
+            log.warning("instance %s answers /health but not /internal/info: %s", url, e)
+            return False
+        if info.kv_flow != self.kv_flow:
+            why = f"came back with kv_flow {info.kv_flow!r}, the other instances run {self.kv_flow!r}"
+            log.error("instance %s %s: not using it", url, why)
+            self.down[url] = why
+            return False
+        for inst in self.pool.all_entries():
+            if inst.url == url:
+                inst.info = info
+        return True
 
     def mark(self, url: str, down_reason: str | None) -> None:
         """Record an instance as down (with why) or up; a new down wakes its in-flight requests."""
@@ -333,7 +373,10 @@ class Router:
         assert self.pool is not None and self.client is not None and self.tokenizer is not None
         p, d = self.pool.next_prefill(self.down), self.pool.next_decode(self.down)
         extra = {"transfer": d.info.transfer, "decode_device": d.info.device_label or d.info.device, "kv_dtype": d.info.kv_dtype}
-        return Generation(self.client, p.url, d.url, rid, prompt_ids, params, self.tokenizer, stop, arrival, extra)
+        return Generation(
+            self.client, p.url, d.url, rid, prompt_ids, params, self.tokenizer, stop, arrival, extra,
+            kv_flow=self.kv_flow, kv_address=p.info.kv_address,
+        )
 
     async def run(
         self,

@@ -445,6 +445,16 @@ class AutoTransport(Transport):
             return "ERROR", "batch was never handed to an engine"
         return r.engine._engine_poll(r.handle)
 
+    def stream_ordered(self, peer: str) -> bool:
+        p = self._peers.get(peer)
+        if p is None or p.state is None:
+            return False
+        r: _Route = p.state
+        if r.host_regions:
+            return False  # some batches to this peer may take the network engine
+        eng, iid = r.links[r.primary]
+        return eng.stream_ordered(iid)
+
     def _engine_block(self, h: TransferHandle, timeout_s: float) -> None:
         r: _Routed | None = h.engine_state
         if r is not None:

@@ -568,6 +568,12 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def _engine_release(self, h: TransferHandle) -> None: ...
 
+    def stream_ordered(self, peer: str) -> bool:
+        """Whether a batch to ``peer`` reads and writes device memory in order after the work already
+        enqueued on the caller's current CUDA stream (so it may be posted before that work has run, as
+        a layer-wise push does from the forward's thread). False: post only bytes that are ready."""
+        return False
+
     def _engine_block(self, h: TransferHandle, timeout_s: float) -> None:
         """Block until ``h`` is likely finished, without holding the GIL, where the engine can (CUDA
         events); :meth:`wait` polls afterwards either way. The default returns at once (wait spins).

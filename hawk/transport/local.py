@@ -330,6 +330,9 @@ class LocalTransport(Transport):
     def _engine_release(self, h: TransferHandle) -> None:
         h.engine_state = None
 
+    def stream_ordered(self, peer: str) -> bool:
+        return True  # copy_span_batch's side streams wait for the caller's current stream first
+
     def _engine_block(self, h: TransferHandle, timeout_s: float) -> None:
         batch = h.engine_state
         if batch is not None:
