@@ -154,6 +154,26 @@ def test_transfer_failure_mid_push_releases(config):
         pair.close()
 
 
+def test_cancelled_push_ends_the_wait_at_once_and_releases():
+    """The decode aborts a request whose prefill has not come (D1 handed over): cancel_push ends its
+    wait with PushFailed at once, not after the forward or a timeout; nothing stays held."""
+    from hawk.connector.algorithm1 import PushFailed
+
+    pair = make_pair("gn-hawk", LocalTransport(), LocalTransport(), ttl_s=30.0, timeout_s=30.0)
+    try:
+        t, out = _hand_over(pair, "r", 100, [1, 2])
+        t0 = time.monotonic()
+        assert pair.receiver.cancel_push(pair.sender.address, "r", "aborted in a test")
+        t.join(10)
+        assert isinstance(out.get("error"), PushFailed) and "aborted in a test" in str(out["error"])
+        assert time.monotonic() - t0 < 5
+        assert not pair.receiver.cancel_push(pair.sender.address, "r", "again")  # nothing in flight now
+        assert pair.sender.begin_push("r", 100, [9, 3, 4, 5, 6, 7, 8]) is None  # the prefill pulls nothing
+        assert _clean(pair)
+    finally:
+        pair.close()
+
+
 def test_decode_vanishing_mid_push_releases_after_the_ttl():
     """D1 handed over, then the decode is gone (no AwaitPush, no Done): the prefill still finishes
     its push, and the unclaimed outcome expires with the TTL; nothing stays held."""

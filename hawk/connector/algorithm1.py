@@ -1016,6 +1016,18 @@ class KVReceiver:
         self._remember(result)
         return result
 
+    def cancel_push(self, address: str, request_id: str, why: str) -> bool:
+        """Stop a layer-wise push this receiver is waiting for (its request was aborted): D9 not ok,
+        so the prefill stops writing and :meth:`push_to` ends at once with :class:`PushFailed`
+        instead of waiting for the forward. False when no such push is in flight."""
+        with self._lock:
+            s = self._senders.get(address)
+            expecting = request_id in self._expecting
+        if s is None or not expecting:
+            return False
+        s.client.send(Done(request_id, False, why))
+        return True
+
     def push_to(
         self,
         address: str,

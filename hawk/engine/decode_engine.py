@@ -35,12 +35,13 @@ where the prefill shares the pool: then a later request that fits goes first rat
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -191,6 +192,14 @@ class RemoteKV:
         if isinstance(handle, KVPush):
             handle.handed.set()
 
+    def cancel(self, handle: KVHandle | KVPush) -> None:
+        """An aborted request whose layer-wise push may be in flight: stop it now, so its admission
+        ends (and its blocks come back after the drain) without waiting for the prefill's forward."""
+        if isinstance(handle, KVPush):
+            self.receiver.cancel_push(handle.address, handle.request_id, "the decode aborted the request")
+            with contextlib.suppress(InvalidStateError):  # the prefill's result may have come meanwhile
+                handle.first_token.set_exception(RuntimeError("the decode aborted the request"))
+
     def release(self, seq: Sequence) -> None:
         _free_blocks(self.blocks, seq)
 
@@ -318,6 +327,13 @@ class DecodeEngine:
         if queued:  # the other stages report their abort when they see the flag
             self._drop(e)
             self._notify(e, TokenEvent(request_id, finish_reason="abort"))
+        else:
+            cancel = getattr(self.kv, "cancel", None)
+            if cancel is not None:  # a layer-wise push in flight ends now, not after the forward
+                try:
+                    cancel(e.handle)
+                except Exception:  # noqa: BLE001 - the push still ends by its own timeout
+                    log.exception("cancelling the KV push of %s failed", request_id)
         return True
 
     def _drop(self, e: _Entry) -> None:
