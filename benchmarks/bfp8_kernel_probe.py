@@ -1,15 +1,17 @@
 """bfloat8_b NPU-tile decode variants side by side (issue 7): checked, then timed against the paged bf16 decode.
 
 At the Llama-3.1-8B shape (32 q heads, 8 KV heads, head_dim 128) on one GPU, for each point (batch x
-context, default 1/8/64 x 1k/8k) this builds one emulated p150a cache of random well-formed bfloat8_b
+context, default 1/8/32/64 x 1k/8k) this builds one emulated p150a cache of random well-formed bfloat8_b
 tiles and, on those bytes:
 
 * the torch reference (``NpuTileAttention(backend="torch")``: the codecs' values, fp32 attention);
-* every variant of ``BFP8_VARIANTS`` (plus a few split-count overrides): its max error against the
-  reference and whether that is within tolerance, whether its output is bit for bit the "bytes"
-  kernel's (expected for the variants that keep the paged decode's bits), and microseconds per
-  call (write the new rows + decode [+ merge]) from a CUDA graph of ``--reps`` calls, median of
-  ``--iters`` replays;
+* every variant of ``BFP8_VARIANTS`` (plus split-count overrides, ``--split-variants``), called once on
+  the cache as it was before any new row was written: its max error against the reference; whether
+  it left the cache bytes the reference's row write left (``mem_unchanged``; the "-fw" variants write
+  the rows in the decode launch); whether its output is bit for bit the "bytes" kernel's (expected for
+  the variants that keep the paged decode's bits); ``ok`` when all that holds and the error is within
+  tolerance; then microseconds per call (write the new rows + decode [+ merge], however many launches
+  that takes) from a CUDA graph of ``--reps`` calls, median of ``--iters`` replays;
 * the GPU paged decode over a bf16 cache (``PagedAttention``, same batch and contexts) and the NPU
   bf16-tile decode, timed the same way.
 
@@ -17,14 +19,25 @@ tiles and, on those bytes:
 batch 1 and 64, context 1k. A failing variant is reported and the run goes on; if one leaves the CUDA
 context unusable, the probe restarts itself without it (a child process runs the points).
 
+Split overrides (``+sN`` rows; not the paged decode's bits, so candidates for speed only) use an
+occupancy rule instead of the paged decode's ``2 * SMs / (batch * kv_heads)``: enough splits for
+``--split-programs-per-sm`` programs on every SM (4: what a 128-register, 4-warp program allows).
+
+``--flush-mb N`` reads an N MiB buffer before every timed call (in the same graph) and subtracts the
+time of that read alone, so the KV and metadata come from DRAM as in a model step, where the weights
+of the other layers pass through L2 in between (at batch 1, context 1k, the whole bfloat8_b cache of a
+layer, 2.3 MB, otherwise stays in L2 across replays).
+
     python benchmarks/bfp8_kernel_probe.py --json bfp8_probe.json
     python benchmarks/bfp8_kernel_probe.py --points 64x1024 --variants bytes,words --json out.json
+    python benchmarks/bfp8_kernel_probe.py --points 1x1024,64x1024 --flush-mb 256 --json cold.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -40,13 +53,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hawk.engine.attention import SeqSlice  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
-DEFAULT_POINTS = "1x1024,64x1024,8x1024,1x8192,8x8192,64x8192"  # the acceptance points first
+DEFAULT_POINTS = "1x1024,64x1024,8x1024,32x1024,1x8192,8x8192,32x8192,64x8192"  # the acceptance points first
 #: split-count overrides timed for these variants (not the paged decode's bits; see --split-variants)
-DEFAULT_SPLIT_VARIANTS = "words,words-pipe2-r128"
+DEFAULT_SPLIT_VARIANTS = "words-pipe2-r128,tok-pipe3-r128-fw"
 
 
 #: "cuda", or "cpu" for --cpu-smoke (a tiny run under the Triton interpreter that checks this script)
 DEV = "cuda"
+#: ``--flush-mb``'s buffer (None: no flush) and the microseconds of one read of it alone, per point
+FLUSH: dict = {"buf": None, "us": 0.0}
 
 
 def sync() -> None:
@@ -64,6 +79,33 @@ def graph_us(fn: Callable[[], object], reps: int, iters: int) -> float:
     from benchmarks.npu_attention_probe import graph_us as timed
 
     return timed(fn, reps, iters)
+
+
+def flush_l2() -> None:
+    """Read the whole flush buffer (evicts the cache's KV and metadata from L2)."""
+    FLUSH["buf"].sum()
+
+
+def call_us(fn: Callable[[], object], reps: int, iters: int) -> tuple[float, float | None]:
+    """``(us, us with the flush)`` per call of ``fn``: ``graph_us``; with ``--flush-mb``, each call follows a
+    read of the flush buffer and the read alone (``FLUSH["us"]``) is subtracted."""
+    if FLUSH["buf"] is None:
+        return graph_us(fn, reps, iters), None
+
+    def cold() -> None:
+        flush_l2()
+        fn()
+
+    both = graph_us(cold, reps, iters)
+    return both - FLUSH["us"], both
+
+
+def timing(fn: Callable[[], object], args, kv: int) -> dict:
+    us, both = call_us(fn, args.reps, args.iters)
+    r = {"us": round(us, 2), "kv_bytes": kv, "gbps": round(kv / max(us, 1e-3) / 1e3)}
+    if both is not None:
+        r.update(us_with_flush=round(both, 2), flush_us=round(FLUSH["us"], 2))
+    return r
 
 
 def read_gbps() -> float:
@@ -88,7 +130,7 @@ def _batch(batch: int, ctx: int, bs: int) -> tuple[list[SeqSlice], int]:
     return [SeqSlice(list(range(i * per, (i + 1) * per)), ctx, 1) for i in range(batch)], per
 
 
-def paged_point(batch: int, ctx: int, q, k, v, reps: int, iters: int) -> dict:
+def paged_point(batch: int, ctx: int, q, k, v, args) -> dict:
     from hawk.engine.paged_attention import PagedAttention
     from hawk.layouts.gpu import GpuKVLayout
 
@@ -98,9 +140,8 @@ def paged_point(batch: int, ctx: int, q, k, v, reps: int, iters: int) -> dict:
     caches[0].normal_()
     attn = PagedAttention(lay, caches, max_batch=max(batch, 8), max_model_len=ctx + 64, use_triton=True)
     attn.begin(slices, pad_to=batch)
-    us = graph_us(lambda: attn(0, q, k, v), reps, iters)
     kv = batch * (ctx + 1) * HKV * D * 2 * 2
-    return {"path": "gpu-paged", "variant": "paged-bf16", "us": round(us, 2), "kv_bytes": kv, "gbps": round(kv / us / 1e3)}
+    return {"path": "gpu-paged", "variant": "paged-bf16", **timing(lambda: attn(0, q, k, v), args, kv)}
 
 
 def npu_cache(batch: int, ctx: int, dtype: str):
@@ -130,14 +171,23 @@ def npu_cache(batch: int, ctx: int, dtype: str):
     return npu, mem, slices, kv
 
 
-def variant_list(names: list[str], split_variants: list[str], batch: int) -> list[tuple[str, str, int | None]]:
+def occupancy_splits(batch: int, programs_per_sm: int) -> int:
+    """Splits so that ``batch * HKV * splits`` programs fill every SM with ``programs_per_sm`` programs
+    (at most 64, as the paged rule): the occupancy rule of the ``+sN`` rows."""
+    from hawk.engine import triton_attention as ta
+
+    sms = ta.decode_sm_count(torch.device(DEV))
+    return max(1, min(64, math.ceil(programs_per_sm * sms / (batch * HKV))))
+
+
+def variant_list(names: list[str], split_variants: list[str], batch: int, programs_per_sm: int = 4) -> list[tuple[str, str, int | None]]:
     """``(label, variant, splits override)``: each variant at the paged decode's split count, then the
-    split overrides (batch 1: 16 instead of ~33, so every split has a chunk at 1k; else twice the count)."""
+    split overrides at the occupancy rule's count (``occupancy_splits``), where that differs."""
     from hawk.engine import triton_npu_attention as tk
 
     out = [(n, n, None) for n in names]
     default = tk.choose_splits(batch, HKV, torch.device(DEV))
-    alt = 16 if batch == 1 else 2 * default
+    alt = occupancy_splits(batch, programs_per_sm)
     for n in split_variants:
         if n in names and alt != default:
             out.append((f"{n}+s{alt}", n, alt))
@@ -153,6 +203,8 @@ def npu_bfp8_rows(batch: int, ctx: int, q, k, v, names: list[str], split_variant
     try:
         ref_attn = NpuTileAttention(mem, max_batch=max(batch, 8), max_model_len=ctx + 64, backend="torch")
         ref_attn.begin(slices, pad_to=batch)
+        sync()
+        before = npu.memory.clone()  # each variant's checked call starts here: it writes the rows itself
         ref = ref_attn(0, q.float(), k, v)  # writes the new rows (the same bytes every backend writes)
         del ref_attn
         sync()
@@ -162,30 +214,36 @@ def npu_bfp8_rows(batch: int, ctx: int, q, k, v, names: list[str], split_variant
         attn = NpuTileAttention(mem, max_batch=max(batch, 8), max_model_len=ctx + 64, backend="triton")
         attn.begin(slices, pad_to=batch)
         bytes_out = None
-        for label, name, splits in variant_list(names, split_variants, batch):
+        for label, name, splits in variant_list(names, split_variants, batch, args.split_programs_per_sm):
             cfg = tk.BFP8_VARIANTS[name]
-            r = {"path": "npu-bfp8_b", "variant": label, "splits": splits or tk.choose_splits(batch, HKV, q.device),
-                 "keeps_paged_bits": cfg.keeps_paged_bits and splits is None}
+            nsplits = splits or tk.choose_splits(batch, HKV, q.device)
+            fused = tk.fuses_row_write(tk.tile_geometry(mem), cfg)
+            r = {"path": "npu-bfp8_b", "variant": label, "splits": nsplits,
+                 "keeps_paged_bits": cfg.keeps_paged_bits and splits is None,
+                 "launches": (1 if fused else 2) + (nsplits > 1)}  # [write] + decode [+ merge]
             try:
-                npu.memory.copy_(snapshot)
+                npu.memory.copy_(before)
                 attn.decode_config = cfg
                 attn.num_splits = splits
                 t0 = time.time()
                 out = attn(0, q, k, v)
                 sync()
                 r["first_call_s"] = round(time.time() - t0, 2)  # mostly compilation
-                r["mem_unchanged"] = bool(torch.equal(npu.memory, snapshot))  # the row write is the reference's
+                # the row write is the reference's (from the old bytes: a fused write that attended the
+                # stale row instead of the new one shows in max_err, as it would in a model step)
+                r["mem_unchanged"] = bool(torch.equal(npu.memory, snapshot))
                 err = float((out.float() - ref.float()).abs().max())
                 r.update(max_err=err, tol=round(tol, 5), ok=bool(err <= tol and torch.isfinite(out).all() and r["mem_unchanged"]))
                 if name == "bytes" and splits is None:
                     bytes_out = out.clone()
                 if bytes_out is not None:
                     r["bitwise_vs_bytes"] = bool(torch.equal(out, bytes_out))
+                    if r["keeps_paged_bits"] and not r["bitwise_vs_bytes"]:
+                        r["ok"] = False  # a variant that keeps the paged decode's bits must give the byte kernel's
                 if time.time() > deadline:
                     r["skipped"] = "time budget"
                 else:
-                    us = graph_us(lambda: attn(0, q, k, v), args.reps, args.iters)
-                    r.update(us=round(us, 2), kv_bytes=kv, gbps=round(kv / us / 1e3))
+                    r.update(timing(lambda: attn(0, q, k, v), args, kv))
             except Exception as e:  # noqa: BLE001 - a probe reports and goes on
                 r["error"] = repr(e)[:400]
                 r["trace"] = traceback.format_exc()[-1500:]
@@ -205,8 +263,7 @@ def npu_bf16_row(batch: int, ctx: int, q, k, v, args) -> dict:
     try:
         attn = NpuTileAttention(mem, max_batch=max(batch, 8), max_model_len=ctx + 64, backend="triton")
         attn.begin(slices, pad_to=batch)
-        us = graph_us(lambda: attn(0, q, k, v), args.reps, args.iters)
-        return {"path": "npu-bf16", "variant": "npu-bf16 (default)", "us": round(us, 2), "kv_bytes": kv, "gbps": round(kv / us / 1e3)}
+        return {"path": "npu-bf16", "variant": "npu-bf16 (default)", **timing(lambda: attn(0, q, k, v), args, kv)}
     finally:
         mem.close()
 
@@ -232,6 +289,8 @@ def child(args) -> None:
         emit({"env": {"gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke run)", "torch": torch.__version__,
                       "triton": __import__("triton").__version__, "python": sys.version.split()[0],
                       "read_gbps": round(read_gbps())}})
+    if args.flush_mb > 0:
+        FLUSH["buf"] = torch.ones((args.flush_mb << 20) // 8, dtype=torch.int64, device=DEV)
     for pt in args.points.split(","):
         b, c = (int(x) for x in pt.split("x"))
         torch.manual_seed(0)
@@ -242,8 +301,10 @@ def child(args) -> None:
         def tagged(r: dict, b=b, c=c) -> None:
             emit({"batch": b, "ctx": c, **r})
 
+        if FLUSH["buf"] is not None:  # the read alone, once per point (subtracted from every row's time)
+            FLUSH["us"] = graph_us(flush_l2, args.reps, args.iters)
         if not args.skip_reference_paths and time.time() < deadline:
-            for fn in (lambda: paged_point(b, c, q, k, v, args.reps, args.iters), lambda: npu_bf16_row(b, c, q, k, v, args)):
+            for fn in (lambda: paged_point(b, c, q, k, v, args), lambda: npu_bf16_row(b, c, q, k, v, args)):
                 try:
                     tagged(fn())
                 except Exception as e:  # noqa: BLE001 - go on with the variants
@@ -265,7 +326,7 @@ def child(args) -> None:
 
 def table(rows: list[dict]) -> str:
     paged = {(r["batch"], r["ctx"]): r["us"] for r in rows if r.get("path") == "gpu-paged" and "us" in r}
-    lines = [f"{'point':>8} {'variant':<24} {'splits':>6} {'us':>9} {'x paged':>8} {'max_err':>9} {'ok':>3} {'=bytes':>6} {'bits':>4}"]
+    lines = [f"{'point':>8} {'variant':<24} {'splits':>6} {'L':>2} {'us':>9} {'x paged':>8} {'max_err':>9} {'ok':>3} {'=bytes':>6} {'bits':>4}"]
     for r in rows:
         if "variant" not in r or "batch" not in r:
             continue
@@ -277,7 +338,8 @@ def table(rows: list[dict]) -> str:
         bw = {True: "yes", False: "no"}.get(r.get("bitwise_vs_bytes"), "-")
         bits = {True: "b", False: ""}.get(r.get("keeps_paged_bits"), "")
         tail = f"  ERROR {r['error'][:90]}" if "error" in r else (f"  ({r['skipped']})" if "skipped" in r else "")
-        lines.append(f"{pt:>8} {r['variant']:<24} {str(r.get('splits', '')):>6} {us if us else '-':>9} {ratio:>8} {err:>9} {ok:>3} {bw:>6} {bits:>4}{tail}")
+        launches = r.get("launches") or ""
+        lines.append(f"{pt:>8} {r['variant']:<24} {str(r.get('splits', '')):>6} {launches:>2} {us if us else '-':>9} {ratio:>8} {err:>9} {ok:>3} {bw:>6} {bits:>4}{tail}")
     return "\n".join(lines)
 
 
@@ -310,7 +372,12 @@ def main() -> None:
     p.add_argument("--json", default="bfp8_kernel_probe.json", help="where to write the results")
     p.add_argument("--points", default=DEFAULT_POINTS, help="comma-separated BATCHxCONTEXT")
     p.add_argument("--variants", default=",".join(tk.BFP8_VARIANTS), help="comma-separated BFP8_VARIANTS names")
-    p.add_argument("--split-variants", default=DEFAULT_SPLIT_VARIANTS, help="variants also timed at another split count")
+    p.add_argument("--split-variants", default=DEFAULT_SPLIT_VARIANTS,
+                   help="variants also timed at the occupancy rule's split count (not the paged decode's bits)")
+    p.add_argument("--split-programs-per-sm", type=int, default=4,
+                   help="programs per SM the occupancy split rule fills (4: 128 registers, 4 warps)")
+    p.add_argument("--flush-mb", type=int, default=0,
+                   help="read this many MiB before each timed call and subtract that read's time (cold L2; 0: off)")
     p.add_argument("--reps", type=int, default=20, help="calls per CUDA graph")
     p.add_argument("--iters", type=int, default=10, help="graph replays (median)")
     p.add_argument("--budget-s", type=float, default=150.0, help="stop timing (still checking) after this long")
@@ -339,7 +406,8 @@ def main() -> None:
     while points:
         cmd = [sys.executable, __file__, "--child", "--rows", str(rows_path), "--deadline", str(t0 + a.budget_s),
                "--points", ",".join(points), "--variants", ",".join(v for v in variants if v not in excluded),
-               "--split-variants", a.split_variants, "--reps", str(a.reps), "--iters", str(a.iters)]
+               "--split-variants", a.split_variants, "--reps", str(a.reps), "--iters", str(a.iters),
+               "--split-programs-per-sm", str(a.split_programs_per_sm), "--flush-mb", str(a.flush_mb)]
         cmd += ["--first"] if first else []
         cmd += ["--skip-reference-paths"] if a.skip_reference_paths else []
         env = dict(os.environ)

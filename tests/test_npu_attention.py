@@ -75,6 +75,24 @@ def _oracle_attention(kv: NpuKVCacheMemory, layer: int, batch, q, k, v) -> torch
     return torch.cat(out)
 
 
+#: bfloat8_b decode configs the tests run beside the named variants (``BFP8_VARIANTS``): code paths no
+#: variant takes yet (the fused row write and token-addressed loads with register prefetch instead of
+#: the compiler's pipelining), so that a later variant built on them is already checked.
+_TEST_CONFIGS = {
+    "cfg:prefetch-fw": dict(bfp8="words", fused_write=True),
+    "cfg:prefetch-tok-fw": dict(bfp8="words", token_loads=True, fused_write=True),
+}
+
+
+def _variant_config(name: str):
+    """A bfloat8_b variant's ``DecodeConfig`` by name: ``BFP8_VARIANTS`` or ``_TEST_CONFIGS``."""
+    from hawk.engine.triton_npu_attention import BFP8_VARIANTS, DecodeConfig
+
+    if name in _TEST_CONFIGS:
+        return DecodeConfig(**_TEST_CONFIGS[name])
+    return BFP8_VARIANTS[name]
+
+
 BATCH = [SeqSlice([3, 7, 1], 100, 1), SeqSlice([0, 2], 40, 1), SeqSlice([5, 9, 10, 11], 200, 1)]
 BATCH_MULTI = [SeqSlice([3, 7, 1], 100, 1), SeqSlice([0, 2], 40, 3)]  # 3 new rows in one tile
 
@@ -114,7 +132,7 @@ def _compare(dtype: str, shard: int, batch, hq: int = 4, backend: str = "torch",
 
             geom = tk.tile_geometry(kv)
             assert geom is not None and geom.separable and geom.bfp8, "the variant would not run on this cache"
-            attn.decode_config = tk.BFP8_VARIANTS[variant]
+            attn.decode_config = _variant_config(variant)
         attn.begin(batch, pad_to=pad_to)
         got = [attn(layer, q, k, v) for layer in range(2)]
         assert torch.equal(npu.memory, mem_want), "row writes differ from the codecs (or touched other bytes)"
@@ -176,10 +194,11 @@ def _bitwise_vs_paged(dtype: str, shard: int, batch, hq: int, hkv: int = 2, head
     """NPU-tile decode (Triton) vs paged decode (Triton) on the same K/V values: ``torch.equal``.
 
     ``kernel``: "default" (as the backend picks), "generic" (whole-tile loads), "chunked", or a
-    bfloat8_b variant's name (``BFP8_VARIANTS``). Returns ``(path, splits, fused)`` per compared paged path.
+    bfloat8_b variant's name (``BFP8_VARIANTS`` or ``_TEST_CONFIGS``). Returns ``(path, splits, fused)``
+    per compared paged path.
     """
     from hawk.engine.npu_attention import NpuTileAttention
-    from hawk.engine.triton_npu_attention import BFP8_VARIANTS, DecodeConfig
+    from hawk.engine.triton_npu_attention import DecodeConfig
 
     npu, kv = _cache(dtype, shard, heads=hkv, head_dim=head_dim, blocks=blocks, device=device, layers=1,
                      bank_capacity=bank_capacity)
@@ -191,7 +210,8 @@ def _bitwise_vs_paged(dtype: str, shard: int, batch, hq: int, hkv: int = 2, head
                    for h in (hq, hkv, hkv))
         attn = NpuTileAttention(kv, max_batch=max(rows, 8), backend="triton")
         attn.generic = kernel == "generic"
-        attn.decode_config = DecodeConfig() if kernel == "chunked" else BFP8_VARIANTS.get(kernel)
+        attn.decode_config = DecodeConfig() if kernel == "chunked" else (
+            None if kernel in ("default", "generic") else _variant_config(kernel))
         attn.begin(batch, pad_to=pad_to)
         got = attn(0, q, k, v)
         done = []
@@ -293,7 +313,12 @@ BATCH_B32 = [SeqSlice([3, 7, 1, 11], 100, 1), SeqSlice([0, 2, 5], 70, 1), SeqSli
 #: ones); the others differ only in GPU launch knobs (register cap, warps, stages, PTX or integer
 #: decode, all compiled out here) and get one case each, which checks their plumbing.
 _VARIANTS_FULL = {"words": None, "words-pipe2": None,
-                  "words-t128w8": ("interleaved", "blockcyclic2-rows-sharing-a-tile-gqa3-split2", "block32-split3")}
+                  "words-t128w8": ("interleaved", "blockcyclic2-rows-sharing-a-tile-gqa3-split2", "block32-split3"),
+                  # the fused row write (decode batches; BATCH_MULTI's three rows per sequence take the
+                  # separate write) and token-addressed loads
+                  "words-pipe2-r128-fw": None, "tok-pipe3-r128-fw": None,
+                  "cfg:prefetch-fw": ("interleaved", "edges-bf16q-pad6", "bitwise-b1-hkv1-splits8"),
+                  "cfg:prefetch-tok-fw": ("block32-split3", "edges-fp16q-split2", "bitwise-edges-pad6-blockcyclic2")}
 _VARIANT_COMPARE = {
     "interleaved": dict(shard=1, batch="BATCH"),
     "blockcyclic2-rows-sharing-a-tile-gqa3-split2": dict(shard=2, batch="BATCH_MULTI", hq=6, splits=2),
@@ -309,13 +334,24 @@ _VARIANT_BITWISE = {
 }
 
 
-def _variant_cases() -> dict[str, tuple[str, str, dict]]:
-    """``{case: (kind, variant, kwargs)}``: kind "compare" (vs the codec oracle) or "bitwise" (vs paged)."""
+def _issue7_group(cfg) -> bool:
+    """Variants on the fused row write or token loads: their interpreter cases run in their own (slow) batch."""
+    return cfg.fused_write or cfg.token_loads
+
+
+def _variant_cases(group: str = "main") -> dict[str, tuple[str, str, dict]]:
+    """``{case: (kind, variant, kwargs)}``: kind "compare" (vs the codec oracle) or "bitwise" (vs paged).
+    ``group``: "main" (the variants before issue 7's fused/token-load ones), "issue7" (those, and
+    ``_TEST_CONFIGS``)."""
     from hawk.engine.triton_npu_attention import BFP8_VARIANTS
 
     cases = {}
-    for name, cfg in BFP8_VARIANTS.items():
+    names = list(BFP8_VARIANTS) + list(_TEST_CONFIGS)
+    for name in names:
+        cfg = _variant_config(name)
         if name == "bytes":  # the cases above cover it (it is the byte kernel)
+            continue
+        if (group == "issue7") != (_issue7_group(cfg)):
             continue
         if name in _VARIANTS_FULL:
             for cname, kw in _VARIANT_COMPARE.items():
@@ -323,16 +359,24 @@ def _variant_cases() -> dict[str, tuple[str, str, dict]]:
                     cases[f"{name}/{cname}"] = ("compare", name, kw)
             if cfg.tokens is None:  # 128-token chunks do not give the paged decode's bits
                 for cname, kw in _VARIANT_BITWISE.items():
-                    cases[f"{name}/bitwise-{cname}"] = ("bitwise", name, kw)
+                    if _VARIANTS_FULL[name] is None or f"bitwise-{cname}" in _VARIANTS_FULL[name]:
+                        cases[f"{name}/bitwise-{cname}"] = ("bitwise", name, kw)
         else:
             cases[f"{name}/pad5-gqa8-split4"] = ("compare", name, _VARIANT_COMPARE["pad5-gqa8-split4"])
     return cases
 
 
+#: Set (by the slow fixture) in the interpreter subprocess's environment: which case group to run.
+_GROUP_ENV = "HAWK_TEST_NPU_GROUP"
+
+
 def _interpreter_main() -> None:
-    """Run every interpreter case in this process (TRITON_INTERPRET=1 set by the parent); print JSON."""
+    """Run every interpreter case of the group (TRITON_INTERPRET=1 set by the parent); print JSON."""
+    import os
+
+    group = os.environ.get(_GROUP_ENV, "main")
     results = {}
-    for name, (kind, variant, case) in _variant_cases().items():
+    for name, (kind, variant, case) in _variant_cases(group).items():
         case = dict(case)
         batch = globals()[case.pop("batch")]
         try:
@@ -344,6 +388,10 @@ def _interpreter_main() -> None:
                 results["variant/" + name] = "ok " + json.dumps(_bitwise_vs_paged("bfp8_b", batch=batch, kernel=variant, **case))
         except Exception:  # noqa: BLE001 - reported to the parent test
             results["variant/" + name] = traceback.format_exc()
+    if group != "main":
+        for name, result in results.items():
+            emit({"name": name, "result": result})
+        return
     for name, case in _BITWISE_CASES.items():
         case = dict(case)
         batch = globals()[case.pop("batch")]
@@ -368,6 +416,16 @@ def interpreter_results() -> dict[str, str]:
     return {name: r["result"] for name, r in run_interpreted("tests.test_npu_attention", require_clean_exit=True).items()}
 
 
+@pytest.fixture(scope="module")
+def interpreter_results_issue7() -> dict[str, str]:
+    mp = pytest.MonkeyPatch()
+    mp.setenv(_GROUP_ENV, "issue7")
+    try:
+        return {name: r["result"] for name, r in run_interpreted("tests.test_npu_attention", require_clean_exit=True).items()}
+    finally:
+        mp.undo()
+
+
 @pytest.mark.parametrize("case", list(_INTERP_CASES))
 def test_triton_kernels_under_interpreter(interpreter_results: dict[str, str], case: str) -> None:
     assert interpreter_results[case] == "ok", interpreter_results[case]
@@ -386,6 +444,72 @@ def test_bfp8_variants_under_interpreter(interpreter_results: dict[str, str], ca
     touch), and, where it keeps the paged decode's bits, against the paged decode bit for bit."""
     r = interpreter_results["variant/" + case]
     assert r == "ok" or r.startswith("ok "), r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(_variant_cases("issue7")))
+def test_bfp8_fused_write_and_token_load_variants_under_interpreter(interpreter_results_issue7: dict[str, str],
+                                                                    case: str) -> None:
+    """As ``test_bfp8_variants_under_interpreter``, for the variants that write the new rows in the decode
+    launch (the oracle's memory check sees every byte they store; the bitwise cases read the rows back
+    from the cache for the paged twin) or load through ``_words_chunk_tok``, and ``_TEST_CONFIGS``."""
+    r = interpreter_results_issue7["variant/" + case]
+    assert r == "ok" or r.startswith("ok "), r
+
+
+def test_fused_row_write_launch_plumbing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which launches ``NpuTileAttention`` makes (kernels stubbed out): a fused-write config skips
+    ``write_rows`` and hands the decode the new rows, only for decode batches (one new token per
+    sequence); the default config, several new rows per sequence, or the generic kernel keep the
+    separate write. ``decode_attention`` refuses ``new_kv`` for a config that does not fuse."""
+    from hawk.engine import triton_npu_attention as tk
+    from hawk.engine.npu_attention import NpuTileAttention
+
+    pytest.importorskip("triton")
+    monkeypatch.delenv("HAWK_NPU_BFP8_KERNEL", raising=False)
+    real_decode = tk.decode_attention
+    _, kv = _cache("bfp8_b", 1)
+    try:
+        g = tk.tile_geometry(kv)
+        q, k, v = _qkv(3, 4, 2, 64, 0)
+        meta = torch.zeros(3, tk.META_BLOCKS + 4, dtype=torch.int32)
+        for cfg in (tk.BFP8_VARIANTS["words-pipe2-r128"], tk.BFP8_VARIANTS["bytes"]):
+            with pytest.raises(ValueError, match="new_kv"):
+                real_decode(g, 0, q, meta, 3, 1, None, cfg, new_kv=(k, v))
+        with pytest.raises(ValueError, match="new_kv"):
+            real_decode(g, 0, q, meta, 3, 1, None, tk.BFP8_VARIANTS["words-pipe2-r128-fw"], generic=True, new_kv=(k, v))
+        with pytest.raises(ValueError, match="new_kv must be"):
+            real_decode(g, 0, q, meta, 3, 1, None, tk.BFP8_VARIANTS["words-pipe2-r128-fw"], new_kv=(k[:2], v[:2]))
+        calls: list[tuple] = []
+        monkeypatch.setattr(tk, "write_rows", lambda *a, **k: calls.append(("write",)))
+
+        def fake_decode(g, layer, q, meta, rows, splits, ws, config=None, generic=False, block_n=None, new_kv=None):
+            calls.append(("decode", new_kv is not None))
+            return torch.zeros_like(q)
+
+        monkeypatch.setattr(tk, "decode_attention", fake_decode)
+        attn = NpuTileAttention(kv, max_batch=8, backend="triton")
+        for cfg, batch, generic, want in [
+            (tk.BFP8_VARIANTS["words-pipe2-r128-fw"], BATCH, False, [("decode", True)]),
+            (tk.BFP8_VARIANTS["tok-pipe3-r128-fw"], BATCH, False, [("decode", True)]),
+            (tk.BFP8_VARIANTS["words-pipe2-r128-fw"], BATCH_MULTI, False, [("write",), ("decode", False)]),
+            (tk.BFP8_VARIANTS["words-pipe2-r128-fw"], BATCH, True, [("write",), ("decode", False)]),
+            (None, BATCH, False, [("write",), ("decode", False)]),  # the default variant does not fuse (yet)
+        ]:
+            calls.clear()
+            attn.decode_config, attn.generic = cfg, generic
+            attn.begin(batch)
+            n = sum(s.q_len for s in batch)
+            attn(0, *_qkv(n, 4, 2, 64, 0))
+            assert calls == want, (cfg, generic, calls)
+        assert not tk.fuses_row_write(tk.tile_geometry(kv), tk.BFP8_VARIANTS["words-pipe2-r128"])
+    finally:
+        kv.close()
+    _, kv16 = _cache("bf16", 1)
+    try:
+        assert not tk.fuses_row_write(tk.tile_geometry(kv16), tk.BFP8_VARIANTS["words-pipe2-r128-fw"])
+    finally:
+        kv16.close()
 
 
 def test_bfp8_variant_selection(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -408,6 +532,9 @@ def test_bfp8_variant_selection(monkeypatch: pytest.MonkeyPatch) -> None:
         tk.default_config(bfp8)
     assert tk.BFP8_VARIANTS["bytes"] == tk.DecodeConfig()  # the byte kernel is the plain config
     assert not tk.BFP8_VARIANTS["words-t128w8"].keeps_paged_bits and tk.BFP8_VARIANTS["words"].keeps_paged_bits
+    # the issue 7 candidates keep the paged decode's chunks and warps (their row write and loads change no value)
+    for name in ("words-pipe2-r128-fw", "tok-pipe3-r128-fw", "tok-pipe2-r128-fw"):
+        assert tk.BFP8_VARIANTS[name].keeps_paged_bits, name
 
 
 def _prmt(a: torch.Tensor, b: torch.Tensor, sel: int) -> torch.Tensor:
@@ -496,7 +623,7 @@ def test_gpu_8b_shape_matches_codecs(dtype: str) -> None:
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("variant", ["default", "words", "words-pipe2-r128"])
+@pytest.mark.parametrize("variant", ["default", "words", "words-pipe2-r128", "words-pipe2-r128-fw", "tok-pipe3-r128-fw"])
 def test_gpu_cuda_graph_replays_a_new_batch_of_the_same_padded_size(variant: str) -> None:
     from hawk.engine.npu_attention import NpuTileAttention
     from hawk.engine.triton_npu_attention import BFP8_VARIANTS
@@ -583,10 +710,12 @@ def _variant_names(bitwise: bool | None = None) -> list[str]:
 @pytest.mark.parametrize("variant", _variant_names())
 def test_gpu_bfp8_variant_matches_codecs(variant: str, batch: int) -> None:
     """Every bfloat8_b variant at the 8B shape, ~1k contexts over shuffled block-cyclic blocks: the
-    codec oracle's outputs (bf16 tolerance) and its row writes byte for byte; pad rows give 0. Batch 5
-    (padded to 8) runs split-K, batch 64 one split."""
+    codec oracle's outputs (bf16 tolerance) and its row writes byte for byte; pad rows give 0; and the
+    default variant's output on the same bytes: bit for bit when the variant keeps the paged decode's
+    bits (the default does), else within bf16 tolerance. Batch 5 (padded to 8) runs split-K, batch 64
+    one split."""
     from hawk.engine.npu_attention import NpuTileAttention
-    from hawk.engine.triton_npu_attention import BFP8_VARIANTS
+    from hawk.engine.triton_npu_attention import BFP8_VARIANTS, DEFAULT_BFP8_VARIANT
 
     pytest.importorskip("triton")
     slices, blocks = _gpu_batch(batch)
@@ -600,8 +729,13 @@ def test_gpu_bfp8_variant_matches_codecs(variant: str, batch: int) -> None:
         mem_want = npu.memory.clone()
         npu.memory.copy_(mem0)
         attn = NpuTileAttention(kv, max_batch=rows)
-        attn.decode_config = BFP8_VARIANTS[variant]
+        attn.decode_config = BFP8_VARIANTS[DEFAULT_BFP8_VARIANT]
         attn.begin(slices, pad_to=rows)
+        ref = attn(0, q, k, v)
+        torch.cuda.synchronize()
+        assert torch.equal(npu.memory, mem_want), "the default variant's row writes differ from the codecs"
+        npu.memory.copy_(mem0)
+        attn.decode_config = BFP8_VARIANTS[variant]
         got = attn(0, q, k, v)
         torch.cuda.synchronize()
         assert torch.equal(npu.memory, mem_want)
@@ -609,6 +743,11 @@ def test_gpu_bfp8_variant_matches_codecs(variant: str, batch: int) -> None:
         assert (got[batch:] == 0).all()
         err = float((got[:batch].float() - want.float()).abs().max())
         assert torch.allclose(got[:batch].float(), want.float(), atol=2e-2), err
+        if BFP8_VARIANTS[variant].keeps_paged_bits:
+            diff = float((got.float() - ref.float()).abs().max())
+            assert torch.equal(got, ref), f"{variant} vs default {DEFAULT_BFP8_VARIANT}: max diff {diff:.3g}"
+        else:
+            assert torch.allclose(got.float(), ref.float(), atol=2e-2)
     finally:
         kv.close()
 

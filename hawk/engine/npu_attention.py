@@ -74,6 +74,7 @@ class NpuTileAttention:
         self.generic = False
         self._rows = 0
         self._batch: list[SeqSlice] = []
+        self._decode_only = False  # every q_len == 1: the row write may share the decode launch
         if self._geom is not None:
             self._meta = torch.zeros(max_batch, tk.META_BLOCKS + self.max_blocks, dtype=torch.int32, device=self.device)
             self._meta[:, tk.META_ROW_LOC] = -1
@@ -121,6 +122,7 @@ class NpuTileAttention:
             raise ValueError("two new tokens map to the same cache row")
         self._batch = list(batch)
         self._rows = rows
+        self._decode_only = all(n == 1 for n in q_lens)
         if self._geom is not None:
             self._begin_triton(table, nblk, seq_of, pos, loc, rows)
         else:
@@ -187,7 +189,8 @@ class NpuTileAttention:
         return self._call_torch(layer_idx, q, k, v)
 
     def _call_triton(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Two or three launches, fixed grids for a given row count, no host sync."""
+        """Two or three launches (one fewer when the decode config writes the rows itself: a decode
+        batch with ``DecodeConfig.fused_write``), fixed grids for a given row count, no host sync."""
         g, rows = self._geom, self._rows
         assert g is not None
         if rows == 0:
@@ -195,7 +198,11 @@ class NpuTileAttention:
         dev = self.device
         qd, kd, vd = (x.to(dev) for x in (q, k, v))
         qd, kd, vd = (x if x.stride(-1) == 1 else x.contiguous() for x in (qd, kd, vd))
-        tk.write_rows(g, layer, kd, vd, self._meta, rows)  # then read back, as the paged decode does
+        # with several new rows per sequence a row's context holds its neighbours' new rows, which
+        # another program writes: only decode batches may write in the decode launch
+        fused = self._decode_only and tk.fuses_row_write(g, self.decode_config, self.generic)
+        if not fused:
+            tk.write_rows(g, layer, kd, vd, self._meta, rows)  # then read back, as the paged decode does
         splits = self.num_splits or tk.choose_splits(rows, g.num_kv_heads, dev)
         ws = None
         if splits > 1:
@@ -205,7 +212,8 @@ class NpuTileAttention:
                 n = rows * q.shape[1] * splits
                 ws = (torch.empty(n * q.shape[2], dtype=torch.float32, device=dev), torch.empty(n, dtype=torch.float32, device=dev))
                 self._ws[key] = ws
-        return tk.decode_attention(g, layer, qd, self._meta, rows, splits, ws, self.decode_config, self.generic).to(q.device)
+        return tk.decode_attention(g, layer, qd, self._meta, rows, splits, ws, self.decode_config, self.generic,
+                                   new_kv=(kd, vd) if fused else None).to(q.device)
 
     def _call_torch(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         tk_, tv = 2 * layer, 2 * layer + 1

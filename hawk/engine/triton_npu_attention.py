@@ -160,6 +160,43 @@ if HAVE_TRITON:
     _FAST_BIAS = tl.constexpr(2.0**64)
 
     @triton.jit
+    def _decode_program(q, q_s0, q_s1, meta, meta_s0, num_splits,
+                        G: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, BN: tl.constexpr):
+        """The prologue every decode kernel here shares: this program's (row, kv head, split), its
+        metadata row and context length ``n``, its split's tokens ``[lo, hi)`` (``tail``: start of the
+        masked last chunk, ``_split_chunks``) and BN-token chunks (``cidx``: ``last``, the row's last
+        chunk, which prefetches clamp to; the split's chunks ``[c_lo, c_tail)`` unmasked, ``[c_tail,
+        c_hi)`` masked; chunk ``c`` = tokens ``[c*BN, (c+1)*BN)``), and its query heads' rows ``qv [BH,
+        D]`` (BH >= G; rows past G are zeros, masked by ``hmask``). All G query heads of one KV head
+        share a program, so K and V are read once per group (GQA)."""
+        row = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        sp = tl.program_id(2)
+        mrow = meta + row * meta_s0
+        n = tl.load(mrow)
+        lo, tail, hi = _split_chunks(n, sp, num_splits, BN)
+        cidx = (tl.maximum(tl.cdiv(n, BN) - 1, 0), lo // BN, tail // BN, tl.cdiv(hi, BN))
+        hh = tl.arange(0, BH)
+        d = tl.arange(0, D)
+        qh = h * G + hh
+        hmask = hh < G
+        qv = tl.load(q + row * q_s0 + qh[:, None] * q_s1 + d[None, :], mask=hmask[:, None], other=0.0)
+        return row, h, sp, mrow, n, lo, tail, hi, cidx, d, qh, hmask, qv
+
+    @triton.jit
+    def _online_init(BH: tl.constexpr, D: tl.constexpr):
+        """Online-softmax state ``(max, sum, acc)`` before the first chunk (the paged decode's start values)."""
+        return tl.full([BH], -1.0e30, tl.float32), tl.zeros([BH], tl.float32), tl.zeros([BH, D], tl.float32)
+
+    @triton.jit
+    def _decode_finish(acc, m, l_sum, out, part_out, part_lse, row, qh, sp, num_splits, o_s0, o_s1, d, hmask,
+                       G: tl.constexpr, D: tl.constexpr, DIRECT: tl.constexpr):
+        """The paged decode's epilogue (``_decode_epilogue``) for this program's heads."""
+        hq_total = tl.num_programs(1) * G
+        _decode_epilogue(acc, m, l_sum, out, part_out, part_lse, row, qh, hq_total, sp, num_splits,
+                         o_s0, o_s1, d, hmask, d < D, D, DIRECT)
+
+    @triton.jit
     def _tile_offsets(pages, num_banks, shard_pages, bank_stride, page_stride):
         """Page indices -> element offsets of their first element (block-cyclic page map)."""
         bank = (pages // shard_pages) % num_banks
@@ -250,21 +287,9 @@ if HAVE_TRITON:
         """One (row, kv head, split), any page map: the paged decode kernel's splits, chunks, steps
         and epilogue, with whole-tile loads. Only the addressing differs, so the bits do not."""
         D: tl.constexpr = WT * 32
-        row = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
-        sp = tl.program_id(2)
-        hq_total = tl.num_programs(1) * G
-        mrow = meta + row * meta_s0
-        n = tl.load(mrow)
-        lo, tail, hi = _split_chunks(n, sp, num_splits, BN)
-        hh = tl.arange(0, BH)
-        d = tl.arange(0, D)
-        qh = h * G + hh
-        hmask = hh < G
-        qv = tl.load(q + row * q_s0 + qh[:, None] * q_s1 + d[None, :], mask=hmask[:, None], other=0.0)
-        m = tl.full([BH], -1.0e30, tl.float32)
-        l_sum = tl.zeros([BH], tl.float32)
-        acc = tl.zeros([BH, D], tl.float32)
+        row, h, sp, mrow, n, lo, tail, hi, _, d, qh, hmask, qv = _decode_program(q, q_s0, q_s1, meta, meta_s0,
+                                                                                 num_splits, G, BH, D, BN)
+        m, l_sum, acc = _online_init(BH, D)
         if INTERP:  # the interpreter cannot use a loaded scalar as a range bound; the GPU needs `for` to pipeline
             start = lo
             while start < tail:
@@ -287,8 +312,8 @@ if HAVE_TRITON:
                 m, l_sum, acc = _generic_chunk(qv, m, l_sum, acc, start, hi, n, h, mrow, mem, k_base, v_base, qk_scale,
                                                num_banks, shard_pages, bank_stride, page_stride, s0, s1, s2,
                                                WT, RTPB, BN, BFP8, KDT, True, PREC, INTERP)
-        _decode_epilogue(acc, m, l_sum, out, part_out, part_lse, row, qh, hq_total, sp, num_splits,
-                         o_s0, o_s1, d, hmask, d < D, D, DIRECT)
+        _decode_finish(acc, m, l_sum, out, part_out, part_lse, row, qh, sp, num_splits, o_s0, o_s1, d, hmask,
+                       G, D, DIRECT)
 
     # ---- the fast kernel: separable page maps, no register permute ----------------------------
 
@@ -469,28 +494,13 @@ if HAVE_TRITON:
         block table. Each split's chunks run unmasked but its last, as in the paged kernel.
         """
         D: tl.constexpr = WT * 32
-        row = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
-        sp = tl.program_id(2)
-        hq_total = tl.num_programs(1) * G
-        mrow = meta + row * meta_s0
-        n = tl.load(mrow)
-        lo, tail, hi = _split_chunks(n, sp, num_splits, TOKN)
-        last = tl.maximum(tl.cdiv(n, TOKN) - 1, 0)
-        c_lo = lo // TOKN
-        c_tail = tail // TOKN
-        c_hi = tl.cdiv(hi, TOKN)
-        hh = tl.arange(0, BH)
-        d = tl.arange(0, D)
-        qh = h * G + hh
-        hmask = hh < G
-        qv = tl.load(q + row * q_s0 + qh[:, None] * q_s1 + d[None, :], mask=hmask[:, None], other=0.0)
+        row, h, sp, mrow, n, lo, tail, hi, cidx, d, qh, hmask, qv = _decode_program(q, q_s0, q_s1, meta, meta_s0,
+                                                                                    num_splits, G, BH, D, TOKN)
+        last, c_lo, c_tail, c_hi = cidx
         if FAST:  # exact: K comes scaled by 2^-64, so q . k is the same product
             qv = (qv.to(tl.float32) * _FAST_BIAS).to(qv.dtype)
         jv, je = _column_offsets(bank_stride, page_stride, 2 * WT, NB, SHARD)
-        m = tl.full([BH], -1.0e30, tl.float32)
-        l_sum = tl.zeros([BH], tl.float32)
-        acc = tl.zeros([BH, D], tl.float32)
+        m, l_sum, acc = _online_init(BH, D)
         kr, vr, ke, ve = _load_chunk(mrow, tl.minimum(c_lo, last), n, h, mem, k_base, v_base, jv, je, s0, s1, s2,
                                      bank_stride, page_stride, NB, SHARD, BS, TOKN, BFP8)
         if INTERP:  # the interpreter cannot use a loaded scalar as a range bound
@@ -517,8 +527,8 @@ if HAVE_TRITON:
             for c in range(c_tail, c_hi):
                 m, l_sum, acc = _tiles_chunk(qv, m, l_sum, acc, c, hi, kr, vr, ke, ve, qk_scale,
                                              TOKN, BFP8, FAST, ASM, KDT, PREC, INTERP, True)
-        _decode_epilogue(acc, m, l_sum, out, part_out, part_lse, row, qh, hq_total, sp, num_splits,
-                         o_s0, o_s1, d, hmask, d < D, D, DIRECT)
+        _decode_finish(acc, m, l_sum, out, part_out, part_lse, row, qh, sp, num_splits, o_s0, o_s1, d, hmask,
+                       G, D, DIRECT)
 
     # ---- the bfloat8_b word kernel: value bytes as 32-bit words, decoded four at a time --------
 
@@ -580,6 +590,98 @@ if HAVE_TRITON:
         ke = tl.load(ke_ptr + eptr)
         ve = tl.load(ve_ptr + eptr)
         return kw, vw, ke, ve
+
+    @triton.jit
+    def _words_chunk_tok(
+        mrow, c, n, h, kw_ptr, vw_ptr, ke_ptr, ve_ptr, jw, je, s0, s1, s2, bank_stride, page_stride,
+        NB: tl.constexpr, SHARD: tl.constexpr, BS: tl.constexpr, TOKN: tl.constexpr, NJ: tl.constexpr,
+    ):
+        """``_words_chunk``'s words and exponents (same values for every token before ``n``), from loads
+        the compiler's software pipeliner can issue a chunk or two ahead (``num_stages`` > 1): every
+        load is a tensor of >= 4-byte elements or 16-byte runs, none a scalar or a lone byte.
+
+        A row tile's block id is a one-element tensor load (a scalar load is never pipelined), and the
+        shared exponents are whole 16-byte runs of their tile's header (one face's 16 face rows = 16
+        consecutive tokens), ``[TOKN/16, NJ, 16]``, put in ``[TOKN, NJ]`` order in registers.
+        ``_words_chunk`` loads a scalar block id per row tile and one exponent byte per token and group;
+        neither goes through ``cp.async``, so (in an offline sm_90 compile) every chunk of its loop
+        waits on global loads; here none does (3 stages: the block ids run two chunks ahead of the
+        words that need them), at ~20% more instructions per chunk. Positions past ``n`` read block 0
+        (a real block; masked later).
+        """
+        pos = c * TOKN + tl.arange(0, TOKN)
+        one = tl.zeros([1], tl.int32)
+        p0 = c * TOKN + one
+        toff = _page_offset_c(tl.load(mrow + 2 + p0 // BS, mask=p0 < n, other=0) * s0 + h * s1 + ((p0 % BS) // 32) * s2,
+                              bank_stride, page_stride, NB, SHARD) + tl.zeros([TOKN], tl.int64)
+        for i in tl.static_range(1, TOKN // 32):
+            pi = p0 + 32 * i
+            oi = _page_offset_c(tl.load(mrow + 2 + pi // BS, mask=pi < n, other=0) * s0 + h * s1 + ((pi % BS) // 32) * s2,
+                                bank_stride, page_stride, NB, SHARD)
+            toff = tl.where(pos >= c * TOKN + 32 * i, oi, toff)
+        wrow = tl.multiple_of(toff // 4 + 16 + ((pos % 32) // 16) * 128 + (pos % 16) * 4, 4)
+        wptr = wrow[:, None] + jw[None, :]
+        kw = tl.load(kw_ptr + wptr)
+        vw = tl.load(vw_ptr + wptr)
+        bpos = c * TOKN + 16 * tl.arange(0, TOKN // 16)  # first token of each 16-token face-row run
+        bblk = tl.load(mrow + 2 + bpos // BS, mask=bpos < n, other=0)
+        boff = _page_offset_c(bblk * s0 + h * s1 + ((bpos % BS) // 32) * s2, bank_stride, page_stride, NB, SHARD)
+        boff = tl.multiple_of(boff + ((bpos % 32) // 16) * 32, 16)  # the run's face row, at its face column 0
+        eptr = (boff[:, None] + tl.multiple_of(je, 16)[None, :])[:, :, None] + tl.arange(0, 16)[None, None, :]
+        ke = tl.reshape(tl.permute(tl.load(ke_ptr + eptr), (0, 2, 1)), (TOKN, NJ))
+        ve = tl.reshape(tl.permute(tl.load(ve_ptr + eptr), (0, 2, 1)), (TOKN, NJ))
+        return kw, vw, ke, ve
+
+    @triton.jit
+    def _words_load(
+        mrow, c, n, h, kw_ptr, vw_ptr, ke_ptr, ve_ptr, jw, je, s0, s1, s2, bank_stride, page_stride,
+        NB: tl.constexpr, SHARD: tl.constexpr, BS: tl.constexpr, TOKN: tl.constexpr, NJ: tl.constexpr,
+        TOKLOAD: tl.constexpr,
+    ):
+        """Chunk ``c``'s words and exponents: ``_words_chunk_tok`` (TOKLOAD) or ``_words_chunk``."""
+        if TOKLOAD:
+            return _words_chunk_tok(mrow, c, n, h, kw_ptr, vw_ptr, ke_ptr, ve_ptr, jw, je, s0, s1, s2,
+                                    bank_stride, page_stride, NB, SHARD, BS, TOKN, NJ)
+        else:
+            return _words_chunk(mrow, c, n, h, kw_ptr, vw_ptr, ke_ptr, ve_ptr, jw, je, s0, s1, s2,
+                                bank_stride, page_stride, NB, SHARD, BS, TOKN)
+
+    @triton.jit
+    def _load_row(src, WT: tl.constexpr):
+        """A new K or V row (one kv head; ``src``: its first value) as ``[WT, 2, 16]`` (col tile, face col, value)."""
+        dcol = tl.arange(0, WT)[:, None, None] * 32 + tl.arange(0, 2)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+        return tl.load(src + dcol)
+
+    @triton.jit
+    def _new_row(x, WT: tl.constexpr):
+        """A new K or V row (``_load_row``, any float dtype) as the row write packs it (``_pack_bfp8``:
+        exponents ``[WT, 2]``, value bytes ``[WT, 2, 16]``) and as the word kernel loads it: words
+        ``[8*WT]`` int32 (four values each, column order) and exponents ``[2*WT]``."""
+        exps, vals = _pack_bfp8(x.to(tl.float32))
+        b = tl.reshape(vals.to(tl.int32), (WT * 8, 4))
+        words = tl.sum(b << (8 * tl.arange(0, 4))[None, :], 1)  # disjoint bits: the sum is the bytes' OR
+        return exps, vals, words, tl.reshape(exps, (2 * WT,))
+
+    @triton.jit
+    def _with_new_row(kw, vw, ke, ve, c, n, nkw, nvw, nke, nve, TOKN: tl.constexpr):
+        """Chunk ``c`` with the new token (position ``n - 1``) taken from registers (``_new_row``), not
+        from the cache: the fused kernel writes that row in the same launch, so its bytes there may be
+        the old ones. The values are the very bytes the write stores, so nothing else changes."""
+        is_new = (c * TOKN + tl.arange(0, TOKN) == n - 1)[:, None]
+        return (tl.where(is_new, nkw[None, :], kw), tl.where(is_new, nvw[None, :], vw),
+                tl.where(is_new, nke[None, :], ke), tl.where(is_new, nve[None, :], ve))
+
+    @triton.jit
+    def _row_place(loc, h, s0, s1, s2, bank_stride, page_stride,
+                   NB: tl.constexpr, SHARD: tl.constexpr, BS: tl.constexpr, WT: tl.constexpr):
+        """Where row ``loc`` (``npu_block * BS + row``, >= 0) of kv head ``h`` goes: its WT tiles'
+        offsets, the two faces the row crosses, and its row in them (``_write_rows_kernel``'s addresses)."""
+        blk = loc // BS
+        r = loc % BS
+        rr = r % 32
+        face = (rr // 16) * 2 + tl.arange(0, 2)
+        offs = _page_offset_c(blk * s0 + h * s1 + (r // 32) * s2 + tl.arange(0, WT), bank_stride, page_stride, NB, SHARD)
+        return offs, face, rr % 16
 
     @triton.jit
     def _bfp8_words_asm(w, s2):
@@ -684,11 +786,11 @@ if HAVE_TRITON:
     def _decode_bfp8_kernel(
         q, q_s0, q_s1, out, o_s0, o_s1, part_out, part_lse,
         mem, k_base, v_base, meta, meta_s0, qk_scale, num_splits,
-        bank_stride, page_stride, s0, s1, s2,
+        bank_stride, page_stride, s0, s1, s2, k_new, kn_s0, kn_s1, v_new, vn_s0, vn_s1,
         NB: tl.constexpr, SHARD: tl.constexpr, G: tl.constexpr, BH: tl.constexpr, WT: tl.constexpr,
         BS: tl.constexpr, TOKN: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr, ANCHOR: tl.constexpr,
         PREFETCH: tl.constexpr, KDT: tl.constexpr, VMASK: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr,
-        INTERP: tl.constexpr,
+        INTERP: tl.constexpr, TOKLOAD: tl.constexpr, FUSED: tl.constexpr,
     ):
         """bfloat8_b, separable page maps: ``_decode_tiles_kernel``'s splits, chunks, steps and epilogue,
         with value bytes loaded and decoded as 32-bit words and per-row-tile (not per-token) address
@@ -697,92 +799,102 @@ if HAVE_TRITON:
 
         PREFETCH: chunk ``c+1`` is loaded into registers while chunk ``c`` is computed (as
         ``_decode_tiles_kernel``); else each chunk is loaded in its own iteration and ``num_stages`` > 1
-        lets the compiler pipeline the loads through shared memory (words keep those loads 16 bytes wide)."""
+        lets the compiler pipeline the loads through shared memory (words keep those loads 16 bytes wide).
+        TOKLOAD: chunks load through ``_words_chunk_tok`` (every load pipelinable), else ``_words_chunk``.
+
+        FUSED (decode batches: one new token per sequence): this launch also writes each row's new K/V
+        (``k_new``, ``v_new [rows, Hkv, D]``, where ``meta[:, 1]`` says), which a separate
+        ``_write_rows_kernel`` launch does otherwise. The program whose split holds the new token
+        (position ``n - 1``, always in its masked last chunk) attends it from registers, packed as the
+        write packs it (``_new_row``, ``_with_new_row``), and stores it after its own reads: no program
+        reads those bytes from the cache, so no ordering between programs is needed, and the output and
+        the cache bytes are the two-launch path's, bit for bit."""
         D: tl.constexpr = WT * 32
-        row = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
-        sp = tl.program_id(2)
-        hq_total = tl.num_programs(1) * G
-        mrow = meta + row * meta_s0
-        n = tl.load(mrow)
-        lo, tail, hi = _split_chunks(n, sp, num_splits, TOKN)
-        last = tl.maximum(tl.cdiv(n, TOKN) - 1, 0)
-        c_lo = lo // TOKN
-        c_tail = tail // TOKN
-        c_hi = tl.cdiv(hi, TOKN)
-        hh = tl.arange(0, BH)
-        d = tl.arange(0, D)
-        qh = h * G + hh
-        hmask = hh < G
-        qv = tl.load(q + row * q_s0 + qh[:, None] * q_s1 + d[None, :], mask=hmask[:, None], other=0.0)
+        NJ: tl.constexpr = 2 * WT
+        row, h, sp, mrow, n, lo, tail, hi, cidx, d, qh, hmask, qv = _decode_program(q, q_s0, q_s1, meta, meta_s0,
+                                                                                    num_splits, G, BH, D, TOKN)
+        last, c_lo, c_tail, c_hi = cidx
         if FAST:  # exact: K comes scaled by 2^-64, so q . k is the same product
             qv = (qv.to(tl.float32) * _FAST_BIAS).to(qv.dtype)
-        jw, je = _word_columns(bank_stride, page_stride, 2 * WT, NB, SHARD)
+        jw, je = _word_columns(bank_stride, page_stride, NJ, NB, SHARD)
         ke_ptr = mem + k_base
         ve_ptr = mem + v_base
         kw_ptr = ke_ptr.to(tl.pointer_type(tl.int32))
         vw_ptr = ve_ptr.to(tl.pointer_type(tl.int32))
-        m = tl.full([BH], -1.0e30, tl.float32)
-        l_sum = tl.zeros([BH], tl.float32)
-        acc = tl.zeros([BH, D], tl.float32)
+        m, l_sum, acc = _online_init(BH, D)
+        if FUSED:  # loaded now, packed after the unmasked chunks (one value per thread is live across them)
+            krow = _load_row(k_new + row * kn_s0 + h * kn_s1, WT)
+            vrow = _load_row(v_new + row * vn_s0 + h * vn_s1, WT)
         if PREFETCH:
-            kw, vw, ke, ve = _words_chunk(mrow, tl.minimum(c_lo, last), n, h, kw_ptr, vw_ptr, ke_ptr, ve_ptr,
-                                          jw, je, s0, s1, s2, bank_stride, page_stride, NB, SHARD, BS, TOKN)
+            kw, vw, ke, ve = _words_load(mrow, tl.minimum(c_lo, last), n, h, kw_ptr, vw_ptr, ke_ptr, ve_ptr,
+                                         jw, je, s0, s1, s2, bank_stride, page_stride, NB, SHARD, BS, TOKN, NJ, TOKLOAD)
             if INTERP:  # the interpreter cannot use a loaded scalar as a range bound
                 c = c_lo
                 while c < c_tail:
-                    nkw, nvw, nke, nve = _words_chunk(mrow, tl.minimum(c + 1, last), n, h, kw_ptr, vw_ptr, ke_ptr,
-                                                      ve_ptr, jw, je, s0, s1, s2, bank_stride, page_stride,
-                                                      NB, SHARD, BS, TOKN)
+                    nkw, nvw, nke, nve = _words_load(mrow, tl.minimum(c + 1, last), n, h, kw_ptr, vw_ptr, ke_ptr,
+                                                     ve_ptr, jw, je, s0, s1, s2, bank_stride, page_stride,
+                                                     NB, SHARD, BS, TOKN, NJ, TOKLOAD)
                     m, l_sum, acc = _words_step(qv, m, l_sum, acc, c, hi, kw, vw, ke, ve, qk_scale,
                                                 TOKN, FAST, ASM, ANCHOR, KDT, VMASK, PREC, INTERP, False)
                     kw, vw, ke, ve = nkw, nvw, nke, nve
-                    c += 1
-                c = c_tail
-                while c < c_hi:
-                    m, l_sum, acc = _words_step(qv, m, l_sum, acc, c, hi, kw, vw, ke, ve, qk_scale,
-                                                TOKN, FAST, ASM, ANCHOR, KDT, VMASK, PREC, INTERP, True)
                     c += 1
             else:
                 for c in range(c_lo, c_tail):
-                    nkw, nvw, nke, nve = _words_chunk(mrow, tl.minimum(c + 1, last), n, h, kw_ptr, vw_ptr, ke_ptr,
-                                                      ve_ptr, jw, je, s0, s1, s2, bank_stride, page_stride,
-                                                      NB, SHARD, BS, TOKN)
+                    nkw, nvw, nke, nve = _words_load(mrow, tl.minimum(c + 1, last), n, h, kw_ptr, vw_ptr, ke_ptr,
+                                                     ve_ptr, jw, je, s0, s1, s2, bank_stride, page_stride,
+                                                     NB, SHARD, BS, TOKN, NJ, TOKLOAD)
                     m, l_sum, acc = _words_step(qv, m, l_sum, acc, c, hi, kw, vw, ke, ve, qk_scale,
                                                 TOKN, FAST, ASM, ANCHOR, KDT, VMASK, PREC, INTERP, False)
                     kw, vw, ke, ve = nkw, nvw, nke, nve
-                for c in range(c_tail, c_hi):
-                    m, l_sum, acc = _words_step(qv, m, l_sum, acc, c, hi, kw, vw, ke, ve, qk_scale,
-                                                TOKN, FAST, ASM, ANCHOR, KDT, VMASK, PREC, INTERP, True)
         else:  # every chunk index here is <= last: no clamping
             if INTERP:
                 c = c_lo
                 while c < c_tail:
-                    kw, vw, ke, ve = _words_chunk(mrow, c, n, h, kw_ptr, vw_ptr, ke_ptr, ve_ptr, jw, je,
-                                                  s0, s1, s2, bank_stride, page_stride, NB, SHARD, BS, TOKN)
+                    kw, vw, ke, ve = _words_load(mrow, c, n, h, kw_ptr, vw_ptr, ke_ptr, ve_ptr, jw, je,
+                                                 s0, s1, s2, bank_stride, page_stride, NB, SHARD, BS, TOKN, NJ, TOKLOAD)
                     m, l_sum, acc = _words_step(qv, m, l_sum, acc, c, hi, kw, vw, ke, ve, qk_scale,
                                                 TOKN, FAST, ASM, ANCHOR, KDT, VMASK, PREC, INTERP, False)
-                    c += 1
-                c = c_tail
-                while c < c_hi:
-                    kw, vw, ke, ve = _words_chunk(mrow, c, n, h, kw_ptr, vw_ptr, ke_ptr, ve_ptr, jw, je,
-                                                  s0, s1, s2, bank_stride, page_stride, NB, SHARD, BS, TOKN)
-                    m, l_sum, acc = _words_step(qv, m, l_sum, acc, c, hi, kw, vw, ke, ve, qk_scale,
-                                                TOKN, FAST, ASM, ANCHOR, KDT, VMASK, PREC, INTERP, True)
                     c += 1
             else:
                 for c in range(c_lo, c_tail):
-                    kw, vw, ke, ve = _words_chunk(mrow, c, n, h, kw_ptr, vw_ptr, ke_ptr, ve_ptr, jw, je,
-                                                  s0, s1, s2, bank_stride, page_stride, NB, SHARD, BS, TOKN)
+                    kw, vw, ke, ve = _words_load(mrow, c, n, h, kw_ptr, vw_ptr, ke_ptr, ve_ptr, jw, je,
+                                                 s0, s1, s2, bank_stride, page_stride, NB, SHARD, BS, TOKN, NJ, TOKLOAD)
                     m, l_sum, acc = _words_step(qv, m, l_sum, acc, c, hi, kw, vw, ke, ve, qk_scale,
                                                 TOKN, FAST, ASM, ANCHOR, KDT, VMASK, PREC, INTERP, False)
-                for c in range(c_tail, c_hi):
-                    kw, vw, ke, ve = _words_chunk(mrow, c, n, h, kw_ptr, vw_ptr, ke_ptr, ve_ptr, jw, je,
-                                                  s0, s1, s2, bank_stride, page_stride, NB, SHARD, BS, TOKN)
-                    m, l_sum, acc = _words_step(qv, m, l_sum, acc, c, hi, kw, vw, ke, ve, qk_scale,
-                                                TOKN, FAST, ASM, ANCHOR, KDT, VMASK, PREC, INTERP, True)
-        _decode_epilogue(acc, m, l_sum, out, part_out, part_lse, row, qh, hq_total, sp, num_splits,
-                         o_s0, o_s1, d, hmask, d < D, D, DIRECT)
+        # the split's masked last chunk (at most one)
+        if FUSED:
+            kx, k8, nkw, nke = _new_row(krow, WT)
+            vx, v8, nvw, nve = _new_row(vrow, WT)
+        if INTERP:
+            c = c_tail
+            while c < c_hi:
+                if not PREFETCH:
+                    kw, vw, ke, ve = _words_load(mrow, c, n, h, kw_ptr, vw_ptr, ke_ptr, ve_ptr, jw, je,
+                                                 s0, s1, s2, bank_stride, page_stride, NB, SHARD, BS, TOKN, NJ, TOKLOAD)
+                kc, vc, kec, vec = kw, vw, ke, ve
+                if FUSED:
+                    kc, vc, kec, vec = _with_new_row(kw, vw, ke, ve, c, n, nkw, nvw, nke, nve, TOKN)
+                m, l_sum, acc = _words_step(qv, m, l_sum, acc, c, hi, kc, vc, kec, vec, qk_scale,
+                                            TOKN, FAST, ASM, ANCHOR, KDT, VMASK, PREC, INTERP, True)
+                c += 1
+        else:
+            for c in range(c_tail, c_hi):
+                if not PREFETCH:
+                    kw, vw, ke, ve = _words_load(mrow, c, n, h, kw_ptr, vw_ptr, ke_ptr, ve_ptr, jw, je,
+                                                 s0, s1, s2, bank_stride, page_stride, NB, SHARD, BS, TOKN, NJ, TOKLOAD)
+                kc, vc, kec, vec = kw, vw, ke, ve
+                if FUSED:
+                    kc, vc, kec, vec = _with_new_row(kw, vw, ke, ve, c, n, nkw, nvw, nke, nve, TOKN)
+                m, l_sum, acc = _words_step(qv, m, l_sum, acc, c, hi, kc, vc, kec, vec, qk_scale,
+                                            TOKN, FAST, ASM, ANCHOR, KDT, VMASK, PREC, INTERP, True)
+        _decode_finish(acc, m, l_sum, out, part_out, part_lse, row, qh, sp, num_splits, o_s0, o_s1, d, hmask,
+                       G, D, DIRECT)
+        if FUSED:  # after this program's reads of the row's tiles; pad rows (loc < 0, n = 0) write nothing
+            loc = tl.load(mrow + 1)
+            ok = (lo <= n - 1) & (n - 1 < hi) & (loc >= 0)
+            offs, face, ri = _row_place(tl.maximum(loc, 0), h, s0, s1, s2, bank_stride, page_stride, NB, SHARD, BS, WT)
+            _store_bfp8_row(mem, k_base + offs, face, ri, kx, k8, ok)
+            _store_bfp8_row(mem, v_base + offs, face, ri, vx, v8, ok)
 
     @triton.jit
     def _pack_bfp8(x):
@@ -809,6 +921,15 @@ if HAVE_TRITON:
         return (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
     @triton.jit
+    def _store_bfp8_row(mem, start, face, ri, exps, vals, ok):
+        """Store a packed bfloat8_b row (``_pack_bfp8``) at row ``ri`` of faces ``face`` of the WT tiles
+        at ``mem + start``: its shared exponents and its value bytes, nothing else."""
+        c = tl.arange(0, 16)
+        tl.store(mem + start[:, None] + face[None, :] * 16 + ri, exps, mask=ok)
+        vptr = mem + start[:, None, None] + 64 + face[None, :, None] * 256 + ri * 16 + c[None, None, :]
+        tl.store(vptr, vals, mask=ok)
+
+    @triton.jit
     def _write_one(src, mem, base, offs, face, ri, dcol, ok, BFP8: tl.constexpr):
         """Store one head's row ``src + dcol`` into its WT tiles at ``offs`` (row ``ri`` of faces ``face``)."""
         x = tl.load(src + dcol)  # [WT, 2, 16]
@@ -816,9 +937,7 @@ if HAVE_TRITON:
         c = tl.arange(0, 16)
         if BFP8:
             exps, vals = _pack_bfp8(x.to(tl.float32))
-            tl.store(mem + start[:, None] + face[None, :] * 16 + ri, exps, mask=ok)
-            vptr = mem + start[:, None, None] + 64 + face[None, :, None] * 256 + ri * 16 + c[None, None, :]
-            tl.store(vptr, vals, mask=ok)
+            _store_bfp8_row(mem, start, face, ri, exps, vals, ok)
         else:
             vptr = mem + start[:, None, None] + face[None, :, None] * 256 + ri * 16 + c[None, None, :]
             tl.store(vptr, _bf16_rne(x.to(tl.float32)), mask=ok)
@@ -878,8 +997,13 @@ class DecodeConfig:
     (value bytes as 32-bit words, per-row-tile addresses, PTX decode four values at a time);
     ``"words-int"``, the same kernel decoding with integer ops instead of PTX. ``prefetch`` (word
     kernel): next chunk into registers (else ``num_stages`` > 1 pipelines through shared memory).
-    ``maxnreg``: a per-thread register cap (more programs per SM; may spill). All of these keep the
-    paged decode's bits except ``tokens`` and ``num_warps``.
+    ``maxnreg``: a per-thread register cap (more programs per SM; may spill). ``token_loads`` (word
+    kernel): block ids as tensor loads and exponents as 16-byte header runs (``_words_chunk_tok``), so
+    that with ``num_stages`` > 1 every load of a chunk is pipelined (the row-tile loads issue a scalar
+    block-id load and byte-wide exponent loads in the loop, which the pipeliner leaves synchronous).
+    ``fused_write`` (word kernel, decode batches): the decode launch also writes the new K/V rows
+    (no separate ``write_rows`` launch; see ``_decode_bfp8_kernel``). All of these keep the paged
+    decode's bits except ``tokens`` and ``num_warps``.
     """
 
     num_warps: int = 4
@@ -889,6 +1013,8 @@ class DecodeConfig:
     prefetch: bool = True
     tokens: int | None = None
     maxnreg: int | None = None
+    token_loads: bool = False
+    fused_write: bool = False
 
     @property
     def keeps_paged_bits(self) -> bool:
@@ -910,6 +1036,18 @@ BFP8_VARIANTS: dict[str, DecodeConfig] = {
     "words-pipe3-r128": DecodeConfig(bfp8="words", prefetch=False, num_stages=3, maxnreg=128),  # b; 4 per SM
     "words-w8": DecodeConfig(bfp8="words", num_warps=8),  # not bitwise: 8 warps
     "words-t128w8": DecodeConfig(bfp8="words", tokens=128, num_warps=8),  # not bitwise: 128-token chunks
+    # issue 7 candidates, not yet timed on a GPU when added (offline sm_90 compile: 128 registers, no
+    # spill in the chunk loops). "-fw": the row write in the decode launch, one launch fewer per layer
+    # (batch 1: write + decode + merge -> decode + merge; batch 64: write + decode -> decode).
+    "words-pipe2-r128-fw": DecodeConfig(bfp8="words", prefetch=False, num_stages=2, maxnreg=128, fused_write=True),  # b
+    # "tok": block ids and exponents loaded so the pipeliner takes them too (``_words_chunk_tok``): the
+    # default's loop waits on a global load (exponent bytes, block id) every chunk; with 3 stages no
+    # chunk waits on one (12 barriers per chunk instead of 14, ~20% more instructions); with 2 the
+    # block-id load still does, but the exponents no longer (10 barriers per chunk).
+    "tok-pipe3-r128-fw": DecodeConfig(bfp8="words", prefetch=False, num_stages=3, maxnreg=128, token_loads=True,
+                                      fused_write=True),  # b; 4 per SM (40 KB shared memory)
+    "tok-pipe2-r128-fw": DecodeConfig(bfp8="words", prefetch=False, num_stages=2, maxnreg=128, token_loads=True,
+                                      fused_write=True),  # b; 4 per SM
 }
 #: The variant bfloat8_b tiles get when no config is given (``HAWK_NPU_BFP8_KERNEL`` overrides it): the
 #: fastest that keeps the paged decode's bits in `benchmarks/bfp8_kernel_probe.py` on an H200
@@ -927,6 +1065,15 @@ def _has_bf16x2_mul(device: torch.device) -> bool:
 @functools.lru_cache(maxsize=None)
 def _capability(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
+
+
+def fuses_row_write(g: TileGeometry, config: DecodeConfig | None, generic: bool = False) -> bool:
+    """True when :func:`decode_attention` with ``config`` (None: :func:`default_config`) writes the
+    new rows itself for a decode batch, so the caller must not launch :func:`write_rows` first."""
+    if not (g.bfp8 and g.separable) or generic:
+        return False
+    cfg = config or default_config(g)
+    return cfg.fused_write and cfg.bfp8 in ("words", "words-int")
 
 
 def default_config(g: TileGeometry) -> DecodeConfig:
@@ -952,6 +1099,7 @@ def decode_attention(
     config: DecodeConfig | None = None,
     generic: bool = False,
     block_n: int | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``q [rows, Hq, D]`` over each row's tiled context -> ``[rows, Hq, D]`` in q's dtype (no host sync).
 
@@ -963,6 +1111,10 @@ def decode_attention(
     may take the word kernel, see :class:`DecodeConfig`), bf16 and bfloat8_b alike: on an H200 the whole-tile kernel's bf16 output was not bitwise equal to the
     paged decode (its ``tl.join`` of two row tiles reorders the chunk), which broke token equality with
     the colocated reference. ``generic=True`` forces the whole-tile kernel (non-separable maps use it).
+
+    ``new_kv``: the new rows' ``k, v [rows, Hkv, D]`` (last dim contiguous) when the kernel writes them
+    itself (:func:`fuses_row_write` must be True; only for decode batches: each row's new token is its
+    sequence's only one); else the caller has written them (:func:`write_rows`).
     """
     from hawk.engine import triton_attention as ta
 
@@ -993,18 +1145,29 @@ def decode_attention(
             if tokn not in (16, 32, 64, 128):
                 raise ValueError(f"DecodeConfig.tokens must be 16, 32, 64 or 128, got {tokn}")
             extra = {"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interp else {}
+            if new_kv is not None:
+                if not fuses_row_write(g, cfg, generic):
+                    raise ValueError("new_kv given, but this config does not write the rows in the decode launch")
+                kn, vn = new_kv
+                if kn.shape != (q.shape[0], g.num_kv_heads, d) or vn.shape != kn.shape or kn.stride(2) != 1 or vn.stride(2) != 1:
+                    raise ValueError(f"new_kv must be two [{q.shape[0]}, {g.num_kv_heads}, {d}] tensors, last dim contiguous")
+                new_args = (kn, kn.stride(0), kn.stride(1), vn, vn.stride(0), vn.stride(1))
+            else:  # never read: any pointer, zero strides
+                new_args = (q, 0, 0, q, 0, 0)
             _decode_bfp8_kernel[grid](
-                *common, g.bank_stride, g.page_stride, g.s0, g.s1, g.s2,
+                *common, g.bank_stride, g.page_stride, g.s0, g.s1, g.s2, *new_args,
                 NB=g.num_banks, SHARD=g.shard_pages, G=group, BH=bh, WT=g.col_tiles, BS=g.block_size, TOKN=tokn,
                 FAST=fast, ASM=fast and cfg.bfp8 == "words" and _has_bf16x2_mul(q.device), ANCHOR=True,
                 PREFETCH=cfg.prefetch, KDT=kdt,
                 VMASK=q.dtype == torch.float16,
-                DIRECT=num_splits == 1, PREC=prec, INTERP=interp, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages, **extra,
+                DIRECT=num_splits == 1, PREC=prec, INTERP=interp, TOKLOAD=cfg.token_loads, FUSED=new_kv is not None,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
             )
             if num_splits > 1:
                 ta.decode_reduce(part_out, part_lse, out, num_splits)
             return out
+        if new_kv is not None:
+            raise ValueError("new_kv is for the bfloat8_b word kernel (DecodeConfig.fused_write)")
         _decode_tiles_kernel[grid](
             *common, g.bank_stride, g.page_stride, g.s0, g.s1, g.s2,
             NB=g.num_banks, SHARD=g.shard_pages, G=group, BH=bh, WT=g.col_tiles, BS=g.block_size, TOKN=block_n,
@@ -1012,6 +1175,8 @@ def decode_attention(
             PREC=prec, INTERP=interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     else:
+        if new_kv is not None:
+            raise ValueError("new_kv is for the bfloat8_b word kernel (DecodeConfig.fused_write)")
         _decode_attention_kernel[grid](
             *common, *_page_args(g),
             G=group, BH=bh, WT=g.col_tiles, RTPB=g.row_tiles, BN=block_n, BFP8=g.bfp8, KDT=kdt,
