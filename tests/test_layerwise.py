@@ -16,12 +16,14 @@ from tests.kv_fixtures import L, dst_blocks_for, make_pair
 CONFIGS = ("gn-hawk", "gg-direct")
 
 
-@pytest.fixture(autouse=True, params=["worker", "inline"])
+@pytest.fixture(autouse=True, params=["worker", "inline", "inline-grouped"])
 def post_from(request, monkeypatch):
-    """Every test twice: layers produced and posted by the push worker, and by the forward's thread
-    (what a stream-ordered transport on CUDA gets; forced here on the CPU)."""
+    """Every test three times: layers produced and posted by the push worker, and by the forward's
+    thread (what a stream-ordered transport on CUDA gets; forced here on the CPU), one layer per post
+    and all of them in one post."""
     monkeypatch.setenv("HAWK_LAYERWISE_INLINE", "0" if request.param == "worker" else "always")
-    return request.param
+    monkeypatch.setenv("HAWK_LAYERWISE_GROUP", str(L) if request.param == "inline-grouped" else "1")
+    return request.param.split("-")[0]
 
 
 class FaultyLocal(LocalTransport):
@@ -92,7 +94,7 @@ def test_layerwise_push_lands_the_kv_and_releases_everything(config, post_from):
             t.join(10)
             assert "result" in out, out
             assert out["result"].mode == "layerwise" and out["result"].bytes > 0 and out["result"].num_tokens == tokens
-            assert ("sender_post_s" in out["result"].timings) == (post_from == "inline")  # the path asked for ran
+            assert ("sender_posts" in out["result"].timings) == (post_from == "inline")  # the path asked for ran
             assert pair.landed(tokens, blocks, dst)
         assert _clean(pair)
         assert sorted(pair.freed) == ["r0", "r1", "r2"]  # every prefill's blocks back exactly once

@@ -155,6 +155,15 @@ class _Receiver:
 #: A push-worker item meaning "every layer of this inline push is posted" (layer numbers are >= 0,
 #: -1 is "plan it").
 _ALL_POSTED = -2
+#: Layers per inline post: ``$HAWK_LAYERWISE_GROUP``, else enough for about 8 posts per forward.
+GROUP_ENV = "HAWK_LAYERWISE_GROUP"
+
+
+def layer_group(num_layers: int) -> int:
+    env = os.environ.get(GROUP_ENV)
+    return max(1, int(env)) if env else max(1, -(-num_layers // 8))
+
+
 #: ``0`` keeps every layer-wise push on the push worker (for comparison); default (``1``): inline on
 #: CUDA when the transport is stream-ordered; ``always``: inline on a CPU too (tests: on a CPU the
 #: copies then run on the forward's thread, which the worker would have overlapped).
@@ -197,6 +206,7 @@ class _Push:
     writes: list[Any] = field(default_factory=list)  # posted layer WRITEs not yet waited for
     failing: Message | None = None  # a failure found while the worker was busy with it: the worker ends it
     inline: bool = False  # layers are produced and posted on the forward's thread (stream-ordered transport)
+    pending: list[int] = field(default_factory=list)  # inline: written layers not posted yet (a group fills)
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -343,28 +353,42 @@ class KVSender:
         return push.inline or push.state is not PushState.PUSHING
 
     def _push_layer_inline(self, push: _Push, layer: int) -> None:
-        """P3 + P5 for one layer on the forward's thread: the transform on the side stream after the
-        layer's kernels, the WRITE posted after it (the transport orders it on the device); nothing
-        waits here. The worker waits for the writes once the last layer is posted."""
+        """P3 + P5 on the forward's thread: layers are posted in groups (:func:`layer_group`), each
+        group's transforms on the side stream after the group's kernels and one WRITE batch after
+        them (the transport orders it on the device); nothing waits here. The worker waits for the
+        writes once the last layer is posted. Why groups: each post costs host time on the forward's
+        own thread, and the last group's device work (microseconds) is all that TTFT waits for."""
         with self._lock:
             if push.state is not PushState.PUSHING:
                 return
             push.busy = True
         try:
-            t0 = time.perf_counter()
+            push.pending.append(layer)
+            last = push.layers_left == len(push.pending)
+            if len(push.pending) < layer_group(self.fmt.layout.num_layers) and not last:
+                return
+            layers, push.pending = push.pending, []
             staged = push.staged
             if staged is None:
                 raise RuntimeError("layer pushed before its plan")
+            t0 = time.perf_counter()
             self._side.after_current()
+            descs: list[Desc] = []
             with self._side.current():
-                self.fmt.produce_layer(push.plan, layer, staged)
-                descs = self.fmt.layer_descs(push.plan, layer, staged)
+                for lyr in layers:
+                    self.fmt.produce_layer(push.plan, lyr, staged)
+                t1 = time.perf_counter()
+                for lyr in layers:
+                    descs.extend(self.fmt.layer_descs(push.plan, lyr, staged))
                 if descs:
                     push.writes.append(self.transport.submit("WRITE", push.receiver.peer, descs))
-            push.timings["post_s"] = push.timings.get("post_s", 0.0) + time.perf_counter() - t0
+            t2 = time.perf_counter()
+            push.timings["post_transform_s"] = push.timings.get("post_transform_s", 0.0) + t1 - t0
+            push.timings["post_write_s"] = push.timings.get("post_write_s", 0.0) + t2 - t1
+            push.timings["posts"] = push.timings.get("posts", 0.0) + 1
             push.bytes += sum(d.length for d in descs)
             push.requests += len(descs)
-            push.layers_left -= 1
+            push.layers_left -= len(layers)
             if push.layers_left == 0:
                 push.t_last_layer = time.perf_counter()
                 self._work.put((push, _ALL_POSTED, None))
