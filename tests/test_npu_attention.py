@@ -494,7 +494,8 @@ def test_fused_row_write_launch_plumbing(monkeypatch: pytest.MonkeyPatch) -> Non
             (tk.BFP8_VARIANTS["tok-pipe3-r128-fw"], BATCH, False, [("decode", True)]),
             (tk.BFP8_VARIANTS["words-pipe2-r128-fw"], BATCH_MULTI, False, [("write",), ("decode", False)]),
             (tk.BFP8_VARIANTS["words-pipe2-r128-fw"], BATCH, True, [("write",), ("decode", False)]),
-            (None, BATCH, False, [("write",), ("decode", False)]),  # the default variant does not fuse (yet)
+            (None, BATCH, False, [("decode", True)]),  # the default variant (tok-pipe2-r128-fw) fuses
+            (tk.BFP8_VARIANTS["words-pipe2-r128"], BATCH, False, [("write",), ("decode", False)]),  # this one does not
         ]:
             calls.clear()
             attn.decode_config, attn.generic = cfg, generic

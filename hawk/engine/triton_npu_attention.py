@@ -1036,9 +1036,9 @@ BFP8_VARIANTS: dict[str, DecodeConfig] = {
     "words-pipe3-r128": DecodeConfig(bfp8="words", prefetch=False, num_stages=3, maxnreg=128),  # b; 4 per SM
     "words-w8": DecodeConfig(bfp8="words", num_warps=8),  # not bitwise: 8 warps
     "words-t128w8": DecodeConfig(bfp8="words", tokens=128, num_warps=8),  # not bitwise: 128-token chunks
-    # issue 7 candidates, not yet timed on a GPU when added (offline sm_90 compile: 128 registers, no
-    # spill in the chunk loops). "-fw": the row write in the decode launch, one launch fewer per layer
-    # (batch 1: write + decode + merge -> decode + merge; batch 64: write + decode -> decode).
+    # issue 7 (offline sm_90 compile: 128 registers, no spill in the chunk loops). "-fw": the row write
+    # in the decode launch, one launch fewer per layer (batch 1: write + decode + merge -> decode +
+    # merge; batch 64: write + decode -> decode).
     "words-pipe2-r128-fw": DecodeConfig(bfp8="words", prefetch=False, num_stages=2, maxnreg=128, fused_write=True),  # b
     # "tok": block ids and exponents loaded so the pipeliner takes them too (``_words_chunk_tok``): the
     # default's loop waits on a global load (exponent bytes, block id) every chunk; with 3 stages no
@@ -1050,9 +1050,11 @@ BFP8_VARIANTS: dict[str, DecodeConfig] = {
                                       fused_write=True),  # b; 4 per SM
 }
 #: The variant bfloat8_b tiles get when no config is given (``HAWK_NPU_BFP8_KERNEL`` overrides it): the
-#: fastest that keeps the paged decode's bits in `benchmarks/bfp8_kernel_probe.py` on an H200
-#: (2026-11-30; attention alone vs paged bf16: 1.01x at batch 1, 1.21x at batch 64, context 1k; "bytes" 1.03x, 1.57x).
-DEFAULT_BFP8_VARIANT = "words-pipe2-r128"
+#: fastest that keeps the paged decode's bits in `benchmarks/bfp8_kernel_probe.py --flush-mb 256` on an
+#: H200 (2026-11-30; write + attention vs paged bf16, context 1k: 0.90x at batch 1, 1.15x at batch 64;
+#: words-pipe2-r128 1.05x, 1.21x). In the 8B decode step: 1.023x / 1.014x the paged step (words-pipe2-r128
+#: had measured 1.059x / 1.110x); benchmarks/results/raw/engine_h200_tokpipe2fw.json.
+DEFAULT_BFP8_VARIANT = "tok-pipe2-r128-fw"
 
 
 def _has_bf16x2_mul(device: torch.device) -> bool:
