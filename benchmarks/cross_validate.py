@@ -142,7 +142,36 @@ def run_scenario(name: str, a: argparse.Namespace, transfer: str) -> dict[str, A
     }
 
 
+def resimulate(path: str) -> list[dict[str, Any]]:
+    """The comparison rows of a saved run, with TODAY's simulator fed the same saved probes and the
+    same workload, rates, request count and seed (the real records are kept as measured). Why: a run
+    on a machine that is lent for minutes stays comparable when the simulator improves."""
+    from hawk.devices.timing import StepModel
+
+    saved = json.loads(Path(path).read_text())
+    a = saved["args"]
+    wl = get_workload(a["workload"])
+    rows = []
+    for s in saved["scenarios"]:
+        cfg = s["config"]
+        probes = Probes(**{k: [tuple(x) if isinstance(x, list) else x for x in v] for k, v in s["probes"].items()})
+        chunk = defaults().max_prefill_chunk  # the serving default the run used (not saved with it)
+        cal = calibrate(probes, max_batch=cfg["max_batch"], kv_tokens=cfg["kv_tokens"], prefill_chunk=chunk,
+                        machine=saved.get("machine", {}).get("node", "saved run"))
+        npu_step = None if s["npu_step_model"] is None else StepModel(**s["npu_step_model"])
+        sim_cfg = calibrated_config(cal, cfg["transfer"], npu_step=npu_step, link_gbps=cfg["link_gbps"])
+        sim = [simulate(sim_cfg, r, wl, a["num_requests"], a["seed"], per_request=True) for r in a["rates"]]
+        rows += compare(s["real"], sim, f"{cfg['transfer']} {s['scenario']}")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--resimulate":
+        argv = sys.argv[1:]
+    if argv and argv[0] == "--resimulate":  # python benchmarks/cross_validate.py --resimulate FILE...
+        rows = [r for f in argv[1:] for r in resimulate(f)]
+        print(format_table(rows))
+        return {"rows": rows}
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--scenarios", default="plain,paced", help="plain and/or paced (--npu-timing p150a --link-gbps N)")
     p.add_argument("--link-gbps", type=float, default=0.2,

@@ -73,3 +73,19 @@ def test_fit_line_is_not_moved_by_one_slow_first_request():
     ys = [2.6, 0.020, 0.020, 0.040, 0.040, 0.040]
     a, b = fit_line(xs, ys)
     assert abs(a - (0.020 - 8 * b)) < 1e-9 and abs(b - 0.020 / 120) < 1e-9
+
+
+def test_resimulating_a_saved_run_gives_its_own_predictions():
+    """A saved run fed back to the simulator with its probes: today's simulator is the one that made
+    that file's predictions, so the rows come back equal (the committed H200 gn-hawk paced run)."""
+    import json
+    from pathlib import Path
+
+    from benchmarks.cross_validate import resimulate
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks/results/crossval_h200/paced_summarization_gn-hawk.json"
+    saved = json.loads(path.read_text())["rows"]
+    again = resimulate(str(path))
+    assert [(r["rate"], r["metric"]) for r in again] == [(r["rate"], r["metric"]) for r in saved]
+    for a, b in zip(again, saved):
+        assert a["real"] == b["real"] and abs(a["sim"] - b["sim"]) < 1e-6 * max(1.0, b["sim"])
