@@ -56,7 +56,8 @@ def _median_timings(results: Sequence[Any]) -> dict[str, float]:
     layer-wise push's time went, beyond the pull breakdown's keys."""
     rows = [r.timings for r in results if r is not None and getattr(r, "timings", None)]
     keys = sorted({k for t in rows for k in t})
-    return {k[:-2] if k.endswith("_s") else k: statistics.median(t.get(k, 0.0) for t in rows) * 1e3 for k in keys}
+    return {k[:-2] if k.endswith("_s") else k: statistics.median(t.get(k, 0.0) for t in rows) * (1e3 if k.endswith("_s") else 1.0)
+            for k in keys}  # counts (e.g. ``sender_posts``) stay counts
 
 
 def _pull_result(decode: Any, rid: str) -> Any:
