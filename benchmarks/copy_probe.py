@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import numpy as np
@@ -22,21 +21,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hawk.devices import batched_copy as bc  # noqa: E402
+from benchmarks.attention_probe import cuda_ms  # noqa: E402
 from hawk.devices._copy_kernel import copy_words  # noqa: E402
-
-
-def _time(fn, repeats: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
 
 
 def main() -> None:
@@ -56,11 +42,11 @@ def main() -> None:
         dst = (total + rng.permutation(n).astype(np.int64) * run) // 8
         lens = np.full(n, run // 8, dtype=np.int64)
         t = bc.upload_int64(np.stack([src, dst, lens]), dev)
-        plain = _time(lambda: mem[total : 2 * total].copy_(mem[:total]), a.repeats)
+        plain = cuda_ms(lambda: mem[total : 2 * total].copy_(mem[:total]), a.repeats)
         for block in (1024, 2048, 4096, 8192):
             for warps in (4, 8):
                 for align in (1, 2):
-                    ms = _time(lambda: copy_words(words, t[0], t[1], t[2], int(lens.max()), block, align, warps), a.repeats)
+                    ms = cuda_ms(lambda: copy_words(words, t[0], t[1], t[2], int(lens.max()), block, align, warps), a.repeats)
                     out.append({"case": name, "bytes": total, "block": block, "num_warps": warps, "align": align,
                                 "ms": ms, "copy_ms": plain, "x_copy": ms / plain})
         best = min((r for r in out if r["case"] == name), key=lambda r: r["ms"])

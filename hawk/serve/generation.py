@@ -40,7 +40,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import httpx
@@ -61,6 +61,7 @@ from hawk.serve.contract import (
 )
 from hawk.serve.protocol import InstanceDown, OpenAIError
 
+_Reply = TypeVar("_Reply")  # a contract reply model
 log = logging.getLogger(__name__)
 
 CLEANUP_TIMEOUT_S = 5.0
@@ -179,16 +180,21 @@ class Generation:
         await self._prefill_watching_decode()
         await self._deliver_first_token()
 
+    async def _call(self, base: str, role: str, path: str, body: Any, reply: type[_Reply]) -> _Reply:
+        """POST one contract message to an instance: its typed reply, or the fault the client is told
+        (the instance unreachable: 503; an error status or a malformed answer: the upstream's)."""
+        try:
+            r = await self.client.post(f"{base}{path}", content=body.model_dump_json(), headers=_JSON)
+        except httpx.HTTPError as e:
+            raise InstanceDown(f"{role} instance {base} unreachable: {e!r}") from None
+        if r.status_code != 200:
+            raise upstream_error(r.status_code, r.content, f"{role} at {base}")
+        return receive(reply, r.content, f"{role} at {base}")
+
     async def _prefill(self) -> None:
         body = PrefillRequest.of(request_id=self.request_id, prompt_ids=self.prompt_ids, params=self.params.to_dict(), kv_flow=self.kv_flow)
         self._prefilled = True  # from here on the prefill may hold something for this request
-        try:
-            r = await self.client.post(f"{self.prefill_url}/internal/prefill", content=body.model_dump_json(), headers=_JSON)
-        except httpx.HTTPError as e:
-            raise InstanceDown(f"prefill instance {self.prefill_url} unreachable: {e!r}") from None
-        if r.status_code != 200:
-            raise upstream_error(r.status_code, r.content, f"prefill at {self.prefill_url}")
-        self.prefill_reply = receive(PrefillResponse, r.content, f"prefill at {self.prefill_url}")
+        self.prefill_reply = await self._call(self.prefill_url, "prefill", "/internal/prefill", body, PrefillResponse)
         self.t_prefilled = time.monotonic()
 
     def _pull_decode_request(self) -> DecodeRequest:
@@ -267,13 +273,7 @@ class Generation:
         pre = self.prefill_reply
         assert pre is not None
         body = FirstToken.of(request_id=self.request_id, token=pre.first_token)
-        try:
-            r = await self.client.post(f"{self.decode_url}/internal/first_token", content=body.model_dump_json(), headers=_JSON)
-        except httpx.HTTPError as e:
-            raise InstanceDown(f"decode instance {self.decode_url} unreachable: {e!r}") from None
-        if r.status_code != 200:
-            raise upstream_error(r.status_code, r.content, f"decode at {self.decode_url}")
-        reply = receive(FirstTokenReply, r.content, f"decode at {self.decode_url}")
+        reply = await self._call(self.decode_url, "decode", "/internal/first_token", body, FirstTokenReply)
         if not reply.accepted:
             log.info("decode %s did not take %s's first token; its stream says why", self.decode_url, self.request_id)
 
