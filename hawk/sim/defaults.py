@@ -5,7 +5,8 @@ Two kinds of numbers live here, and they must not be confused:
 * **Measured** — the KV-transfer curves: medians from ``hawk bench transfer`` on 2× H200 (NV18),
   NIXL 1.5.1 pulls, decode-side memory = HAWK's *emulated* Blackhole p150a on GPU1 for ``gn-*``,
   bf16 KV in the Llama-3.1-70B TP4 rank shape, median of 5 after one warm-up
-  (``benchmarks/results/transfer_h200x2.json``; docs/benchmarks.md). These are GPU-memory
+  (``benchmarks/results/raw/transfer_h200x2_2026-11-29.json``, the run of 2026-11-29; docs/benchmarks.md
+  has the later 10-repeat run, which the simulator is not re-calibrated to). These are GPU-memory
   transfer times, not Tenstorrent hardware or InfiniBand numbers.
 * **Assumptions** — every compute-time and memory model below. They are first-order roofline
   estimates for Llama-3.1-70B at TP4 (stated per entry), plus the paper's Table 1 ratio for the
@@ -25,9 +26,9 @@ from hawk.sim.compute import DecodeModel, PrefillModel
 
 # ============================================================================ KV transfer (measured)
 
-TRANSFER_FILE = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "transfer_h200x2.json"
+TRANSFER_FILE = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "raw" / "transfer_h200x2_2026-11-29.json"
 TRANSFER_SOURCE = (
-    "measured: benchmarks/results/transfer_h200x2.json (hawk bench transfer, 2x H200 NV18, NIXL 1.5.1 pull, "
+    "measured: benchmarks/results/raw/transfer_h200x2_2026-11-29.json (hawk bench transfer, 2x H200 NV18, NIXL 1.5.1 pull, "
     "gn-* decode memory = emulated p150a on GPU1, bf16 KV, Llama-3.1-70B TP4 rank shape, median of 5)"
 )
 TRANSFER_SIZES_MB: tuple[int, ...] = (10, 20, 40, 80, 160, 320, 640, 1280)

@@ -236,7 +236,7 @@ def here_testbed() -> Testbed:
     """This project's calibration: measured transfer curves (H200x2, NPU emulated), assumed compute."""
     return Testbed(
         "here", dict(PREFILL_MODELS), dict(DECODE_MODELS), default_transfer_curves(), dict(PRESETS),
-        KV_BYTES_PER_TOKEN_PER_RANK, note="measured: benchmarks/results/transfer_h200x2.json; compute assumed (defaults.py)",
+        KV_BYTES_PER_TOKEN_PER_RANK, note="measured: benchmarks/results/raw/transfer_h200x2_2026-11-29.json; compute assumed (defaults.py)",
     )
 
 
