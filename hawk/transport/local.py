@@ -194,23 +194,15 @@ def copy_span_batch(spans: list[Span], streams: dict[int, Any]) -> _CopyBatch:
     events = []
     for (sdev, ddev), parts in groups.items():
         with _on_side_streams(streams, sdev, ddev) as (devs, same_gpu):
-            done = False
+            done, last = False, devs[0]  # last: the device whose side stream runs the batch's final step
             many = sum(len(items) for _, _, items in parts) >= MIN_PAIRS
-            if many and len(devs) == 2 and sdev is not None and ddev is not None:
-                done = _peer_span_copy(parts, sdev, ddev)
-                if done:
-                    ev = torch.cuda.Event()
-                    ev.record(_side_stream(streams, ddev))  # the scatter is the chain's last step
-                    events.append(ev)
-                    continue
-            if same_gpu and many:
-                flat: list[tuple[int, int, int]] = []
-                for dst, src, items in parts:
-                    dp, sp = dst.data_ptr(), src.data_ptr()
-                    flat.extend([(sp + soff, dp + doff, n) for doff, soff, n in items])
-                t = np.array(flat, dtype=np.int64)
+            if many and len(devs) == 2:
+                done, last = _peer_span_copy(_span_addresses(parts), devs[0], devs[1]), devs[1]  # ends with the scatter
+            elif many and same_gpu:
+                t = _span_addresses(parts)
                 done = copy_spans(devs[0], t[:, 0], t[:, 1], t[:, 2])  # many ranges on one GPU: one launch
             if not done:
+                last = devs[0]
                 raw = _raw_copy_fn(devs[0]) if same_gpu else None
                 if raw is not None:
                     _raw_copies(raw, _side_stream(streams, devs[0]),
@@ -221,34 +213,37 @@ def copy_span_batch(spans: list[Span], streams: dict[int, Any]) -> _CopyBatch:
                         for doff, soff, n in items:
                             dst[doff : doff + n].copy_(src[soff : soff + n], non_blocking=True)
             ev = torch.cuda.Event()
-            ev.record(_side_stream(streams, devs[0]))
+            ev.record(_side_stream(streams, last))
         events.append(ev)
     return _CopyBatch(events)
 
 
-def _peer_span_copy(parts: list[tuple[torch.Tensor, torch.Tensor, list]], sdev: torch.device, ddev: torch.device) -> bool:
-    """Many ranges from one GPU to another as three launches: gather them into one packed buffer on
-    the source GPU, one peer copy of it, scatter on the destination GPU (the side streams current).
-    Per-range peer copies cost a torch ``copy_`` each: a layer-wise push of one layer is dozens of
-    ranges, a direct-placement pull thousands. False (nothing copied) where a range is not 8-byte aligned."""
-    src, dst, lens = [], [], []
-    for d, sr, items in parts:
-        dp, sp = d.data_ptr(), sr.data_ptr()
-        for doff, soff, n in items:
-            src.append(sp + soff)
-            dst.append(dp + doff)
-            lens.append(n)
-    n = np.asarray(lens, dtype=np.int64)
-    if ((np.asarray(src, dtype=np.int64) | np.asarray(dst, dtype=np.int64) | n) % 8).any():
+def _span_addresses(parts: list[tuple[torch.Tensor, torch.Tensor, list]]) -> np.ndarray:
+    """``[n, 3]`` int64 (source address, destination address, bytes) of a group's ranges."""
+    flat: list[tuple[int, int, int]] = []
+    for dst, src, items in parts:
+        dp, sp = dst.data_ptr(), src.data_ptr()
+        flat.extend([(sp + soff, dp + doff, n) for doff, soff, n in items])
+    return np.array(flat, dtype=np.int64).reshape(-1, 3)
+
+
+def _peer_span_copy(t: np.ndarray, sdev: torch.device, ddev: torch.device) -> bool:
+    """Many ranges from one GPU to another (``t``: :func:`_span_addresses`) as three launches: gather
+    them into one packed buffer on the source GPU, one peer copy of it, scatter on the destination GPU
+    (the side streams current). Per-range peer copies cost a torch ``copy_`` each: a layer-wise push
+    of one layer is dozens of ranges, a direct-placement pull thousands. False (nothing copied) where
+    a range is not 8-byte aligned."""
+    src, dst, n = t[:, 0], t[:, 1], t[:, 2]
+    if ((src | dst | n) % 8).any():
         return False
     pack = np.cumsum(n) - n
     total = int(n.sum())
     tmp_s = torch.empty(total, dtype=torch.uint8, device=sdev)  # on the side streams: stream-ordered reuse
     tmp_d = torch.empty(total, dtype=torch.uint8, device=ddev)
-    if not copy_spans(sdev, np.asarray(src, dtype=np.int64), tmp_s.data_ptr() + pack, n, force=True):
+    if not copy_spans(sdev, src, tmp_s.data_ptr() + pack, n, force=True):
         return False
     tmp_d.copy_(tmp_s, non_blocking=True)
-    return copy_spans(ddev, tmp_d.data_ptr() + pack, np.asarray(dst, dtype=np.int64), n, force=True)
+    return copy_spans(ddev, tmp_d.data_ptr() + pack, dst, n, force=True)
 
 
 class LocalTransport(Transport):
