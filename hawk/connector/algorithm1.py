@@ -373,22 +373,15 @@ class KVSender:
                 raise RuntimeError("layer pushed before its plan")
             t0 = time.perf_counter()
             self._side.after_current()
-            descs: list[Desc] = []
             with self._side.current():
                 for lyr in layers:
                     self.fmt.produce_layer(push.plan, lyr, staged)
                 t1 = time.perf_counter()
-                for lyr in layers:
-                    descs.extend(self.fmt.layer_descs(push.plan, lyr, staged))
-                if descs:
-                    push.writes.append(self.transport.submit("WRITE", push.receiver.peer, descs))
+                self._post_writes(push, layers, staged)
             t2 = time.perf_counter()
             push.timings["post_transform_s"] = push.timings.get("post_transform_s", 0.0) + t1 - t0
             push.timings["post_write_s"] = push.timings.get("post_write_s", 0.0) + t2 - t1
             push.timings["posts"] = push.timings.get("posts", 0.0) + 1
-            push.bytes += sum(d.length for d in descs)
-            push.requests += len(descs)
-            push.layers_left -= len(layers)
             if push.layers_left == 0:
                 push.t_last_layer = time.perf_counter()
                 self._work.put((push, _ALL_POSTED, None))
@@ -525,27 +518,32 @@ class KVSender:
         t0 = time.perf_counter()
         self._side.run(marker, lambda: self.fmt.produce_layer(push.plan, layer, staged))
         t1 = time.perf_counter()
-        descs = self.fmt.layer_descs(push.plan, layer, staged)
-        if descs:
-            with self._side.current():  # ordered after this layer's transform, not the rest of the forward
-                push.writes.append(self.transport.submit("WRITE", push.receiver.peer, descs))
+        with self._side.current():  # ordered after this layer's transform, not the rest of the forward
+            self._post_writes(push, [layer], staged)
         t2 = time.perf_counter()
         push.timings["transform_s"] = push.timings.get("transform_s", 0.0) + t1 - t0
         push.timings["write_s"] = push.timings.get("write_s", 0.0) + t2 - t1
+        if push.layers_left == 0:
+            self._finish_posted(push, wait_key="write_s")
+
+    def _post_writes(self, push: _Push, layers: list[int], staged: Staged) -> None:
+        """P5 for these layers (their bytes produced, or enqueued on the current stream before): one
+        WRITE batch into the destination, not waited for; the layers count as posted."""
+        descs = [d for lyr in layers for d in self.fmt.layer_descs(push.plan, lyr, staged)]
+        if descs:
+            push.writes.append(self.transport.submit("WRITE", push.receiver.peer, descs))
         push.bytes += sum(d.length for d in descs)
         push.requests += len(descs)
-        push.layers_left -= 1
-        if push.layers_left == 0:
-            self._wait_writes(push)  # the layers' WRITEs overlap each other; only the last one is waited for
-            t3 = time.perf_counter()
-            push.timings["write_s"] += t3 - t2
-            push.timings["exposed_s"] = t3 - push.t_last_layer if push.t_last_layer else 0.0
-            self._end_push(push, PushState.PUSHED, Pushed(push.request_id, push.num_tokens, push.bytes, push.requests, dict(push.timings)))
+        push.layers_left -= len(layers)
 
-    def _finish_posted(self, push: _Push) -> None:
-        """Every layer of an inline push is posted: wait for the writes, then P6-P9 and P7."""
+    def _finish_posted(self, push: _Push, wait_key: str | None = None) -> None:
+        """Every layer is posted: wait for the writes (the layers' WRITEs overlap each other; only the
+        last is waited for, its time added to ``wait_key``), then P6-P9 and P7."""
+        t0 = time.perf_counter()
         self._wait_writes(push)
         t = time.perf_counter()
+        if wait_key:
+            push.timings[wait_key] = push.timings.get(wait_key, 0.0) + t - t0
         push.timings["exposed_s"] = t - push.t_last_layer if push.t_last_layer else 0.0
         self._end_push(push, PushState.PUSHED, Pushed(push.request_id, push.num_tokens, push.bytes, push.requests, dict(push.timings)))
 
