@@ -15,11 +15,14 @@ Guards, outermost first: an API key on /v1/* (when set), a body-size limit (413 
 a character-count bound on prompts (refused before tokenizing; tokenizing runs in a thread). A
 monitor polls each instance's /health: a request that needs an instance that is down gets a 503
 at once, and requests in flight on an instance that goes down fail with a 503 instead of waiting.
+Down means the connection failed, the instance answered unhealthy, or it missed several probes in a
+row; one slow probe on a busy host fails nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import itertools
 import json
 import logging
@@ -88,6 +91,8 @@ class RouterConfig:
     cluster_secret: str | None = None  # sent to the instances on every internal call
     max_body_bytes: int | None = None  # default: derived from the context length (body_limit)
     health_interval_s: float = 1.0  # how often instances' /health is polled
+    health_timeout_s: float = 3.0  # a probe not answered by then is a miss
+    health_misses: int = 3  # consecutive misses before a slow instance counts as down
 
     def body_limit(self, max_model_len: int) -> int:
         """The configured limit, or room for a maximal prompt even as JSON-escaped text."""
@@ -102,6 +107,14 @@ class Instance:
     url: str
     role: str
     info: InstanceInfo
+
+
+class ProbeFault(enum.Enum):
+    """Why an instance gave no answer to a probe (the value completes "<role> instance ...")."""
+
+    UNREACHABLE = "unreachable"  # the connection failed: the process or its server is gone
+    UNHEALTHY = "not healthy"  # it answered, not 200 (e.g. its engine thread died)
+    TIMEOUT = "not answering"  # no answer in time: busy, or hung
 
 
 class InstancePool:
@@ -223,14 +236,25 @@ class Router:
     # -- instance health ------------------------------------------------------------------------
 
     async def _watch_instances(self) -> None:
-        """Poll every instance's /health; mark it down or up, and wake requests waiting on it."""
+        """Poll every instance's /health; mark it down or up, and wake requests waiting on it.
+
+        An instance that refuses the connection or answers unhealthy is down at once; one that only
+        misses probes (a busy host) is down after ``health_misses`` in a row, so one slow answer
+        never fails the requests it is serving."""
+        missed: dict[str, int] = {}
         while True:
             try:
-                res = await self.probe("/health")
-                for (role, url), ok in res.items():
-                    if ok is not None and url in self.down and not await self._refresh_info(url):
+                assert self.pool is not None
+                insts = self.pool.all()
+                res = await asyncio.gather(*(self._probe_one(i, "/health") for i in insts))
+                for inst, (body, why) in zip(insts, res):
+                    url = inst.url
+                    missed[url] = missed.get(url, 0) + 1 if why is ProbeFault.TIMEOUT else 0
+                    if why is ProbeFault.TIMEOUT and missed[url] < self.cfg.health_misses:
+                        continue
+                    if body is not None and url in self.down and not await self._refresh_info(url):
                         continue  # up, but its identity could not be read: still down for requests
-                    self.mark(url, None if ok is not None else f"{role} instance not healthy")
+                    self.mark(url, None if body is not None else f"{inst.info.role} instance {why.value}")
             except Exception:  # noqa: BLE001 - the monitor must outlive any one probe
                 log.exception("health monitor")
             await asyncio.sleep(self.cfg.health_interval_s)
@@ -448,19 +472,28 @@ class Router:
 
     # -- health and metrics -------------------------------------------------------------------
 
+    async def _probe_one(self, inst: Instance, path: str) -> tuple[dict[str, Any] | None, ProbeFault | None]:
+        """GET ``path`` on one instance: its JSON body, or None and why not."""
+        assert self.client is not None
+        try:
+            r = await self.client.get(f"{inst.url}{path}", timeout=self.cfg.health_timeout_s)
+        except httpx.TimeoutException:
+            return None, ProbeFault.TIMEOUT
+        except httpx.HTTPError:
+            return None, ProbeFault.UNREACHABLE
+        if r.status_code != 200:
+            return None, ProbeFault.UNHEALTHY
+        try:
+            return r.json(), None
+        except ValueError:
+            return None, ProbeFault.UNHEALTHY
+
     async def probe(self, path: str) -> dict[tuple[str, str], dict[str, Any] | None]:
-        assert self.pool is not None and self.client is not None
-
-        async def one(inst: Instance) -> dict[str, Any] | None:
-            try:
-                r = await self.client.get(f"{inst.url}{path}", timeout=3.0)  # type: ignore[union-attr]
-                return r.json() if r.status_code == 200 else None
-            except (httpx.HTTPError, ValueError):
-                return None
-
+        """Every instance's answer to ``path`` (None where it gave none)."""
+        assert self.pool is not None
         insts = self.pool.all()
-        results = await asyncio.gather(*(one(i) for i in insts))
-        return {(i.info.role, i.url): r for i, r in zip(insts, results)}
+        results = await asyncio.gather(*(self._probe_one(i, path) for i in insts))
+        return {(i.info.role, i.url): body for i, (body, _) in zip(insts, results)}
 
 
 async def wait_disconnect(request: Request) -> None:
