@@ -299,7 +299,8 @@ def test_client_gone_while_waiting_for_decode_memory_frees_everything(lw, gate):
 def test_client_gone_during_prefill_frees_everything(lw, gate):
     """A is mid-forward (held), B is queued behind it; both clients leave. The decode frees both at
     once, before the prefill's forward ends (A's push is failed, B's prompt cancelled and its
-    destination released); the prefill frees A's blocks as soon as its forward ends."""
+    destination released by the decode's abort); the prefill frees A's blocks as soon as its
+    forward ends."""
     gate.open.clear()
     before = accounting(lw.prefill.url)
     a, a_out = in_thread(lw.router.url, "/v1/completions", {**GOOD, "stream": True}, 4.0)
@@ -316,7 +317,7 @@ def test_client_gone_during_prefill_frees_everything(lw, gate):
     after = accounting(lw.prefill.url)
     assert after["aborts_discarded"] == before["aborts_discarded"] + 1  # A: its push failed mid-forward
     assert after["aborts_cancelled"] == before["aborts_cancelled"] + 1  # B: its queued prompt
-    assert after["push_destinations_released"] >= before["push_destinations_released"] + 1
+    assert not after["kv_pushes"]  # B's destination: the decode's abort cancelled it (D9) at once
 
 
 # ============================================================================ failures

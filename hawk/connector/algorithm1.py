@@ -50,6 +50,7 @@ blocks first and hands them over before the prefill runs.
                                                      P6+P9  after the last write: release the staging
                                                          and the paged blocks
     D2  AwaitPush ◀──────────────────────────────── P7  Pushed (or Error), when all writes completed
+        (Pending after a while without an outcome: asked again; each ask keeps the push alive)
     D7  make the pages visible (a device sync; no receive buffer, no copy: D3 and D8 hold nothing)
     on failure: D9 Done(ok=False) ─────────────────▶ P8  stop pushing; release (staging after drain)
 
@@ -86,6 +87,7 @@ from hawk.connector.messages import (
     Error,
     Hello,
     KeepAlive,
+    Pending,
     KVReady,
     Message,
     ProtocolError,
@@ -196,6 +198,7 @@ class _Push:
     blocks: _Prefilled | None = None  # the engine's blocks once handed off (add)
     handoff_expected: bool = False  # begin_push ran and the engine has not handed off or failed yet
     waiter: Deferred | None = None  # the decode's AwaitPush
+    waiter_until: float = float("inf")  # when that AwaitPush gets Pending if no outcome came (wait_ms)
     abandoned: bool = False  # the decode will not ask (it cancelled)
     outcome: Message | None = None
     busy: bool = False  # the push worker is inside a step of it
@@ -417,6 +420,10 @@ class KVSender:
                 return Error(msg.request_id, f"no layer-wise push of request {msg.request_id!r} for this receiver")
             waiter = push.waiter = Deferred()
             outcome = push.outcome
+            if outcome is None:  # the decode still wants it: it lives another TTL (a long prefill queue)
+                now = time.monotonic()
+                push.deadline = max(push.deadline, now + self.ttl_s)
+                push.waiter_until = now + msg.wait_ms / 1e3 if msg.wait_ms > 0 else float("inf")
         if outcome is not None:
             waiter.resolve(outcome)
             self._settle(push)
@@ -766,6 +773,13 @@ class KVSender:
             ready = [r for t, r in self._drain if t <= now]
             self._drain = [(t, r) for t, r in self._drain if t > now]
             stale_pushes = [p for p in self._pushes.values() if p.deadline <= now]
+            asked_again = []  # AwaitPushes that waited their wait_ms without an outcome
+            for p in self._pushes.values():
+                if p.outcome is None and p.waiter is not None and p.waiter_until <= now:
+                    asked_again.append((p.request_id, p.waiter))
+                    p.waiter, p.waiter_until = None, float("inf")
+        for rid, waiter in asked_again:
+            waiter.resolve(Pending(rid))
         for p in stale_pushes:  # never reached, stuck, or its outcome never claimed
             p.abandoned = p.abandoned or p.outcome is not None
             self._fail_push(p, f"request {p.request_id}: the layer-wise push expired (ttl {self.ttl_s:g} s)")
@@ -1063,9 +1077,11 @@ class KVReceiver:
         (D1) before it prefills request ``request_id``, call ``on_handed`` (the caller starts the
         prefill then), and return once every layer has been pushed (D2) and is visible (D7).
 
-        ``timeout_s`` bounds each wait: the prefill's Ack, and the push's outcome (which includes the
-        prefill's queueing and forward). On any failure the prefill is told to stop (D9 not ok) and
-        :class:`PushFailed` says how long the blocks may still be written.
+        ``timeout_s`` bounds each wait for the prefill: its Ack, and each ask for the push's outcome.
+        The outcome may take as long as the prefill's queue: the prefill answers Pending after a
+        while and is asked again, which also keeps the push alive there (an ask within the TTL). On
+        any failure the prefill is told to stop (D9 not ok) and :class:`PushFailed` says how long
+        the blocks may still be written.
         """
         timeout = self.timeout_s if timeout_s is None else timeout_s
         self.reap()
@@ -1093,11 +1109,16 @@ class KVReceiver:
             handed = True
             if on_handed is not None:
                 on_handed()
-            try:
-                reply = s.client.call(AwaitPush(request_id, s.receiver), timeout)  # D2: the push's outcome
-            except PeerUnreachable as e:
-                error = f"request {request_id}: no push outcome from {address}: {e}"
-                raise PushFailed(error, self.transport.drain_s) from e
+            # D2: the push's outcome. Asked again on each Pending, so the wait is as long as the
+            # prefill's queue while each ask is bounded (and keeps the push alive on the prefill)
+            wait_ms = int(1e3 * min(timeout / 2, float(s.info.get("ttl_s") or timeout) / 3))
+            reply: Message = Pending(request_id)
+            while isinstance(reply, Pending):
+                try:
+                    reply = s.client.call(AwaitPush(request_id, s.receiver, wait_ms), timeout)
+                except PeerUnreachable as e:
+                    error = f"request {request_id}: no push outcome from {address}: {e}"
+                    raise PushFailed(error, self.transport.drain_s) from e
             t.lap("wait_pushed_s")
             if isinstance(reply, Error):
                 error = f"request {request_id}: push failed: {reply.message}"

@@ -127,6 +127,19 @@ class AwaitPush(Message):
     TYPE: ClassVar[str] = "await-push"
     request_id: str
     receiver: str
+    wait_ms: int = 0  # > 0: answer Pending after this long without an outcome (0: hold the reply)
+
+
+@dataclass(frozen=True)
+class Pending(Message):
+    """Prefill -> decode, the reply to an AwaitPush that set ``wait_ms``: no outcome yet (the
+    request is still queued for prefill, or its layers are in flight); ask again. Each AwaitPush
+    keeps the push alive for another TTL, so a long prefill queue delays a push instead of
+    expiring it, while a decode that stops asking lets the TTL release it. Only a decode that sets
+    ``wait_ms`` gets it, and an older prefill ignores the field: no version bump."""
+
+    TYPE: ClassVar[str] = "pending"
+    request_id: str
 
 
 @dataclass(frozen=True)
@@ -178,7 +191,7 @@ class Error(Message):
 
 
 MESSAGES: dict[str, type[Message]] = {
-    m.TYPE: m for m in (Hello, PullRequest, KVReady, PushRequest, PushTo, AwaitPush, Pushed, Done, KeepAlive, Ack, Error)
+    m.TYPE: m for m in (Hello, PullRequest, KVReady, PushRequest, PushTo, AwaitPush, Pending, Pushed, Done, KeepAlive, Ack, Error)
 }
 _PY_TYPES = {str: str, int: int, bool: bool, bytes: bytes, list: list, dict: dict}
 

@@ -282,6 +282,10 @@ class DecodeEngine:
         self._running: list[_Entry] = []
         self._entries: dict[str, _Entry] = {}
         self._pool = ThreadPoolExecutor(max_workers=transfer_threads, thread_name_prefix="hawk-kv-pull")
+        # a layer-wise admission waits in its thread for the prefill's queue and forward, moving
+        # nothing itself: one thread each (admission caps them at max_batch), else a few waiting
+        # requests would keep every other one from reaching the prefill (threads start on demand)
+        self._push_pool = ThreadPoolExecutor(max_workers=max_batch, thread_name_prefix="hawk-kv-push")
         self._stop = False
         self._stopped = threading.Event()
         self._generators: dict[str, torch.Generator | None] = {}
@@ -397,7 +401,8 @@ class DecodeEngine:
             e.seq.block_ids = blocks
             e.seq.status = Status.TRANSFERRING
             self._transferring[e.seq.request_id] = e
-            self._pool.submit(self._fetch, e, blocks)
+            pool = self._push_pool if isinstance(e.handle, KVPush) else self._pool
+            pool.submit(self._fetch, e, blocks)
         return resumed
 
     def _fetch(self, e: _Entry, blocks: list[int]) -> None:
@@ -677,7 +682,14 @@ class DecodeEngine:
         self._stopped.set()
         self._thread.join(timeout=10)
         self._keepalive.join(timeout=10)
+        with self._lock:
+            pushes = [e.handle for e in self._transferring.values() if isinstance(e.handle, KVPush)]
+        cancel = getattr(self.kv, "cancel", None)
+        for h in pushes if cancel is not None else []:  # they would wait out the prefill's queue
+            with contextlib.suppress(Exception):
+                cancel(h)
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._push_pool.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             entries = list(self._entries.values())
             self._entries.clear()

@@ -406,6 +406,10 @@ class TPReceiver:
             raise KVTransferFailed(f"request {request_id}: layer-wise push needs decode_tp 1 and prefill_tp 1")
         return self.rank.receiver.push_to(address, request_id, block_ids, num_tokens, on_handed=on_handed)
 
+    def cancel_push(self, address: str, request_id: str, why: str) -> bool:
+        """Stop a layer-wise push this rank waits for (its request was aborted or the engine closes)."""
+        return self.rank.receiver.cancel_push(address, request_id, why)
+
     def keep_alive(self, address: str, request_ids: Any) -> None:
         dtp = self.rank.cfg.decode_tp
         ids = [kv_request_id(r, j, dtp) for r in request_ids for j in range(dtp)]
