@@ -37,6 +37,11 @@ class EngineUnavailable(HawkError, RuntimeError):
     """An engine or instance that the request needs is down, restarting or unreachable."""
 
 
+class EngineFailure(HawkError, RuntimeError):
+    """The engine failed this request (its forward, sampling or handoff raised); the instance
+    keeps serving the others. The original exception is its ``__cause__``."""
+
+
 class ContractMismatch(HawkError, ValueError):
     """A router <-> instance message of another contract version, or missing what it must carry."""
 

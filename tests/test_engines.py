@@ -225,6 +225,7 @@ def test_a_raising_callback_fails_only_its_request(tiny):
 
 def test_a_first_token_failure_fails_that_prefill_and_frees_its_blocks(tiny, monkeypatch):
     from hawk.engine.sampler import NonFiniteLogits
+    from hawk.errors import EngineFailure
 
     p, d, _ = tiny
     real = p.engine.runner.forward
@@ -240,8 +241,9 @@ def test_a_first_token_failure_fails_that_prefill_and_frees_its_blocks(tiny, mon
     monkeypatch.setattr(p.engine.runner, "forward", nan_for_marker)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     bad = p.engine.submit("marked", marker, params)
-    with pytest.raises(NonFiniteLogits):
+    with pytest.raises(EngineFailure) as failed:  # the engine's fault, named; the cause kept
         bad.result(60)
+    assert isinstance(failed.value.__cause__, NonFiniteLogits)
     monkeypatch.undo()
     deadline = time.monotonic() + 5
     while p.accounting()["gpu_blocks_used"] and time.monotonic() < deadline:

@@ -326,3 +326,26 @@ def test_dead_engine_makes_health_fail_and_the_router_answer_503_at_once():
         assert err["code"] == "instance_unavailable" and r.headers.get("retry-after")
     finally:
         s.close()
+
+
+def test_a_failing_prefill_forward_is_the_engines_fault_named_and_the_next_request_runs(tiny, monkeypatch, caplog):
+    """A forward that raises fails its batch's requests as ``engine_failure`` (the prefill's 500
+    with that code, the router's 502 naming it), not as a crash of the server; the engine and the
+    servers keep serving."""
+    runner = tiny.prefill_inst.engine.runner
+    real = runner.forward
+    calls = {"n": 0}
+
+    def once(*a: Any, **kw: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected forward failure")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(runner, "forward", once)
+    err = _error(tiny.http.post("/v1/completions", json=GOOD), 502, "injected forward failure")
+    assert err["code"] == "engine_failure" and err["type"] == "server_error"
+    assert "unhandled error" not in caplog.text  # answered as a named fault, not by the crash handler
+    r = tiny.http.post("/v1/completions", json=GOOD)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert tiny.http.get("/health").status_code == 200

@@ -42,10 +42,20 @@ from hawk.engine.paged_attention import PagedAttention, SeqSlice
 from hawk.engine.runner import ModelRunner
 from hawk.engine.sampler import NO_TOKEN, NonFiniteLogits, make_generator, sample, sample_batch
 from hawk.engine.sequence import SamplingParams
-from hawk.errors import BadRequest, PromptTooLong
+from hawk.errors import BadRequest, EngineFailure, HawkError, PromptTooLong
 from hawk.layouts.gpu import GpuKVLayout
 
 log = logging.getLogger(__name__)
+
+
+def _fault(e: BaseException) -> BaseException:
+    """What a failed request's caller gets: a named fault as it is, anything else as EngineFailure
+    (the server answers it as the engine's fault, not as a crash of its own)."""
+    if isinstance(e, HawkError) or not isinstance(e, Exception):
+        return e
+    fault = EngineFailure(f"prefill failed: {type(e).__name__}: {e}")
+    fault.__cause__ = e
+    return fault
 
 #: Default ``max_prefill_chunk``: long enough that a chunk's GEMMs are compute-bound (chunking
 #: costs little), short enough that a decode step waits one chunk, not a whole long prompt.
@@ -249,7 +259,7 @@ class PrefillEngine:
         self._forget(j)
         self._release(j)
         try:
-            j.future.set_exception(e)
+            j.future.set_exception(_fault(e))
         except InvalidStateError:  # cancelled meanwhile: nobody is waiting
             pass
 
@@ -337,7 +347,7 @@ class PrefillEngine:
                     feeds[j].failed(e)
                 free()
                 j.blocks = None
-                j.future.set_exception(e)
+                j.future.set_exception(_fault(e))
                 continue
             j.blocks = None  # the handoff owns them now
             started = j.started if j.started is not None else t1

@@ -13,6 +13,7 @@ from hawk.errors import (
     BadUpstream,
     ContractMismatch,
     DuplicateRequest,
+    EngineFailure,
     EngineUnavailable,
     HawkError,
     PromptTooLong,
@@ -32,6 +33,7 @@ STATUS: dict[type[HawkError], tuple[int, str, str | None]] = {
     Aborted: (CLIENT_CLOSED, "invalid_request_error", "aborted"),
     EngineUnavailable: (503, "server_error", "instance_unavailable"),
     BadUpstream: (502, "server_error", "bad_upstream"),
+    EngineFailure: (500, "server_error", "engine_failure"),
 }
 
 
