@@ -23,6 +23,8 @@
 #     sweeps    - serving sweeps (chatbot, summarization) of gn-hawk, gn-host, gg-direct, gg-host with and without
 #                 --npu-timing p150a --link-gbps 200 (eight servers: more than one call; SWEEP_CONFIGS/SWEEP_TIMING)
 #     tpserve   - one serving rate with prefill TP2 (GPU0+GPU1) and the decode on GPU1
+#     posts     - the host work of layer-wise posts on the forward's thread: `hawk bench ttft` at 1k (both roles on GPU0)
+#                 under cProfile (--profile-posts), the profile in $OUT/ttft_posts_profile.txt
 # LOGS=DIR keeps the per-step logs out of $OUT (the device tool returns at most 8 files); each step's tail still prints.
 # Wheels missing on the box (nixl, nixl_cu13, pyzmq for cp312) are carried in .whl/ (see docs/gpu.md).
 set -uo pipefail
@@ -96,6 +98,10 @@ if want paced; then  # one system per configuration, each its own file, so a cal
   done
 fi
 want ttft && ttft_one_gpu ttft 240 nixl  # NIXL within one GPU: the slow path auto avoids
+want posts && \
+  step ttft_posts 150 python3 -m hawk.bench.ttft --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device npu-emu:cuda:0 \
+    --transport auto --prompts 1024 --configs gn-hawk,gg-direct --kv-flows layerwise --repeats 5 --warmup 1 \
+    --json "$OUT/ttft_posts_h200.json" --profile-posts "$OUT/ttft_posts_profile.txt"
 if want fig9 && [ "$ngpu" -ge 2 ]; then
   for kvd in bf16 bfp8_b; do
     step "fig9_$kvd" 280 python3 -m hawk.cli bench transfer --transport nixl --prefill-device cuda:0 --npu-device npu-emu:cuda:1 \

@@ -38,3 +38,16 @@ def test_tiny_run_records_and_breakdown(tmp_path):
         assert b["total"] < r["ttft_ms"]
     hawk = [r for r in records if r["config"] == "gn-hawk"]
     assert all(r["host_breakdown_ms"]["sender_transform"] > 0 for r in hawk)
+
+
+@pytest.mark.timeout(300)
+def test_profile_posts_names_the_forward_threads_posts(tmp_path, monkeypatch):
+    """--profile-posts: with posts on the forward's thread (forced on the CPU), the profile file holds
+    the inline post and the records are still token-identical to colocated."""
+    monkeypatch.setenv("HAWK_LAYERWISE_INLINE", "always")
+    path = tmp_path / "posts.txt"
+    records = main(["--model", "tiny", "--prompts", "64", "--repeats", "1", "--warmup", "0", "--configs", "gn-hawk",
+                    "--kv-flows", "layerwise", "--transport", "local", "--profile-posts", str(path)])
+    assert records and all(r["identical"] for r in records)
+    text = path.read_text()
+    assert "_push_layer_inline" in text and "cumulative" in text

@@ -12,6 +12,8 @@ carries the decode side's host-side breakdown of its transfer (hawk/connector/al
 ``--kv-flows``: ``pull`` (prefill, then the decode pulls the KV) and/or ``layerwise`` (the decode hands
 its blocks over first; the prefill pushes each layer as its forward finishes it). Each record names its
 flow; a layer-wise record's ``kv_exposed_ms`` is the part of the transfer the forward did not hide.
+``--profile-posts FILE``: a cProfile of the host work each layer-wise post adds to the forward's thread
+(posts happen there over a stream-ordered transport on CUDA, or with HAWK_LAYERWISE_INLINE=always).
 
 TTFT runs from submitting the prompt to the prefill engine until the decode engine emits the first
 token (prefill, KV transfer and the decode's admission included), as in the equivalence benchmark.
@@ -21,7 +23,10 @@ On the CPU box the NPU is emulated in host memory and the "GPU" is the CPU: labe
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import time
 from collections.abc import Sequence
@@ -66,10 +71,36 @@ def _pull_result(decode: Any, rid: str) -> Any:
     return receiver.result(rid) if receiver is not None and hasattr(receiver, "result") else None
 
 
+def _profile_posts(sender: Any, prof: cProfile.Profile) -> None:
+    """Run the sender's layer posts from the forward's thread (transform launches and WRITE submit,
+    the host work a layer-wise push adds to the forward) under ``prof``."""
+    post = sender._push_layer_inline
+
+    def profiled(push: Any, layer: int) -> None:
+        prof.enable()
+        try:
+            post(push, layer)
+        finally:
+            prof.disable()
+
+    sender._push_layer_inline = profiled
+
+
+def write_profile(prof: cProfile.Profile, path: str) -> None:
+    """The profile as text: the top functions by cumulative and by own time."""
+    out = io.StringIO()
+    for key in ("cumulative", "tottime"):
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(40)
+    with open(path, "w") as f:
+        f.write(out.getvalue())
+
+
 def run(
     base: ServeConfig, prompts: Sequence[int], configs: Sequence[str], repeats: int = 3, warmup: int = 1, flows: Sequence[str] = ("pull",),
+    profile: cProfile.Profile | None = None,
 ) -> list[dict[str, Any]]:
-    """One record per (configuration, KV flow, prompt length): median TTFT against colocated, in one run."""
+    """One record per (configuration, KV flow, prompt length): median TTFT against colocated, in one run.
+    ``profile``: collects the layer-wise pushes' posts from the forward's thread (every run)."""
     from hawk.bench.equivalence import config_for, run_colocated, run_disaggregated
     from hawk.engine.instances import ColocatedInstance, DecodeInstance, PrefillInstance, compute_dtype
     from hawk.engine.loader import load_model
@@ -89,6 +120,8 @@ def run(
             p = PrefillInstance(cfg, loaded=loaded)
             same = parse_device(cfg.decode_compute_device).torch_device == parse_device(cfg.prefill_device).torch_device
             pairs[key] = (p, DecodeInstance(cfg, loaded=loaded if same else None))  # one copy of the weights per device
+            if profile is not None and flow == "layerwise":
+                _profile_posts(p.sender, profile)
         records = []
         for n in prompts:
             ids = prompt_ids(n, vocab, seed=n)
@@ -187,6 +220,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-flows", default="pull", help="KV flows compared, comma-separated: pull, layerwise (hawk/config.py kv_flow)")
     p.add_argument("--max-prefill-chunk", type=int, default=None, help="prefill chunk (default: the serving default; 0 = whole prompts)")
     p.add_argument("--json", dest="json_path", default=None, help="write the records here")
+    p.add_argument("--profile-posts", default=None, help="write a cProfile of the layer-wise posts made on the forward's thread here")
     return p
 
 
@@ -204,7 +238,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         model=a.model, dtype=a.dtype, prefill_device=a.prefill_device, decode_device=a.decode_device, transport=a.transport,
         kv_tokens=longest + 256, **extra,  # staging and receive buffers: auto, sized for the longest prompt
     )
-    records = run(base, prompts, configs, a.repeats, a.warmup, flows)
+    prof = cProfile.Profile() if a.profile_posts else None
+    records = run(base, prompts, configs, a.repeats, a.warmup, flows, prof)
+    if prof is not None:
+        write_profile(prof, a.profile_posts)
     print_table(records)
     if a.json_path:
         with open(a.json_path, "w") as f:
