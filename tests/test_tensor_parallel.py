@@ -133,3 +133,17 @@ def test_a_decode_rank_killed_mid_transfer_fails_the_request_and_leaves_no_reser
 def test_tp_options_reach_the_config():
     cfg = replace(_base(), prefill_tp=2, decode_tp=4)
     assert InstanceConfig.from_json(cfg.to_json()).decode_tp == 4
+
+
+def test_a_prefill_rank_dying_at_start_fails_the_constructor_with_rank_died(monkeypatch):
+    """A follower that dies while rank 0 is still loading (on a GPU box: a transport it cannot build)
+    fails the instance with RankDied, and the dead-rank handler runs without tripping over the
+    half-built instance."""
+    from hawk.engine.tp_ranks import RankDied
+
+    errors: list[BaseException] = []
+    monkeypatch.setattr("threading.excepthook", lambda a: errors.append(a.exc_value))
+    monkeypatch.setenv(FAULT_ENV, "die-at-start")
+    with pytest.raises(RankDied):
+        PrefillInstance(_base(prefill_tp=2))
+    assert errors == []

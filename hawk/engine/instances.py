@@ -179,6 +179,9 @@ class PrefillInstance(_FollowedRanks):
             raise ValueError("colocated mode has no separate prefill instance (use ColocatedInstance)")
         self.cfg = cfg.validate()
         tp = cfg.prefill_tp
+        # Before the followers start: a rank that dies while the others load calls _on_rank_dead.
+        self._lock = threading.Lock()
+        self._owed: dict[int, dict[str, _CountedRelease]] = {r: {} for r in range(1, tp)}
         self.followers = Followers("prefill", cfg, tp, self._on_notice, self._on_rank_dead) if tp > 1 else None
         try:
             if tp > 1 and loaded is not None and not loaded.model.shard.parallel:
@@ -190,8 +193,6 @@ class PrefillInstance(_FollowedRanks):
             raise
         self.loaded, self.layout, self.caches = self.rank.loaded, self.rank.layout, self.rank.caches
         self.transport, self.sender = self.rank.transport, self.rank.sender
-        self._lock = threading.Lock()
-        self._owed: dict[int, dict[str, _CountedRelease]] = {r: {} for r in range(1, tp)}
         layer_push = self.sender.begin_push if cfg.kv_flow == "layerwise" else None
         self.engine = PrefillEngine(
             self.loaded.model, self.layout, self.caches, self._handoff, max_prefill_chunk=cfg.max_prefill_chunk, layer_push=layer_push,
@@ -270,6 +271,8 @@ class PrefillInstance(_FollowedRanks):
             self._owed[rank].clear()
         for release in owed:
             release.one()
+        if not hasattr(self, "sender"):
+            return  # died while rank 0 was still loading: the constructor fails with RankDied
         for kv_id in self.sender.accounting()["waiting"]:
             self.sender.discard(kv_id)
         if self.followers is not None:

@@ -29,7 +29,8 @@ from hawk.engine.tensor_parallel import Shard, TPGroup
 
 log = logging.getLogger(__name__)
 
-#: Test hook: a follower rank given this env value exits when a pull reaches it ("die-in-pull").
+#: Test hook: a follower rank given this env value exits when a pull reaches it ("die-in-pull"), or
+#: right after joining its group, before it has loaded anything ("die-at-start").
 FAULT_ENV = "HAWK_TP_FAULT"
 
 
@@ -222,6 +223,8 @@ def rank_main(role: str, cfg_json: str, rank: int, tp: int, port: int, backend: 
         torch.cuda.set_device(device)  # NCCL's communicator and every default allocation on this rank's GPU
     shard = Shard(rank, tp)
     group = TPGroup(shard, port, backend)
+    if os.environ.get(FAULT_ENV) == "die-at-start":
+        os._exit(3)
     part: Any = PrefillRank(cfg, shard) if role == "prefill" else DecodeRank(cfg, shard)
     model = part.loaded.model
     model.set_group(group.all_reduce)
