@@ -152,7 +152,7 @@ serve_bench() {  # serve_bench NAME CONFIG DECODE_DEVICE RATES "WORKLOADS" [hawk
   for _ in $(seq 1 240); do curl -sf 127.0.0.1:$port/health > /dev/null && break; kill -0 $spid 2> /dev/null || break; sleep 1; done
   for w in $workloads; do
     step "serving_${name}_$w" 200 python3 -m hawk.bench.serving --url http://127.0.0.1:$port --workload "$w" \
-      --rates "$rates" --num-requests 30 --output-scale 0.25 --json "$OUT/serving_${name}_$w.json"
+      --rates "$rates" --num-requests "${SERVE_REQUESTS:-30}" --output-scale 0.25 --json "$OUT/serving_${name}_$w.json"
   done
   kill -INT $spid; wait $spid
 }
@@ -161,14 +161,16 @@ if want serving; then
   serve_bench gg-direct gg-direct cuda:$dec 1,2,4,8 chatbot
 fi
 # Issue 12: the four configurations, prefill GPU0 -> decode GPU1, as fast as they run and with timing emulated
-# (gn-*: the p150a's NPU steps and DRAM copies; all: a 200 Gb/s link); SWEEP_CONFIGS / SWEEP_TIMING pick a subset.
+# (gn-*: the p150a's NPU steps and DRAM copies; all: a 200 Gb/s link); SWEEP_CONFIGS / SWEEP_TIMING pick a subset,
+# SWEEP_RATES the rates (default 0.5,1,2,4), SERVE_REQUESTS the requests per rate (default 30).
 if want sweeps; then
   for cfg in ${SWEEP_CONFIGS:-gn-hawk gn-host gg-direct gg-host}; do
     d=npu-emu:cuda:$dec; [[ $cfg == gg-* ]] && d=cuda:$dec
+    r=${SWEEP_RATES:-0.5,1,2,4}
     for timing in ${SWEEP_TIMING:-off p150a}; do
-      if [ "$timing" = off ]; then serve_bench "$cfg" "$cfg" "$d" 0.5,1,2,4 "chatbot summarization"
-      elif [[ $cfg == gg-* ]]; then serve_bench "${cfg}_link200" "$cfg" "$d" 0.5,1,2,4 "chatbot summarization" --link-gbps 200
-      else serve_bench "${cfg}_p150a" "$cfg" "$d" 0.5,1,2,4 "chatbot summarization" --npu-timing p150a --link-gbps 200; fi
+      if [ "$timing" = off ]; then serve_bench "$cfg" "$cfg" "$d" "$r" "chatbot summarization"
+      elif [[ $cfg == gg-* ]]; then serve_bench "${cfg}_link200" "$cfg" "$d" "$r" "chatbot summarization" --link-gbps 200
+      else serve_bench "${cfg}_p150a" "$cfg" "$d" "$r" "chatbot summarization" --npu-timing p150a --link-gbps 200; fi
     done
   done
 fi
