@@ -3,8 +3,9 @@
 A tuning probe beside ``hawk bench engine``: the eager step under torch.profiler lists every kernel
 with its GPU time and the number of kernels launched; the sum of kernel time against the replayed
 graph's step time says whether a step is bound by kernels (tune them) or by the gaps between them
-(fuse them). The host time of a graph step (``runner.step`` up to and including the replay launch,
-no sync) is printed too: it is what the GPU waits for when the step is short.
+(fuse them). The replay alone (no host work before it) and the host time of a graph step
+(``runner.step`` up to and including the replay launch, no sync) split the step's time between the
+GPU and what the GPU waits for.
 
     python benchmarks/profile_decode.py --batches 1,64 --context 1024 [--path npu-tile --kv-dtype bfp8_b]
 """
@@ -70,8 +71,16 @@ def main() -> None:
                 e1.record()
                 e1.synchronize()
                 times.append(e0.elapsed_time(e1))
-            print(f"=== graph step median {sorted(times)[10]:.3f} ms (kernels alone {total:.3f} ms); "
-                  f"host part of step() median {sorted(host)[10]:.0f} us")
+            g = graphed._graphs[eb_bucket(b)].graph
+            replay = []
+            for _ in range(20):  # the graph alone, its inputs as the last step left them
+                e0.record()
+                g.replay()
+                e1.record()
+                e1.synchronize()
+                replay.append(e0.elapsed_time(e1))
+            print(f"=== graph step median {sorted(times)[10]:.3f} ms (kernels alone {total:.3f} ms, replay alone "
+                  f"{sorted(replay)[10]:.3f} ms); host part of step() median {sorted(host)[10]:.0f} us")
             cache.close()
             del cache, eager, graphed
             torch.cuda.empty_cache()

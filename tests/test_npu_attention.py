@@ -513,6 +513,54 @@ def test_fused_row_write_launch_plumbing(monkeypatch: pytest.MonkeyPatch) -> Non
         kv16.close()
 
 
+def _decode_steps():
+    """Decode batches whose metadata a step may partly reuse: the same lists growing at their end, a
+    reordered batch, a sequence leaving, one replaced by a new list, pad rows; ``None`` stands for
+    a multi-row batch (the generic begin) in between."""
+    a, b, c = [0, 1], [2], [3, 4, 5]
+    c2 = [7, 8, 9]
+    yield [SeqSlice(a, 70, 1), SeqSlice(b, 10, 1), SeqSlice(c, 130, 1)], 4
+    yield [SeqSlice(a, 71, 1), SeqSlice(b, 11, 1), SeqSlice(c, 131, 1)], 4
+    b.append(6)
+    yield [SeqSlice(a, 72, 1), SeqSlice(b, 64, 1), SeqSlice(c, 132, 1)], None
+    yield [SeqSlice(c, 133, 1), SeqSlice(a, 73, 1), SeqSlice(b, 65, 1)], 4
+    yield [SeqSlice(c, 134, 1), SeqSlice(b, 66, 1)], 4
+    yield None, None
+    yield [SeqSlice(c2, 135, 1), SeqSlice(b, 68, 1)], 2
+    yield [SeqSlice(b, 69, 1), SeqSlice(c2, 136, 1), SeqSlice(a, 74, 1)], 4
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_decode_step_metadata_is_rewritten_only_where_it_changed_and_equals_the_batch(device: str) -> None:
+    """The decode hot path (staging slots that remember each row's blocks) leaves, step after step,
+    exactly each row's context length, new row and blocks in the device metadata, and pad rows empty."""
+    pytest.importorskip("triton")
+    from hawk.engine import triton_npu_attention as tk
+    from hawk.engine.npu_attention import NpuTileAttention
+
+    _, kv = _cache("bf16", 1, device=device)
+    try:
+        attn = NpuTileAttention(kv, max_batch=8, backend="triton")
+        bs, mb = kv.layout.block_size, tk.META_BLOCKS
+        for batch, pad in _decode_steps():
+            if batch is None:
+                attn.begin(BATCH_MULTI)
+                continue
+            attn.begin(batch, pad_to=pad)
+            meta = attn._meta.cpu()
+            rows = pad or len(batch)
+            for i, s in enumerate(batch):
+                need = s.start // bs + 1
+                assert meta[i, tk.META_SEQ_LEN] == s.start + 1
+                assert meta[i, tk.META_ROW_LOC] == s.block_ids[need - 1] * bs + s.start % bs
+                assert meta[i, mb : mb + need].tolist() == s.block_ids[:need], (i, s)
+            assert (meta[len(batch) : rows, tk.META_SEQ_LEN] == 0).all() and (meta[len(batch) : rows, tk.META_ROW_LOC] == -1).all()
+        with pytest.raises(ValueError, match="same cache row"):
+            attn.begin([SeqSlice([1], 5, 1), SeqSlice([1], 5, 1)])
+    finally:
+        kv.close()
+
+
 def test_bfp8_variant_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 tiles always get ``DecodeConfig()``; bfloat8_b gets ``DEFAULT_BFP8_VARIANT`` unless
     ``HAWK_NPU_BFP8_KERNEL`` names another variant (an unknown name is an error, not a silent default)."""

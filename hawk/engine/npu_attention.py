@@ -79,6 +79,7 @@ class NpuTileAttention:
             self._meta = torch.zeros(max_batch, tk.META_BLOCKS + self.max_blocks, dtype=torch.int32, device=self.device)
             self._meta[:, tk.META_ROW_LOC] = -1
             self._ws: dict[tuple[int, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+            self._stage = _MetaStage(self._meta)
         else:
             self._flat = torch.empty(0, dtype=torch.uint8, device=self.device).set_(kv.pages(0).untyped_storage())
             self._bases = [kv.pages(t).storage_offset() for t in range(lay.num_tensors)]
@@ -107,6 +108,10 @@ class NpuTileAttention:
             if pad_to < len(batch):
                 raise ValueError(f"pad_to={pad_to} is smaller than the batch ({len(batch)})")
             rows = pad_to
+        if self._geom is not None and tokens == len(batch):  # a decode step: the hot path
+            self._begin_decode(batch, rows)
+            self._batch, self._rows, self._decode_only = list(batch), rows, True
+            return
         # every new token's (sequence, position) -> (npu block, row), without per-token Python work
         seq_of = np.repeat(np.arange(len(batch)), q_lens)
         starts = np.repeat(np.array([s.start for s in batch], dtype=np.int64), q_lens)
@@ -142,6 +147,43 @@ class NpuTileAttention:
         host[:n, tk.META_BLOCKS : tk.META_BLOCKS + table.shape[1]] = table[seq_of]
         if rows:
             self._meta[:rows].copy_(torch.from_numpy(host), non_blocking=True)
+        self._stage.forget()  # _meta's rows no longer hold what the staging slots remember
+
+    def _begin_decode(self, batch: Sequence[SeqSlice], rows: int) -> None:
+        """A decode step's metadata (one new row per sequence) as the paged decode writes its own:
+        into a pinned staging slot, rewriting only the blocks a row did not have two steps ago, then
+        one async copy. Every step pays this on the host before its graph replays."""
+        if rows > self.max_batch:
+            raise ValueError(f"{rows} rows exceed max_batch={self.max_batch}")
+        bs, mb, n = self.layout.block_size, tk.META_BLOCKS, len(batch)
+        host, known = self._stage.next_slot()
+        del known[n:]
+        locs = set()
+        for i, s in enumerate(batch):
+            start, ids = s.start, s.block_ids
+            need = start // bs + 1
+            if need > self.max_blocks:
+                raise ValueError(f"a sequence needs {need} blocks, more than max_model_len allows ({self.max_blocks})")
+            done = 0
+            if i < len(known):
+                old, k, last = known[i]
+                if old is ids and len(ids) >= k and ids[k - 1] == last:
+                    done = k  # the same list, grown at its end only: its first k blocks are written
+            if need > done:
+                host[i, mb + done : mb + need] = ids[done:need]
+                if i < len(known):
+                    known[i] = (ids, need, ids[need - 1])
+                else:
+                    known.append((ids, need, ids[need - 1]))
+            loc = ids[need - 1] * bs + start % bs
+            host[i, tk.META_SEQ_LEN] = start + 1
+            host[i, tk.META_ROW_LOC] = loc
+            locs.add(loc)
+        if len(locs) != n:
+            raise ValueError("two new tokens map to the same cache row")
+        host[n:rows, tk.META_SEQ_LEN] = 0  # pad rows: no context, no row to write
+        host[n:rows, tk.META_ROW_LOC] = -1
+        self._stage.upload(rows)
 
     def _begin_torch(self, table: np.ndarray, nblk: list[int], blk: np.ndarray, pos: np.ndarray) -> None:
         """Byte offsets (from a tensor's base) of every new row's bytes and of every context tile."""
@@ -270,3 +312,40 @@ class NpuTileAttention:
             tiles = (vals * scale[..., None]).reshape(n, h, wt, 2, 2, 16, 16).to(dtype)
         # (tile, head, col_tile, face_row, face_col, r, c) -> (tile, face_row, r, head, col_tile, face_col, c)
         return tiles.permute(0, 3, 5, 1, 2, 4, 6).reshape(n * TILE, h, wt * TILE)
+
+
+class _MetaStage:
+    """Two host slots for the decode metadata rows (pinned on CUDA; on the host the slot is the
+    buffer itself), each with what its rows last held: ``(block list, blocks written, last block)``
+    per row, so a step rewrites only a row's new blocks. A slot is reused once the copy that last
+    read it (two steps ago) has run."""
+
+    def __init__(self, meta: torch.Tensor):
+        self.meta = meta
+        cuda = meta.device.type == "cuda"
+        if cuda:
+            self.slots = [torch.zeros(meta.shape, dtype=meta.dtype, pin_memory=True) for _ in range(2)]
+            self.events: list[torch.cuda.Event | None] = [torch.cuda.Event() for _ in range(2)]
+        else:
+            self.slots, self.events = [meta], [None]
+        self.known: list[list[tuple[Sequence[int], int, int]]] = [[] for _ in self.slots]
+        self.idx = 0
+
+    def next_slot(self) -> tuple[np.ndarray, list[tuple[Sequence[int], int, int]]]:
+        self.idx = (self.idx + 1) % len(self.slots)
+        ev = self.events[self.idx]
+        if ev is not None:
+            ev.synchronize()
+        return self.slots[self.idx].numpy(), self.known[self.idx]
+
+    def upload(self, rows: int) -> None:
+        ev = self.events[self.idx]
+        if ev is None or rows == 0:
+            return
+        self.meta[:rows].copy_(self.slots[self.idx][:rows], non_blocking=True)
+        ev.record()
+
+    def forget(self) -> None:
+        """Another writer filled ``meta``: every row is rewritten whole next time."""
+        for k in self.known:
+            k.clear()
