@@ -6,7 +6,8 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton import knobs as _knobs
+
+from hawk.transform.triton_kernel import launch_hooks_idle
 
 
 # The offset tables are read one value each and their alignment varies per batch: no variant per alignment.
@@ -45,7 +46,7 @@ def copy_words(words: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, lens: 
         key = (idx, block, align, num_warps, words.data_ptr() % 16 == 0)
         direct = _DIRECT["ok"] and os.environ.get("HAWK_TRANSFORM_LAUNCH", "direct") != "jit"  # the transform's switch
         compiled = _COMPILED.get(key) if direct else None
-        if compiled is not None and _knobs.runtime.launch_enter_hook is None and _knobs.runtime.launch_exit_hook is None:
+        if compiled is not None and launch_hooks_idle():
             try:
                 compiled.run(grid[0], grid[1], 1, torch._C._cuda_getCurrentRawStream(idx), compiled.function,
                              compiled.packed_metadata, None, None, None, words, src, dst, lens, block, align)

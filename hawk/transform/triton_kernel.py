@@ -838,6 +838,13 @@ def _v1_call(layout: _Layout, ctp: int, bfp8: bool, num_warps: int) -> _Call:
     return hit
 
 
+def launch_hooks_idle() -> bool:
+    """Whether no Triton launch hook is installed, so a compiled kernel's launcher may be called
+    directly without skipping one. Triton up to 3.4 keeps None there; 3.5 on an empty HookChain."""
+    hooks = (_knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook)
+    return all(h is None or getattr(h, "calls", None) == [] for h in hooks)
+
+
 def _launch(call: _Call, groups: int, args: tuple, device: torch.device, align: int, kernel: object) -> None:
     """Launch ``kernel`` on ``groups`` row groups. The first launch of a configuration goes through
     Triton's JIT dispatcher; later ones call the compiled kernel's launcher directly with the same
@@ -846,7 +853,7 @@ def _launch(call: _Call, groups: int, args: tuple, device: torch.device, align: 
     JIT specializes on is fixed per cache layout except the send buffer's alignment, so compiled
     kernels are kept per ``align`` (its address mod 16)."""
     compiled = call.compiled.get(align)
-    if compiled is not None and _knobs.runtime.launch_enter_hook is None and _knobs.runtime.launch_exit_hook is None:
+    if compiled is not None and launch_hooks_idle():
         try:
             compiled.run(groups, call.grid_y, 1, _raw_stream(device.index), compiled.function, compiled.packed_metadata,
                          None, None, None, *args)
