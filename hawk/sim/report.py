@@ -93,7 +93,11 @@ def plot_sweep(records: Sequence[dict[str, Any]], path: str | Path, title: str |
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
         if slo_key:
             slos = {r.get(slo_key) for r in records if r.get(slo_key) is not None}
+            top = max((r[key] for r in records if r.get(key) is not None), default=0.0)
             for s in slos:
+                if top and s > 3 * top:  # far above every point: drawing it would flatten them all
+                    ax.text(0.98, 0.95, f"SLO {s:g} ms (off scale)", transform=ax.transAxes, ha="right", va="top", fontsize=8, color="red")
+                    continue
                 ax.axhline(s, color="red", linestyle="--", linewidth=1, label=f"SLO {s:g} ms")
         else:
             ax.axhline(target, color="red", linestyle="--", linewidth=1, label=f"{target:.0%} target")
