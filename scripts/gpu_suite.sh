@@ -70,7 +70,7 @@ same_gpu_transfers() {  # same_gpu_transfers LIMIT
 }
 ttft_one_gpu() {  # ttft_one_gpu NAME LIMIT TRANSPORT
   step "$1" "$2" python3 -m hawk.bench.ttft --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device npu-emu:cuda:0 \
-    --transport "$3" --prompts 1024,4096,16384 --configs gn-hawk,gg-direct --kv-flows pull,layerwise --repeats 3 --warmup 1 --json "$OUT/ttft_h200.json"
+    --transport "$3" --prompts 1024,4096,16384 --configs gn-hawk,gg-direct --kv-flows pull,layerwise --repeats 5 --warmup 1 --json "$OUT/ttft_h200.json"
 }
 
 want bfp8 && \
