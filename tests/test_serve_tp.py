@@ -121,6 +121,16 @@ def _prefill_empty(a: dict) -> bool:
     return a["staging_reservations"] == 0 and not a["kv_waiting"] and not a["kv_in_flight"] and a["draining"] == 0 and a["gpu_blocks_used"] == 0
 
 
+def test_engine_processes_freeze_their_startup_heap(tp2_prefill):
+    """--gc-freeze (the default): once up, each engine process has frozen what startup built, so the
+    collector no longer walks it during requests; its /metrics says how much."""
+    for c in tp2_prefill.cluster.children:
+        text = httpx.get(f"{c.url}/metrics", timeout=30, trust_env=False).text
+        frozen = next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("hawk_gc_frozen_objects "))
+        assert frozen > 10_000, (c.role, frozen)
+        assert 'python_gc_collections_total{generation="2"}' in text
+
+
 def test_a_killed_prefill_follower_is_reported_released_and_restarted(tp2_prefill):
     system = tp2_prefill
     child = _child(system, "prefill")

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from hawk.config import ServeConfig
+from hawk.engine.gc_policy import freeze_startup_heap
 from hawk.engine.tensor_parallel import Shard, TPGroup
 
 log = logging.getLogger(__name__)
@@ -236,6 +237,8 @@ def rank_main(role: str, cfg_json: str, rank: int, tp: int, port: int, backend: 
 
     attn = part.attn if role == "decode" else _prefill_attention(part)
     send("ready", part.sender.address if role == "prefill" else "")
+    if cfg.gc_freeze:
+        freeze_startup_heap()
     fault = os.environ.get(FAULT_ENV, "")
     while True:
         try:

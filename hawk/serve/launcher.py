@@ -46,6 +46,7 @@ import typer
 
 from hawk.config_cli import config_command
 from hawk.config import ENGINE_ROLES, ConfigError, ServeConfig, defaults
+from hawk.engine.gc_policy import freeze_startup_heap
 from hawk.serve.common import (
     CLUSTER_SECRET_ENV,
     LOOPBACK,
@@ -283,6 +284,8 @@ def run_instance(
     _watch_engines(role, instance_engines(role, instance), instance, stopping)
     if parent_pid is not None:
         _watch_parent(parent_pid)
+    if cfg.gc_freeze:
+        log.info("%s instance: %d startup objects frozen out of garbage collection", role, freeze_startup_heap())
     if ready_file:
         tmp = f"{ready_file}.tmp"
         Path(tmp).write_text(json.dumps({"url": url, "pid": os.getpid(), "role": role}))

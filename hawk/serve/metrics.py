@@ -9,7 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+import gc
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.gc_collector import GCCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -85,6 +88,8 @@ class SnapshotCollector(Collector):
 def instance_registry(role: str, read: Callable[[], Mapping[str, Any]]) -> CollectorRegistry:
     reg = CollectorRegistry(auto_describe=False)
     reg.register(AccountingCollector(role, read))
+    GCCollector(registry=reg)  # python_gc_collections_total{generation} and the objects collected
+    Gauge("hawk_gc_frozen_objects", "objects frozen out of garbage collection at startup (--gc-freeze)", registry=reg).set_function(gc.get_freeze_count)
     return reg
 
 
