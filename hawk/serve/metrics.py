@@ -6,10 +6,9 @@ one process (tests, the demo) without "duplicated timeseries" errors.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
-
-import gc
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.gc_collector import GCCollector
