@@ -54,13 +54,15 @@ def _fail(e: Exception) -> None:
 
 
 def _serve_commands(app: typer.Typer, bench: typer.Typer) -> None:
-    """``serve``, ``demo`` and ``bench equivalence``: their options are generated from ``ServeConfig``.
+    """``serve``, ``demo``, ``bench equivalence`` and ``bench ttft``: their options are generated from ``ServeConfig``.
 
     Without the HTTP stack (fastapi, uvicorn: a GPU box that carries only what a benchmark needs) the
     benchmarks still run, and ``serve``/``demo`` say what is missing instead of the whole command failing."""
     from hawk.bench.equivalence_cli import equivalence_command
+    from hawk.bench.ttft_cli import ttft_command
 
     bench.command("equivalence")(equivalence_command())
+    bench.command("ttft")(ttft_command())
     try:
         from hawk.serve.demo import demo_command
         from hawk.serve.launcher import serve_command
@@ -152,18 +154,6 @@ def bench_engine(ctx: typer.Context) -> None:
         main(ctx.args)
     except ValueError as e:
         _fail(e)
-
-
-@bench_app.command("ttft", context_settings=PASS_THROUGH)
-def bench_ttft(ctx: typer.Context) -> None:
-    """TTFT of disaggregated configurations against colocated per prompt length, with each transfer's host-side breakdown.
-
-    Options pass to ``python -m hawk.bench.ttft`` (see ``--help`` there), e.g.
-    ``hawk bench ttft --prompts 256,1024 --configs gn-hawk,gg-direct --json ttft.json``.
-    """
-    from hawk.bench.ttft import main
-
-    main(ctx.args)
 
 
 @bench_app.command("serving", context_settings=PASS_THROUGH)

@@ -75,7 +75,7 @@ def config_command(
     overrides: Mapping[str, Any] = {},  # noqa: B006
     extra: Sequence[inspect.Parameter] = (),
     doc: str | None = None,
-) -> Callable[..., None]:
+) -> Callable[..., Any]:
     """A function typer can register: the config's options for ``command`` plus ``extra`` ones.
 
     ``run(cfg, **extra_values)`` does the work; ``ValueError`` (``ConfigError`` included),
@@ -84,10 +84,10 @@ def config_command(
     params = config_parameters(command, overrides)
     extra_names = [p.name for p in extra]
 
-    def command_fn(**kw: Any) -> None:
+    def command_fn(**kw: Any) -> Any:
         try:
             cfg = config_from({k: v for k, v in kw.items() if k not in extra_names}, overrides)
-            run(cfg, **{k: kw[k] for k in extra_names})
+            return run(cfg, **{k: kw[k] for k in extra_names})  # what a caller in-process gets back
         except (ValueError, OSError, RuntimeError) as e:  # ConfigError is a ValueError
             fail(e)
 

@@ -13,10 +13,19 @@ STEPS = ("send", "plan_overlap", "control", "sender_plan", "sender_reserve", "se
          "sender_other", "plan", "reserve", "descs", "submit", "transfer_wait", "finish")
 
 
-def test_help_passes_through():
+def test_help_lists_the_benchmarks_and_the_serve_options():
     out = subprocess.run([sys.executable, "-m", "hawk", "bench", "ttft", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "--prompts" in out.stdout and "--configs" in out.stdout
+    for flag in ("--prompts", "--configs", "--kv-flows", "--model", "--transport", "--max-prefill-chunk", "--kv-tokens"):
+        assert flag in out.stdout, flag
+
+
+@pytest.mark.parametrize("args, needle", [(["--kv-flows", "sideways"], "--kv-flows takes"), (["--prompts", "1k"], "--prompts takes"),
+                                          (["--dtype", "fp7"], "dtype")])
+def test_bad_options_are_one_line_and_exit_2(args, needle):
+    out = subprocess.run([sys.executable, "-m", "hawk", "bench", "ttft", "--model", "tiny", *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert needle in out.stderr and "Traceback" not in out.stderr
 
 
 @pytest.mark.timeout(300)
@@ -48,6 +57,6 @@ def test_profile_posts_names_the_forward_threads_posts(tmp_path, monkeypatch):
     path = tmp_path / "posts.txt"
     records = main(["--model", "tiny", "--prompts", "64", "--repeats", "1", "--warmup", "0", "--configs", "gn-hawk",
                     "--kv-flows", "layerwise", "--transport", "local", "--profile-posts", str(path)])
-    assert records and all(r["identical"] for r in records)
+    assert records and all(r["identical"] and r["transport"] == "local" for r in records)  # a serve option reached the run
     text = path.read_text()
     assert "_push_layer_inline" in text and "cumulative" in text

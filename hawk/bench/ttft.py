@@ -15,6 +15,9 @@ flow; a layer-wise record's ``kv_exposed_ms`` is the part of the transfer the fo
 ``--profile-posts FILE``: a cProfile of the host work each layer-wise post adds to the forward's thread
 (posts happen there over a stream-ordered transport on CUDA, or with HAWK_LAYERWISE_INLINE=always).
 
+The instance options (model, devices, dtype, transport, buffers, ...) are ``hawk serve``'s, generated from
+``ServeConfig`` (``hawk/bench/ttft_cli.py``); ``--kv-tokens`` is a floor, raised to hold the longest prompt.
+
 TTFT runs from submitting the prompt to the prefill engine until the decode engine emits the first
 token (prefill, KV transfer and the decode's admission included), as in the equivalence benchmark.
 On the CPU box the NPU is emulated in host memory and the "GPU" is the CPU: label results so.
@@ -22,7 +25,6 @@ On the CPU box the NPU is emulated in host memory and the "GPU" is the CPU: labe
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import json
@@ -35,10 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from hawk.config import DEFAULT_MODEL, KV_FLOWS, ServeConfig
-
-DEFAULT_PROMPTS = (256, 1024)
-DEFAULT_CONFIGS = ("gn-hawk", "gg-direct")
+from hawk.config import KV_FLOWS, ServeConfig
 
 
 def prompt_ids(n: int, vocab: int, seed: int) -> list[int]:
@@ -202,51 +201,38 @@ def print_table(records: list[dict[str, Any]]) -> None:
     Console(width=200).print(t)
 
 
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x.strip()]
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hawk bench ttft", description="TTFT of disaggregated configurations against colocated, per prompt length, in one run.")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="model (default: the embedded SmolLM2; 'tiny' for a quick check)")
-    p.add_argument("--prompts", default=",".join(map(str, DEFAULT_PROMPTS)), help="prompt lengths in tokens, comma-separated")
-    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="transfer configurations compared with colocated")
-    p.add_argument("--repeats", type=int, default=3, help="measured runs per (configuration, prompt)")
-    p.add_argument("--warmup", type=int, default=1, help="unmeasured runs first")
-    p.add_argument("--dtype", default="fp32", help="compute dtype")
-    p.add_argument("--prefill-device", default="cpu")
-    p.add_argument("--decode-device", default="npu-emu:cpu")
-    p.add_argument("--transport", default="nixl")
-    p.add_argument("--kv-flows", default="pull", help="KV flows compared, comma-separated: pull, layerwise (hawk/config.py kv_flow)")
-    p.add_argument("--max-prefill-chunk", type=int, default=None, help="prefill chunk (default: the serving default; 0 = whole prompts)")
-    p.add_argument("--json", dest="json_path", default=None, help="write the records here")
-    p.add_argument("--profile-posts", default=None, help="write a cProfile of the layer-wise posts made on the forward's thread here")
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    a = parser().parse_args(argv)
-    prompts, configs = _ints(a.prompts), [c.strip() for c in a.configs.split(",") if c.strip()]
-    if a.repeats < 1 or a.warmup < 0 or not prompts or min(prompts) < 1:
-        raise SystemExit("--repeats >= 1, --warmup >= 0 and positive prompt lengths, please")
-    flows = [f.strip() for f in a.kv_flows.split(",") if f.strip()]
+def measure(
+    cfg: ServeConfig, prompts: Sequence[int], configs: Sequence[str], flows: Sequence[str], repeats: int = 3, warmup: int = 1,
+    json_path: str | None = None, profile_path: str | None = None,
+) -> list[dict[str, Any]]:
+    """What the command does: check its lists, size the caches to the longest prompt, :func:`run`, print
+    the table, write the JSON (and the posts' profile) when asked."""
+    if not prompts or min(prompts) < 1 or not configs:
+        raise ValueError("--prompts needs positive token counts and --configs at least one configuration")
     if not flows or any(f not in KV_FLOWS for f in flows):
-        raise SystemExit(f"--kv-flows takes {', '.join(KV_FLOWS)}, got {a.kv_flows!r}")
-    longest = max(prompts)
-    extra = {} if a.max_prefill_chunk is None else {"max_prefill_chunk": a.max_prefill_chunk}
-    base = ServeConfig(
-        model=a.model, dtype=a.dtype, prefill_device=a.prefill_device, decode_device=a.decode_device, transport=a.transport,
-        kv_tokens=longest + 256, **extra,  # staging and receive buffers: auto, sized for the longest prompt
-    )
-    prof = cProfile.Profile() if a.profile_posts else None
-    records = run(base, prompts, configs, a.repeats, a.warmup, flows, prof)
-    if prof is not None:
-        write_profile(prof, a.profile_posts)
+        raise ValueError(f"--kv-flows takes {', '.join(KV_FLOWS)}, got {','.join(flows)!r}")
+    base = replace(cfg, kv_tokens=max(cfg.kv_tokens, max(prompts) + 256))  # buffers: auto, sized for the longest prompt
+    prof = cProfile.Profile() if profile_path else None
+    records = run(base, prompts, configs, repeats, warmup, flows, prof)
+    if prof is not None and profile_path:
+        write_profile(prof, profile_path)
     print_table(records)
-    if a.json_path:
-        with open(a.json_path, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(records, f, indent=1)
     return records
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    """The command line (``--help`` lists every instance option ``hawk serve`` has, too). Given ``argv``,
+    it returns instead of exiting: the records, or the exit code of an error or ``--help``."""
+    import typer
+
+    from hawk.bench.ttft_cli import ttft_command
+
+    app = typer.Typer(add_completion=False)
+    app.command()(ttft_command())
+    return typer.main.get_command(app).main(args=argv, prog_name="hawk bench ttft", standalone_mode=argv is None)
 
 
 if __name__ == "__main__":
