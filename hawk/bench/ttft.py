@@ -70,12 +70,16 @@ def _pull_result(decode: Any, rid: str) -> Any:
     return receiver.result(rid) if receiver is not None and hasattr(receiver, "result") else None
 
 
-def _profile_posts(sender: Any, prof: cProfile.Profile) -> None:
+def _profile_posts(sender: Any, prof: cProfile.Profile, measured: list[bool]) -> None:
     """Run the sender's layer posts from the forward's thread (transform launches and WRITE submit,
-    the host work a layer-wise push adds to the forward) under ``prof``."""
+    the host work a layer-wise push adds to the forward) under ``prof``, while ``measured[0]`` (the
+    warm-up's posts compile kernels: they would fill the profile)."""
     post = sender._push_layer_inline
 
     def profiled(push: Any, layer: int) -> None:
+        if not measured[0]:
+            post(push, layer)
+            return
         prof.enable()
         try:
             post(push, layer)
@@ -99,7 +103,7 @@ def run(
     profile: cProfile.Profile | None = None,
 ) -> list[dict[str, Any]]:
     """One record per (configuration, KV flow, prompt length): median TTFT against colocated, in one run.
-    ``profile``: collects the layer-wise pushes' posts from the forward's thread (every run)."""
+    ``profile``: collects the layer-wise pushes' posts from the forward's thread (measured repeats only)."""
     from hawk.bench.equivalence import config_for, run_colocated, run_disaggregated
     from hawk.engine.instances import ColocatedInstance, DecodeInstance, PrefillInstance, compute_dtype
     from hawk.engine.loader import load_model
@@ -112,6 +116,7 @@ def run(
     colocated = ColocatedInstance(replace(base, transfer="colocated"), loaded=loaded)
     pairs: dict[str, tuple[Any, Any]] = {}
     keys = [f"{c}/{f}" for c in configs for f in flows]
+    measured = [False]  # the repeat under way is measured (not warm-up): what ``profile`` collects
     try:
         for key in keys:
             name, flow = key.split("/")
@@ -120,7 +125,7 @@ def run(
             same = parse_device(cfg.decode_compute_device).torch_device == parse_device(cfg.prefill_device).torch_device
             pairs[key] = (p, DecodeInstance(cfg, loaded=loaded if same else None))  # one copy of the weights per device
             if profile is not None and flow == "layerwise":
-                _profile_posts(p.sender, profile)
+                _profile_posts(p.sender, profile, measured)
         records = []
         for n in prompts:
             ids = prompt_ids(n, vocab, seed=n)
@@ -130,6 +135,7 @@ def run(
             moved: dict[str, list[float]] = {k: [] for k in keys}
             exposed: dict[str, list[float]] = {k: [] for k in keys}
             for i in range(warmup + repeats):
+                measured[0] = i >= warmup
                 runs = [("colocated", lambda rid: run_colocated(colocated, ids, params, rid))]
                 runs += [(k, lambda rid, k=k: run_disaggregated(*pairs[k], ids, params, rid)) for k in keys]
                 for key, go in runs:
