@@ -57,6 +57,7 @@ def _fault(e: BaseException) -> BaseException:
     fault.__cause__ = e
     return fault
 
+
 #: Default ``max_prefill_chunk``: long enough that a chunk's GEMMs are compute-bound (chunking
 #: costs little), short enough that a decode step waits one chunk, not a whole long prompt.
 DEFAULT_PREFILL_CHUNK = 2048
