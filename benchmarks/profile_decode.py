@@ -13,6 +13,9 @@ GPU and what the GPU waits for.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import time
 
 import torch
@@ -81,9 +84,44 @@ def main() -> None:
                 replay.append(e0.elapsed_time(e1))
             print(f"=== graph step median {sorted(times)[10]:.3f} ms (kernels alone {total:.3f} ms, replay alone "
                   f"{sorted(replay)[10]:.3f} ms); host part of step() median {sorted(host)[10]:.0f} us")
+            print("=== host phases of a graph step, median us: " + host_phases(graphed, cache.attn, toks, slices, b))
             cache.close()
             del cache, eager, graphed
             torch.cuda.empty_cache()
+
+
+def host_phases(runner: ModelRunner, attn: object, toks: list[list[int]], slices: list[SeqSlice], b: int) -> str:
+    """What ``runner.step`` does on the host, phase by phase (its ``_replay`` unrolled), then the sync:
+    which part of the host time before the replay is metadata, the ids' upload or the graph launch."""
+    bucket = eb_bucket(b)
+    g = runner._graphs[bucket]
+    ids, starts = [t for (t,) in toks], [s.start for s in slices]
+    names = ("begin", "write_io", "replay_launch", "sync_tolist")
+    laps: dict[str, list[float]] = {k: [] for k in names}
+    for _ in range(30):
+        torch.cuda.synchronize()
+        t = [time.perf_counter()]
+        attn.begin(slices, pad_to=bucket)
+        t.append(time.perf_counter())
+        runner._write_io(ids, starts, bucket)
+        t.append(time.perf_counter())
+        g.graph.replay()
+        t.append(time.perf_counter())
+        g.greedy[:b].tolist()
+        t.append(time.perf_counter())
+        for k, a, z in zip(names, t, t[1:]):
+            laps[k].append((z - a) * 1e6)
+    prof = cProfile.Profile()
+    for _ in range(50):
+        torch.cuda.synchronize()
+        prof.enable()
+        attn.begin(slices, pad_to=bucket)
+        runner._write_io(ids, starts, bucket)
+        prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
+    print(buf.getvalue()[-3500:])
+    return ", ".join(f"{k} {sorted(v)[len(v) // 2]:.0f}" for k, v in laps.items())
 
 
 def eb_bucket(b: int) -> int:

@@ -178,3 +178,70 @@ def test_copy_spans_cuda():
         ev.synchronize()
     for d, do, s, so, n in spans:
         assert torch.equal(d[do : do + n], s[so : so + n])
+
+
+# ---- host staging of per-step metadata ------------------------------------------------------------
+
+
+def test_host_staging_on_the_host_hands_the_buffers_themselves():
+    """CPU buffers are their own staging: what next() hands is the buffer, upload() copies nothing."""
+    from hawk.devices.staging import HostStaging
+
+    a, b = torch.zeros(4, 3, dtype=torch.int32), torch.zeros(5, dtype=torch.int64)
+    st = HostStaging([a, b])
+    ha, hb = st.next()
+    ha[1, 2], hb[4] = 7, -3
+    st.upload((12, 5))
+    assert a[1, 2] == 7 and b[4] == -3
+    assert st.next()[0] is not None and st.slot == 0
+    with pytest.raises(ValueError, match="one device"):
+        HostStaging([])
+    with pytest.raises(ValueError, match="contiguous"):
+        HostStaging([torch.zeros(4, 4)[:, 1]])
+
+
+def _staging_round_trips(dev: str) -> None:
+    """Uploads of leading elements land, and the elements past ``counts`` keep what the device had.
+    The GPU is kept milliseconds behind the host, so each upload is still queued when the host comes
+    back to its slot two steps later: a snapshot taken on the stream right after each upload shows
+    that step's values only if ``next()`` waited before handing the slot out again."""
+    from hawk.devices.staging import HostStaging
+
+    bt = torch.full((8, 16), -1, dtype=torch.int32, device=dev)
+    meta = torch.full((40,), -1, dtype=torch.int32, device=dev)
+    st = HostStaging([bt, meta], slots=2)
+    big = torch.zeros(1 << 26, device=dev)
+    snaps = []
+    for step in range(6):
+        h_bt, h_meta = st.next()
+        assert h_bt.shape == (8, 16) and h_meta.shape == (40,)
+        h_bt[:3] = np.arange(48).reshape(3, 16) + 100 * step
+        h_meta[:10] = np.arange(10) + 1000 * step
+        for _ in range(20):
+            big.mul_(1.0001)  # device work queued ahead of the copy
+        st.upload((3 * 16, 10))
+        snaps.append((bt.clone(), meta.clone()))
+    torch.cuda.synchronize()
+    for step, (s_bt, s_meta) in enumerate(snaps):
+        assert torch.equal(s_bt[:3].cpu(), torch.from_numpy(np.arange(48).reshape(3, 16) + 100 * step).int()), step
+        assert torch.equal(s_meta[:10].cpu(), torch.arange(10, dtype=torch.int32) + 1000 * step), step
+        assert (s_bt[3:] == -1).all() and (s_meta[10:] == -1).all()
+    st.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_staging_cuda_raw_runtime():
+    from hawk.devices import cuda_runtime
+
+    assert cuda_runtime.runtime() is not None, "torch's CUDA runtime should be loadable on a CUDA box"
+    _staging_round_trips("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_staging_cuda_torch_fallback(monkeypatch):
+    from hawk.devices import staging
+
+    monkeypatch.setattr(staging, "runtime", lambda: None)
+    _staging_round_trips("cuda")

@@ -155,7 +155,7 @@ def _paged_twin(kv: NpuKVCacheMemory, batch, q: torch.Tensor, fused: bool | None
 
     NPU block ``b`` becomes GPU blocks ``4b .. 4b+3`` (16 tokens each, NHD); each new token's K/V
     input is the row the NPU write stored (decoded), and its cache slot holds NaN beforehand, so
-    a path that read it before writing it would show. Returns ``(out, splits, fused used)``.
+    a path that read it before writing it would show. Returns ``(out, splits, the DecodePath's value)``.
     """
     from hawk.engine.paged_attention import PagedAttention
     from hawk.layouts.gpu import GpuKVLayout
@@ -184,7 +184,7 @@ def _paged_twin(kv: NpuKVCacheMemory, batch, q: torch.Tensor, fused: bool | None
     attn.begin(slices, pad_to=rows if rows > len(batch) else None)
     out = attn(0, q, k_in.to(q.dtype), v_in.to(q.dtype))
     assert not torch.isnan(cache).any(), "the paged decode did not store a new token"
-    return out, attn._splits(rows), attn._use_fused(rows)
+    return out, attn._splits(rows), attn.decode_path(rows).value
 
 
 def _bitwise_vs_paged(dtype: str, shard: int, batch, hq: int, hkv: int = 2, head_dim: int = 64,
@@ -194,7 +194,7 @@ def _bitwise_vs_paged(dtype: str, shard: int, batch, hq: int, hkv: int = 2, head
     """NPU-tile decode (Triton) vs paged decode (Triton) on the same K/V values: ``torch.equal``.
 
     ``kernel``: "default" (as the backend picks), "generic" (whole-tile loads), "chunked", or a
-    bfloat8_b variant's name (``BFP8_VARIANTS`` or ``_TEST_CONFIGS``). Returns ``(path, splits, fused)``
+    bfloat8_b variant's name (``BFP8_VARIANTS`` or ``_TEST_CONFIGS``). Returns ``(path, splits, decode path)``
     per compared paged path.
     """
     from hawk.engine.npu_attention import NpuTileAttention
@@ -216,13 +216,13 @@ def _bitwise_vs_paged(dtype: str, shard: int, batch, hq: int, hkv: int = 2, head
         got = attn(0, q, k, v)
         done = []
         for path in paths:
-            want, splits, fused = _paged_twin(kv, batch, q, PAGED_PATHS[path])
+            want, splits, how = _paged_twin(kv, batch, q, PAGED_PATHS[path])
             if device == "cuda":
                 torch.cuda.synchronize()
             diff = (got.float() - want.float()).abs().max().item()
-            assert torch.equal(got, want), f"{dtype} {kernel} vs paged {path} (splits {splits}, fused {fused}): max diff {diff:.3g}"
+            assert torch.equal(got, want), f"{dtype} {kernel} vs paged {path} (splits {splits}, {how}): max diff {diff:.3g}"
             assert (got[n:] == 0).all()
-            done.append((path, splits, fused))
+            done.append((path, splits, how))
         return done
     finally:
         kv.close()
@@ -725,8 +725,8 @@ def _gpu_batch(n: int, ctx: int = 1000):
 @pytest.mark.parametrize("dtype,kernel", [("bf16", "default"), ("bf16", "chunked"), ("bfp8_b", "default")])
 def test_gpu_8b_shape_bitwise_equals_paged(dtype: str, kernel: str, batch: int) -> None:
     """The 8B shape (32 q heads, 8 KV heads, head_dim 128), ~1k contexts: NPU-tile decode output ==
-    paged decode output (torch.equal) as the backends pick paths (b1: 33 splits, b8: 5, both three
-    launches; b64: one split, fused), and the three-launch path always; the fused path forced at
+    paged decode output (torch.equal) as the backends pick paths (b1: 33 splits, b8: 5, both
+    write+reduce; b64: one split, merged), and the three-launch path always; the merged path forced at
     several splits merges in-kernel, expected but not required to match."""
     pytest.importorskip("triton")
     slices, blocks = _gpu_batch(batch)
@@ -737,9 +737,9 @@ def test_gpu_8b_shape_bitwise_equals_paged(dtype: str, kernel: str, batch: int) 
                              paths=paths)
     splits = dict((p, (s, f)) for p, s, f in done)
     if batch == 64:
-        assert splits["auto"] == (1, True)
+        assert splits["auto"] == (1, "merged")
     else:
-        assert splits["auto"][0] > 1 and not splits["auto"][1]
+        assert splits["auto"][0] > 1 and splits["auto"][1] == "write+reduce"
 
 
 def _bank_capacity(blocks: int) -> int:

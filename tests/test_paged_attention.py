@@ -56,8 +56,9 @@ CASES = [
     # backend assumes 4 SMs and 16-key tiles), so the split merge really merges.
     _case("nhd-bf16-g8-splits", "NHD", "bf16", "fp32", 8, 1, 32, 4, [70, 33], decode_steps=3, pad=1),
 ]
-#: The two Triton decode paths every Triton case runs on (``PagedAttention(fused_decode=...)``).
-DECODE_PATHS = {"fused": True, "3launch": False}
+#: The Triton decode paths every Triton case runs on (``PagedAttention(fused_decode=...)``): the
+#: default (write+reduce at several splits, merged at one), merged always, three launches always.
+DECODE_PATHS = {"auto": None, "fused": True, "3launch": False}
 
 
 class _Ref:
@@ -236,7 +237,7 @@ def _logged_launches() -> Iterator[list[str]]:
             setattr(ta, n, k)
 
 
-def decode_layer_launches(device: str, fused_decode: bool) -> list[str]:
+def decode_layer_launches(device: str, fused_decode: bool | None) -> list[str]:
     """The launches of one padded decode layer with several splits (checked against attend too)."""
     layout = GpuKVLayout(1, 16, 16, 1, 32, "bf16")
     caches = layout.allocate(device)
@@ -292,8 +293,10 @@ def test_triton_path_matches_reference_interpreted(interpreted: dict[str, dict],
     assert r["ok"], r.get("error")
 
 
-#: Launches per decode layer with splits: fused, one; else the KV write, attention and the reduce.
+#: Launches per decode layer with splits: merged, one; auto, the attention (which writes the K/V) and
+#: the reduce; else the KV write, attention and the reduce.
 _DECODE_LAUNCHES = {
+    "auto": ["_decode_kernel", "_decode_reduce_kernel"],
     "fused": ["_decode_kernel"],
     "3launch": ["_write_kv_kernel", "_decode_kernel", "_decode_reduce_kernel"],
 }

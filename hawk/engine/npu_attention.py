@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from hawk.devices.staging import HostStaging
 from hawk.engine import triton_npu_attention as tk
 from hawk.engine.attention import SeqSlice, attend
 from hawk.layouts.tt import TILE, pack_bfp8_rows
@@ -315,35 +316,22 @@ class NpuTileAttention:
 
 
 class _MetaStage:
-    """Two host slots for the decode metadata rows (pinned on CUDA; on the host the slot is the
-    buffer itself), each with what its rows last held: ``(block list, blocks written, last block)``
-    per row, so a step rewrites only a row's new blocks. A slot is reused once the copy that last
-    read it (two steps ago) has run."""
+    """The decode metadata rows' :class:`~hawk.devices.staging.HostStaging` (two pinned slots on CUDA;
+    on the host the buffer itself), with what each slot's rows last held: ``(block list, blocks
+    written, last block)`` per row, so a step rewrites only a row's new blocks."""
 
     def __init__(self, meta: torch.Tensor):
         self.meta = meta
-        cuda = meta.device.type == "cuda"
-        if cuda:
-            self.slots = [torch.zeros(meta.shape, dtype=meta.dtype, pin_memory=True) for _ in range(2)]
-            self.events: list[torch.cuda.Event | None] = [torch.cuda.Event() for _ in range(2)]
-        else:
-            self.slots, self.events = [meta], [None]
-        self.known: list[list[tuple[Sequence[int], int, int]]] = [[] for _ in self.slots]
-        self.idx = 0
+        self.staging = HostStaging([meta], slots=2)
+        self.known: list[list[tuple[Sequence[int], int, int]]] = [[] for _ in range(2)]
 
     def next_slot(self) -> tuple[np.ndarray, list[tuple[Sequence[int], int, int]]]:
-        self.idx = (self.idx + 1) % len(self.slots)
-        ev = self.events[self.idx]
-        if ev is not None:
-            ev.synchronize()
-        return self.slots[self.idx].numpy(), self.known[self.idx]
+        (host,) = self.staging.next()
+        return host, self.known[self.staging.slot]
 
     def upload(self, rows: int) -> None:
-        ev = self.events[self.idx]
-        if ev is None or rows == 0:
-            return
-        self.meta[:rows].copy_(self.slots[self.idx][:rows], non_blocking=True)
-        ev.record()
+        if rows:
+            self.staging.upload((rows * self.meta.shape[1],))
 
     def forget(self) -> None:
         """Another writer filled ``meta``: every row is rewritten whole next time."""

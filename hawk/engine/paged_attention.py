@@ -2,10 +2,10 @@
 
 On CUDA (with Triton) a forward layer has no Python loop over sequences. A decode layer (every
 ``q_len == 1``) is ONE launch when the batch needs a single split: attention that also stores the
-new K/V (:func:`~hawk.engine.triton_attention.paged_decode_fused`); with several splits it is three
-launches (write the K/V, split-K attention, reduce), which measured faster than the fused kernel's
-serial last-program merge. ``HAWK_FUSED_DECODE=0|1`` (read at import) or ``fused_decode=`` forces
-one path. A prefill or mixed layer is two: write the K/V, then FlashAttention-style
+new K/V (:func:`~hawk.engine.triton_attention.paged_decode_fused`); with several splits it is two
+launches (that attention, then the split reduce), which measured faster than the fused kernel's
+serial last-program merge; :class:`DecodePath` names the three ways. ``HAWK_FUSED_DECODE=0|1``
+(read at import) or ``fused_decode=`` forces one. A prefill or mixed layer is two: write the K/V, then FlashAttention-style
 varlen attention over the paged cache (:mod:`hawk.engine.triton_attention`).
 Elsewhere the same metadata drives a torch fallback: batched gather + SDPA for decode, one
 :func:`attend` per sequence for prefill.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from enum import Enum
 from itertools import chain, islice
 from types import ModuleType
 
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hawk.devices.staging import HostStaging
 from hawk.engine.attention import SeqSlice, attend
 from hawk.layouts.gpu import GpuKVLayout
 
@@ -35,12 +37,20 @@ __all__ = ["PagedAttention", "SeqSlice"]
 
 #: Extra metadata room beyond ``3 * max_batch + 1``: prefill slots and the program map.
 _META_EXTRA = 3 * 8192
-#: Default of ``PagedAttention(fused_decode=None)``: ``HAWK_FUSED_DECODE`` = "auto" (one launch when
-#: the batch needs one split, else three), "1" (always one) or "0" (always three). "auto" because the
-#: fused kernel's last-program merge is serial: on an H200 (8B shape, batch 1, 1k context, 33 splits)
-#: the fused step took 5.37 ms against 5.11 ms for three launches, while at batch 64 (one split) the
-#: fused step was the faster (7.55 against 7.60 ms).
+#: Default of ``PagedAttention(fused_decode=None)``: ``HAWK_FUSED_DECODE`` = "auto" (MERGED when the
+#: batch needs one split, else WRITE_REDUCE), "1" (always MERGED) or "0" (always SEPARATE). "auto" because
+#: the fused kernel's last-program merge is serial: on an H200 (8B shape, batch 1, 1k context, 33 splits)
+#: the MERGED step took 5.37 ms against 5.11 ms for SEPARATE, while at batch 64 (one split) MERGED was the
+#: faster (7.55 against 7.60 ms).
 _FUSED_DECODE: bool | None = {"0": False, "1": True}.get(os.environ.get("HAWK_FUSED_DECODE", "auto"))
+
+
+class DecodePath(str, Enum):
+    """How a Triton decode layer is launched; all three give the same bits."""
+
+    MERGED = "merged"  #: one launch: K/V write, split-K attention, the last split merges
+    WRITE_REDUCE = "write+reduce"  #: the attention launch writes the K/V; a reduce launch merges (splits > 1)
+    SEPARATE = "separate"  #: K/V write, attention, reduce: three launches
 
 
 def _load_triton() -> ModuleType | None:
@@ -59,8 +69,9 @@ class PagedAttention:
     size the block table; a larger batch regrows the buffers (bumping :attr:`generation`, which
     invalidates captured graphs). ``use_triton`` forces the Triton path (True, e.g. on CPU under
     ``TRITON_INTERPRET=1``) or the torch path (False); None picks Triton on CUDA when installed.
-    ``fused_decode`` picks the Triton decode path: one launch per layer (True), three (False), or
-    one only when the batch needs a single split (None, following ``HAWK_FUSED_DECODE``; default).
+    ``fused_decode`` picks the Triton decode path (:class:`DecodePath`): MERGED (True), SEPARATE
+    (False), or MERGED at one split and WRITE_REDUCE at several (None, following ``HAWK_FUSED_DECODE``;
+    default).
     """
 
     def __init__(
@@ -113,22 +124,15 @@ class PagedAttention:
         self._cap_batch, self._cap_meta = cap_batch, cap_meta
         self._bt_dev = torch.zeros((cap_batch, w), dtype=torch.int32, device=dev)
         self._meta_dev = torch.zeros(cap_meta, dtype=torch.int32, device=dev)
-        if cuda:
-            # Two pinned staging slots: begin() fills one while the other's copy may still be queued.
-            self._stage = [
-                (torch.zeros((cap_batch, w), dtype=torch.int32, pin_memory=True),
-                 torch.zeros(cap_meta, dtype=torch.int32, pin_memory=True))
-                for _ in range(2)
-            ]
-            # One event per slot, made once and re-recorded (an unrecorded event syncs at once).
-            self._events: list[torch.cuda.Event | None] = [torch.cuda.Event() for _ in range(2)]
-        else:
-            self._stage = [(self._bt_dev, self._meta_dev)]  # on the host the buffers are the staging
-            self._events = [None]
-        self._slot_idx = 0
+        if getattr(self, "_staging", None) is not None:
+            self._staging.close()  # its uploads went to the buffers being replaced
+        # begin() fills one pinned slot while the other's copy may still be queued (on the host the
+        # buffers are their own staging).
+        self._staging = HostStaging([self._bt_dev, self._meta_dev], slots=2 if cuda else 1)
         # Per staging slot, per block-table row: (block list, blocks written, last block written),
         # so a decode step rewrites only what changed (see _begin_decode).
-        self._row_cache: list[list[tuple[Sequence[int], int, int]]] = [[] for _ in self._stage]
+        self._row_cache: list[list[tuple[Sequence[int], int, int]]] = [[] for _ in range(2 if cuda else 1)]
+        self._view_cache: dict[tuple[int, int, int, int], dict[str, torch.Tensor]] = {}
         self._decode_qstart = np.arange(cap_batch + 1, dtype=np.int32)
         # Split partials are sized per query head; the model's Hq is only known at the first call.
         self._part_rows = max(b * self._splits(b) for b in range(1, cap_batch + 1))
@@ -139,10 +143,11 @@ class PagedAttention:
         self._counters = torch.zeros(cap_batch * self.layout.num_kv_heads, dtype=torch.int32, device=dev)
         self.generation += 1
 
-    def _use_fused(self, batch: int) -> bool:
+    def decode_path(self, batch: int) -> DecodePath:
+        """How a decode layer of ``batch`` rows is launched on the Triton path."""
         if self.fused_decode is None:
-            return self._splits(batch) == 1
-        return self.fused_decode
+            return DecodePath.MERGED if self._splits(batch) == 1 else DecodePath.WRITE_REDUCE
+        return DecodePath.MERGED if self.fused_decode else DecodePath.SEPARATE
 
     def _splits(self, batch: int) -> int:
         if self._ta is None:
@@ -206,9 +211,8 @@ class PagedAttention:
         if n > self._cap_batch or meta_len > self._cap_meta:
             self._alloc(max(n, self._cap_batch), max(meta_len, self._cap_meta))
 
-        bt_h, meta_h = self._stage_slot()
-        self._row_cache[self._slot_idx] = []  # rows rewritten below: forget what the slot held
-        bt_np, meta_np = bt_h.numpy(), meta_h.numpy()
+        bt_np, meta_np = self._staging.next()
+        self._row_cache[self._staging.slot] = []  # rows rewritten below: forget what the slot held
         # Block table rows: only the blocks each context needs (the kernels never read further).
         rows = np.repeat(np.arange(n_real), need)
         cols = np.arange(int(need.sum())) - np.repeat(np.cumsum(need) - need, need)
@@ -231,7 +235,7 @@ class PagedAttention:
         if progs is not None:
             meta_np[2 * n + 1 + t : 2 * n + 1 + t + p] = progs[0]
             meta_np[2 * n + 1 + t + p : meta_len] = progs[1]
-        self._upload(bt_h, meta_h, n, meta_len)
+        self._staging.upload((n * self.max_blocks_per_seq, meta_len))
 
         self._set_views(n, t, p, meta_len)
         self._n, self._n_real, self._tokens, self._decode = n, n_real, t, decode
@@ -257,9 +261,8 @@ class PagedAttention:
         meta_len = 3 * n + 1
         if n > self._cap_batch or meta_len > self._cap_meta:
             self._alloc(max(n, self._cap_batch), max(meta_len, self._cap_meta))
-        bt_h, meta_h = self._stage_slot()
-        bt_np, meta_np = bt_h.numpy(), meta_h.numpy()
-        cache = self._row_cache[self._slot_idx]
+        bt_np, meta_np = self._staging.next()
+        cache = self._row_cache[self._staging.slot]
         del cache[n_real:]
         seq_lens: list[int] = []
         slots: list[int] = []
@@ -292,39 +295,29 @@ class PagedAttention:
         meta_np[n : 2 * n + 1] = self._decode_qstart[: n + 1]
         meta_np[2 * n + 1 : 2 * n + 1 + n_real] = slots
         meta_np[2 * n + 1 + n_real : meta_len] = -1
-        self._upload(bt_h, meta_h, n, meta_len)
+        self._staging.upload((n * w, meta_len))
         self._set_views(n, n, 0, meta_len)
         self._n, self._n_real, self._tokens, self._decode = n, n_real, n, True
         self._q_lens, self._starts = [1] * n_real, [s.start for s in batch]
 
     def _set_views(self, n: int, t: int, p: int, meta_len: int) -> None:
-        """Name the regions of the device buffers that this batch's metadata occupies."""
-        bt_d, meta_d = self._bt_dev, self._meta_dev
-        self._views = {
-            "block_tables": bt_d[:n],
-            "seq_lens": meta_d[:n],
-            "q_start": meta_d[n : 2 * n + 1],
-            "slots": meta_d[2 * n + 1 : 2 * n + 1 + t],
-            "prog_seq": meta_d[2 * n + 1 + t : 2 * n + 1 + t + p],
-            "prog_blk": meta_d[2 * n + 1 + t + p : meta_len],
-        }
-
-    def _stage_slot(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next staging slot, once the copy that last used it has run."""
-        self._slot_idx = (self._slot_idx + 1) % len(self._stage)
-        ev = self._events[self._slot_idx]
-        if ev is not None:
-            ev.synchronize()  # normally long done: it is the copy of two steps ago
-        return self._stage[self._slot_idx]
-
-    def _upload(self, bt_h: torch.Tensor, meta_h: torch.Tensor, n: int, meta_len: int) -> None:
-        if self.device.type != "cuda":
-            return
-        self._bt_dev[:n].copy_(bt_h[:n], non_blocking=True)
-        self._meta_dev[:meta_len].copy_(meta_h[:meta_len], non_blocking=True)
-        ev = self._events[self._slot_idx]
-        assert ev is not None
-        ev.record()
+        """Name the regions of the device buffers that this batch's metadata occupies (kept per
+        shape: a decode step of a known shape makes no tensor views)."""
+        key = (n, t, p, meta_len)
+        views = self._view_cache.get(key)
+        if views is None:
+            bt_d, meta_d = self._bt_dev, self._meta_dev
+            views = self._view_cache[key] = {
+                "block_tables": bt_d[:n],
+                "seq_lens": meta_d[:n],
+                "q_start": meta_d[n : 2 * n + 1],
+                "slots": meta_d[2 * n + 1 : 2 * n + 1 + t],
+                "prog_seq": meta_d[2 * n + 1 + t : 2 * n + 1 + t + p],
+                "prog_blk": meta_d[2 * n + 1 + t + p : meta_len],
+            }
+            if len(self._view_cache) > 64:  # prefill shapes vary: keep the cache small
+                self._view_cache.pop(next(iter(self._view_cache)))
+        self._views = views
 
     def _host_metadata(self, bt_np: np.ndarray, slots: np.ndarray, need: np.ndarray, ctx: np.ndarray) -> None:
         """Index tensors for the torch path (on the cache's device)."""
@@ -368,8 +361,10 @@ class PagedAttention:
     def _forward_triton(self, cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ta, vw, order = self._ta, self._views, self.layout.order
         assert ta is not None
-        if self._decode and self._use_fused(self._n):
-            return self._decode_fused(cache, q, k, v)
+        if self._decode:
+            path = self.decode_path(self._n)
+            if path is not DecodePath.SEPARATE:
+                return self._decode_fused(cache, q, k, v, merge=path is DecodePath.MERGED)
         ta.write_kv(k, v, cache, vw["slots"], order)
         if self._decode:
             splits = self._splits(self._n)
@@ -379,15 +374,17 @@ class PagedAttention:
         return ta.paged_prefill(q, cache, vw["block_tables"], vw["seq_lens"], vw["q_start"],
                                 vw["prog_seq"], vw["prog_blk"], order, self._block_m)
 
-    def _decode_fused(self, cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """A decode layer in one launch: K/V write, split-K attention and the split merge together."""
+    def _decode_fused(self, cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      merge: bool) -> torch.Tensor:
+        """A decode layer whose attention launch writes the K/V: the split merge in it (``merge``) or after it."""
         ta, vw = self._ta, self._views
         assert ta is not None
         splits = self._splits(self._n)
         part_out, part_lse = self._partials(self._n, q.shape[1], splits, q.shape[2])
         return ta.paged_decode_fused(q, k, v, cache, vw["block_tables"], vw["seq_lens"], vw["slots"],
                                      self.layout.order, splits, counters=self._counters,
-                                     part_out=part_out, part_lse=part_lse, block_n=self._decode_block_n)
+                                     part_out=part_out, part_lse=part_lse, block_n=self._decode_block_n,
+                                     merge=merge)
 
     def _write_torch(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         slots, t_real = self._host["slots"], len(self._host["slots"])

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from hawk.devices.staging import HostStaging
 from hawk.engine.attention import SeqSlice
 from hawk.engine.model import LlamaModel
 from hawk.engine.sampler import NO_TOKEN
@@ -112,15 +113,10 @@ class ModelRunner:
         self._graph_rope_version = -1
         self._pool: Any = None
         self._io: torch.Tensor | None = None  # [2 * max bucket]: ids then positions, per bucket
-        # Pinned staging for _io (two slots, each reused once its last copy ran), as numpy views.
-        self._io_stage: list[tuple[torch.Tensor, Any]] = []
-        self._io_slot = 0
+        self._io_stage: HostStaging | None = None  # its pinned staging (on the host: itself)
         if self.use_graphs:
             self._io = torch.zeros(2 * self.buckets[-1], dtype=torch.int64, device=self.device)
-            if self.device.type == "cuda":
-                for _ in range(2):
-                    host = torch.zeros(2 * self.buckets[-1], dtype=torch.int64, pin_memory=True)
-                    self._io_stage.append((host, torch.cuda.Event()))
+            self._io_stage = HostStaging([self._io])
 
     def _on_device(self) -> contextlib.AbstractContextManager[Any]:
         """The model's GPU as the calling thread's current device: Triton launches, and graphs
@@ -231,22 +227,14 @@ class ModelRunner:
     def _write_io(self, ids: list[int], starts: list[int], b: int) -> None:
         """ids then positions, each padded with zeros to ``b``, into the static ``_io[:2b]``:
         through a pinned staging slot and one async H2D copy on CUDA, in place on the host."""
-        assert self._io is not None
+        assert self._io_stage is not None
         n = len(ids)
-        if not self._io_stage:  # host buffers (the CPU stand-in for graphs): write them directly
-            io = self._io.numpy()
-        else:
-            self._io_slot ^= 1
-            host, ev = self._io_stage[self._io_slot]
-            ev.synchronize()  # the copy that last used this slot (two steps ago): long done
-            io = host.numpy()
+        (io,) = self._io_stage.next()
         io[:n] = ids
         io[n:b] = 0
         io[b : b + n] = starts
         io[b + n : 2 * b] = 0
-        if self._io_stage:
-            self._io[: 2 * b].copy_(host[: 2 * b], non_blocking=True)
-            ev.record()
+        self._io_stage.upload((2 * b,))
 
     def _graph_for(self, b: int) -> _Graph:
         """The bucket's graph, captured now if missing (or stale: the RoPE table moved)."""

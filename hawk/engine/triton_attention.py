@@ -315,14 +315,16 @@ def _decode_kernel(
     stride_ckv, stride_cblk, stride_cslot, stride_chead,
     stride_bt, num_splits, G, D,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr, DIRECT: tl.constexpr, FUSED: tl.constexpr, DOT_PREC: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    BLOCK_S: tl.constexpr, DIRECT: tl.constexpr, FUSED: tl.constexpr, MERGE: tl.constexpr,
+    DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Split-K decode. FUSED also writes the new K/V and lets the last split merge (one launch).
+    """Split-K decode. FUSED also writes the new K/V; with MERGE the last split to finish merges the
+    splits too (one launch), without it the caller's reduce launch does.
 
-    Both variants cover the same token ranges with the same chunks (the new token included, at its
+    All variants cover the same token ranges with the same chunks (the new token included, at its
     position), so they give the same bits; FUSED only sources the new row from registers.
-    Without FUSED, k/v/slot/count pointers and strides are unused (the three-launch path).
+    Without FUSED, k/v/slot pointers and strides are unused (the three-launch path); without MERGE,
+    the count pointer is.
     """
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -381,7 +383,7 @@ def _decode_kernel(
 
     _decode_epilogue(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, b, heads, hq, sp, num_splits,
                      stride_ot, stride_oh, offs_d, hmask, dmask, D, DIRECT)
-    if FUSED:
+    if MERGE:
         if not DIRECT:
             _last_split_merges(part_out_ptr, part_lse_ptr, out_ptr, count_ptr + b * hkv + kvh,
                                b * hq + kvh * G, b * stride_ot + kvh * G * stride_oh, stride_oh,
@@ -534,14 +536,19 @@ def paged_decode_fused(
     part_lse: torch.Tensor | None = None,
     block_n: int = 64,
     num_warps: int = 4,
+    merge: bool = True,
 ) -> torch.Tensor:
-    """:func:`write_kv` + :func:`paged_decode` in ONE launch; returns ``out``.
+    """:func:`write_kv` + :func:`paged_decode` in ONE launch (two with ``merge=False`` and several
+    splits); returns ``out``.
 
     As :func:`paged_decode`, except that row ``b``'s new token is NOT yet in the cache: its
     ``k, v [B, Hkv, D]`` (last dim contiguous, any float dtype) are stored at ``slot_mapping[b]``
     (int32, ``< 0``: a pad row, nothing written) by this launch, and attended from the inputs.
-    ``counters`` is int32 scratch of ``>= B * Hkv`` zeros that each launch leaves zeroed again
-    (keep one buffer for a captured graph; allocated when None). No host sync.
+    ``merge``: the last split of each (row, KV head) merges the splits in the same launch, using
+    ``counters``, int32 scratch of ``>= B * Hkv`` zeros that each launch leaves zeroed again (keep
+    one buffer for a captured graph; allocated when None); else a :func:`decode_reduce` launch
+    follows (no counters). The last split's merge is serial (one program merges every head of its
+    group), so at many splits the separate reduce can be the faster. No host sync.
     """
     b, hq, d = q.shape
     hkv = k.shape[1]
@@ -550,12 +557,17 @@ def paged_decode_fused(
     if k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError("k and v need a contiguous last dim")
     out, part_out, part_lse = _decode_buffers(q, num_splits, out, part_out, part_lse)
-    if counters is None:
+    if not merge:
+        counters = None
+    elif counters is None:
         counters = torch.zeros(b * hkv, dtype=torch.int32, device=q.device)
     elif counters.dtype != torch.int32 or counters.numel() < b * hkv:
         raise ValueError(f"counters must be int32 with >= {b * hkv} elements")
     _launch_decode(q, k, v, cache, block_tables, seq_lens, slot_mapping, counters, order, num_splits,
                    out, part_out, part_lse, block_n, num_warps)
+    if not merge and num_splits > 1:
+        assert part_out is not None and part_lse is not None
+        decode_reduce(part_out, part_lse, out, num_splits)
     return out
 
 
@@ -581,17 +593,19 @@ def _launch_decode(
     counters: torch.Tensor | None, order: str, num_splits: int, out: torch.Tensor,
     part_out: torch.Tensor | None, part_lse: torch.Tensor | None, block_n: int, num_warps: int,
 ) -> None:
-    """One launch of :func:`_decode_kernel`; fused when ``k`` is given (then v, slots, counters too)."""
+    """One launch of :func:`_decode_kernel`; fused when ``k`` is given (then v and slots too), the
+    last split merging when ``counters`` is given too."""
     b, hq, d = q.shape
     hkv = cache.shape[3] if order == "NHD" else cache.shape[2]
     if hq % hkv:
         raise ValueError(f"query heads {hq} not a multiple of kv heads {hkv}")
-    fused = k is not None
+    fused, merge = k is not None, counters is not None
     if k is not None:
-        assert v is not None and slot_mapping is not None and counters is not None
+        assert v is not None and slot_mapping is not None
         if k.shape[1] != hkv:
             raise ValueError(f"k has {k.shape[1]} heads, the cache {hkv}")
-        new_kv = (k, v, slot_mapping, counters, k.stride(0), k.stride(1), v.stride(0), v.stride(1))
+        count_arg = counters if counters is not None else seq_lens  # never touched without a merge
+        new_kv = (k, v, slot_mapping, count_arg, k.stride(0), k.stride(1), v.stride(0), v.stride(1))
     else:  # the kernel never touches these: any valid pointers, zero strides
         new_kv = (q, q, seq_lens, seq_lens, 0, 0, 0, 0)
     k_arg, v_arg, slot_arg, count_arg, skt, skh, svt, svh = new_kv
@@ -605,7 +619,7 @@ def _launch_decode(
         skv, sblk, sslot, shead,
         block_tables.stride(0), num_splits, g, d,
         BLOCK_SIZE=_block_size(cache, order), BLOCK_H=_pow2(g), BLOCK_N=block_n, BLOCK_D=_pow2(d),
-        BLOCK_S=triton.next_power_of_2(num_splits), DIRECT=num_splits == 1, FUSED=fused,
+        BLOCK_S=triton.next_power_of_2(num_splits), DIRECT=num_splits == 1, FUSED=fused, MERGE=fused and merge,
         DOT_PREC=_dot_precision(q.dtype), INTERPRET=_INTERPRET, num_warps=num_warps,
     )
 

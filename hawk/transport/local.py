@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from hawk.devices.batched_copy import MIN_PAIRS, copy_spans
+from hawk.devices.cuda_runtime import DEVICE_TO_DEVICE, CudaRuntimeError, Runtime, runtime
 from hawk.transport.base import (
     ConnectError,
     RegionInfo,
@@ -72,45 +73,24 @@ def _side_stream(streams: dict[int, Any], dev: torch.device) -> Any:
 
 # ------------------------------------------------------------------------- same-GPU copies, fast path
 #: How same-GPU copies are issued: "torch" (``copy_`` per pair, the default) or "raw" (cudaMemcpyAsync
-#: through ctypes when the CUDA runtime torch loaded is found and passes a self-test on the device).
+#: of the CUDA runtime torch loaded, :mod:`hawk.devices.cuda_runtime`, once it passes a self-test on the device).
 #: On an H200 (2026-11-30, tests/test_transport_auto.py with -s, two runs) 256 MiB moved at 532 / 947 GB/s
 #: with torch and 258 / 661 raw in one process, 969 / 474 torch and 541 / 688 raw over cuda-ipc: raw is
 #: not reliably faster for large copies, so it is opt-in (docs/transport.md).
 COPY_ENV = "HAWK_CUDA_COPY"
-_MEMCPY: dict[str, Any] = {}  # "fn": the ctypes function or None; per device index: self-test passed
+_SELF_TESTED: dict[int, bool] = {}  # per device index: the raw copy's self-test passed
 
 
-def _cudart_memcpy() -> Any:
-    """cudaMemcpyAsync of the CUDA runtime this process already loaded (via /proc/self/maps), or None."""
-    if "fn" not in _MEMCPY:
-        fn = None
-        try:
-            with open("/proc/self/maps") as f:
-                paths = sorted({ln.split()[-1] for ln in f if "libcudart.so" in ln and ln.split()[-1].startswith("/")})
-            paths.sort(key=lambda p: "/nvidia/" not in p)  # torch's own (the nvidia-* wheels) first
-            if paths:
-                import ctypes
-
-                fn = ctypes.CDLL(paths[0]).cudaMemcpyAsync
-                fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-                fn.restype = ctypes.c_int
-        except (OSError, AttributeError) as e:
-            log.info("same-GPU copies use torch (CUDA runtime not loadable: %s)", e)
-            fn = None
-        _MEMCPY["fn"] = fn
-    return _MEMCPY["fn"]
-
-
-def _raw_copy_fn(dev: torch.device) -> Any:
-    """The raw same-device copy for ``dev`` if enabled and self-tested there, else None (use torch)."""
+def _raw_copy_fn(dev: torch.device) -> Runtime | None:
+    """The raw runtime for same-device copies on ``dev`` if enabled and self-tested there, else None (use torch)."""
     if os.environ.get(COPY_ENV, "torch") != "raw":
         return None
     idx = int(dev.index if dev.index is not None else torch.cuda.current_device())
-    ok = _MEMCPY.get(idx)
+    rt = runtime()
+    ok = _SELF_TESTED.get(idx)
     if ok is None:
-        fn = _cudart_memcpy()
         ok = False
-        if fn is not None:
+        if rt is not None:
             try:  # a copy with odd offsets and length on a fresh stream, compared with torch's
                 with torch.cuda.device(idx):
                     a = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device=dev)
@@ -118,16 +98,16 @@ def _raw_copy_fn(dev: torch.device) -> Any:
                     st = torch.cuda.Stream(device=dev)
                     st.wait_stream(torch.cuda.current_stream(dev))
                     with torch.cuda.stream(st):
-                        rc = fn(b.data_ptr() + 3, a.data_ptr() + 5, 777_777, 3, st.cuda_stream)
+                        rt.memcpy_async(b.data_ptr() + 3, a.data_ptr() + 5, 777_777, DEVICE_TO_DEVICE, st.cuda_stream)
                     st.synchronize()
-                    ok = rc == 0 and torch.equal(b[3 : 3 + 777_777], a[5 : 5 + 777_777]) and not b[:3].any()
+                    ok = torch.equal(b[3 : 3 + 777_777], a[5 : 5 + 777_777]) and not b[:3].any()
             except Exception as e:  # noqa: BLE001 - any failure: keep torch's copies
                 log.warning("same-GPU copies use torch (cudaMemcpyAsync self-test raised %s)", e)
                 ok = False
             if not ok:
                 log.warning("same-GPU copies use torch (cudaMemcpyAsync self-test failed on cuda:%d)", idx)
-        _MEMCPY[idx] = ok
-    return _MEMCPY["fn"] if ok else None
+        _SELF_TESTED[idx] = ok
+    return rt if ok else None
 
 
 @contextlib.contextmanager
@@ -148,14 +128,15 @@ def _on_side_streams(streams: dict[int, Any], sdev: torch.device | None, ddev: t
         yield devs, same_gpu
 
 
-def _raw_copies(raw: Any, side: Any, copies: Any) -> None:
+def _raw_copies(raw: Runtime, side: Any, copies: Any) -> None:
     """``(dst address, src address, bytes)`` as raw cudaMemcpyAsync calls on ``side``."""
     sp = side.cuda_stream
     for d, s, n in copies:
-        rc = raw(d, s, n, 3, sp)
-        if rc != 0:
+        try:
+            raw.memcpy_async(d, s, n, DEVICE_TO_DEVICE, sp)
+        except CudaRuntimeError as e:
             side.synchronize()  # the pairs issued so far end before the batch is reported failed
-            raise TransferError(f"cudaMemcpyAsync (device to device, {n} B) returned error {rc}")
+            raise TransferError(f"device-to-device copy of {n} B: {e}") from e
 
 
 #: One copy of a batch: (dst region's bytes, dst offset, src region's bytes, src offset, length). The
