@@ -325,27 +325,39 @@ def blocks_for(kind: str, rep: int, n_gpu: int, n_npu: int) -> tuple[list[int], 
 
 
 class FastCopyCounter:
-    """Counts what the same-GPU one-launch copy path (``copy_spans``, used by the local / cuda-ipc
-    transports' submit) answered: True = one launch for the batch, False = per-range torch copies."""
+    """Counts what the same-GPU copy paths of the local / cuda-ipc transports' submit answered:
+    ``copier`` = the raw-runtime SpanCopier took the batch, ``one_launch`` = ``copy_spans`` did (one
+    launch under torch's streams), ``declined`` = neither (per-range torch copies)."""
 
     def __init__(self) -> None:
         import hawk.transport.local as local
 
-        self.counts = {"one_launch": 0, "declined": 0}
+        self.counts = self._zero()
         self._local = local
-        self._real = getattr(local, "copy_spans", None)
-        if self._real is None:
-            return
+        real_spans = getattr(local, "copy_spans", None)
+        real_copier = getattr(local, "_copier_batch", None)
+        if real_spans is not None:
+            def counted(*args: Any, **kw: Any) -> bool:
+                ok = real_spans(*args, **kw)
+                self.counts["one_launch" if ok else "declined"] += 1
+                return ok
 
-        def counted(*args: Any, **kw: Any) -> bool:
-            ok = self._real(*args, **kw)
-            self.counts["one_launch" if ok else "declined"] += 1
-            return ok
+            local.copy_spans = counted
+        if real_copier is not None:
+            def counted_copier(*args: Any, **kw: Any) -> Any:
+                ev = real_copier(*args, **kw)
+                if ev is not None:
+                    self.counts["copier"] += 1
+                return ev
 
-        local.copy_spans = counted
+            local._copier_batch = counted_copier
+
+    @staticmethod
+    def _zero() -> dict[str, int]:
+        return {"copier": 0, "one_launch": 0, "declined": 0}
 
     def take(self) -> dict[str, int]:
-        out, self.counts = self.counts, {"one_launch": 0, "declined": 0}
+        out, self.counts = self.counts, self._zero()
         return out
 
 

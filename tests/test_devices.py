@@ -245,3 +245,35 @@ def test_host_staging_cuda_torch_fallback(monkeypatch):
 
     monkeypatch.setattr(staging, "runtime", lambda: None)
     _staging_round_trips("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_span_copier_takes_same_gpu_batches_cuda():
+    """With copiers, a same-GPU batch goes through the SpanCopier (raw-event completion): its copy runs
+    after the work queued on the caller's stream before the submit (here the fill that writes the
+    source, behind milliseconds of other work), and its tables grow past their first 64 ranges."""
+    from hawk.devices.span_copier import RawEvent
+    from hawk.transport.local import copy_span_batch
+
+    a = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+    b = torch.zeros_like(a)
+    big = torch.zeros(1 << 26, device="cuda")
+    streams: dict = {}
+    copiers: dict = {}
+    for n in (12, 100, 300):
+        b.zero_()
+        val = n % 251 + 1
+        for _ in range(10):
+            big.mul_(1.0001)
+        a.fill_(val)
+        spans = [(b, 2048 * i, a, 1024 * i, 512 + 8 * (i % 8)) for i in range(n)]
+        batch = copy_span_batch(spans, streams, copiers)
+        assert batch.events and all(isinstance(e, RawEvent) for e in batch.events)
+        batch.block()
+        want = np.zeros(b.numel(), dtype=np.uint8)
+        for _, do, _, _, ln in spans:
+            want[do : do + ln] = val
+        assert np.array_equal(b.cpu().numpy(), want), n
+    for c in copiers.values():
+        c.close()

@@ -34,10 +34,12 @@ _DIRECT = {"ok": True}
 
 
 def copy_words(words: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, lens: torch.Tensor, max_len: int, block: int,
-               align: int = 1, num_warps: int = 4) -> None:
-    """``lens[i]`` words from ``words[src[i]:]`` to ``words[dst[i]:]``; ``align`` (1 or 2) divides every
-    offset and length, so loads and stores move 16 bytes per vector when it is 2."""
-    grid = (src.numel(), triton.cdiv(max_len, block))
+               align: int = 1, num_warps: int = 4, count: int | None = None, stream: int | None = None) -> None:
+    """``lens[i]`` words from ``words[src[i]:]`` to ``words[dst[i]:]`` for the first ``count`` entries
+    (default: all); ``align`` (1 or 2) divides every offset and length, so loads and stores move 16
+    bytes per vector when it is 2. ``stream``: a raw CUDA stream of ``words``' device to launch on
+    (default: the current one)."""
+    grid = (src.numel() if count is None else count, triton.cdiv(max_len, block))
     with torch.cuda.device(words.device) if words.is_cuda else contextlib.nullcontext():  # Triton launches on the current device
         if not words.is_cuda:
             _copy_words_kernel[grid](words, src, dst, lens, BLOCK=block, ALIGN=align, num_warps=num_warps)
@@ -48,12 +50,16 @@ def copy_words(words: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, lens: 
         compiled = _COMPILED.get(key) if direct else None
         if compiled is not None and launch_hooks_idle():
             try:
-                compiled.run(grid[0], grid[1], 1, torch._C._cuda_getCurrentRawStream(idx), compiled.function,
+                raw = stream if stream is not None else torch._C._cuda_getCurrentRawStream(idx)
+                compiled.run(grid[0], grid[1], 1, raw, compiled.function,
                              compiled.packed_metadata, None, None, None, words, src, dst, lens, block, align)
                 return
             except Exception:  # noqa: BLE001 - a launcher this code does not know: the dispatcher from now on
                 _DIRECT["ok"] = False
                 _COMPILED.clear()
-        compiled = _copy_words_kernel[grid](words, src, dst, lens, BLOCK=block, ALIGN=align, num_warps=num_warps)
+        # the dispatcher launches on the current stream
+        on = torch.cuda.stream(torch.cuda.ExternalStream(stream, device=words.device)) if stream is not None else contextlib.nullcontext()
+        with on:
+            compiled = _copy_words_kernel[grid](words, src, dst, lens, BLOCK=block, ALIGN=align, num_warps=num_warps)
         if direct and getattr(compiled, "function", None) is not None and hasattr(compiled, "packed_metadata"):
             _COMPILED[key] = compiled

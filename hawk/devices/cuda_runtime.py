@@ -50,6 +50,8 @@ class Runtime:
         self._sync.argtypes, self._sync.restype = [vp], i
         self._destroy = lib.cudaEventDestroy
         self._destroy.argtypes, self._destroy.restype = [vp], i
+        self._wait = lib.cudaStreamWaitEvent
+        self._wait.argtypes, self._wait.restype = [vp, vp, ctypes.c_uint], i
 
     @staticmethod
     def _check(rc: int, what: str) -> None:
@@ -79,6 +81,10 @@ class Runtime:
     def event_synchronize(self, event: int) -> None:
         """Until the work before the event's last record has run (at once if never recorded)."""
         self._check(self._sync(event), "cudaEventSynchronize")
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        """Work enqueued on ``stream`` from now on waits for the work before ``event``'s last record."""
+        self._check(self._wait(stream, event, 0), "cudaStreamWaitEvent")
 
     def event_destroy(self, event: int) -> None:
         self._destroy(event)  # at teardown: nothing to do about a failure

@@ -67,12 +67,15 @@ class HostStaging:
             self._pending[self.slot] = False
         return self._arrays[self.slot]
 
-    def upload(self, counts: Sequence[int]) -> None:
-        """Copy the leading ``counts[i]`` elements of each twin of the current slot to its buffer."""
+    def upload(self, counts: Sequence[int], stream: int | None = None) -> None:
+        """Copy the leading ``counts[i]`` elements of each twin of the current slot to its buffer, on
+        the current stream or on raw stream ``stream`` (which only the raw runtime can take)."""
         if not self.cuda:
             return
         twins = self._host[self.slot]
         if self._rt is None:
+            if stream is not None:
+                raise ValueError("HostStaging.upload(stream=...) needs the raw CUDA runtime")
             for buf, twin, n in zip(self.buffers, twins, counts):
                 if n:
                     buf.view(-1)[:n].copy_(twin.view(-1)[:n], non_blocking=True)
@@ -82,7 +85,8 @@ class HostStaging:
             ev.record()
             self._pending[self.slot] = True
             return
-        stream = raw_stream(self._index)
+        if stream is None:
+            stream = raw_stream(self._index)
         for buf, twin, n in zip(self.buffers, twins, counts):
             if n:
                 self._rt.memcpy_async(buf.data_ptr(), twin.data_ptr(), n * twin.element_size(), HOST_TO_DEVICE, stream)

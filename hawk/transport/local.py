@@ -30,6 +30,7 @@ import torch
 
 from hawk.devices.batched_copy import MIN_PAIRS, copy_spans
 from hawk.devices.cuda_runtime import DEVICE_TO_DEVICE, CudaRuntimeError, Runtime, runtime
+from hawk.devices.span_copier import RawEvent, SpanCopier
 from hawk.transport.base import (
     ConnectError,
     RegionInfo,
@@ -144,7 +145,7 @@ def _raw_copies(raw: Runtime, side: Any, copies: Any) -> None:
 Span = tuple[torch.Tensor, int, torch.Tensor, int, int]
 
 
-def copy_span_batch(spans: list[Span], streams: dict[int, Any]) -> _CopyBatch:
+def copy_span_batch(spans: list[Span], streams: dict[int, Any], copiers: dict[int, SpanCopier | None] | None = None) -> _CopyBatch:
     """Copy byte ranges of whole regions, as transports hold them; CUDA copies go on dedicated side
     streams, one per device, and the batch completes at their events.
 
@@ -157,7 +158,10 @@ def copy_span_batch(spans: list[Span], streams: dict[int, Any]) -> _CopyBatch:
     :data:`~hawk.devices.batched_copy.MIN_PAIRS` ranges or more is one launch whose address table is
     computed with numpy (:func:`~hawk.devices.batched_copy.copy_spans`): a gg-direct pull is 160
     ranges, a direct-placement gn-hawk pull over a thousand, and a ``copy_`` each costs microseconds.
-    With ``HAWK_CUDA_COPY=raw`` a smaller same-GPU group is raw cudaMemcpyAsync calls (see COPY_ENV)."""
+    With ``HAWK_CUDA_COPY=raw`` a smaller same-GPU group is raw cudaMemcpyAsync calls (see COPY_ENV).
+    ``copiers`` (the caller's, per device index): a same-GPU group of many ranges goes through a
+    :class:`~hawk.devices.span_copier.SpanCopier` on that device's side stream, with no torch stream
+    switch, allocation or event on the host (where the raw runtime loads; else as above)."""
     by_regions: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int]]]] = {}
     for dst, doff, src, soff, n in spans:
         entry = by_regions.get((id(dst), id(src)))
@@ -172,8 +176,13 @@ def copy_span_batch(spans: list[Span], streams: dict[int, Any]) -> _CopyBatch:
             continue
         key = (src.device if src.is_cuda else None, dst.device if dst.is_cuda else None)
         groups.setdefault(key, []).append((dst, src, items))
-    events = []
+    events: list[Any] = []
     for (sdev, ddev), parts in groups.items():
+        if copiers is not None and sdev is not None and sdev == ddev and sum(len(it) for _, _, it in parts) >= MIN_PAIRS:
+            ev = _copier_batch(copiers, streams, sdev, parts)
+            if ev is not None:
+                events.append(ev)
+                continue
         with _on_side_streams(streams, sdev, ddev) as (devs, same_gpu):
             done, last = False, devs[0]  # last: the device whose side stream runs the batch's final step
             many = sum(len(items) for _, _, items in parts) >= MIN_PAIRS
@@ -197,6 +206,19 @@ def copy_span_batch(spans: list[Span], streams: dict[int, Any]) -> _CopyBatch:
             ev.record(_side_stream(streams, last))
         events.append(ev)
     return _CopyBatch(events)
+
+
+def _copier_batch(copiers: dict[int, SpanCopier | None], streams: dict[int, Any], dev: torch.device,
+                  parts: list[tuple[torch.Tensor, torch.Tensor, list]]) -> RawEvent | None:
+    """A same-GPU group through the device's SpanCopier (made on first use); None: not taken."""
+    idx = int(dev.index if dev.index is not None else torch.cuda.current_device())
+    if idx not in copiers:
+        copiers[idx] = SpanCopier.for_stream(_side_stream(streams, dev))
+    copier = copiers[idx]
+    if copier is None:
+        return None
+    t = _span_addresses(parts)
+    return copier.copy(t[:, 0], t[:, 1], t[:, 2])
 
 
 def _span_addresses(parts: list[tuple[torch.Tensor, torch.Tensor, list]]) -> np.ndarray:
@@ -236,6 +258,7 @@ class LocalTransport(Transport):
     def __init__(self, agent_name: str | None = None) -> None:
         super().__init__(agent_name)
         self._streams: dict[int, Any] = {}
+        self._copiers: dict[int, SpanCopier | None] = {}
         with _REGISTRY_LOCK:
             if self.agent_name in _REGISTRY and _REGISTRY[self.agent_name]() is not None:
                 raise ValueError(f"agent name {self.agent_name!r} is already used in this process")
@@ -297,7 +320,7 @@ class LocalTransport(Transport):
                 spans.append((lt, s.local_offset, rt, s.remote_offset, s.length))
             else:
                 spans.append((rt, s.remote_offset, lt, s.local_offset, s.length))
-        h.engine_state = copy_span_batch(spans, self._streams)
+        h.engine_state = copy_span_batch(spans, self._streams, self._copiers)
         return 1
 
     def _engine_poll(self, h: TransferHandle) -> tuple[Status, str | None]:
@@ -317,6 +340,10 @@ class LocalTransport(Transport):
     def _engine_close(self) -> None:
         for s in self._streams.values():
             s.synchronize()  # in-flight copies still use tensors we are about to drop
+        for c in self._copiers.values():
+            if c is not None:
+                c.close()
+        self._copiers.clear()
         self._streams.clear()
         with _REGISTRY_LOCK:
             ref = _REGISTRY.get(self.agent_name)
