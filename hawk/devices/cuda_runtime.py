@@ -8,13 +8,15 @@ every call of a same-GPU transfer's submit.
 
 The runtime is the one this process already loaded (found in /proc/self/maps, torch's own first),
 so pointers and stream handles are torch's. :func:`runtime` is None where none is loaded or a
-function is missing (CPU builds, ROCm); callers then use torch's calls.
+function is missing (CPU builds, ROCm), or where ``HAWK_RAW_CUDA=0`` turns these calls off; callers
+then use torch's calls (the same work, at torch's host cost).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 from typing import Any
 
@@ -90,8 +92,14 @@ class Runtime:
         self._destroy(event)  # at teardown: nothing to do about a failure
 
 
+#: ``HAWK_RAW_CUDA=0``: no raw runtime calls (read at every :func:`runtime` call; for A/B runs and as a way out).
+RAW_ENV = "HAWK_RAW_CUDA"
+
+
 def runtime() -> Runtime | None:
     """The loaded CUDA runtime's bindings, or None (then use torch). Looked up once per process."""
+    if os.environ.get(RAW_ENV, "1") == "0":
+        return None
     with _LOCK:
         if "rt" not in _LOADED:
             _LOADED["rt"] = _load()
