@@ -26,6 +26,7 @@ from hawk.transport import (
     TRANSPORTS,
     ConnectError,
     Desc,
+    DescArray,
     TransferError,
     TransferTimeout,
     TransportError,
@@ -179,13 +180,14 @@ def check_write_channels(t: Any, peer: str, proc: PeerProcess, my_stage_seed: in
     np.testing.assert_array_equal(proc.get("stage"), pattern(STAGE_BYTES, 2).numpy())  # source side untouched
 
 
-def check_many_descriptors(t: Any, peer: str, n: int, size: int = 512) -> dict[str, int]:
-    """``n`` small scattered requests in one batch (reversed order); returns the stats delta."""
+def check_many_descriptors(t: Any, peer: str, n: int, size: int = 512, as_array: bool = False) -> dict[str, int]:
+    """``n`` small scattered requests in one batch (reversed order; a DescArray with ``as_array``);
+    returns the stats delta."""
     big = t.tensor("big")
     big.fill_(SENTINEL)
     before = t.stats()
     descs = [Desc("big", i * size, "stage", (n - 1 - i) * size + 1, size) for i in range(n)]
-    h = t.submit("READ", peer, descs)
+    h = t.submit("READ", peer, DescArray.from_descs(descs) if as_array else descs)
     t.wait(h, timeout_s=60)
     t.release(h)
     stage = pattern(STAGE_BYTES, 2).numpy()
@@ -210,13 +212,14 @@ def check_invalid(t: Any, peer: str) -> None:
         (Desc("ch0", 0, "stage", 0, 0), "length=0"),
         (Desc("ch0", 0, "stage", 0, -5), "length=-5"),
     ]
-    for d, needle in bad:
-        with pytest.raises(ValueError, match=needle):
-            t.submit("READ", peer, [Desc("ch1", 0, "stage", 0, 8), d])
+    for form in (list, DescArray.from_descs):  # a list of Desc, and the same batch as arrays
+        for d, needle in bad:
+            with pytest.raises(ValueError, match=needle):
+                t.submit("READ", peer, form([Desc("ch1", 0, "stage", 0, 8), d]))
+        with pytest.raises(ValueError, match="empty"):
+            t.submit("READ", peer, form([]))
     with pytest.raises(ValueError, match="op="):
         t.submit("COPY", peer, [Desc("ch0", 0, "stage", 0, 8)])
-    with pytest.raises(ValueError, match="empty"):
-        t.submit("READ", peer, [])
     with pytest.raises(TransportError, match="unknown peer"):
         t.submit("READ", "no-such-peer", [Desc("ch0", 0, "stage", 0, 8)])
     assert t.stats() == before
@@ -417,8 +420,9 @@ def batches(draw):
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(batches())
-def test_local_matches_numpy_reference(case):
+@given(batches(), st.booleans())
+def test_local_matches_numpy_reference(case, as_array):
+    """Random batches, given as a list of Desc or as a DescArray, land as numpy slicing says."""
     local_sizes, remote_sizes, op, descs = case
     if not descs:
         return
@@ -430,7 +434,7 @@ def test_local_matches_numpy_reference(case):
             a.register(f"l{i}", torch.from_numpy(m.copy()))
         for i, m in enumerate(rmem):
             b.register(f"r{i}", torch.from_numpy(m.copy()))
-        a.transfer(op, a.connect(b.metadata()), descs, timeout_s=5)
+        a.transfer(op, a.connect(b.metadata()), DescArray.from_descs(descs) if as_array else descs, timeout_s=5)
         for d in descs:  # the reference: plain numpy slicing
             li, ri = int(d.local_region[1:]), int(d.remote_region[1:])
             lsl = slice(d.local_offset, d.local_offset + d.length)
@@ -444,6 +448,37 @@ def test_local_matches_numpy_reference(case):
         for i, m in enumerate(rmem):
             np.testing.assert_array_equal(b.tensor(f"r{i}").numpy(), m)
         assert a.stats()["descriptors"] == len(descs)
+
+
+def test_desc_array_is_the_list_it_stands_for():
+    descs = [Desc("ch1", 8, "stage", 0, 16), Desc("ch0", 0, "stage", 64, 8), Desc("ch1", 32, "big", 4, 4)]
+    arr = DescArray.from_descs(descs)
+    assert len(arr) == 3 and list(arr) == descs and arr[1:] == descs[1:] and arr[-1] == descs[-1]
+    assert arr.local_names == ("ch1", "ch0") and arr.remote_names == ("stage", "big")
+    with pytest.raises(ValueError, match="one length"):
+        DescArray(("a",), np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64), ("b",), np.zeros(2, dtype=np.int64),
+                  np.zeros(2, dtype=np.int64), np.ones(3, dtype=np.int64))
+    with pytest.raises(ValueError, match="outside its 1 names"):
+        DescArray(("a",), np.array([1]), np.zeros(1, dtype=np.int64), ("b",), np.zeros(1, dtype=np.int64),
+                  np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.int64))
+
+
+def test_nixl_descriptor_groups_from_arrays_equal_those_from_segments():
+    """NIXL's descriptor lists built with numpy from a SegArray equal the per-Segment build, memory
+    types (host and CUDA regions on both sides) included."""
+    from hawk.transport.base import RegionInfo, resolve, resolve_array
+    from hawk.transport.nixl_transport import _array_groups, _segment_groups
+
+    local = {"h": RegionInfo("h", 1 << 20, 4096, "cpu", -1), "g": RegionInfo("g", 1 << 30, 4096, "cuda", 1)}
+    remote = {"H": RegionInfo("H", 1 << 24, 4096, "cpu", -1), "G": RegionInfo("G", 1 << 32, 4096, "cuda", 0)}
+    rng = np.random.default_rng(3)
+    descs = [Desc(str(rng.choice(["h", "g"])), int(rng.integers(0, 2048)), str(rng.choice(["H", "G"])),
+                  int(rng.integers(0, 2048)), int(rng.integers(1, 2048))) for _ in range(200)]
+    want = {k: (lo.tolist(), re.tolist()) for k, lo, re in _segment_groups(resolve(descs, local, remote, "p"))}
+    got = {k: (lo.tolist(), re.tolist()) for k, lo, re in _array_groups(resolve_array(DescArray.from_descs(descs), local, remote, "p"))}
+    assert got.keys() == want.keys() and len(want) == 4
+    for k in want:  # the same rows; the array build keeps the batch's order within a group
+        assert got[k] == want[k], k
 
 
 # ============================================================================ registry

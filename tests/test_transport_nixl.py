@@ -55,9 +55,10 @@ def test_write_one_batch_of_channel_requests(session):
     check_write_channels(t, peer, proc, my_stage_seed=1)
 
 
-def test_many_small_descriptors_are_one_request(session):
+@pytest.mark.parametrize("as_array", [False, True])
+def test_many_small_descriptors_are_one_request(session, as_array):
     t, peer, _ = session
-    delta = check_many_descriptors(t, peer, 3000)
+    delta = check_many_descriptors(t, peer, 3000, as_array=as_array)
     assert delta["batches"] == 1 and delta["descriptors"] == 3000 and delta["engine_requests"] == 1
     assert delta["bytes"] == 3000 * 512 and delta["completed"] == 1
 

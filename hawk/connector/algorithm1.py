@@ -1159,7 +1159,7 @@ class KVReceiver:
         with self._lock:
             return self._history.get(request_id)
 
-    def _move(self, s: _Sender, request_id: str, descs: list[Desc], timeout: float, t: _Clock) -> None:
+    def _move(self, s: _Sender, request_id: str, descs: Sequence[Desc], timeout: float, t: _Clock) -> None:
         if self.post == "pull":
             h = self.transport.submit("READ", s.peer, descs)
             t.lap("submit_s")

@@ -29,7 +29,7 @@ from hawk.plan.kv_plan import KVTransferPlan
 from hawk.plan.plan_cache import LRU, PLANS
 from hawk.plan.requests import Request, merge_runs
 from hawk.transform import transform, untransform
-from hawk.transport.base import Desc
+from hawk.transport.base import Desc, DescArray
 
 
 def _check_extents(ready: KVReady, plan: KVTransferPlan) -> None:
@@ -61,8 +61,9 @@ class Landing(ABC):
         return Held("in-place")
 
     @abstractmethod
-    def pair(self, plan: Any, held: Held, ready: KVReady) -> list[Desc]:
-        """D4: pair the sender's region with local buffers: one descriptor per request."""
+    def pair(self, plan: Any, held: Held, ready: KVReady) -> Sequence[Desc]:
+        """D4: pair the sender's region with local buffers: one descriptor per request (a list, or a
+        :class:`~hawk.transport.base.DescArray` where there are many)."""
 
     def warm(self, num_tokens: int, dst_block_ids: Sequence[int], peer: dict[str, Any]) -> None:
         """Build what D2-D4 will need from what is known before D2 (called while D1 is in flight)."""
@@ -133,9 +134,11 @@ class ChannelLanding(_NpuTilesLanding):
     def _addresses(self, held: Held) -> dict[int, int]:
         return {c: self.buffers.address(r, c) for c, r in held.reservations.items()}
 
-    def pair(self, plan, held, ready) -> list[Desc]:
-        """The descriptor list is a function of the placement, the landing's addresses and where the
-        sender staged: kept with the placement, so a repeated destination reuses it as it is."""
+    def pair(self, plan, held, ready) -> DescArray:
+        """One descriptor per run (direct) or per channel (staging), as arrays: a direct placement is
+        over a thousand runs, which a transport that takes arrays posts without an object per run.
+        A function of the placement, the landing's addresses and where the sender staged: kept with
+        the placement, so a repeated destination reuses it as it is."""
         addresses = self._addresses(held)
         key = (held.mode, ready.region, ready.offset, tuple(sorted(addresses.items())))
         memo = plan._shared_memo()
@@ -143,17 +146,16 @@ class ChannelLanding(_NpuTilesLanding):
         if hit is not None and hit[0] == key:
             return hit[1]
         if held.mode == "direct":
-            runs = plan.direct_runs()  # iterates as (src region, src offset, dst region, dst offset, length)
+            runs = plan.direct_runs()
+            src_off, chan, dst_off, length = runs.src_offset, runs.dst_region, runs.dst_offset, runs.length
         else:
-            runs = [(r.src_region, r.src_offset, r.dst_region, r.dst_offset, r.length) for r in plan.staging_requests(addresses)]
-        region, base = ready.region, ready.offset
-        names: dict[int, str] = {}  # channel -> region name, formatted once per channel, not per run
-        descs = []
-        for _, so, ch, do, n in runs:
-            name = names.get(ch)
-            if name is None:
-                name = names[ch] = channel_region(ch)
-            descs.append(Desc(name, do, region, base + so, n))
+            reqs = plan.staging_requests(addresses)
+            src_off, chan, dst_off, length = (np.array([getattr(r, f) for r in reqs], dtype=np.int64).reshape(-1)
+                                              for f in ("src_offset", "dst_region", "dst_offset", "length"))
+        channels, idx = np.unique(np.asarray(chan, dtype=np.int64), return_inverse=True)
+        descs = DescArray(tuple(channel_region(int(c)) for c in channels), idx.reshape(-1), np.asarray(dst_off, dtype=np.int64),
+                          (ready.region,), np.zeros(len(length), dtype=np.int64),
+                          ready.offset + np.asarray(src_off, dtype=np.int64), np.asarray(length, dtype=np.int64))
         memo["descs"] = (key, descs)
         return descs
 

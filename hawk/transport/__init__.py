@@ -6,6 +6,7 @@ Importing this package imports no engine; ``make_transport(name)`` loads the one
 from hawk.transport.base import (
     ConnectError,
     Desc,
+    DescArray,
     RegionInfo,
     TransferError,
     TransferHandle,
@@ -20,6 +21,7 @@ __all__ = [
     "TRANSPORTS",
     "ConnectError",
     "Desc",
+    "DescArray",
     "RegionInfo",
     "TransferError",
     "TransferHandle",

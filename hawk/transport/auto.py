@@ -45,6 +45,7 @@ import os
 import secrets
 import socket
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,7 @@ import torch
 from hawk.transport.base import (
     ConnectError,
     RegionInfo,
+    SegArray,
     Segment,
     Status,
     TransferHandle,
@@ -127,10 +129,16 @@ class _Routed:
     handle: TransferHandle = field(repr=False)
 
 
+def _for_engine(eng: Transport, segs: Sequence[Segment]) -> Sequence[Segment]:
+    """``segs`` as ``eng``'s hooks take them: a SegArray only where the engine takes arrays."""
+    return list(segs) if isinstance(segs, SegArray) and not eng.takes_arrays else segs
+
+
 class AutoTransport(Transport):
     """Picks local / cuda-ipc / the network engine per peer at connect(); see the module docstring."""
 
     name = "auto"
+    takes_arrays = True  # hands them on to the engine that takes them, as Segments to the others
 
     def __init__(
         self,
@@ -409,18 +417,20 @@ class AutoTransport(Transport):
             raise first
 
     # --------------------------------------------------------------------------------- transfers
-    def _route_for(self, peer: _Peer, segs: list[Segment]) -> tuple[Transport, _Peer, str]:
+    def _route_for(self, peer: _Peer, segs: Sequence[Segment]) -> tuple[Transport, _Peer, str]:
         r: _Route = peer.state
         key = r.primary
-        if r.host_regions and any(s.remote.name in r.host_regions for s in segs):
+        remote = {x.name for x in segs.used("remote")} if isinstance(segs, SegArray) else {s.remote.name for s in segs}
+        if r.host_regions and not remote.isdisjoint(r.host_regions):
             if "net" not in r.links:
-                names = sorted({s.remote.name for s in segs if s.remote.name in r.host_regions})
+                names = sorted(remote & set(r.host_regions))
                 raise ValueError(f"auto: peer {peer.id!r} is reached by cuda-ipc, which cannot reach its host region(s) "
                                  f"{names}, and no network engine connects it")  # fmt: skip
             key = "net"
         eng, iid = r.links[key]
         if key == "net" and self._net_missing:
-            bad = sorted({s.local.name for s in segs if s.local.name in self._net_missing})
+            local = {x.name for x in segs.used("local")} if isinstance(segs, SegArray) else {s.local.name for s in segs}
+            bad = sorted(local & set(self._net_missing))
             if bad:
                 raise ValueError(f"auto: local region(s) {bad} are not registered with {eng.name} (it refused them)")
         ip = eng._peers.get(iid)
@@ -428,16 +438,16 @@ class AutoTransport(Transport):
             raise TransportError(f"auto: peer {peer.id!r} is no longer connected to {eng.name}; connect() it again")
         return eng, ip, (r.engine if key == r.primary else eng.name)
 
-    def _engine_validate(self, peer: _Peer, segs: list[Segment]) -> None:
+    def _engine_validate(self, peer: _Peer, segs: Sequence[Segment]) -> None:
         eng, ip, _ = self._route_for(peer, segs)
-        eng._engine_validate(ip, segs)
+        eng._engine_validate(ip, _for_engine(eng, segs))
 
-    def _engine_submit(self, h: TransferHandle, peer: _Peer, segs: list[Segment]) -> int:
+    def _engine_submit(self, h: TransferHandle, peer: _Peer, segs: Sequence[Segment]) -> int:
         eng, ip, name = self._route_for(peer, segs)
         inner = TransferHandle(h.id, h.op, ip.id, h.descriptors, h.nbytes, h.local_regions, h.submitted_at)
         h.engine_state = _Routed(eng, name, inner)
         self._by_engine[name] = self._by_engine.get(name, 0) + 1
-        return eng._engine_submit(inner, ip, segs)
+        return eng._engine_submit(inner, ip, _for_engine(eng, segs))
 
     def _engine_poll(self, h: TransferHandle) -> tuple[Status, str | None]:
         r: _Routed | None = h.engine_state

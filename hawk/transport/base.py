@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, NamedTuple
 
 import msgpack
+import numpy as np
 import torch
 
 Op = Literal["READ", "WRITE"]
@@ -118,6 +119,90 @@ class Segment(NamedTuple):
     @property
     def remote_addr(self) -> int:
         return self.remote.addr + self.remote_offset
+
+
+@dataclass(frozen=True, eq=False)
+class DescArray(Sequence):
+    """A batch of descriptors as arrays: row ``i`` is ``Desc(local_names[local_idx[i]], local_offset[i],
+    remote_names[remote_idx[i]], remote_offset[i], length[i])``.
+
+    What a plan's runs already are (numpy arrays), handed to :meth:`Transport.submit` without a Python
+    object per descriptor: validation is vectorized and an engine that takes arrays
+    (``Transport.takes_arrays``) computes addresses with numpy. It is also a sequence of :class:`Desc`
+    (built on access), so any caller or engine that iterates descriptors works on it unchanged.
+    """
+
+    local_names: tuple[str, ...]
+    local_idx: np.ndarray
+    local_offset: np.ndarray
+    remote_names: tuple[str, ...]
+    remote_idx: np.ndarray
+    remote_offset: np.ndarray
+    length: np.ndarray
+
+    def __post_init__(self) -> None:
+        cols = (self.local_idx, self.local_offset, self.remote_idx, self.remote_offset, self.length)
+        n = len(self.length)
+        if any(np.ndim(c) != 1 or len(c) != n or not np.issubdtype(np.asarray(c).dtype, np.integer) for c in cols):
+            raise ValueError("DescArray columns must be 1-D integer arrays of one length")
+        for name, idx, names in (("local", self.local_idx, self.local_names), ("remote", self.remote_idx, self.remote_names)):
+            if n and (int(idx.min()) < 0 or int(idx.max()) >= len(names)):
+                raise ValueError(f"DescArray: a {name} region index is outside its {len(names)} names")
+
+    @classmethod
+    def from_descs(cls, descs: Iterable[Desc]) -> DescArray:
+        """The array form of a list of :class:`Desc` (tests, and callers that have a list at hand)."""
+        rows = [tuple(d) for d in descs]
+        lnames = tuple(dict.fromkeys(r[0] for r in rows))
+        rnames = tuple(dict.fromkeys(r[2] for r in rows))
+        li, ri = {n: i for i, n in enumerate(lnames)}, {n: i for i, n in enumerate(rnames)}
+
+        def col(k: int) -> np.ndarray:
+            return np.array([r[k] for r in rows], dtype=np.int64)
+
+        return cls(lnames, np.array([li[r[0]] for r in rows], dtype=np.int64), col(1),
+                   rnames, np.array([ri[r[2]] for r in rows], dtype=np.int64), col(3), col(4))
+
+    def __len__(self) -> int:
+        return len(self.length)
+
+    def __getitem__(self, i):  # noqa: ANN001, ANN204 - Sequence's signature
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return Desc(self.local_names[int(self.local_idx[i])], int(self.local_offset[i]),
+                    self.remote_names[int(self.remote_idx[i])], int(self.remote_offset[i]), int(self.length[i]))
+
+
+@dataclass(frozen=True, eq=False)
+class SegArray(Sequence):
+    """A validated :class:`DescArray` resolved against both region tables (what engines that take
+    arrays consume); like DescArray, also a sequence of :class:`Segment` built on access."""
+
+    local: tuple[RegionInfo, ...]
+    local_idx: np.ndarray
+    local_offset: np.ndarray
+    remote: tuple[RegionInfo, ...]
+    remote_idx: np.ndarray
+    remote_offset: np.ndarray
+    length: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.length)
+
+    def __getitem__(self, i):  # noqa: ANN001, ANN204 - Sequence's signature
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return Segment(self.local[int(self.local_idx[i])], int(self.local_offset[i]),
+                       self.remote[int(self.remote_idx[i])], int(self.remote_offset[i]), int(self.length[i]))
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum())
+
+    def used(self, side: str) -> list[RegionInfo]:
+        """The regions of ``side`` ("local" or "remote") that some descriptor names."""
+        infos, idx = (self.local, self.local_idx) if side == "local" else (self.remote, self.remote_idx)
+        return [infos[int(i)] for i in np.unique(idx)]
 
 
 @dataclass(eq=False)
@@ -233,6 +318,36 @@ def resolve(
     return out
 
 
+def resolve_array(descs: DescArray, local: dict[str, RegionInfo], remote: dict[str, RegionInfo], peer: str) -> SegArray:
+    """:func:`resolve` for a :class:`DescArray`: the same checks, vectorized, and the same messages."""
+    if not len(descs):
+        raise ValueError("empty batch: submit needs at least one descriptor")
+    infos = []
+    for side, names, table in (("local", descs.local_names, local), ("remote", descs.remote_names, remote)):
+        got = []
+        for name in names:
+            r = table.get(name)
+            if r is None:
+                where = "" if side == "local" else f" of peer {peer!r}"
+                raise ValueError(f"descriptor region: unknown {side} region {name!r}{where} (have {sorted(table)})")
+            got.append(r)
+        infos.append(tuple(got))
+    lo, ro, n = (np.asarray(c, dtype=np.int64) for c in (descs.local_offset, descs.remote_offset, descs.length))
+    li, ri = np.asarray(descs.local_idx, dtype=np.int64), np.asarray(descs.remote_idx, dtype=np.int64)
+    bad = np.flatnonzero(n <= 0)
+    if len(bad):
+        raise ValueError(f"descriptor {int(bad[0])}: length={int(n[bad[0]])} must be positive")
+    for side, idx, off, regions in (("local", li, lo, infos[0]), ("remote", ri, ro, infos[1])):
+        lens = np.array([r.length for r in regions], dtype=np.int64)[idx]
+        bad = np.flatnonzero((off < 0) | (off + n > lens))
+        if len(bad):
+            i = int(bad[0])
+            r = regions[int(idx[i])]
+            raise ValueError(f"descriptor {i}: {side}_offset={int(off[i])} length={int(n[i])} outside {side} region "
+                             f"{r.name!r} of {r.length} bytes")
+    return SegArray(infos[0], li, lo, infos[1], ri, ro, n)
+
+
 # ------------------------------------------------------------------------------------------- interface
 class Transport(abc.ABC):
     """Register regions, exchange metadata, connect peers, move batches; see the module docstring.
@@ -243,6 +358,8 @@ class Transport(abc.ABC):
 
     name: ClassVar[str] = "abstract"
     drain_s: float = 1.0  # how long a failed batch may still touch memory (see the module docstring)
+    #: The engine's hooks take a :class:`SegArray` as it is (else :meth:`submit` hands them Segments).
+    takes_arrays: ClassVar[bool] = False
 
     def __init__(self, agent_name: str | None = None) -> None:
         self.agent_name = agent_name or unique_agent_name(f"hawk-{self.name}")
@@ -346,10 +463,17 @@ class Transport(abc.ABC):
             raise ValueError(f"op={op!r} must be one of {OPS}")
         with self._lock:
             p = self._peer(peer)
-            segs = resolve(descs, {n: r.info for n, r in self._regions.items()}, p.regions, peer)
+            local = {n: r.info for n, r in self._regions.items()}
+            segs: Sequence[Segment]
+            if isinstance(descs, DescArray):
+                arr = resolve_array(descs, local, p.regions, peer)
+                nbytes, names = arr.nbytes, frozenset(r.name for r in arr.used("local"))
+                segs = arr if self.takes_arrays else list(arr)
+            else:
+                segs = resolve(descs, local, p.regions, peer)
+                nbytes, names = sum(s.length for s in segs), frozenset(s.local.name for s in segs)
             self._engine_validate(p, segs)
-            nbytes = sum(s.length for s in segs)
-            h = TransferHandle(next(self._hids), op, peer, len(segs), nbytes, frozenset(s.local.name for s in segs))
+            h = TransferHandle(next(self._hids), op, peer, len(segs), nbytes, names)
             st = self._stats
             st["batches"] += 1
             st["descriptors"] += len(segs)

@@ -22,6 +22,7 @@ import os
 import socket
 import threading
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
@@ -34,6 +35,7 @@ from hawk.devices.span_copier import RawEvent, SpanCopier
 from hawk.transport.base import (
     ConnectError,
     RegionInfo,
+    SegArray,
     Segment,
     Status,
     TransferError,
@@ -253,6 +255,7 @@ class LocalTransport(Transport):
     """Peers are LocalTransport objects in this process; copies with torch."""
 
     name = "local"
+    takes_arrays = True  # a same-GPU SegArray is one SpanCopier launch; anything else is copied as Segments
     drain_s = 0.0  # copies are issued at submit: nothing keeps running after an error
 
     def __init__(self, agent_name: str | None = None) -> None:
@@ -302,8 +305,13 @@ class LocalTransport(Transport):
         """The peer's bytes for ``seg``."""
         return self._peer_region(peer, seg.remote)[seg.remote_offset : seg.remote_offset + seg.length]
 
-    def _engine_submit(self, h: TransferHandle, peer: _Peer, segs: list[Segment]) -> int:
+    def _engine_submit(self, h: TransferHandle, peer: _Peer, segs: Sequence[Segment]) -> int:
         self._peer_ready(peer)
+        if isinstance(segs, SegArray):
+            batch = self._array_batch(peer, segs, h.op == "READ")
+            if batch is not None:
+                h.engine_state = batch
+                return 1
         # Each region is looked up (and a peer's checked) once per batch, not once per descriptor.
         local: dict[str, torch.Tensor] = {}
         remote: dict[str, torch.Tensor] = {}
@@ -322,6 +330,25 @@ class LocalTransport(Transport):
                 spans.append((rt, s.remote_offset, lt, s.local_offset, s.length))
         h.engine_state = copy_span_batch(spans, self._streams, self._copiers)
         return 1
+
+    def _array_batch(self, peer: _Peer, segs: SegArray, read: bool) -> _CopyBatch | None:
+        """A batch given as arrays, when every region it names is on one CUDA device: addresses by
+        numpy, one SpanCopier launch, no object per descriptor. None: the caller copies it as Segments."""
+        local = [self._regions[r.name].token for r in segs.local]
+        remote = [self._peer_region(peer, r) for r in segs.remote]
+        used = [local[int(i)] for i in np.unique(segs.local_idx)] + [remote[int(i)] for i in np.unique(segs.remote_idx)]
+        dev = used[0].device
+        if dev.type != "cuda" or any(t.device != dev for t in used):
+            return None
+        lbase = np.array([t.data_ptr() for t in local], dtype=np.int64)[segs.local_idx] + segs.local_offset
+        rbase = np.array([t.data_ptr() for t in remote], dtype=np.int64)[segs.remote_idx] + segs.remote_offset
+        src, dst = (rbase, lbase) if read else (lbase, rbase)
+        idx = int(dev.index if dev.index is not None else torch.cuda.current_device())
+        if idx not in self._copiers:
+            self._copiers[idx] = SpanCopier.for_stream(_side_stream(self._streams, dev))
+        copier = self._copiers[idx]
+        ev = copier.copy(src, dst, segs.length) if copier is not None else None
+        return _CopyBatch([ev]) if ev is not None else None
 
     def _engine_poll(self, h: TransferHandle) -> tuple[Status, str | None]:
         return ("DONE" if h.engine_state.done() else "PENDING"), None
@@ -412,12 +439,14 @@ class CudaIpcTransport(LocalTransport):
             raise ConnectError(f"cuda-ipc: cannot open the IPC handles of peer {doc.get('agent')!r}: {e}") from e
         return _Peer(doc["agent"], doc["agent"], regions, doc["engine_md"], {"pid": int(doc["pid"]), "opened": opened})
 
-    def _engine_validate(self, peer: _Peer, segs: list[Segment]) -> None:
+    def _engine_validate(self, peer: _Peer, segs: Sequence[Segment]) -> None:
         if isinstance(peer.state, dict):
-            for i, s in enumerate(segs):
-                if s.remote.name not in peer.state["opened"]:
+            regions = segs.used("remote") if isinstance(segs, SegArray) else [s.remote for s in segs]
+            for r in regions:
+                if r.name not in peer.state["opened"]:
+                    i = next(i for i, s in enumerate(segs) if s.remote.name == r.name)
                     raise ValueError(
-                        f"descriptor {i}: remote region {s.remote.name!r} is {s.remote.device} memory of another "
+                        f"descriptor {i}: remote region {r.name!r} is {r.device} memory of another "
                         "process; cuda-ipc reaches only a peer's CUDA regions"
                     )
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,7 @@ import torch
 from hawk.transport.base import (
     ConnectError,
     RegionInfo,
+    SegArray,
     Segment,
     Status,
     TransferHandle,
@@ -111,10 +113,44 @@ def _dev_id(info: RegionInfo) -> int:
     return info.device_id if info.device == "cuda" else 0  # NIXL uses device id 0 for DRAM
 
 
+#: One NIXL transfer's descriptors: ``((local memory type, remote memory type), local [n, 3], remote [n, 3])``,
+#: rows ``(address, length, device id)`` as uint64, what ``get_xfer_descs`` takes.
+_Group = tuple[tuple[str, str], np.ndarray, np.ndarray]
+
+
+def _segment_groups(segs: Sequence[Segment]) -> list[_Group]:
+    groups: dict[tuple[str, str], list[Segment]] = {}
+    for s in segs:
+        groups.setdefault((_mem_type(s.local), _mem_type(s.remote)), []).append(s)
+    return [(key,
+             np.array([(s.local_addr, s.length, _dev_id(s.local)) for s in group], dtype=np.uint64),
+             np.array([(s.remote_addr, s.length, _dev_id(s.remote)) for s in group], dtype=np.uint64))
+            for key, group in groups.items()]
+
+
+def _array_groups(segs: SegArray) -> list[_Group]:
+    """:func:`_segment_groups` with numpy: no object per descriptor."""
+    sides = []
+    for infos, idx, off in ((segs.local, segs.local_idx, segs.local_offset), (segs.remote, segs.remote_idx, segs.remote_offset)):
+        mem = np.array([_mem_type(r) == "VRAM" for r in infos])[idx]
+        rows = np.stack([np.array([r.addr for r in infos], dtype=np.int64)[idx] + off, segs.length,
+                         np.array([_dev_id(r) for r in infos], dtype=np.int64)[idx]], axis=1).astype(np.uint64)
+        sides.append((mem, rows))
+    (lmem, lrows), (rmem, rrows) = sides
+    out = []
+    for lv in (False, True):
+        for rv in (False, True):
+            m = (lmem == lv) & (rmem == rv)
+            if m.any():
+                out.append(((("VRAM" if lv else "DRAM"), ("VRAM" if rv else "DRAM")), lrows[m], rrows[m]))
+    return out
+
+
 class NixlTransport(Transport):
     """NIXL agent with the UCX backend (or other backends via ``backends``)."""
 
     name = "nixl"
+    takes_arrays = True  # descriptor lists straight from the arrays
     drain_s = 5.0
 
     def __init__(
@@ -160,15 +196,11 @@ class NixlTransport(Transport):
         self._agent.remove_remote_agent(peer.id)
 
     # -------------------------------------------------------------------------------- transfers
-    def _engine_submit(self, h: TransferHandle, peer: _Peer, segs: list[Segment]) -> int:
-        groups: dict[tuple[str, str], list[Segment]] = {}
-        for s in segs:
-            groups.setdefault((_mem_type(s.local), _mem_type(s.remote)), []).append(s)
+    def _engine_submit(self, h: TransferHandle, peer: _Peer, segs: Sequence[Segment]) -> int:
         xfers: list[Any] = []
         h.engine_state = xfers
-        for (lmem, rmem), group in groups.items():
-            local = np.array([(s.local_addr, s.length, _dev_id(s.local)) for s in group], dtype=np.uint64)
-            remote = np.array([(s.remote_addr, s.length, _dev_id(s.remote)) for s in group], dtype=np.uint64)
+        groups = _array_groups(segs) if isinstance(segs, SegArray) else _segment_groups(segs)
+        for (lmem, rmem), local, remote in groups:
             ld = self._agent.get_xfer_descs(local, lmem)
             rd = self._agent.get_xfer_descs(remote, rmem)
             x = self._agent.initialize_xfer(h.op, ld, rd, peer.id)
