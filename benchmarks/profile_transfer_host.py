@@ -326,8 +326,9 @@ def blocks_for(kind: str, rep: int, n_gpu: int, n_npu: int) -> tuple[list[int], 
 
 class FastCopyCounter:
     """Counts what the same-GPU copy paths of the local / cuda-ipc transports' submit answered:
-    ``copier`` = the raw-runtime SpanCopier took the batch, ``one_launch`` = ``copy_spans`` did (one
-    launch under torch's streams), ``declined`` = neither (per-range torch copies)."""
+    ``copier`` = the raw-runtime SpanCopier took the batch (given as Segments or as arrays),
+    ``one_launch`` = ``copy_spans`` did (one launch under torch's streams), ``declined`` = neither
+    (per-range torch copies)."""
 
     def __init__(self) -> None:
         import hawk.transport.local as local
@@ -351,6 +352,15 @@ class FastCopyCounter:
                 return ev
 
             local._copier_batch = counted_copier
+        real_arrays = local.LocalTransport._array_batch
+
+        def counted_arrays(transport: Any, *args: Any, **kw: Any) -> Any:
+            batch = real_arrays(transport, *args, **kw)
+            if batch is not None:
+                self.counts["copier"] += 1
+            return batch
+
+        local.LocalTransport._array_batch = counted_arrays
 
     @staticmethod
     def _zero() -> dict[str, int]:

@@ -100,7 +100,7 @@ from hawk.connector.messages import (
 )
 from hawk.errors import DuplicateRequest
 from hawk.memory.reservations import BufferFull
-from hawk.transport.base import Desc, Transport, TransferError
+from hawk.transport.base import Desc, Transport, TransferError, desc_bytes
 
 log = logging.getLogger(__name__)
 
@@ -1015,7 +1015,7 @@ class KVReceiver:
         if isinstance(ready, Error):
             raise KVTransferFailed(f"request {request_id}: prefill refused: {ready.message}")
         held: Held | None = None
-        descs: list[Desc] = []
+        descs: Sequence[Desc] = []
         ok, error = False, ""
         try:
             if not isinstance(ready, KVReady) or ready.request_id != request_id or ready.format != self.landing.format:
@@ -1048,7 +1048,7 @@ class KVReceiver:
             s.client.send(Done(request_id, ok, error))  # D9: the prefill may release (P8-P9); one message, no reply
             t.lap("notify_s")
         timings = _pull_timings(t, t_stored, ready)
-        result = PullResult(request_id, ready.num_tokens, sum(d.length for d in descs), len(descs), held.mode if held else "", timings)
+        result = PullResult(request_id, ready.num_tokens, desc_bytes(descs), len(descs), held.mode if held else "", timings)
         self._remember(result)
         return result
 

@@ -166,6 +166,10 @@ class DescArray(Sequence):
     def __len__(self) -> int:
         return len(self.length)
 
+    @property
+    def nbytes(self) -> int:
+        return int(np.asarray(self.length).sum())
+
     def __getitem__(self, i):  # noqa: ANN001, ANN204 - Sequence's signature
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
@@ -316,6 +320,11 @@ def resolve(
     if not out:
         raise ValueError("empty batch: submit needs at least one descriptor")
     return out
+
+
+def desc_bytes(descs: Sequence[Desc]) -> int:
+    """Bytes a batch moves (a DescArray's without an object per descriptor)."""
+    return descs.nbytes if isinstance(descs, DescArray) else sum(d.length for d in descs)
 
 
 def resolve_array(descs: DescArray, local: dict[str, RegionInfo], remote: dict[str, RegionInfo], peer: str) -> SegArray:
