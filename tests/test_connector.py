@@ -195,3 +195,47 @@ def test_a_failing_transform_gives_everything_back():
         assert pair.landed(40, [0, 1, 2], [0])
     finally:
         pair.close()
+
+
+def test_a_device_copy_route_plans_with_the_device_figures():
+    """The receiver marks a sender whose batches are copies inside one GPU (a same-host engine, every
+    CUDA region on one device, no pacing); ChannelLanding then chooses with its device figures, and
+    with its link figures for any other sender."""
+    from types import SimpleNamespace
+
+    from hawk.connector.algorithm1 import KVReceiver
+    from hawk.plan.cost_model import CostModel
+    from hawk.transport.base import RegionInfo
+    from hawk.transport.paced import PacedTransport
+
+    def route(mine: list, theirs: list, name: str = "local", engine: str | None = None) -> bool:
+        t = SimpleNamespace(name=name, regions=lambda: {r.name: r for r in mine},
+                            remote_regions=lambda peer: {r.name: r for r in theirs})
+        if engine is not None:
+            t.engine_for = lambda peer: engine
+        return KVReceiver._device_copy(SimpleNamespace(transport=t), "peer")
+
+    g0, g0b, g1 = (RegionInfo(n, 1 << 20, 4096, "cuda", d) for n, d in (("a", 0), ("b", 0), ("c", 1)))
+    host = RegionInfo("h", 1 << 20, 4096, "cpu", -1)
+    assert route([g0], [g0b]) and route([g0], [g0b], name="auto", engine="cuda-ipc")
+    assert not route([g0], [g1])  # two GPUs: a peer copy over the link
+    assert not route([g0, host], [g0b])  # host memory on one side
+    assert not route([g0], [g0b], name="auto", engine="nixl")
+    paced = PacedTransport(LocalTransport(), 200.0)
+    try:
+        assert not KVReceiver._device_copy(SimpleNamespace(transport=paced), "peer")
+    finally:
+        paced.close()
+
+    p = make_pair("gn-hawk", LocalTransport(), LocalTransport())
+    try:
+        landing = p.receiver.landing
+        landing.cost = CostModel(1.0, 1e12, 1e12)  # dear requests: stage
+        landing.device_cost = CostModel(0.0, 1e12, 1e6)  # free requests, a slow copy: place directly
+        plan = SimpleNamespace(num_channels_used=8, total_bytes=1 << 20, direct_runs=lambda: range(100))
+        assert landing.choose(plan, {"device_copy": True}) == "direct"
+        assert landing.choose(plan, {"device_copy": False}) == "staging" and landing.choose(plan) == "staging"
+        landing.mode = "staging"
+        assert landing.choose(plan, {"device_copy": True}) == "staging"
+    finally:
+        p.close()

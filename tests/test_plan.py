@@ -248,6 +248,27 @@ def test_cost_model_picks_the_cheaper_landing():
         cost_model_for("carrier-pigeon", "cpu")
 
 
+def test_same_device_figures_stage_small_requests_and_place_large_ones_directly():
+    """Copies inside one GPU: a small request scattered over many runs is staged (the intra-channel
+    copy costs less than submitting a thousand runs), a large one goes straight into the pages (a
+    second pass over its bytes costs more); the copy step's fixed cost counts only where something
+    is copied."""
+    from hawk.plan.cost_model import SAME_DEVICE, CostModel
+
+    arch = get_arch("blackhole-p150a")
+    src = GpuKVLayout(32, 4096, 16, 8, 128)
+    dst = NpuKVLayout(arch, 32, 1024, 8, 64, 128, "bf16")
+    per_bank = dst.tensor_buffer(0).bytes_per_bank
+    bases = [t * per_bank for t in range(64)]
+    small = plan_kv_transfer(80, range(6), [7, 3], src, dst, bases)  # 10 MiB of 8B-shaped KV, blocks apart
+    large = plan_kv_transfer(10240, range(640), range(160), src, dst, bases)  # 1280 MiB
+    assert len(small.direct_runs()) >= 1000
+    assert SAME_DEVICE.choose(small) == "staging" and SAME_DEVICE.choose(large) == "direct"
+    m = CostModel(1e-6, 1e12, 2e12, copy_overhead_s=1e-4)
+    assert m.time(3, 1000, 0) == pytest.approx(3e-6 + 1e-9)
+    assert m.time(3, 1000, 1000) == pytest.approx(3e-6 + 1e-9 + 1e-9 + 1e-4)
+
+
 def test_sharded_placement_needs_fewer_direct_requests():
     """Describing another page map is all it takes: block-cyclic shards of 8 pages cut direct requests 8x."""
     arch = get_arch("blackhole-p150a")

@@ -101,6 +101,7 @@ from hawk.connector.messages import (
 from hawk.errors import DuplicateRequest
 from hawk.memory.reservations import BufferFull
 from hawk.transport.base import Desc, Transport, TransferError, desc_bytes
+from hawk.transport.paced import PacedTransport
 
 log = logging.getLogger(__name__)
 
@@ -957,12 +958,25 @@ class KVReceiver:
             if not isinstance(reply, Hello) or reply.extra.get("format") != self.landing.format:
                 raise ProtocolError(f"prefill at {address} answered the handshake with {reply!r:.200}")
             peer = self.transport.connect(reply.transport_md)
-            info = {**reply.extra, "layout": layout_from_wire(reply.layout)}
+            info = {**reply.extra, "layout": layout_from_wire(reply.layout), "device_copy": self._device_copy(peer)}
         except BaseException:
             client.close()
             raise
         with self._lock:
             self._senders[address] = _Sender(client, peer, info, str(reply.extra["receiver"]))
+
+    def _device_copy(self, peer: str) -> bool:
+        """Whether batches with ``peer`` are copies inside one GPU: a same-host engine (local or
+        cuda-ipc, not paced to a link) and every CUDA region on both sides on one device. The landing
+        then plans with a device copy's costs (``ChannelLanding.device_cost``), not a link's."""
+        t = self.transport
+        if isinstance(t, PacedTransport):
+            return False
+        engine = t.engine_for(peer) if hasattr(t, "engine_for") else t.name
+        if engine not in ("local", "cuda-ipc"):
+            return False
+        regions = [*t.regions().values(), *t.remote_regions(peer).values()]
+        return all(r.device == "cuda" for r in regions) and len({r.device_id for r in regions}) == 1
 
     def peer_layout(self, address: str) -> Any:
         """The KV layout the prefill at ``address`` announced (its ``head_start`` and heads tell a
@@ -1022,7 +1036,7 @@ class KVReceiver:
                 raise ProtocolError(f"request {request_id}: unexpected reply {ready!r:.200}")
             plan = self.landing.plan(ready, dst_block_ids, s.info)
             t.lap("plan_s")
-            held = self.landing.reserve(plan, request_id, ttl_s=None)  # D3
+            held = self.landing.reserve(plan, request_id, ttl_s=None, peer=s.info)  # D3
             t.lap("reserve_s")
             descs = self.landing.pair(plan, held, ready)  # D4
             t.lap("descs_s")

@@ -36,7 +36,7 @@ from hawk.devices.backend import NpuBackend
 from hawk.layouts.gpu import GpuKVLayout
 from hawk.memory.buffers import ChannelBuffers, SingleBuffer, StagingBuffer
 from hawk.memory.npu_kv_cache import NpuKVCacheMemory
-from hawk.plan.cost_model import CostModel
+from hawk.plan.cost_model import SAME_DEVICE, CostModel
 from hawk.transport.base import Transport
 from hawk.transport.paced import paced
 
@@ -134,7 +134,7 @@ def make_landing(config: str, side: NpuSide | GpuSide) -> Landing:
             if side.cost is None:
                 raise ValueError("gn-hawk needs a cost model to choose staging or direct placement")
             per_channel = -(-side.rx_bytes // side.npu.arch.num_channels)
-            return ChannelLanding(side.kv, ChannelBuffers(side.npu, per_channel), side.cost, side.mode)
+            return ChannelLanding(side.kv, ChannelBuffers(side.npu, per_channel), side.cost, side.mode, device_cost=SAME_DEVICE)
         if cfg.landing == "single":
             return SingleLanding(side.kv, SingleBuffer(side.npu, side.rx_bytes))
         return HostToNpuLanding(side.kv, HostRx(side.rx_bytes))

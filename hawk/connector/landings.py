@@ -56,8 +56,9 @@ class Landing(ABC):
     def plan(self, ready: KVReady, dst_block_ids: Sequence[int], peer: dict[str, Any]) -> Any:
         """D2: rebuild the plan from the sender's metadata (and its handshake, ``peer``) and check it agrees."""
 
-    def reserve(self, plan: Any, owner: str, ttl_s: float | None) -> Held:
-        """D3: reserve receive space."""
+    def reserve(self, plan: Any, owner: str, ttl_s: float | None, peer: dict[str, Any] | None = None) -> Held:
+        """D3: reserve receive space (``peer``: the sender's handshake info, with this side's
+        ``device_copy``: whether batches with it are copies inside one GPU)."""
         return Held("in-place")
 
     @abstractmethod
@@ -116,17 +117,23 @@ class _NpuTilesLanding(Landing):
 class ChannelLanding(_NpuTilesLanding):
     """gn-hawk: one buffer per DRAM channel; staging + intra-channel copy, or direct into the pages."""
 
-    def __init__(self, kv: NpuKVCacheMemory, buffers: ChannelBuffers, cost: CostModel, mode: str = "auto"):
+    def __init__(self, kv: NpuKVCacheMemory, buffers: ChannelBuffers, cost: CostModel, mode: str = "auto",
+                 device_cost: CostModel | None = None):
         if mode not in ("auto", "staging", "direct"):
             raise ValueError(f"landing mode must be auto, staging or direct, got {mode!r}")
         super().__init__(kv)
         self.buffers, self.cost, self.mode = buffers, cost, mode
+        #: The figures for a sender whose batches are copies inside this GPU (``peer["device_copy"]``).
+        self.device_cost = device_cost
 
-    def choose(self, plan: KVTransferPlan) -> str:
-        return self.cost.choose(plan) if self.mode == "auto" else self.mode
+    def choose(self, plan: KVTransferPlan, peer: dict[str, Any] | None = None) -> str:
+        if self.mode != "auto":
+            return self.mode
+        cost = self.device_cost if self.device_cost is not None and peer and peer.get("device_copy") else self.cost
+        return cost.choose(plan)
 
-    def reserve(self, plan, owner, ttl_s) -> Held:
-        mode = self.choose(plan)
+    def reserve(self, plan, owner, ttl_s, peer=None) -> Held:
+        mode = self.choose(plan, peer)
         if mode == "direct":
             return Held("direct")
         return Held("staging", dict(self.buffers.reserve(plan.channel_bytes(), owner, ttl_s)))
@@ -186,7 +193,7 @@ class SingleLanding(_NpuTilesLanding):
         super().__init__(kv)
         self.buffer = buffer
 
-    def reserve(self, plan, owner, ttl_s) -> Held:
+    def reserve(self, plan, owner, ttl_s, peer=None) -> Held:
         return Held("single", {0: self.buffer.reserve(plan.total_bytes, owner, ttl_s)})
 
     def pair(self, plan, held, ready) -> list[Desc]:
@@ -249,7 +256,7 @@ class _HostLanding(Landing):
             raise ProtocolError(f"request {ready.request_id}: sender sends {ready.total_bytes} B, plan expects {plan.total_bytes} B")
         return plan
 
-    def reserve(self, plan, owner, ttl_s) -> Held:
+    def reserve(self, plan, owner, ttl_s, peer=None) -> Held:
         return Held("host", {0: self.rx.ledger.reserve(plan.blocks.total_bytes, owner, ttl_s)})
 
     def pair(self, plan, held, ready) -> list[Desc]:
@@ -431,7 +438,7 @@ class GpuFromTiles(Landing):
             raise ProtocolError(f"request {ready.request_id}: {len(ready.sources)} sources for {len(plan.channel_extents)} channel extents")
         return plan
 
-    def reserve(self, plan, owner, ttl_s) -> Held:
+    def reserve(self, plan, owner, ttl_s, peer=None) -> Held:
         return Held("gpu-rx", {0: self.rx.reserve(plan.total_bytes, owner, ttl_s)})
 
     def pair(self, plan, held, ready) -> list[Desc]:

@@ -2,7 +2,8 @@
 
 A first-order model, deliberately small:
 
-    time = requests * per_request_overhead + bytes / link_bandwidth + copied_bytes * 2 / device_copy_bandwidth
+    time = requests * per_request_overhead + bytes / link_bandwidth
+           + copied_bytes * 2 / device_copy_bandwidth + (copy_overhead if anything is copied)
 
 Staging sends one request per channel and then copies every byte once inside its channel; direct
 placement sends one request per contiguous run of cache pages and copies nothing. Few large
@@ -26,12 +27,14 @@ class CostModel:
     request_overhead_s: float
     link_bytes_per_s: float
     device_copy_bytes_per_s: float  # read + write bytes per second of the destination's on-device copy
+    copy_overhead_s: float = 0.0  # fixed cost of the on-device copy step (its launch and wait)
 
     def time(self, requests: int, nbytes: int, copied_bytes: int) -> float:
         return (
             requests * self.request_overhead_s
             + nbytes / self.link_bytes_per_s
             + 2 * copied_bytes / self.device_copy_bytes_per_s
+            + (self.copy_overhead_s if copied_bytes else 0.0)
         )
 
     def staging_time(self, plan: KVTransferPlan) -> float:
@@ -63,6 +66,15 @@ LINKS: dict[tuple[str, str], tuple[float, float]] = {
 
 #: On-device copy bandwidth (read + write bytes/s) of where NPU memory lives.
 DEVICE_COPY: dict[str, float] = {"cpu": 10 * GB, "cuda": 4000 * GB, "tt-p150a": 512 * GB}
+
+
+#: A sender whose batches are copies inside the GPU that holds the NPU memory (local / cuda-ipc, one
+#: device): a request is a few table entries of one launch, the "link" is the device's own copy, and
+#: staging adds the intra-channel copy's launch and wait. From one H200 (2026-12-01, `hawk bench transfer
+#: --transport auto`, both roles on GPU0): submitting 1280 direct runs cost ~0.2 ms more than 8 staging
+#: requests, a device copy moved ~2 TB/s each way, and the staging finish cost ~0.15 ms beyond its copy.
+SAME_DEVICE = CostModel(request_overhead_s=0.2e-6, link_bytes_per_s=2000 * GB, device_copy_bytes_per_s=4000 * GB,
+                        copy_overhead_s=150e-6)
 
 
 def cost_model_for(transport: str, npu_memory: str) -> CostModel:
