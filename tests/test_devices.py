@@ -200,16 +200,17 @@ def test_host_staging_on_the_host_hands_the_buffers_themselves():
         HostStaging([torch.zeros(4, 4)[:, 1]])
 
 
-def _staging_round_trips(dev: str) -> None:
+def _staging_round_trips(dev: str, grow_to: int = 0) -> None:
     """Uploads of leading elements land, and the elements past ``counts`` keep what the device had.
     The GPU is kept milliseconds behind the host, so each upload is still queued when the host comes
     back to its slot two steps later: a snapshot taken on the stream right after each upload shows
-    that step's values only if ``next()`` waited before handing the slot out again."""
+    that step's values only if ``next()`` waited before handing the slot out again, or (``grow_to``)
+    handed out a new slot instead, which it must then have done rather than wait."""
     from hawk.devices.staging import HostStaging
 
     bt = torch.full((8, 16), -1, dtype=torch.int32, device=dev)
     meta = torch.full((40,), -1, dtype=torch.int32, device=dev)
-    st = HostStaging([bt, meta], slots=2)
+    st = HostStaging([bt, meta], slots=2, grow_to=grow_to)
     big = torch.zeros(1 << 26, device=dev)
     snaps = []
     for step in range(6):
@@ -226,6 +227,7 @@ def _staging_round_trips(dev: str) -> None:
         assert torch.equal(s_bt[:3].cpu(), torch.from_numpy(np.arange(48).reshape(3, 16) + 100 * step).int()), step
         assert torch.equal(s_meta[:10].cpu(), torch.arange(10, dtype=torch.int32) + 1000 * step), step
         assert (s_bt[3:] == -1).all() and (s_meta[10:] == -1).all()
+    assert len(st._host) == (6 if grow_to else 2)  # the GPU stayed behind: every step needed a slot of its own
     st.close()
 
 
@@ -236,6 +238,7 @@ def test_host_staging_cuda_raw_runtime():
 
     assert cuda_runtime.runtime() is not None, "torch's CUDA runtime should be loadable on a CUDA box"
     _staging_round_trips("cuda")
+    _staging_round_trips("cuda", grow_to=16)
 
 
 @pytest.mark.gpu
@@ -245,6 +248,7 @@ def test_host_staging_cuda_torch_fallback(monkeypatch):
 
     monkeypatch.setattr(staging, "runtime", lambda: None)
     _staging_round_trips("cuda")
+    _staging_round_trips("cuda", grow_to=16)
 
 
 @pytest.mark.gpu

@@ -108,7 +108,7 @@ class SpanCopier:
             self.side.synchronize()
             self._staging.close()
         self._tables = [torch.empty(cap, dtype=torch.int64, device=self.device) for _ in range(3)]
-        self._staging = HostStaging(self._tables)
+        self._staging = HostStaging(self._tables, slots=2, grow_to=64)  # never waits on the device while it can grow
         self._cap = cap
 
     def _event(self) -> int:

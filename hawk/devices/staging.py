@@ -33,10 +33,15 @@ class HostStaging:
     last upload has run), fill the leading elements, then ``staging.upload(counts)``: the first
     ``counts[i]`` elements (flat order) of twin ``i`` go to ``buffers[i]`` on the current stream, so
     work enqueued after it on that stream sees them. ``slot`` is the slot ``next`` handed out, for
-    callers that keep per-slot state (what each slot's rows held).
+    callers that keep per-slot state (what each slot's rows held; their slot count stays ``slots``).
+
+    ``grow_to`` > ``slots``: where the next slot's upload has not run yet, a new slot is added (up to
+    ``grow_to``) instead of waiting. For callers that must never block the host on the device: a
+    layer-wise push posts its copies from the forward's own thread, and waiting there for a copy
+    queued behind the forward's kernels would stop the thread from running ahead of the GPU.
     """
 
-    def __init__(self, buffers: Sequence[torch.Tensor], slots: int = 2) -> None:
+    def __init__(self, buffers: Sequence[torch.Tensor], slots: int = 2, grow_to: int = 0) -> None:
         if not buffers or len({b.device for b in buffers}) != 1 or slots < 1:
             raise ValueError("HostStaging needs buffers on one device and at least one slot")
         if any(not b.is_contiguous() for b in buffers):
@@ -53,11 +58,23 @@ class HostStaging:
         self._index = int(self.device.index if self.device.index is not None else 0) if self.cuda else -1
         self._events: list[Any] = [None] * len(self._host)  # raw handles, or torch events without a runtime
         self._pending = [False] * len(self._host)
+        self._grow_to = grow_to if self.cuda else 0
         self.slot = 0
 
+    def _done(self, i: int) -> bool:
+        ev = self._events[i]
+        return not self._pending[i] or (self._rt.event_done(ev) if self._rt is not None else ev.query())
+
     def next(self) -> list[np.ndarray]:
-        """The next slot's host arrays, once the upload that last read them has run."""
-        self.slot = (self.slot + 1) % len(self._host)
+        """The next slot's host arrays, once the upload that last read them has run (or a new slot)."""
+        nxt = (self.slot + 1) % len(self._host)
+        if len(self._host) < self._grow_to and not self._done(nxt):
+            nxt = self.slot + 1  # a fresh slot in the ring, right after the current one
+            self._host.insert(nxt, [torch.zeros(b.shape, dtype=b.dtype, pin_memory=True) for b in self.buffers])
+            self._arrays.insert(nxt, [h.numpy() for h in self._host[nxt]])
+            self._events.insert(nxt, None)
+            self._pending.insert(nxt, False)
+        self.slot = nxt
         if self._pending[self.slot]:
             ev = self._events[self.slot]
             if self._rt is not None:
