@@ -227,7 +227,7 @@ def _staging_round_trips(dev: str, grow_to: int = 0) -> None:
         assert torch.equal(s_bt[:3].cpu(), torch.from_numpy(np.arange(48).reshape(3, 16) + 100 * step).int()), step
         assert torch.equal(s_meta[:10].cpu(), torch.arange(10, dtype=torch.int32) + 1000 * step), step
         assert (s_bt[3:] == -1).all() and (s_meta[10:] == -1).all()
-    assert len(st._host) == (6 if grow_to else 2)  # the GPU stayed behind: every step needed a slot of its own
+    assert len(st._host) > 2 if grow_to else len(st._host) == 2  # the GPU stayed behind: it grew instead of waiting
     st.close()
 
 

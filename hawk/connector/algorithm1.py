@@ -100,7 +100,7 @@ from hawk.connector.messages import (
 )
 from hawk.errors import DuplicateRequest
 from hawk.memory.reservations import BufferFull
-from hawk.transport.base import Desc, Transport, TransferError, desc_bytes
+from hawk.transport.base import Desc, DescArray, Transport, TransferError, desc_bytes
 from hawk.transport.paced import PacedTransport
 
 log = logging.getLogger(__name__)
@@ -537,10 +537,11 @@ class KVSender:
     def _post_writes(self, push: _Push, layers: list[int], staged: Staged) -> None:
         """P5 for these layers (their bytes produced, or enqueued on the current stream before): one
         WRITE batch into the destination, not waited for; the layers count as posted."""
-        descs = [d for lyr in layers for d in self.fmt.layer_descs(push.plan, lyr, staged)]
-        if descs:
+        parts = [self.fmt.layer_descs(push.plan, lyr, staged) for lyr in layers]
+        descs = parts[0] if len(parts) == 1 else DescArray.concat(parts)  # one batch, no object per run
+        if len(descs):
             push.writes.append(self.transport.submit("WRITE", push.receiver.peer, descs))
-        push.bytes += sum(d.length for d in descs)
+        push.bytes += desc_bytes(descs)
         push.requests += len(descs)
         push.layers_left -= len(layers)
 

@@ -12,13 +12,13 @@ releases (P9). Algorithm 1 only sequences those calls.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import time
-
+import numpy as np
 import torch
 
 from hawk.devices.batched_copy import copy_regions
@@ -32,7 +32,7 @@ from hawk.plan.kv_plan import KVTransferPlan
 from hawk.plan.layer_plan import LayerwisePlan, plan_layerwise
 from hawk.plan.plan_cache import PLANS
 from hawk.transform import transform
-from hawk.transport.base import Desc
+from hawk.transport.base import Desc, DescArray
 
 #: Transport region name of a sender's staging buffer.
 STAGING_REGION = "staging"
@@ -134,8 +134,9 @@ class SendFormat(ABC):
     def produce_layer(self, plan: Any, layer: int, staged: Staged) -> None:
         """Write layer ``layer``'s bytes into its slice of ``staged`` (nothing when read in place)."""
 
-    def layer_descs(self, plan: Any, layer: int, staged: Staged) -> list[Desc]:
-        """Layer ``layer``'s WRITE batch, from this side's view: local = sender, remote = receiver."""
+    def layer_descs(self, plan: Any, layer: int, staged: Staged) -> Sequence[Desc]:
+        """Layer ``layer``'s WRITE batch, from this side's view: local = sender, remote = receiver (a
+        list of Desc or a DescArray)."""
         raise NotImplementedError
 
 
@@ -229,9 +230,14 @@ class NpuTiles(_InStagingBuffer):
         else:
             out.copy_(transform(cache, plan.plan, None, self.impl))
 
-    def layer_descs(self, plan: LayerwisePlan, layer: int, staged: Staged) -> list[Desc]:
+    def layer_descs(self, plan: LayerwisePlan, layer: int, staged: Staged) -> DescArray:
         base = staged.offset + layer * plan.layer_bytes
-        return [Desc(STAGING_REGION, base + so, channel_region(ch), addr, n) for _, so, ch, addr, n in plan.direct_runs(layer)]
+        r = plan.direct_runs(layer)
+        channels, idx = np.unique(np.asarray(r.dst_region, dtype=np.int64), return_inverse=True)
+        n = len(r.length)
+        return DescArray((STAGING_REGION,), np.zeros(n, dtype=np.int64), base + np.asarray(r.src_offset, dtype=np.int64),
+                         tuple(channel_region(int(c)) for c in channels), idx.reshape(-1),
+                         np.asarray(r.dst_offset, dtype=np.int64), np.asarray(r.length, dtype=np.int64))
 
 
 def gather_compact(caches: Sequence[torch.Tensor], plan: BlockCopyPlan) -> torch.Tensor:
@@ -284,7 +290,7 @@ class InPlace(SendFormat):
     # region into the receiver's layer-l region (its blocks were allocated before prefill).
     layerwise = True
 
-    def plan_layers(self, num_tokens, block_ids, peer, dst_block_ids) -> list[list[Desc]]:
+    def plan_layers(self, num_tokens, block_ids, peer, dst_block_ids) -> list[DescArray]:
         dst = peer["layout"]
         if not isinstance(dst, GpuKVLayout):
             raise ValueError("a layer-wise push from the paged cache needs a GPU receiver layout")
@@ -293,9 +299,9 @@ class InPlace(SendFormat):
         per_layer: list[list[Desc]] = [[] for _ in range(self.layout.num_layers)]
         for r in plan_block_copy(num_tokens, block_ids, self.layout).direct_requests(dst, dst_block_ids):
             per_layer[r.src_region].append(Desc(cache_region(r.src_region), r.src_offset, cache_region(r.dst_region), r.dst_offset, r.length))
-        return per_layer
+        return [DescArray.from_descs(d) for d in per_layer]  # made once per push; posted as arrays
 
-    def layer_descs(self, plan: list[list[Desc]], layer: int, staged: Staged) -> list[Desc]:
+    def layer_descs(self, plan: list[DescArray], layer: int, staged: Staged) -> DescArray:
         return plan[layer]
 
 

@@ -163,6 +163,23 @@ class DescArray(Sequence):
         return cls(lnames, np.array([li[r[0]] for r in rows], dtype=np.int64), col(1),
                    rnames, np.array([ri[r[2]] for r in rows], dtype=np.int64), col(3), col(4))
 
+    @classmethod
+    def concat(cls, parts: Sequence[Sequence[Desc]]) -> DescArray:
+        """One batch of ``parts`` in order (DescArrays, or lists of Desc), region names merged."""
+        arrays = [p if isinstance(p, DescArray) else cls.from_descs(p) for p in parts]
+        cols: list[list[np.ndarray]] = [[] for _ in range(5)]
+        names: tuple[dict[str, int], dict[str, int]] = ({}, {})
+        for a in arrays:
+            for side, (nm, idx) in enumerate(((a.local_names, a.local_idx), (a.remote_names, a.remote_idx))):
+                table = names[side]
+                remap = np.array([table.setdefault(n, len(table)) for n in nm], dtype=np.int64)
+                cols[3 * side].append(remap[idx] if len(nm) else np.asarray(idx, dtype=np.int64))
+            cols[1].append(a.local_offset)
+            cols[4].append(a.remote_offset)
+            cols[2].append(a.length)
+        li, lo, n, ri, ro = (np.concatenate(c) if c else np.zeros(0, dtype=np.int64) for c in cols)
+        return cls(tuple(names[0]), li, lo, tuple(names[1]), ri, ro, n)
+
     def __len__(self) -> int:
         return len(self.length)
 
