@@ -34,7 +34,8 @@ _DIRECT = {"ok": True}
 
 
 def copy_words(words: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, lens: torch.Tensor, max_len: int, block: int,
-               align: int = 1, num_warps: int = 4, count: int | None = None, stream: int | None = None) -> None:
+               align: int = 1, num_warps: int = 4, count: int | None = None,
+               stream: int | None = None) -> None:
     """``lens[i]`` words from ``words[src[i]:]`` to ``words[dst[i]:]`` for the first ``count`` entries
     (default: all); ``align`` (1 or 2) divides every offset and length, so loads and stores move 16
     bytes per vector when it is 2. ``stream``: a raw CUDA stream of ``words``' device to launch on
@@ -58,7 +59,7 @@ def copy_words(words: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, lens: 
                 _DIRECT["ok"] = False
                 _COMPILED.clear()
         # the dispatcher launches on the current stream
-        on = torch.cuda.stream(torch.cuda.ExternalStream(stream, device=words.device)) if stream is not None else contextlib.nullcontext()
+        on = contextlib.nullcontext() if stream is None else torch.cuda.stream(torch.cuda.ExternalStream(stream, device=words.device))
         with on:
             compiled = _copy_words_kernel[grid](words, src, dst, lens, BLOCK=block, ALIGN=align, num_warps=num_warps)
         if direct and getattr(compiled, "function", None) is not None and hasattr(compiled, "packed_metadata"):

@@ -5,8 +5,8 @@ On CUDA (with Triton) a forward layer has no Python loop over sequences. A decod
 new K/V (:func:`~hawk.engine.triton_attention.paged_decode_fused`); with several splits it is two
 launches (that attention, then the split reduce), which measured faster than the fused kernel's
 serial last-program merge; :class:`DecodePath` names the three ways. ``HAWK_FUSED_DECODE=0|1``
-(read at import) or ``fused_decode=`` forces one. A prefill or mixed layer is two: write the K/V, then FlashAttention-style
-varlen attention over the paged cache (:mod:`hawk.engine.triton_attention`).
+(read at import) or ``fused_decode=`` forces one. A prefill or mixed layer is two: write the K/V,
+then FlashAttention-style varlen attention over the paged cache (:mod:`hawk.engine.triton_attention`).
 Elsewhere the same metadata drives a torch fallback: batched gather + SDPA for decode, one
 :func:`attend` per sequence for prefill.
 

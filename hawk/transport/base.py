@@ -145,7 +145,8 @@ class DescArray(Sequence):
         n = len(self.length)
         if any(np.ndim(c) != 1 or len(c) != n or not np.issubdtype(np.asarray(c).dtype, np.integer) for c in cols):
             raise ValueError("DescArray columns must be 1-D integer arrays of one length")
-        for name, idx, names in (("local", self.local_idx, self.local_names), ("remote", self.remote_idx, self.remote_names)):
+        for name, idx, names in (("local", self.local_idx, self.local_names),
+                                 ("remote", self.remote_idx, self.remote_names)):
             if n and (int(idx.min()) < 0 or int(idx.max()) >= len(names)):
                 raise ValueError(f"DescArray: a {name} region index is outside its {len(names)} names")
 

@@ -147,7 +147,8 @@ def _raw_copies(raw: Runtime, side: Any, copies: Any) -> None:
 Span = tuple[torch.Tensor, int, torch.Tensor, int, int]
 
 
-def copy_span_batch(spans: list[Span], streams: dict[int, Any], copiers: dict[int, SpanCopier | None] | None = None) -> _CopyBatch:
+def copy_span_batch(spans: list[Span], streams: dict[int, Any],
+                    copiers: dict[int, SpanCopier | None] | None = None) -> _CopyBatch:
     """Copy byte ranges of whole regions, as transports hold them; CUDA copies go on dedicated side
     streams, one per device, and the batch completes at their events.
 
