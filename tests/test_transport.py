@@ -455,6 +455,10 @@ def test_desc_array_is_the_list_it_stands_for():
     arr = DescArray.from_descs(descs)
     assert len(arr) == 3 and list(arr) == descs and arr[1:] == descs[1:] and arr[-1] == descs[-1]
     assert arr.local_names == ("ch1", "ch0") and arr.remote_names == ("stage", "big")
+    assert arr.nbytes == 28
+    more = [Desc("ch2", 0, "big", 8, 8), Desc("ch0", 16, "stage", 0, 4)]
+    both = DescArray.concat([arr, more, []])  # arrays and lists, names merged, order kept
+    assert list(both) == descs + more and both.local_names == ("ch1", "ch0", "ch2") and both.remote_names == ("stage", "big")
     with pytest.raises(ValueError, match="one length"):
         DescArray(("a",), np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64), ("b",), np.zeros(2, dtype=np.int64),
                   np.zeros(2, dtype=np.int64), np.ones(3, dtype=np.int64))
