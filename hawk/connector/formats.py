@@ -72,6 +72,13 @@ def channel_region(channel: int) -> str:
     return f"npu-ch{channel}"
 
 
+def channel_regions(channels: np.ndarray) -> tuple[tuple[str, ...], np.ndarray]:
+    """Runs' channel numbers as a :class:`DescArray` side: the channels' region names (each once)
+    and every run's index into them."""
+    uniq, idx = np.unique(np.asarray(channels, dtype=np.int64), return_inverse=True)
+    return tuple(channel_region(int(c)) for c in uniq), idx.reshape(-1)
+
+
 def _sync(t: torch.Tensor) -> None:
     """Until the calling thread's stream on ``t``'s device has run (not the whole device: a GPU may hold
     both roles, and one request's step must not wait for another's forward)."""
@@ -233,11 +240,9 @@ class NpuTiles(_InStagingBuffer):
     def layer_descs(self, plan: LayerwisePlan, layer: int, staged: Staged) -> DescArray:
         base = staged.offset + layer * plan.layer_bytes
         r = plan.direct_runs(layer)
-        channels, idx = np.unique(np.asarray(r.dst_region, dtype=np.int64), return_inverse=True)
-        n = len(r.length)
-        return DescArray((STAGING_REGION,), np.zeros(n, dtype=np.int64), base + np.asarray(r.src_offset, dtype=np.int64),
-                         tuple(channel_region(int(c)) for c in channels), idx.reshape(-1),
-                         np.asarray(r.dst_offset, dtype=np.int64), np.asarray(r.length, dtype=np.int64))
+        names, idx = channel_regions(r.dst_region)
+        return DescArray((STAGING_REGION,), np.zeros(len(r.length), dtype=np.int64), base + np.asarray(r.src_offset, dtype=np.int64),
+                         names, idx, np.asarray(r.dst_offset, dtype=np.int64), np.asarray(r.length, dtype=np.int64))
 
 
 def gather_compact(caches: Sequence[torch.Tensor], plan: BlockCopyPlan) -> torch.Tensor:

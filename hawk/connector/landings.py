@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from hawk.connector.formats import Held, _sync, cache_region, channel_region
+from hawk.connector.formats import Held, _sync, cache_region, channel_region, channel_regions
 from hawk.connector.messages import KVReady, ProtocolError
 from hawk.devices.backend import NpuBackend
 from hawk.devices.batched_copy import copy_regions
@@ -159,9 +159,8 @@ class ChannelLanding(_NpuTilesLanding):
             reqs = plan.staging_requests(addresses)
             src_off, chan, dst_off, length = (np.array([getattr(r, f) for r in reqs], dtype=np.int64).reshape(-1)
                                               for f in ("src_offset", "dst_region", "dst_offset", "length"))
-        channels, idx = np.unique(np.asarray(chan, dtype=np.int64), return_inverse=True)
-        descs = DescArray(tuple(channel_region(int(c)) for c in channels), idx.reshape(-1),
-                          np.asarray(dst_off, dtype=np.int64), (ready.region,), np.zeros(len(length), dtype=np.int64),
+        names, idx = channel_regions(chan)
+        descs = DescArray(names, idx, np.asarray(dst_off, dtype=np.int64), (ready.region,), np.zeros(len(length), dtype=np.int64),
                           ready.offset + np.asarray(src_off, dtype=np.int64), np.asarray(length, dtype=np.int64))
         memo["descs"] = (key, descs)
         return descs

@@ -90,11 +90,16 @@ def upload_int64(arr: np.ndarray, device: torch.device | str) -> torch.Tensor:
     return host.to(dev, non_blocking=True)
 
 
+def vector_align(src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> int:
+    """2 where every word offset and length is even (16-byte vectors; DRAM-aligned runs always are), else 1."""
+    return 2 if not ((src | dst | lens) % 2).any() else 1
+
+
 def _triton_copy(flat: torch.Tensor, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> tuple[torch.Tensor, int, int]:
     """Word offsets ``src``/``dst`` (8-byte units) from ``flat``'s start; they may lie before it.
     Returns what :func:`_launch_copy` needs to run the same copies again."""
     t = upload_int64(np.stack([src, dst, lens]), flat.device)  # no host sync: same stream as the launch
-    align = 2 if not ((src | dst | lens) % 2).any() else 1  # 16-byte vectors (DRAM-aligned runs always are)
+    align = vector_align(src, dst, lens)
     _launch_copy(flat, t, int(lens.max()), align)
     return t, int(lens.max()), align
 
@@ -146,14 +151,25 @@ def copy_spans(device: torch.device, src_addr: np.ndarray, dst_addr: np.ndarray,
     dev = torch.device(device)
     if dev.type != "cuda" and not force:
         return False
-    lens = np.asarray(lengths, dtype=np.int64)
-    if lens.min() <= 0 or lens.max() > _MAX_BYTES:
-        return False
     base = torch.empty(1, dtype=torch.int64, device=dev)
-    b = base.data_ptr()
-    s = np.asarray(src_addr, dtype=np.int64) - b
-    d = np.asarray(dst_addr, dtype=np.int64) - b
-    if ((s | d | lens) % _UNIT).any():
+    words = span_words(src_addr, dst_addr, lengths, base.data_ptr())
+    if words is None:
         return False
-    _triton_copy(base, s // _UNIT, d // _UNIT, lens // _UNIT)
+    _triton_copy(base, *words)
     return True
+
+
+def span_words(src_addr: np.ndarray, dst_addr: np.ndarray, lengths: np.ndarray,
+               base: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Byte ranges given as absolute addresses as the copy kernel's word table: ``(src, dst, lengths)``
+    in 8-byte words, offsets from address ``base``. None where one launch cannot take them: an empty
+    batch, a length that is not positive or above :data:`_MAX_BYTES`, or an address or length that is
+    not a multiple of 8 bytes."""
+    lens = np.asarray(lengths, dtype=np.int64)
+    if len(lens) == 0 or lens.min() <= 0 or lens.max() > _MAX_BYTES:
+        return None
+    s = np.asarray(src_addr, dtype=np.int64) - base
+    d = np.asarray(dst_addr, dtype=np.int64) - base
+    if ((s | d | lens) % _UNIT).any():
+        return None
+    return s // _UNIT, d // _UNIT, lens // _UNIT

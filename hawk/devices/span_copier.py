@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hawk.devices.batched_copy import _BLOCK, _MAX_BYTES, _UNIT
+from hawk.devices.batched_copy import _BLOCK, span_words, vector_align
 from hawk.devices.cuda_runtime import Runtime, raw_stream, runtime
 from hawk.devices.staging import HostStaging
 
@@ -74,17 +74,13 @@ class SpanCopier:
         """Issue the copies; returns the batch's completion, or None (nothing issued) where one launch
         cannot take them: an empty batch, a range that is empty or too long, or an address or length
         that is not a multiple of 8 bytes."""
-        n = len(lengths)
-        lens = np.asarray(lengths, dtype=np.int64)
-        if n == 0 or lens.min() <= 0 or lens.max() > _MAX_BYTES:
-            return None
-        b = self._base.data_ptr()
-        s = np.asarray(src_addr, dtype=np.int64) - b
-        d = np.asarray(dst_addr, dtype=np.int64) - b
-        if ((s | d | lens) % _UNIT).any():
+        words = span_words(src_addr, dst_addr, lengths, self._base.data_ptr())
+        if words is None:
             return None
         from hawk.devices._copy_kernel import copy_words
 
+        s, d, lens = words
+        n = len(lens)
         if n > self._cap:
             self._grow(n)
         assert self._staging is not None
@@ -92,11 +88,10 @@ class SpanCopier:
         rt.event_record(self._ready, raw_stream(self.index))
         rt.stream_wait_event(side, self._ready)
         hs, hd, hl = self._staging.next()
-        hs[:n], hd[:n], hl[:n] = s // _UNIT, d // _UNIT, lens // _UNIT
+        hs[:n], hd[:n], hl[:n] = s, d, lens
         self._staging.upload((n, n, n), stream=side)
-        align = 2 if not ((s | d | lens) % (2 * _UNIT)).any() else 1
         src_t, dst_t, len_t = self._tables
-        copy_words(self._base, src_t, dst_t, len_t, int(lens.max()) // _UNIT, _BLOCK, align, count=n, stream=side)
+        copy_words(self._base, src_t, dst_t, len_t, int(lens.max()), _BLOCK, vector_align(s, d, lens), count=n, stream=side)
         ev = self._event()
         rt.event_record(ev, side)
         return RawEvent(self, ev)

@@ -63,6 +63,7 @@ from hawk.transport.base import (
     TransportError,
     TransportUnavailable,
     _Peer,
+    used_regions,
 )
 from hawk.transport.local import CudaIpcTransport, LocalTransport
 
@@ -420,7 +421,7 @@ class AutoTransport(Transport):
     def _route_for(self, peer: _Peer, segs: Sequence[Segment]) -> tuple[Transport, _Peer, str]:
         r: _Route = peer.state
         key = r.primary
-        remote = {x.name for x in segs.used("remote")} if isinstance(segs, SegArray) else {s.remote.name for s in segs}
+        remote = {x.name for x in used_regions(segs, "remote")}
         if r.host_regions and not remote.isdisjoint(r.host_regions):
             if "net" not in r.links:
                 names = sorted(remote & set(r.host_regions))
@@ -429,7 +430,7 @@ class AutoTransport(Transport):
             key = "net"
         eng, iid = r.links[key]
         if key == "net" and self._net_missing:
-            local = {x.name for x in segs.used("local")} if isinstance(segs, SegArray) else {s.local.name for s in segs}
+            local = {x.name for x in used_regions(segs, "local")}
             bad = sorted(local & set(self._net_missing))
             if bad:
                 raise ValueError(f"auto: local region(s) {bad} are not registered with {eng.name} (it refused them)")

@@ -121,8 +121,37 @@ class Segment(NamedTuple):
         return self.remote.addr + self.remote_offset
 
 
+class _Rows(Sequence):
+    """What DescArray and SegArray share: row ``i`` is ``row_type(local table[local_idx[i]], local_offset[i],
+    remote table[remote_idx[i]], remote_offset[i], length[i])``, built on access."""
+
+    row_type: ClassVar[type]
+    local_idx: np.ndarray
+    local_offset: np.ndarray
+    remote_idx: np.ndarray
+    remote_offset: np.ndarray
+    length: np.ndarray
+
+    def _tables(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return len(self.length)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.asarray(self.length).sum())
+
+    def __getitem__(self, i):  # noqa: ANN001, ANN204 - Sequence's signature
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        local, remote = self._tables()
+        return self.row_type(local[int(self.local_idx[i])], int(self.local_offset[i]),
+                             remote[int(self.remote_idx[i])], int(self.remote_offset[i]), int(self.length[i]))
+
+
 @dataclass(frozen=True, eq=False)
-class DescArray(Sequence):
+class DescArray(_Rows):
     """A batch of descriptors as arrays: row ``i`` is ``Desc(local_names[local_idx[i]], local_offset[i],
     remote_names[remote_idx[i]], remote_offset[i], length[i])``.
 
@@ -132,6 +161,7 @@ class DescArray(Sequence):
     (built on access), so any caller or engine that iterates descriptors works on it unchanged.
     """
 
+    row_type: ClassVar[type] = Desc
     local_names: tuple[str, ...]
     local_idx: np.ndarray
     local_offset: np.ndarray
@@ -139,6 +169,9 @@ class DescArray(Sequence):
     remote_idx: np.ndarray
     remote_offset: np.ndarray
     length: np.ndarray
+
+    def _tables(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        return self.local_names, self.remote_names
 
     def __post_init__(self) -> None:
         cols = (self.local_idx, self.local_offset, self.remote_idx, self.remote_offset, self.length)
@@ -181,25 +214,13 @@ class DescArray(Sequence):
         li, lo, n, ri, ro = (np.concatenate(c) if c else np.zeros(0, dtype=np.int64) for c in cols)
         return cls(tuple(names[0]), li, lo, tuple(names[1]), ri, ro, n)
 
-    def __len__(self) -> int:
-        return len(self.length)
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.asarray(self.length).sum())
-
-    def __getitem__(self, i):  # noqa: ANN001, ANN204 - Sequence's signature
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        return Desc(self.local_names[int(self.local_idx[i])], int(self.local_offset[i]),
-                    self.remote_names[int(self.remote_idx[i])], int(self.remote_offset[i]), int(self.length[i]))
-
 
 @dataclass(frozen=True, eq=False)
-class SegArray(Sequence):
+class SegArray(_Rows):
     """A validated :class:`DescArray` resolved against both region tables (what engines that take
     arrays consume); like DescArray, also a sequence of :class:`Segment` built on access."""
 
+    row_type: ClassVar[type] = Segment
     local: tuple[RegionInfo, ...]
     local_idx: np.ndarray
     local_offset: np.ndarray
@@ -208,18 +229,8 @@ class SegArray(Sequence):
     remote_offset: np.ndarray
     length: np.ndarray
 
-    def __len__(self) -> int:
-        return len(self.length)
-
-    def __getitem__(self, i):  # noqa: ANN001, ANN204 - Sequence's signature
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        return Segment(self.local[int(self.local_idx[i])], int(self.local_offset[i]),
-                       self.remote[int(self.remote_idx[i])], int(self.remote_offset[i]), int(self.length[i]))
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.length.sum())
+    def _tables(self) -> tuple[tuple[RegionInfo, ...], tuple[RegionInfo, ...]]:
+        return self.local, self.remote
 
     def used(self, side: str) -> list[RegionInfo]:
         """The regions of ``side`` ("local" or "remote") that some descriptor names."""
@@ -338,6 +349,14 @@ def resolve(
     if not out:
         raise ValueError("empty batch: submit needs at least one descriptor")
     return out
+
+
+def used_regions(segs: Sequence[Segment], side: str) -> list[RegionInfo]:
+    """The regions of ``side`` ("local" or "remote") that some segment of a batch names, each once
+    (a SegArray's without an object per descriptor)."""
+    if isinstance(segs, SegArray):
+        return segs.used(side)
+    return list({getattr(s, side).name: getattr(s, side) for s in segs}.values())
 
 
 def desc_bytes(descs: Sequence[Desc]) -> int:

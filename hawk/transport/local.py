@@ -44,6 +44,7 @@ from hawk.transport.base import (
     TransportUnavailable,
     _Peer,
     byte_view,
+    used_regions,
 )
 
 log = logging.getLogger(__name__)
@@ -211,13 +212,18 @@ def copy_span_batch(spans: list[Span], streams: dict[int, Any],
     return _CopyBatch(events)
 
 
-def _copier_batch(copiers: dict[int, SpanCopier | None], streams: dict[int, Any], dev: torch.device,
-                  parts: list[tuple[torch.Tensor, torch.Tensor, list]]) -> RawEvent | None:
-    """A same-GPU group through the device's SpanCopier (made on first use); None: not taken."""
+def _copier_for(copiers: dict[int, SpanCopier | None], streams: dict[int, Any], dev: torch.device) -> SpanCopier | None:
+    """The SpanCopier on ``dev``'s side stream, made on first use (None where the raw runtime is not loaded)."""
     idx = int(dev.index if dev.index is not None else torch.cuda.current_device())
     if idx not in copiers:
         copiers[idx] = SpanCopier.for_stream(_side_stream(streams, dev))
-    copier = copiers[idx]
+    return copiers[idx]
+
+
+def _copier_batch(copiers: dict[int, SpanCopier | None], streams: dict[int, Any], dev: torch.device,
+                  parts: list[tuple[torch.Tensor, torch.Tensor, list]]) -> RawEvent | None:
+    """A same-GPU group through the device's SpanCopier; None: not taken."""
+    copier = _copier_for(copiers, streams, dev)
     if copier is None:
         return None
     t = _span_addresses(parts)
@@ -344,10 +350,7 @@ class LocalTransport(Transport):
         lbase = np.array([t.data_ptr() for t in local], dtype=np.int64)[segs.local_idx] + segs.local_offset
         rbase = np.array([t.data_ptr() for t in remote], dtype=np.int64)[segs.remote_idx] + segs.remote_offset
         src, dst = (rbase, lbase) if read else (lbase, rbase)
-        idx = int(dev.index if dev.index is not None else torch.cuda.current_device())
-        if idx not in self._copiers:
-            self._copiers[idx] = SpanCopier.for_stream(_side_stream(self._streams, dev))
-        copier = self._copiers[idx]
+        copier = _copier_for(self._copiers, self._streams, dev)
         ev = copier.copy(src, dst, segs.length) if copier is not None else None
         return _CopyBatch([ev]) if ev is not None else None
 
@@ -442,8 +445,7 @@ class CudaIpcTransport(LocalTransport):
 
     def _engine_validate(self, peer: _Peer, segs: Sequence[Segment]) -> None:
         if isinstance(peer.state, dict):
-            regions = segs.used("remote") if isinstance(segs, SegArray) else [s.remote for s in segs]
-            for r in regions:
+            for r in used_regions(segs, "remote"):
                 if r.name not in peer.state["opened"]:
                     i = next(i for i, s in enumerate(segs) if s.remote.name == r.name)
                     raise ValueError(
