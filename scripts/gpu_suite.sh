@@ -19,6 +19,7 @@
 #     kernels   - the CUDA tests of the attention kernels (paged, NPU-tile) and the fused ops
 #     tp        - 8B token equality across tensor-parallel degrees: prefill TP2 -> decode TP1, TP1 -> TP2 (two GPUs)
 #     fig9      - Fig. 9 on two GPUs with >= 10 repeats (median, IQR): every configuration, bf16 and bfloat8_b NPU KV
+#                 (FIG9_KV_DTYPES picks one: a call fits one of the two next to another part)
 #     ttft2     - `hawk bench ttft` across two GPUs (prefill GPU0, decode GPU1): pull and layer-wise push at 1k/4k/16k
 #     sweeps    - serving sweeps (chatbot, summarization) of gn-hawk, gn-host, gg-direct, gg-host with and without
 #                 --npu-timing p150a --link-gbps 200 (eight servers: more than one call; SWEEP_CONFIGS/SWEEP_TIMING)
@@ -103,7 +104,7 @@ want posts && \
     --transport auto --prompts 1024 --configs gn-hawk,gg-direct --kv-flows layerwise --repeats 5 --warmup 1 \
     --json "$OUT/ttft_posts_h200.json" --profile-posts "$OUT/ttft_posts_profile.txt"
 if want fig9 && [ "$ngpu" -ge 2 ]; then
-  for kvd in bf16 bfp8_b; do
+  for kvd in ${FIG9_KV_DTYPES:-bf16 bfp8_b}; do
     step "fig9_$kvd" 280 python3 -m hawk.cli bench transfer --transport nixl --prefill-device cuda:0 --npu-device npu-emu:cuda:1 \
       --gpu-decode-device cuda:1 --sizes-mb 10,20,40,80,160,320,640,1280 --repeats 10 --kv-dtype "$kvd" \
       --configs gg-host,gn-host,gg-direct,gn-direct-single,gn-hawk,gn-hawk@staging,gn-hawk@direct \

@@ -1,7 +1,9 @@
 """The layer-wise flow (kv_flow=layerwise): the decode hands its blocks over before prefill, the
 prefill pushes each layer as its forward finishes it. The KV lands exactly; both ledgers end empty
 after success, a cancelled prefill, a transfer failure mid-push, a decode that vanishes mid-push,
-and a run of many small transfers with injected faults."""
+and a run of many small transfers with injected faults. gn-hawk runs both ways a sender can write:
+its transform straight into the decode's memory (the local transport reaches it: "direct"), and
+staging + WRITE ("staged")."""
 
 import random
 import threading
@@ -16,14 +18,43 @@ from tests.kv_fixtures import L, dst_blocks_for, make_pair
 CONFIGS = ("gn-hawk", "gg-direct")
 
 
-@pytest.fixture(autouse=True, params=["worker", "inline", "inline-grouped"])
+@pytest.fixture(autouse=True, params=["worker", "inline", "inline-grouped", "worker-staged", "inline-staged"])
 def post_from(request, monkeypatch):
-    """Every test three times: layers produced and posted by the push worker, and by the forward's
+    """Every test five times: layers produced and posted by the push worker, and by the forward's
     thread (what a stream-ordered transport on CUDA gets; forced here on the CPU), one layer per post
-    and all of them in one post."""
-    monkeypatch.setenv("HAWK_LAYERWISE_INLINE", "0" if request.param == "worker" else "always")
+    and all of them in one post; "staged": through staging and WRITEs although the sender could
+    write the decode's memory itself."""
+    monkeypatch.setenv("HAWK_LAYERWISE_INLINE", "0" if request.param.startswith("worker") else "always")
     monkeypatch.setenv("HAWK_LAYERWISE_GROUP", str(L) if request.param == "inline-grouped" else "1")
+    monkeypatch.setenv("HAWK_LAYERWISE_DIRECT", "0" if request.param.endswith("staged") else "1")
     return request.param.split("-")[0]
+
+
+def _direct(config: str) -> bool:
+    """Whether this run's pushes of ``config`` go straight into the decode's memory (gn-hawk's transform)."""
+    import os
+
+    return config == "gn-hawk" and os.environ["HAWK_LAYERWISE_DIRECT"] == "1"
+
+
+class Faults:
+    """Fail a push on demand whichever way it writes: the transport's batches (staged) or the transform
+    that writes the decode's memory (direct)."""
+
+    def __init__(self, pair, tp):
+        self.tp, self.on = tp, False
+        fmt = pair.sender.fmt
+        real = fmt.produce_layer_into
+
+        def produce(plan, layer, target):
+            if self.on and layer == L - 1:  # earlier layers are written: the failure comes mid-push
+                raise RuntimeError("injected transform failure")
+            return real(plan, layer, target)
+
+        fmt.produce_layer_into = produce
+
+    def set(self, on: bool) -> None:
+        self.on = self.tp.fault = on
 
 
 class FaultyLocal(LocalTransport):
@@ -95,6 +126,7 @@ def test_layerwise_push_lands_the_kv_and_releases_everything(config, post_from):
             assert "result" in out, out
             assert out["result"].mode == "layerwise" and out["result"].bytes > 0 and out["result"].num_tokens == tokens
             assert ("sender_posts" in out["result"].timings) == (post_from == "inline")  # the path asked for ran
+            assert (out["result"].requests == 0) == _direct(config)  # direct: no transport request at all
             assert pair.landed(tokens, blocks, dst)
         assert _clean(pair)
         assert sorted(pair.freed) == ["r0", "r1", "r2"]  # every prefill's blocks back exactly once
@@ -147,7 +179,7 @@ def test_transfer_failure_mid_push_releases(config):
     pair = make_pair(config, tp, LocalTransport())
     try:
         t, out = _hand_over(pair, "r", 100, dst_blocks_for(config, 100))
-        tp.fault = True
+        Faults(pair, tp).set(True)
         _prefill(pair, "r", 100, [9, 3, 4, 5, 6, 7, 8])
         t.join(10)
         assert isinstance(out.get("error"), KVTransferFailed) and "injected" in str(out["error"])
@@ -199,6 +231,7 @@ def test_decode_vanishing_mid_push_releases_after_the_ttl():
 def test_many_small_pushes_with_faults_end_with_empty_ledgers():
     tp = FaultyLocal()
     pair = make_pair("gn-hawk", tp, LocalTransport(), ttl_s=0.5, timeout_s=2.0)
+    faults = Faults(pair, tp)
     rng = random.Random(11)
     kinds = ["ok"] * 4 + ["write-fails", "discarded", "forward-fails", "late"]
     seen: list[str] = []
@@ -211,7 +244,7 @@ def test_many_small_pushes_with_faults_end_with_empty_ledgers():
             if kind == "late":
                 pair.add(rid, tokens, blocks)
             t, out = _hand_over(pair, rid, tokens, dst)
-            tp.fault = kind == "write-fails"
+            faults.set(kind == "write-fails")
             if kind == "discarded":
                 pair.sender.discard(rid)
             elif kind == "forward-fails":
@@ -219,7 +252,7 @@ def test_many_small_pushes_with_faults_end_with_empty_ledgers():
             elif kind != "late":
                 _prefill(pair, rid, tokens, blocks)
             t.join(10)
-            tp.fault = False
+            faults.set(False)
             if kind in ("ok", "late"):
                 assert "result" in out, (kind, out)
                 assert pair.landed(tokens, blocks, dst)

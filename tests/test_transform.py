@@ -80,6 +80,9 @@ def all_cases() -> list[dict]:
 
 
 CASES = all_cases()
+#: Cases whose tiles are also written straight into an NPU's DRAM (``run_memory_dest``).
+MEMORY_CASES = [c for c in CASES if c["name"].startswith("grid-bf16-")] + [
+    c for c in CASES if c["name"] in ("head-subset", "head-dim-96-bfp8")]
 
 
 def build_plan(c: dict) -> KVTransferPlan:
@@ -222,8 +225,49 @@ def run_case(c: dict, device: str, kernel: str | None = None) -> None:
     # (which only need their own cache-layout state).
     from hawk.transform.triton_kernel import _prepare
 
-    first, second = _prepare(plan, caches)[0], _prepare(plan, caches2)[0]
+    first, second = _prepare(plan, caches, plan.send_dest())[0], _prepare(plan, caches2, plan.send_dest())[0]
     assert first.placed is second.placed and first.blocks is second.blocks
+
+
+def _dram(plan: KVTransferPlan) -> tuple[int, int]:
+    """``(channel bytes, channels)`` of the NPU whose DRAM a case's plan addresses (banks tile channels)."""
+    arch = plan.dst.arch
+    return arch.channel_capacity(0), arch.num_channels
+
+
+def run_memory_dest(c: dict, device: str, kernel: str | None = None) -> None:
+    """Tiles written straight into the NPU's DRAM (``memory_dest``): the bytes the send buffer holds,
+    at the addresses the direct requests would have copied them to, and nothing else touched; the
+    Triton kernel and the reference agree."""
+    from hawk.transform.triton_kernel import transform_triton
+
+    plan = build_plan(c)
+    caches = make_caches(c, plan, device)
+    cb, nch = _dram(plan)
+    dest = plan.memory_dest(cb)
+    assert dest is plan.memory_dest(cb), "memory_dest is cached with the placement"
+    send = transform_reference(caches, plan)
+    via_copies = torch.full((nch * cb,), 0x5A, dtype=torch.uint8, device=device)
+    r = plan.direct_runs()
+    for so, ch, do, n in zip(r.src_offset, r.dst_region, r.dst_offset, r.length):
+        via_copies[int(ch) * cb + int(do): int(ch) * cb + int(do) + int(n)] = send[int(so): int(so) + int(n)]
+    for name, write in (("reference", lambda m: transform_reference(caches, plan, m, dest)),
+                        ("triton", lambda m: transform_triton(caches, plan, m, kernel=kernel, dest=dest))):
+        mem = torch.full((nch * cb,), 0x5A, dtype=torch.uint8, device=device)
+        assert write(mem) is mem, name
+        # tile by tile back into send-buffer order: equal to the send buffer (padding as assert_same_bytes allows)
+        a, b = plan.send_dest().a, plan.send_dest().b
+        idx = torch.zeros(plan.total_bytes, dtype=torch.int64)
+        within = torch.arange(plan.page_bytes)
+        for t in range(plan.num_tensors):
+            src = torch.from_numpy(dest.a + t * dest.b)[:, None] + within
+            dst = torch.from_numpy(a + t * b)[:, None] + within
+            idx[dst.reshape(-1)] = src.reshape(-1)
+        assert_same_bytes(mem[idx.to(device)], send, plan)
+        touched = torch.zeros(nch * cb, dtype=torch.bool)
+        touched[idx] = True
+        assert bool((mem.cpu()[~touched] == 0x5A).all()), f"{name} wrote outside the tiles"
+        assert bool((via_copies.cpu()[~touched] == 0x5A).all()), "direct requests cover exactly the tiles"
 
 
 def run_odd_buffer(device: str, kernel: str) -> None:
@@ -259,6 +303,7 @@ EDGE_COMBOS = [(g, n) for g in ("bf16", "fp16", "fp32") for n in ("bfp8_b", "bf1
 def interpreted_names() -> list[str]:
     names = [f"{c['name']}@{k}" for c in CASES for k in KERNELS]
     names += [f"odd-buffer@{k}" for k in KERNELS]
+    names += [f"{c['name']}@memory@{k}" for c in MEMORY_CASES for k in KERNELS]
     names += [f"edges-{g}-{n}@{k}" for g, n in EDGE_COMBOS for k in KERNELS]
     return names + ["bench-triton"]
 
@@ -288,6 +333,9 @@ def _run_all_interpreted() -> None:
             _attempt(f"{c['name']}@{k}", run_case, c, "cpu", k)
     for k in KERNELS:
         _attempt(f"odd-buffer@{k}", run_odd_buffer, "cpu", k)
+    for c in MEMORY_CASES:
+        for k in KERNELS:
+            _attempt(f"{c['name']}@memory@{k}", run_memory_dest, c, "cpu", k)
     for g, n in EDGE_COMBOS:
         for k in KERNELS:
             _attempt(f"edges-{g}-{n}@{k}", run_edges, "cpu", k, g, n)
@@ -310,7 +358,7 @@ def _bench_smoke_interpreted() -> None:
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, dict]:
-    return run_interpreted("tests.test_transform", timeout_s=280)
+    return run_interpreted("tests.test_transform", timeout_s=420)
 
 
 @pytest.mark.parametrize("name", interpreted_names())
@@ -327,6 +375,15 @@ def test_triton_matches_reference_cuda(case: dict, kernel: str) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     run_case(case, "cuda", kernel)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("case", MEMORY_CASES, ids=[c["name"] for c in MEMORY_CASES])
+def test_triton_memory_dest_cuda(case: dict, kernel: str) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    run_memory_dest(case, "cuda", kernel)
 
 
 @pytest.mark.gpu

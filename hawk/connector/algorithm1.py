@@ -46,7 +46,10 @@ blocks first and hands them over before the prefill runs.
                                                          stream-ordered transport (same host, CUDA) the
                                                          forward's thread posts both as it passes the
                                                          layer, ordered after it on the device; else
-                                                         the push worker does, as the layer completes
+                                                         the push worker does, as the layer completes.
+                                                         Where this process can address r's pages (the
+                                                         same GPU), the transform writes them itself:
+                                                         P3 and P5 in one pass, no staging, no WRITE
                                                      P6+P9  after the last write: release the staging
                                                          and the paged blocks
     D2  AwaitPush ◀──────────────────────────────── P7  Pushed (or Error), when all writes completed
@@ -77,9 +80,9 @@ from typing import Any
 
 
 from hawk.connector.control import ControlClient, ControlServer, Deferred, PeerUnreachable
-from hawk.connector.formats import Held, SendFormat, Staged
+from hawk.connector.formats import DirectTarget, Held, SendFormat, Staged
 from hawk.connector.landings import Landing
-from hawk.connector.layer_stream import SideStream, mark
+from hawk.connector.layer_stream import DeviceWrite, SideStream, mark
 from hawk.connector.messages import (
     Ack,
     AwaitPush,
@@ -153,6 +156,8 @@ def _device_of(fmt: SendFormat) -> Any:
 class _Receiver:
     peer: str
     info: dict[str, Any]
+    memory: Any = None  # the destination regions as one tensor here (peer_memory), once looked up
+    memory_known: bool = False
 
 
 #: A push-worker item meaning "every layer of this inline push is posted" (layer numbers are >= 0,
@@ -166,6 +171,9 @@ def layer_group(num_layers: int) -> int:
     env = os.environ.get(GROUP_ENV)
     return max(1, int(env)) if env else max(1, -(-num_layers // 8))
 
+
+#: ``0`` keeps staging + WRITE for a layer-wise push whose destination this process could write itself.
+DIRECT_ENV = "HAWK_LAYERWISE_DIRECT"
 
 #: ``0`` keeps every layer-wise push on the push worker (for comparison); default (``1``): inline on
 #: CUDA when the transport is stream-ordered; ``always``: inline on a CPU too (tests: on a CPU the
@@ -210,6 +218,7 @@ class _Push:
     writes: list[Any] = field(default_factory=list)  # posted layer WRITEs not yet waited for
     failing: Message | None = None  # a failure found while the worker was busy with it: the worker ends it
     inline: bool = False  # layers are produced and posted on the forward's thread (stream-ordered transport)
+    direct: DirectTarget | None = None  # layers are produced straight into the decode's memory (no staging, no WRITE)
     pending: list[int] = field(default_factory=list)  # inline: written layers not posted yet (a group fills)
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -378,10 +387,16 @@ class KVSender:
             t0 = time.perf_counter()
             self._side.after_current()
             with self._side.current():
-                for lyr in layers:
-                    self.fmt.produce_layer(push.plan, lyr, staged)
-                t1 = time.perf_counter()
-                self._post_writes(push, layers, staged)
+                if push.direct is not None:
+                    for lyr in layers:
+                        self.fmt.produce_layer_into(push.plan, lyr, push.direct)
+                    t1 = time.perf_counter()
+                    self._count_direct(push, layers)
+                else:
+                    for lyr in layers:
+                        self.fmt.produce_layer(push.plan, lyr, staged)
+                    t1 = time.perf_counter()
+                    self._post_writes(push, layers, staged)
             t2 = time.perf_counter()
             push.timings["post_transform_s"] = push.timings.get("post_transform_s", 0.0) + t1 - t0
             push.timings["post_write_s"] = push.timings.get("post_write_s", 0.0) + t2 - t1
@@ -495,21 +510,18 @@ class KVSender:
 
     def _plan_push(self, push: _Push, mismatch: str, wait_s: float | None = None) -> None:
         """P2-P4 of a push, beside the forward: plan it and reserve its staging (waiting up to
-        ``wait_s`` for room, default ``staging_wait_s``)."""
+        ``wait_s`` for room, default ``staging_wait_s``), or none where the layers go straight
+        into the decode's memory."""
         if mismatch:
             raise ValueError(mismatch)
         t0 = time.perf_counter()
         push.plan = self.fmt.plan_layers(push.num_tokens, push.src_block_ids, push.receiver.info, push.dst_block_ids)
         t1 = time.perf_counter()
-        deadline = time.monotonic() + (self.staging_wait_s if wait_s is None else wait_s)
-        while True:
-            try:
-                staged = self.fmt.reserve_layers(push.plan, push.request_id, ttl_s=self.ttl_s * 2)
-                break
-            except BufferFull:
-                if time.monotonic() >= deadline or push.state is not PushState.PUSHING:
-                    raise
-                time.sleep(0.005)
+        push.direct = self._direct_target(push)
+        if push.direct is not None:
+            staged = Staged(Held("direct"))  # P4 holds nothing: each layer's transform writes its pages
+        else:
+            staged = self._reserve_layers(push, wait_s)
         with self._lock:
             if push.state is not PushState.PUSHING:  # failed meanwhile: what was just reserved goes back
                 self.fmt.release(staged.held)
@@ -518,16 +530,45 @@ class KVSender:
         push.layers_left = self.fmt.layout.num_layers
         push.timings.update(plan_s=t1 - t0, reserve_s=time.perf_counter() - t1)
 
+    def _reserve_layers(self, push: _Push, wait_s: float | None) -> Staged:
+        """P4 of a push: its staging, waiting up to ``wait_s`` (default ``staging_wait_s``) for room."""
+        deadline = time.monotonic() + (self.staging_wait_s if wait_s is None else wait_s)
+        while True:
+            try:
+                return self.fmt.reserve_layers(push.plan, push.request_id, ttl_s=self.ttl_s * 2)
+            except BufferFull:
+                if time.monotonic() >= deadline or push.state is not PushState.PUSHING:
+                    raise
+                time.sleep(0.005)
+
+    def _direct_target(self, push: _Push) -> DirectTarget | None:
+        """Where the layers can be produced straight into the decode's memory: this process addresses
+        it (the same GPU, in-process or through CUDA IPC) and the format can write it in one pass.
+        ``$HAWK_LAYERWISE_DIRECT=0`` keeps staging + WRITE (for comparison)."""
+        if os.environ.get(DIRECT_ENV, "1") == "0":
+            return None
+        r = push.receiver
+        if not r.memory_known:
+            names = self.fmt.dest_regions(r.info)
+            r.memory = self.transport.peer_memory(r.peer, names) if names else None
+            r.memory_known = True
+        return None if r.memory is None else self.fmt.direct_target(push.plan, r.memory)
+
     def _push_layer(self, push: _Push, layer: int, marker: Any) -> None:
         """P3 + P5 for one layer: produce it on the side stream, then WRITE it to the destination."""
         staged = push.staged
         if staged is None:
             raise RuntimeError("layer pushed before its plan")
         t0 = time.perf_counter()
-        self._side.run(marker, lambda: self.fmt.produce_layer(push.plan, layer, staged))
-        t1 = time.perf_counter()
-        with self._side.current():  # ordered after this layer's transform, not the rest of the forward
-            self._post_writes(push, [layer], staged)
+        if push.direct is not None:  # produced straight into the destination: done when run returns
+            self._side.run(marker, lambda: self.fmt.produce_layer_into(push.plan, layer, push.direct))
+            t1 = time.perf_counter()
+            self._count_direct(push, [layer])
+        else:
+            self._side.run(marker, lambda: self.fmt.produce_layer(push.plan, layer, staged))
+            t1 = time.perf_counter()
+            with self._side.current():  # ordered after this layer's transform, not the rest of the forward
+                self._post_writes(push, [layer], staged)
         t2 = time.perf_counter()
         push.timings["transform_s"] = push.timings.get("transform_s", 0.0) + t1 - t0
         push.timings["write_s"] = push.timings.get("write_s", 0.0) + t2 - t1
@@ -543,6 +584,13 @@ class KVSender:
             push.writes.append(self.transport.submit("WRITE", push.receiver.peer, descs))
         push.bytes += desc_bytes(descs)
         push.requests += len(descs)
+        push.layers_left -= len(layers)
+
+    def _count_direct(self, push: _Push, layers: list[int]) -> None:
+        """P5 done by P3 for these layers (enqueued on the side stream, current): they count as posted,
+        complete when the side stream's work so far is (one mark per post, waited for like a WRITE)."""
+        push.writes.append(self._side.written())
+        push.bytes += len(layers) * push.plan.layer_bytes
         push.layers_left -= len(layers)
 
     def _finish_posted(self, push: _Push, wait_key: str | None = None) -> None:
@@ -561,10 +609,14 @@ class KVSender:
         writes, push.writes = push.writes, []
         try:
             for h in writes:
-                self.transport.wait(h, self.ttl_s)
+                if isinstance(h, DeviceWrite):
+                    h.wait()
+                else:
+                    self.transport.wait(h, self.ttl_s)
         finally:
             for h in writes:
-                self.transport.release(h)
+                if not isinstance(h, DeviceWrite):
+                    self.transport.release(h)
 
     def _fail_push(self, push: _Push, message: str) -> None:
         self._end_push(push, PushState.FAILED, Error(push.request_id, message))
@@ -606,6 +658,9 @@ class KVSender:
     def _end_writes(self, writes: list[Any]) -> None:
         """Wait for the WRITEs a failing push left posted (errors included: they only have to end)."""
         for h in writes:
+            if isinstance(h, DeviceWrite):
+                h.wait()  # kernels writing into the decode's memory must end before it hears of the failure
+                continue
             with contextlib.suppress(Exception):
                 self.transport.wait(h, self.ttl_s)
             self.transport.release(h)

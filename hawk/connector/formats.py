@@ -28,7 +28,7 @@ from hawk.memory.buffers import ChannelBuffers, StagingBuffer
 from hawk.memory.npu_kv_cache import NpuKVCacheMemory
 from hawk.memory.reservations import Reservation
 from hawk.plan.block_plan import BlockCopyPlan, plan_block_copy
-from hawk.plan.kv_plan import KVTransferPlan
+from hawk.plan.kv_plan import KVTransferPlan, TileDest
 from hawk.plan.layer_plan import LayerwisePlan, plan_layerwise
 from hawk.plan.plan_cache import PLANS
 from hawk.transform import transform
@@ -44,6 +44,17 @@ class Held:
 
     mode: str
     reservations: dict[Any, Reservation] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class DirectTarget:
+    """A layer-wise push written by its producing kernels straight into the receiver's memory: the
+    receiver's regions as one tensor here, layer 0's destination in it and each layer's byte shift
+    from layer 0 (the sender's transform does P3 and P5 in one pass; no staging, no WRITE)."""
+
+    memory: torch.Tensor
+    dest: TileDest
+    shifts: list[int]
 
 
 @dataclass
@@ -141,6 +152,19 @@ class SendFormat(ABC):
     def produce_layer(self, plan: Any, layer: int, staged: Staged) -> None:
         """Write layer ``layer``'s bytes into its slice of ``staged`` (nothing when read in place)."""
 
+    def dest_regions(self, peer: dict[str, Any]) -> list[str]:
+        """The receiver's regions a layer-wise push of this format writes into, in address order."""
+        return []
+
+    def direct_target(self, plan: Any, memory: torch.Tensor) -> DirectTarget | None:
+        """How to produce every layer of ``plan`` straight into ``memory`` (the receiver's
+        :meth:`dest_regions`, back to back, as this process addresses them), or None: staging + WRITE."""
+        return None
+
+    def produce_layer_into(self, plan: Any, layer: int, target: DirectTarget) -> None:
+        """Produce layer ``layer``'s bytes straight into the receiver's memory (:meth:`direct_target`)."""
+        raise NotImplementedError
+
     def layer_descs(self, plan: Any, layer: int, staged: Staged) -> Sequence[Desc]:
         """Layer ``layer``'s WRITE batch, from this side's view: local = sender, remote = receiver (a
         list of Desc or a DescArray)."""
@@ -236,6 +260,29 @@ class NpuTiles(_InStagingBuffer):
             transform(cache, plan.plan, out, self.impl)
         else:
             out.copy_(transform(cache, plan.plan, None, self.impl))
+
+    def dest_regions(self, peer: dict[str, Any]) -> list[str]:
+        return [channel_region(c) for c in range(peer["layout"].arch.num_channels)]
+
+    def direct_target(self, plan: LayerwisePlan, memory: torch.Tensor) -> DirectTarget | None:
+        """The decode's DRAM (channels back to back, equal sizes) on this GPU: each layer's transform
+        writes its tiles into their pages. None where that memory is elsewhere, the tensor bases are
+        not evenly spaced, or an address does not fit the kernels' tables."""
+        nch = plan.plan.dst.arch.num_channels
+        if memory.device != self.caches[0].device or memory.numel() % nch:
+            return None
+        try:
+            dest = plan.plan.memory_dest(memory.numel() // nch)
+        except ValueError:
+            return None
+        shifts = [plan.shift(layer) for layer in range(plan.num_layers)]
+        if any(s is None or s < 0 or s + dest.extent > memory.numel() for s in shifts):
+            return None
+        return DirectTarget(memory, dest, shifts)  # type: ignore[arg-type]
+
+    def produce_layer_into(self, plan: LayerwisePlan, layer: int, target: DirectTarget) -> None:
+        shift = target.shifts[layer]
+        transform([self.caches[layer]], plan.plan, target.memory[shift:], self.impl, target.dest)
 
     def layer_descs(self, plan: LayerwisePlan, layer: int, staged: Staged) -> DescArray:
         base = staged.offset + layer * plan.layer_bytes

@@ -50,8 +50,28 @@ class SideStream:
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
+    def written(self) -> DeviceWrite:
+        """Completion of everything enqueued on this stream so far (writes a kernel made straight into a
+        peer's memory: no transport handle tracks them)."""
+        if self.stream is None:
+            return DeviceWrite(None)
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        return DeviceWrite(ev)
+
     def current(self) -> contextlib.AbstractContextManager[Any]:
         """This stream as the calling thread's current one (and its device as the current device):
         a same-host transport's copies order themselves after the current stream, and the thread's
         default stream holds the whole forward enqueued so far, later layers included."""
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+
+class DeviceWrite:
+    """Bytes a kernel writes straight into a peer's memory, done when ``event`` is (None: already done)."""
+
+    def __init__(self, event: Any) -> None:
+        self.event = event
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()

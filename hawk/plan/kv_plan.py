@@ -113,6 +113,45 @@ class KVTransferPlan:
         b = self.bank_pages[self.bank] * pb
         return a, b
 
+    def send_dest(self) -> TileDest:
+        """The send buffer as a transform's destination (what moves over a transport); cached with the
+        placement (every transform call asks for it)."""
+        memo = self._shared_memo()
+        hit = memo.get(("send",))
+        if hit is None:
+            a, b = self.offset_terms()
+            hit = memo[("send",)] = TileDest(a, b, self.page_bytes, self.total_bytes, ("send",))
+        return hit
+
+    def memory_dest(self, channel_bytes: int) -> TileDest:
+        """The NPU's DRAM itself as a transform's destination: channels back to back, ``channel_bytes``
+        each, tile ``(t, q)`` at ``channel[q] * channel_bytes + addr[q] + dst_bases[t]``.
+
+        Why: a writer that can address that memory (the same GPU, in this process or through CUDA
+        IPC) puts every tile in its page in one pass: no send buffer, no copy. Needs the tensor bases
+        evenly spaced (lockstep allocation makes them so); raises ValueError otherwise. Cached with
+        the placement: every request on it shares the arrays.
+        """
+        bases = np.asarray(self.dst_bases, dtype=np.int64)
+        step = int(bases[1] - bases[0]) if len(bases) > 1 else 0
+        if not np.array_equal(bases, bases[0] + step * np.arange(len(bases), dtype=np.int64)):
+            raise ValueError("the NPU tensor bases are not evenly spaced: no single-pass destination")
+        key = ("memory", int(channel_bytes), int(bases[0]), step)
+        memo = self._shared_memo()
+        hit = memo.get(key)
+        if hit is not None:
+            return hit
+        a = self.channel * int(channel_bytes) + self.addr + int(bases[0])
+        b = np.full_like(a, step)
+        unit = int(np.gcd.reduce(np.concatenate([[self.page_bytes, step], a])))
+        last = a + (self.num_tensors - 1) * step
+        lo, hi = min(int(a.min()), int(last.min())), max(int(a.max()), int(last.max()))
+        extent = hi + self.page_bytes  # the furthest byte written, not the whole DRAM
+        if lo < 0 or unit % 16 or hi // unit >= 2**31 or abs(step) // unit >= 2**31:
+            raise ValueError(f"NPU addresses are negative, not 16-byte aligned or too large for int32 units of {unit} B")
+        dest = memo[key] = TileDest(a, b, unit, extent, key)
+        return dest
+
     def send_offsets(self) -> np.ndarray:
         """``[2L, P]`` send-buffer byte offset of every tile."""
         a, b = self.offset_terms()
@@ -243,6 +282,19 @@ class KVTransferPlan:
         missing = [c for c, _, _ in self.channel_extents if c not in channel_dst]
         if missing:
             raise ValueError(f"no per-channel buffer offset given for channel(s) {missing}")
+
+
+@dataclass(frozen=True, eq=False)
+class TileDest:
+    """Where a transform writes tile ``(t, q)`` of a plan: byte ``a[q] + t * b[q]`` of one flat buffer
+    of at least ``extent`` bytes (its furthest byte written, plus one). Every offset is a multiple of ``unit`` (the kernels keep them as
+    int32 counts of it); ``key`` names the destination for the caches built on it."""
+
+    a: np.ndarray
+    b: np.ndarray
+    unit: int
+    extent: int
+    key: tuple
 
 
 @dataclass(frozen=True, eq=False)

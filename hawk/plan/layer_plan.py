@@ -52,7 +52,7 @@ class LayerwisePlan:
     def total_bytes(self) -> int:
         return self.num_layers * self.layer_bytes
 
-    def _shift(self, layer: int) -> int | None:
+    def shift(self, layer: int) -> int | None:
         """How far layer ``layer``'s tensors sit from layer 0's (None: K and V moved differently)."""
         dk, dv = self.bases[2 * layer] - self.bases[0], self.bases[2 * layer + 1] - self.bases[1]
         return dk if dk == dv else None
@@ -65,7 +65,7 @@ class LayerwisePlan:
         hit = self._per_layer.get(layer)
         if hit is not None:
             return hit
-        shift = self._shift(layer)
+        shift = self.shift(layer)
         if shift is not None:
             r = self.plan.direct_runs()
             runs = Runs(r.src_region, r.src_offset, r.dst_region, r.dst_offset + shift, r.length)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hawk.plan.kv_plan import KVTransferPlan
+from hawk.plan.kv_plan import KVTransferPlan, TileDest
 from hawk.transform.reference import transform_reference, untransform_reference
 
 IMPLS = ("auto", "triton", "torch")
@@ -25,17 +25,19 @@ def triton_available() -> bool:
 
 
 def transform(
-    caches: Sequence[torch.Tensor], plan: KVTransferPlan, out: torch.Tensor | None = None, impl: str = "auto"
+    caches: Sequence[torch.Tensor], plan: KVTransferPlan, out: torch.Tensor | None = None, impl: str = "auto",
+    dest: TileDest | None = None,
 ) -> torch.Tensor:
-    """Write ``plan``'s send buffer from the paged caches with the chosen implementation."""
+    """Write ``plan``'s tiles from the paged caches with the chosen implementation: into its send
+    buffer, or where ``dest`` says (e.g. straight into the NPU's DRAM, :meth:`KVTransferPlan.memory_dest`)."""
     if impl not in IMPLS:
         raise ValueError(f"unknown transform impl {impl!r}; expected one of {IMPLS}")
     use_triton = impl == "triton" or (impl == "auto" and caches[0].is_cuda and triton_available())
     if use_triton:
         from hawk.transform.triton_kernel import transform_triton
 
-        return transform_triton(caches, plan, out)
-    return transform_reference(caches, plan, out)
+        return transform_triton(caches, plan, out, dest=dest)
+    return transform_reference(caches, plan, out, dest)
 
 
 def untransform(send: torch.Tensor, plan: KVTransferPlan, caches: Sequence[torch.Tensor]) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from hawk.layouts.tt import FACE, TILE, bytes_to_tiles, tiles_to_bytes
-from hawk.plan.kv_plan import KVTransferPlan
+from hawk.plan.kv_plan import KVTransferPlan, TileDest
 
 
 def _slab_rows(plan: KVTransferPlan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,24 +49,28 @@ def gather_faces(caches: Sequence[torch.Tensor], plan: KVTransferPlan, layer: in
 
 
 def transform_reference(
-    caches: Sequence[torch.Tensor], plan: KVTransferPlan, out: torch.Tensor | None = None
+    caches: Sequence[torch.Tensor], plan: KVTransferPlan, out: torch.Tensor | None = None, dest: TileDest | None = None
 ) -> torch.Tensor:
-    """Write the plan's send buffer (1-D uint8, ``plan.total_bytes``) from the paged GPU caches."""
+    """Write the plan's tiles (1-D uint8) from the paged GPU caches: into its send buffer (``plan.total_bytes``),
+    or where ``dest`` says (:meth:`KVTransferPlan.memory_dest`: the NPU's DRAM, ``out`` being all of it)."""
     plan.src.check_cache(list(caches))
     device = caches[0].device
     pb = plan.page_bytes
-    if out is None:
-        out = torch.empty(plan.total_bytes, dtype=torch.uint8, device=device)
-    elif out.dtype != torch.uint8 or out.numel() < plan.total_bytes:
-        raise ValueError(f"send buffer must be uint8 with >= {plan.total_bytes} bytes, got {out.dtype} x {out.numel()}")
-    pages = out[: plan.total_bytes].view(-1, pb)
-    a, b = (torch.as_tensor(x, device=device) for x in plan.offset_terms())
+    if out is None:  # a send buffer's bytes are all tiles; any other destination starts zeroed
+        n = plan.total_bytes if dest is None else dest.extent
+        out = (torch.empty if dest is None else torch.zeros)(n, dtype=torch.uint8, device=device)
+    dest = dest or plan.send_dest()
+    if out.dtype != torch.uint8 or out.numel() < dest.extent:
+        raise ValueError(f"send buffer (or destination) must be uint8 with >= {dest.extent} bytes, got {out.dtype} x {out.numel()}")
+    a, b = (torch.as_tensor(x, device=device) for x in (dest.a, dest.b))
+    flat = out.view(-1)
+    within = torch.arange(pb, device=device)
     for layer in range(plan.src.num_layers):
         encoded = tiles_to_bytes(gather_faces(caches, plan, layer).reshape(-1, 4, FACE, FACE), plan.dst.dtype)
         encoded = encoded.view(2, -1, pb)
         for kv in range(2):
             t = 2 * layer + kv
-            pages[(a + t * b) // pb] = encoded[kv]
+            flat[(a + t * b)[:, None] + within[None, :]] = encoded[kv]
     return out
 
 

@@ -56,6 +56,7 @@ small requests.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 
@@ -70,7 +71,7 @@ import triton.language as tl
 from triton import knobs as _knobs
 
 from hawk.layouts.tt import TILE
-from hawk.plan.kv_plan import KVTransferPlan
+from hawk.plan.kv_plan import KVTransferPlan, TileDest
 
 #: Attribute set on a plan holding its launch states (:class:`_Launch`), keyed by the caches.
 _CACHE_ATTR = "_triton_tables"
@@ -168,6 +169,7 @@ def _transform_kernel(
     SRC_KIND: tl.constexpr,
     BFP8: tl.constexpr,
     VEC: tl.constexpr,  # proven divisibility of row starts, in elements (enables wide loads)
+    PAGE_UNIT: tl.constexpr,  # bytes per unit of the records' destination offsets (a page, in a send buffer)
 ):
     g = tl.program_id(0)
     t = tl.program_id(1)
@@ -204,14 +206,14 @@ def _transform_kernel(
     has_page = (pa >= 0)[:, None]
     if BFP8:
         exps, vals = _bfp8_rows(tl.reshape(faces, (CTP * 64, 16)))
-        start = page * 1088
+        start = page * PAGE_UNIT
         e = tl.arange(0, 64)
         tl.store(out + start[:, None] + e[None, :], tl.reshape(exps, (CTP, 64)), mask=has_page)
         v = tl.arange(0, 1024)
         tl.store(out + (start + 64)[:, None] + v[None, :], tl.reshape(vals, (CTP, 1024)), mask=has_page)
     else:
         v = tl.arange(0, 1024)
-        tl.store(out + (page * 1024)[:, None] + v[None, :], tl.reshape(faces, (CTP, 1024)), mask=has_page)
+        tl.store(out + (page * (PAGE_UNIT // 2))[:, None] + v[None, :], tl.reshape(faces, (CTP, 1024)), mask=has_page)
 
 
 @triton.jit
@@ -283,6 +285,8 @@ def _rows_kernel(
     TPP: tl.constexpr,  # tensors per program (a power of two)
     WORDS: tl.constexpr,  # bf16 source read as int32 words; bfloat8_b values written as int16 pairs
     EVEN_T: tl.constexpr,  # TPP divides n_tensors: no tensor mask
+    PAGE_UNIT: tl.constexpr,  # bytes per unit of the records' destination offsets (a page, in a send buffer)
+    ALIGN: tl.constexpr,  # proven alignment of a page start, in bytes (a power of two)
 ):
     # Axes of every per-element tensor: [2 halves of a face row, NF face columns, 32 rows, TPP
     # tensors, X units]. Only the last is contiguous in memory; Triton's coalescing puts it in a
@@ -343,7 +347,8 @@ def _rows_kernel(
             ahi = v & 0x7FFF0000  # ... and of the odd one
             amax = tl.max(tl.max(tl.maximum(alo, ahi), axis=4), axis=0)
             shared, scale, e5, rare = _row_constants(amax)
-            vbase = tl.multiple_of(page5 * 544 + 32, [32, 32, 32, 32, 32])  # int16 units: values follow 64 exponent bytes
+            a16: tl.constexpr = ALIGN // 2  # int16 units: values follow 64 exponent bytes
+            vbase = tl.multiple_of(page5 * (PAGE_UNIT // 2) + 32, [a16, a16, a16, a16, a16])
             vptr = out16 + vbase + frow5 * 8 + hx
             sg = (v & -2147450880).to(tl.uint32, bitcast=True)  # 0x80008000: both signs; >> 8 and >> 24
             slo = (sg >> 8).to(tl.int32, bitcast=True)  # put them at bit 7, with the other at bit 23 or
@@ -367,14 +372,14 @@ def _rows_kernel(
             a = bits & 0x7FFFFFFF
             amax = tl.max(tl.max(a, axis=4), axis=0)
             shared, scale, e5, rare = _row_constants(amax)
-            vbase = tl.multiple_of(page5 * 1088 + 64, [64, 64, 64, 64, 64])
+            vbase = tl.multiple_of(page5 * PAGE_UNIT + 64, [ALIGN, ALIGN, ALIGN, ALIGN, ALIGN])
             vptr = out + vbase + frow5 * 16 + hx
             tl.store(vptr, _bfp8_fast(a, (bits >> 24) & 0x80, scale).to(tl.uint8), mask=smask5)
             if rare > 0:  # as above
                 bits = _fp32_bits(tl.load(ptrs, mask=mask, other=0), SRC_KIND)
                 a = bits & 0x7FFFFFFF
                 tl.store(vptr, _bfp8_exact(a, (bits >> 24) & 0x80, e5).to(tl.uint8), mask=smask5)
-        ebase = tl.multiple_of(page * 1088, [64, 64])  # 64 exponent bytes open each page
+        ebase = tl.multiple_of(page * PAGE_UNIT, [ALIGN, ALIGN])  # 64 exponent bytes open each page
         tl.store(out + ebase[:, None, :] + frow[:, :, None], shared.to(tl.uint8), mask=smask[:, None, :])
     else:
         tl.static_assert(not WORDS, "WORDS is for bfloat8_b output")
@@ -382,7 +387,8 @@ def _rows_kernel(
             y = v  # bf16 -> bf16 moves bits unchanged
         else:
             y = _bf16_bits(_fp32_bits(v, SRC_KIND))
-        vbase = tl.multiple_of(page5 * 1024, [1024, 1024, 1024, 1024, 1024])  # int16 units
+        a16: tl.constexpr = ALIGN // 2
+        vbase = tl.multiple_of(page5 * (PAGE_UNIT // 2), [a16, a16, a16, a16, a16])  # int16 units
         tl.store(out16 + vbase + frow5 * 16 + hx, y, mask=smask5)
 
 
@@ -465,10 +471,11 @@ class _Groups:
     ctp: int
 
 
-def _build_groups(plan: KVTransferPlan) -> _Groups:
+def _build_groups(plan: KVTransferPlan, dest: TileDest | None = None) -> _Groups:
     """The placement table of a plan. It depends on the plan's placement (NPU layout, shared heads,
-    NPU block ids, tensor bases: the send-buffer pages), the GPU head offset and the token count, never
-    on the GPU block ids or the caches, so one serves every request on that placement.
+    NPU block ids, tensor bases: the send-buffer pages), the GPU head offset, the token count and the
+    destination (``dest``, default the send buffer; offsets in its units), never on the GPU block ids
+    or the caches, so one serves every request on that placement.
 
     Plans are assembled on a tile grid, which lists each (token start, head)'s column tiles as
     consecutive pages in order: then a group is a run of ``col_tiles`` pages and the records are a
@@ -479,12 +486,12 @@ def _build_groups(plan: KVTransferPlan) -> _Groups:
     ct = np.asarray(plan.col_tile, dtype=np.int64)
     n_ct = plan.dst.col_tiles
     ctp = triton.next_power_of_2(n_ct)
-    a, b = plan.offset_terms()
-    pbytes = plan.page_bytes
-    pa, pb = a // pbytes, b // pbytes  # (a division and a product are cheaper than a remainder)
-    if not (np.array_equal(pa * pbytes, a) and np.array_equal(pb * pbytes, b)):
-        raise ValueError("send-buffer offsets are not whole pages; the plan is inconsistent")
-    if plan.total_bytes // pbytes >= 2**31 or plan.num_tokens >= 2**31:
+    dest = dest or plan.send_dest()
+    a, b, unit = dest.a, dest.b, dest.unit
+    pa, pb = a // unit, b // unit  # (a division and a product are cheaper than a remainder)
+    if not (np.array_equal(pa * unit, a) and np.array_equal(pb * unit, b)):
+        raise ValueError(f"destination offsets are not whole units of {unit} B; the plan is inconsistent")
+    if dest.extent // unit >= 2**31 or plan.num_tokens >= 2**31:
         raise ValueError("request too large for the transform's int32 tables")
     p = len(ts)
     width = 4 + 2 * ctp
@@ -685,16 +692,17 @@ def _plan_cache(plan: KVTransferPlan) -> dict:
     return cache
 
 
-def _placed(plan: KVTransferPlan, device: torch.device) -> _Placed:
-    """The plan's placement table on ``device``: cached by placement (every plan assembled on one
-    shares its ``_memo``), token count and the GPU side's head offset; built and uploaded once."""
+def _placed(plan: KVTransferPlan, device: torch.device, dest: TileDest) -> _Placed:
+    """The plan's placement table on ``device`` for ``dest``: cached by placement (every plan assembled
+    on one shares its ``_memo``), token count, the GPU side's head offset and the destination; built
+    and uploaded once."""
     memo = getattr(plan, "_memo", None)
-    key = None if memo is None else (id(memo), device, plan.num_tokens, plan.heads.start - plan.src.head_start)
+    key = None if memo is None else (id(memo), device, plan.num_tokens, plan.heads.start - plan.src.head_start, dest.key)
     if key is not None:
         hit = _lru_get(_PLACEMENTS, key)
         if hit is not None and hit[0] is memo:
             return hit[1]
-    g = _build_groups(plan)
+    g = _build_groups(plan, dest)
     placed = _Placed(groups=g.groups, ctp=g.ctp, table=_Table(g.host, device))
     if key is not None:
         _lru_put(_PLACEMENTS, key, (memo, placed), _PLACEMENTS_MAX)
@@ -714,7 +722,7 @@ def _blocks(plan: KVTransferPlan, device: torch.device) -> _Table:
     return table
 
 
-def _prepare(plan: KVTransferPlan, caches: Sequence[torch.Tensor]) -> tuple[_Launch, Sequence[torch.Tensor]]:
+def _prepare(plan: KVTransferPlan, caches: Sequence[torch.Tensor], dest: TileDest | None = None) -> tuple[_Launch, Sequence[torch.Tensor]]:
     """Validate the caches and build (or fetch) the launch state cached on the plan (and, part by
     part, across plans); also return the caches the kernel reads (contiguous copies in the rare case
     the given ones disagree on strides).
@@ -726,9 +734,10 @@ def _prepare(plan: KVTransferPlan, caches: Sequence[torch.Tensor]) -> tuple[_Lau
     a layer-wise push (one-layer lists) and caches that moved together. A plan with new GPU block ids
     on a known placement and caches builds nothing but its block table.
     """
+    dest = dest or plan.send_dest()
     c0 = caches[0]
     p0 = c0.data_ptr()
-    key = ("launch", c0.device, c0.dtype, tuple(c0.shape), c0.stride(), p0 % 16, tuple(c.data_ptr() - p0 for c in caches))
+    key = ("launch", c0.device, c0.dtype, tuple(c0.shape), c0.stride(), p0 % 16, tuple(c.data_ptr() - p0 for c in caches), dest.key)
     cache = _plan_cache(plan)
     hit = cache.get(key)
     if hit is not None:
@@ -743,9 +752,9 @@ def _prepare(plan: KVTransferPlan, caches: Sequence[torch.Tensor]) -> tuple[_Lau
         layout = _build_layout(plan, used)
         if any(u is not g for u, g in zip(used, given)):
             # Copies made for this call only: their pointers mean nothing next time.
-            return _Launch(layout, _placed(plan, layout.device), _blocks(plan, layout.device)), used
+            return _Launch(layout, _placed(plan, layout.device, dest), _blocks(plan, layout.device)), used
         _lru_put(_LAYOUTS, lkey, layout, _LAYOUTS_MAX)
-    launch = _Launch(layout, _placed(plan, layout.device), _blocks(plan, layout.device))  # type: ignore[arg-type]
+    launch = _Launch(layout, _placed(plan, layout.device, dest), _blocks(plan, layout.device))  # type: ignore[arg-type]
     for stale in [k for k in cache if k[0] == "launch"][:-7]:
         del cache[stale]  # caches moved: keep only the last few pointer sets
     cache[key] = launch
@@ -809,9 +818,16 @@ def _strides(layout: _Layout, ctp: int) -> tuple:
     return (layout.s_block, layout.s_slot, layout.s_head, layout.block_size, layout.head_dim, ctp)
 
 
-def _v2_call(layout: _Layout, ctp: int, bfp8: bool, words: bool, num_warps: int, tpp: int | None, elem_bytes: int) -> _Call:
+def _page_align(unit: int, bfp8: bool) -> int:
+    """What every page start is proven divisible by, in bytes, when offsets count ``unit`` bytes:
+    up to 64 for bfloat8_b pages (1088 B), up to a whole page for bf16 (2048 B)."""
+    return math.gcd(unit, 64 if bfp8 else 2048)
+
+
+def _v2_call(layout: _Layout, ctp: int, bfp8: bool, words: bool, num_warps: int, tpp: int | None, elem_bytes: int,
+             unit: int) -> _Call:
     direct = os.environ.get(ENV_LAUNCH, "direct") != "jit"
-    key = ("v2", ctp, bfp8, words, num_warps, tpp, direct)
+    key = ("v2", ctp, bfp8, words, num_warps, tpp, direct, unit)
     hit = layout.calls.get(key)
     if hit is not None:
         return hit
@@ -820,19 +836,20 @@ def _v2_call(layout: _Layout, ctp: int, bfp8: bool, words: bool, num_warps: int,
     if tpp < 1 or tpp & (tpp - 1):
         raise ValueError(f"tensors per program must be a power of two, got {tpp}")
     # n_tensors stays a runtime integer: it is fixed per cache layout (so is its specialization).
-    rest = (n, *_strides(layout, ctp), layout.src_kind, bfp8, layout.vec2, tpp, words, n % tpp == 0)
+    rest = (n, *_strides(layout, ctp), layout.src_kind, bfp8, layout.vec2, tpp, words, n % tpp == 0, unit,
+            _page_align(unit, bfp8))
     hit = _Call(grid_y=triton.cdiv(n, tpp), rest=rest, num_warps=num_warps, direct=direct)
     layout.calls[key] = hit
     return hit
 
 
-def _v1_call(layout: _Layout, ctp: int, bfp8: bool, num_warps: int) -> _Call:
+def _v1_call(layout: _Layout, ctp: int, bfp8: bool, num_warps: int, unit: int) -> _Call:
     direct = os.environ.get(ENV_LAUNCH, "direct") != "jit"
-    key = ("v1", ctp, bfp8, num_warps, direct)
+    key = ("v1", ctp, bfp8, num_warps, direct, unit)
     hit = layout.calls.get(key)
     if hit is None:
         # kv_stride stays a runtime integer: it is fixed per cache layout (so is its specialization).
-        rest = (layout.kv_stride, *_strides(layout, ctp), layout.src_kind, bfp8, layout.vec)
+        rest = (layout.kv_stride, *_strides(layout, ctp), layout.src_kind, bfp8, layout.vec, unit)
         hit = _Call(grid_y=2 * layout.n_layers, rest=rest, num_warps=num_warps, direct=direct)
         layout.calls[key] = hit
     return hit
@@ -891,8 +908,10 @@ def transform_triton(
     num_warps: int = 4,
     kernel: str | None = None,
     tpp: int | None = None,
+    dest: TileDest | None = None,
 ) -> torch.Tensor:
-    """Write the plan's send buffer (1-D uint8, ``plan.total_bytes``) in one kernel launch.
+    """Write the plan's send buffer (1-D uint8, ``plan.total_bytes``), or its tiles where ``dest`` says
+    (``out`` then being all of ``dest.extent``, e.g. the NPU's DRAM), in one kernel launch.
 
     Same contract and bytes as :func:`hawk.transform.reference.transform_reference`, except that rows
     past the request are always +0 (the reference's multiply-by-0 can leave -0, or NaN from inf).
@@ -905,14 +924,16 @@ def transform_triton(
     if len(caches) != plan.src.num_layers:
         raise ValueError(f"expected {plan.src.num_layers} layer tensors, got {len(caches)}")
     which = resolve_kernel(kernel, plan.src.head_dim, plan.dst.dtype)
-    launch, used = _prepare(plan, caches)
+    to_send = dest is None
+    dest = dest or plan.send_dest()
+    launch, used = _prepare(plan, caches, dest)
     c0 = used[0]
     device = c0.device
-    total = plan.total_bytes
+    total = dest.extent
     if out is None:
-        out = torch.empty(total, dtype=torch.uint8, device=device)
+        out = (torch.empty if to_send else torch.zeros)(total, dtype=torch.uint8, device=device)
     elif out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < total:
-        raise ValueError(f"send buffer must be 1-D uint8 with >= {total} bytes, got {out.dtype} of shape {tuple(out.shape)}")
+        raise ValueError(f"send buffer (or destination) must be 1-D uint8 with >= {total} bytes, got {out.dtype} of shape {tuple(out.shape)}")
     elif out.device != device:
         raise ValueError(f"send buffer is on {out.device}, caches are on {device}")
     elif not out.is_contiguous():
@@ -922,6 +943,8 @@ def transform_triton(
     dst = out if out.numel() == total else out[:total]
     ptr = dst.data_ptr()
     if ptr % 2 and (not bfp8 or which == "v1"):
+        if not to_send:
+            raise ValueError("a destination other than a send buffer must be 2-byte aligned")
         # An odd-aligned buffer cannot take int16 stores: write aside, then copy.
         dst.copy_(transform_triton(caches, plan, None, num_warps, kernel, tpp))
         return out
@@ -932,13 +955,13 @@ def transform_triton(
         launch.order_after_uploads()
         layout, placed = launch.layout, launch.placed
         if which == "v1":
-            call = _v1_call(layout, placed.ctp, bfp8, num_warps)
+            call = _v1_call(layout, placed.ctp, bfp8, num_warps, dest.unit)
             src = c0.view(_SRC_BITS[c0.dtype])  # `used` stays alive until the launch is enqueued
             args = (src, deltas, groups, blk, dst if bfp8 else dst.view(torch.int16), *call.rest)
             _launch(call, placed.groups, args, device, ptr % 16, _transform_kernel)
         else:
             words = bfp8 and layout.words and which == "v2" and ptr % 2 == 0
-            call = _v2_call(layout, placed.ctp, bfp8, words, num_warps, tpp, c0.element_size())
+            call = _v2_call(layout, placed.ctp, bfp8, words, num_warps, tpp, c0.element_size(), dest.unit)
             src = _word_view(c0) if words else c0.view(_SRC_BITS[c0.dtype])
             dst16 = dst.view(torch.int16) if ptr % 2 == 0 else dst  # (odd: only bfloat8_b bytes are stored)
             _launch(call, placed.groups, (src, tbase, groups, blk, dst, dst16, *call.rest), device, ptr % 16, _rows_kernel)

@@ -466,6 +466,13 @@ class AutoTransport(Transport):
         eng, iid = r.links[r.primary]
         return eng.stream_ordered(iid)
 
+    def peer_memory(self, peer: str, names: Sequence[str]) -> torch.Tensor | None:
+        p = self._peers.get(peer)
+        if p is None or p.state is None:
+            return None
+        eng, iid = p.state.links[p.state.primary]
+        return eng.peer_memory(iid, names)
+
     def _engine_block(self, h: TransferHandle, timeout_s: float) -> None:
         r: _Routed | None = h.engine_state
         if r is not None:

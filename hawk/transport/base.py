@@ -744,6 +744,17 @@ class Transport(abc.ABC):
         a layer-wise push does from the forward's thread). False: post only bytes that are ready."""
         return False
 
+    def peer_memory(self, peer: str, names: Sequence[str]) -> torch.Tensor | None:
+        """The peer's regions ``names``, back to back in one allocation, as one flat uint8 tensor this
+        process's kernels can write; None where this engine cannot give one (another host, or regions
+        that are not one contiguous range).
+
+        Why: a sender that can address the receiver's memory writes its bytes there in the pass that
+        produces them: no staging, no copy. The tensor stays valid while the peer is connected;
+        ordering and completing those writes is the caller's (on its CUDA stream), and nothing here
+        checks them against the regions' bounds: the caller writes inside ``[0, numel)`` only."""
+        return None
+
     def _engine_block(self, h: TransferHandle, timeout_s: float) -> None:
         """Block until ``h`` is likely finished, without holding the GIL, where the engine can (CUDA
         events); :meth:`wait` polls afterwards either way. The default returns at once (wait spins).

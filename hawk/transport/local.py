@@ -363,6 +363,15 @@ class LocalTransport(Transport):
     def stream_ordered(self, peer: str) -> bool:
         return True  # copy_span_batch's side streams wait for the caller's current stream first
 
+    def peer_memory(self, peer: str, names: Sequence[str]) -> torch.Tensor | None:
+        with self._lock:
+            p = self._peer(peer)
+            try:
+                views = [self._peer_region(p, p.regions[n]) for n in names]
+            except (KeyError, TransferError):
+                return None
+        return contiguous_span(views)
+
     def _engine_block(self, h: TransferHandle, timeout_s: float) -> None:
         batch = h.engine_state
         if batch is not None:
@@ -380,6 +389,26 @@ class LocalTransport(Transport):
             ref = _REGISTRY.get(self.agent_name)
             if ref is not None and ref() in (self, None):
                 del _REGISTRY[self.agent_name]
+
+
+def contiguous_span(views: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """Flat uint8 views that follow each other in one storage, as one tensor over all of them (None
+    when they do not: other storages, gaps, another device)."""
+    if not views:
+        return None
+    v0 = views[0]
+    storage = v0.untyped_storage()
+    end = v0.data_ptr()
+    for v in views:
+        if v.dtype != torch.uint8 or v.dim() != 1 or v.device != v0.device or v.data_ptr() != end:
+            return None
+        if v.untyped_storage().data_ptr() != storage.data_ptr():
+            return None
+        end += v.numel()
+    total = end - v0.data_ptr()
+    if v0.storage_offset() + total > storage.nbytes():
+        return None
+    return torch.empty(0, dtype=torch.uint8, device=v0.device).set_(storage, v0.storage_offset(), (total,), (1,))
 
 
 def _lookup(agent: str, engine: str) -> weakref.ref[LocalTransport]:
