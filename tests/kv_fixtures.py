@@ -57,11 +57,11 @@ class Pair:
             for kv in range(2):
                 want = self._source_rows(layer, kv, tokens, gpu_blocks)
                 if self.kv is not None:
-                    got = self.kv.read_blocks(2 * layer + kv, torch.tensor(dst_blocks))
+                    got = self.kv.read_blocks(2 * layer + kv, torch.tensor(dst_blocks, device=self.kv.npu.torch_device))
                     got = got.permute(0, 2, 1, 3).reshape(-1, H, D)[:tokens]
                 else:
                     got = torch.stack([self.dcaches[layer][kv, dst_blocks[t // GPU_BLOCK], t % GPU_BLOCK] for t in range(tokens)]).float()
-                if not torch.equal(got, want):
+                if not torch.equal(got.cpu(), want.cpu()):
                     return False
         return True
 
@@ -75,11 +75,11 @@ class Pair:
                 kv.close()
 
 
-def sources(config: str, seed: int = 0):
-    """The sending side's KV, seeded: a paged GPU cache, or (reverse direction) an NPU cache full of tiles."""
+def sources(config: str, seed: int = 0, device: str = "cpu"):
+    """The sending side's KV, seeded: a paged GPU cache (on ``device``), or (reverse direction) an NPU cache full of tiles."""
     g = torch.Generator().manual_seed(seed)
     src = GpuKVLayout(L, 64, GPU_BLOCK, H, D)
-    caches = [torch.randn(src.layer_shape, generator=g).to(torch.bfloat16) for _ in range(L)]
+    caches = [torch.randn(src.layer_shape, generator=g).to(device=device, dtype=torch.bfloat16) for _ in range(L)]
     src_kv = None
     if get_config(config).prefill_on == "npu":
         npu = open_npu("npu-emu:cpu", "blackhole-p150a", bank_capacity=4 << 20)
@@ -97,16 +97,18 @@ def make_source_sender(config: str, tp, src, caches, src_kv, **kw):
     return make_sender(config, tp, caches, src, 1 << 20, **kw)
 
 
-def make_pair(config: str, tp, td, ttl_s: float = 30.0, timeout_s: float = 5.0, rx_bytes: int = 1 << 20, post: str = "pull", seed: int = 0) -> Pair:
-    src, caches, src_kv = sources(config, seed)
+def make_pair(config: str, tp, td, ttl_s: float = 30.0, timeout_s: float = 5.0, rx_bytes: int = 1 << 20, post: str = "pull", seed: int = 0,
+              device: str = "cpu") -> Pair:
+    """Both sides in this process; their KV memory (caches, the emulated NPU's DRAM) on ``device``."""
+    src, caches, src_kv = sources(config, seed, device)
     sender = make_source_sender(config, tp, src, caches, src_kv, ttl_s=ttl_s, reap_every_s=0.02)
     kv, dcaches = None, []
     if get_config(config).decode_on == "npu":
-        npu = open_npu("npu-emu:cpu", "blackhole-p150a", bank_capacity=4 << 20)
+        npu = open_npu(f"npu-emu:{device}", "blackhole-p150a", bank_capacity=4 << 20)
         kv = NpuKVCacheMemory(npu, NpuKVLayout(npu.arch, L, 16, H, NPU_BLOCK, D))
-        side = NpuSide(npu, kv, rx_bytes, cost_model_for("local", "cpu"))
+        side = NpuSide(npu, kv, rx_bytes, cost_model_for("local", device))
     else:
-        dcaches = src.allocate("cpu")
+        dcaches = src.allocate(device)
         side = GpuSide(dcaches, src, rx_bytes)
     receiver = make_receiver(config, td, side, post=post, timeout_s=timeout_s)
     return Pair(config, caches, src, sender, receiver, tp, td, kv, dcaches, src_kv=src_kv)

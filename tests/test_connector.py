@@ -1,4 +1,7 @@
-"""Algorithm 1 end to end: the five configurations, the push variant, and release on every path."""
+"""Algorithm 1 end to end: the five configurations, the push variant, and release on every path.
+
+gn-hawk's sender can address the decode's memory here (one process, the local transport): by default it
+lands a pull itself (``HAWK_DIRECT_WRITE``); tests that inject transport faults keep the staged path."""
 
 import random
 import threading
@@ -27,9 +30,17 @@ def _settled(pair, timeout=3.0):
         time.sleep(0.02)
 
 
+@pytest.fixture
+def staged(monkeypatch):
+    """The sender never writes the decode's memory itself: transport faults reach gn-hawk's pulls."""
+    monkeypatch.setenv("HAWK_DIRECT_WRITE", "0")
+
+
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("post", ["pull", "push"])
-def test_every_configuration_lands_the_kv(config, post):
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_every_configuration_lands_the_kv(config, post, direct, monkeypatch):
+    monkeypatch.setenv("HAWK_DIRECT_WRITE", direct)
     pair = make_pair(config, LocalTransport(), LocalTransport(), post=post)
     try:
         for i, (tokens, gblocks) in enumerate([(100, [9, 3, 4, 5, 6, 7, 8]), (1, [0]), (64, [10, 11, 12, 13])]):
@@ -38,6 +49,8 @@ def test_every_configuration_lands_the_kv(config, post):
             res = pair.receiver.pull(pair.sender.address, f"r{i}", dst)
             assert pair.landed(tokens, gblocks, dst)
             assert res.num_tokens == tokens and res.bytes > 0
+            assert (res.mode == "landed") == (config == "gn-hawk" and direct == "1")  # only HAWK's tiles land that way
+            assert res.mode != "landed" or res.requests == 0
         s, r = _settled(pair)
         assert not s["staging"] and not r["reservations"]
         assert sorted(pair.freed) == ["r0", "r1", "r2"]  # every prefill's blocks went back exactly once
@@ -70,7 +83,35 @@ class FaultyLocal(LocalTransport):
         return super()._engine_poll(h)
 
 
-def test_reservations_released_after_many_faulty_transfers():
+@pytest.mark.parametrize("fault", ["none", "fail"])
+def test_a_staged_pull_in_parts_lands_and_releases(fault, staged):
+    """A large staged request moves in parts, each part's D7 (intra-channel copies) enqueued as soon as
+    its batch is in: same bytes, one batch per part; a failing part fails the pull and nothing stays held."""
+    td = FaultyLocal()
+    pair = make_pair("gn-hawk", LocalTransport(), td)
+    landing = pair.receiver.landing
+    landing.mode, landing.PIPELINE_MIN_BYTES = "staging", 0  # every request is "large" here
+    try:
+        pair.add("r", 200, list(range(13)))
+        td.fault = fault
+        if fault == "none":
+            res = pair.receiver.pull(pair.sender.address, "r", [2, 5, 7, 9])
+            assert res.mode == "staging" and res.requests == 8  # one request per p150a channel ...
+            assert td.stats()["read_batches"] == landing.PIPELINE_PARTS  # ... in that many batches
+            assert pair.landed(200, list(range(13)), [2, 5, 7, 9])
+        else:
+            with pytest.raises(KVTransferFailed, match="injected"):
+                pair.receiver.pull(pair.sender.address, "r", [2, 5, 7, 9])
+        td.fault = "none"
+        time.sleep(td.drain_s)
+        s, r = _settled(pair)
+        assert not s["staging"] and not s["in_flight"] and not r["reservations"] and not r["draining"], (s, r)
+        assert pair.freed == ["r"]
+    finally:
+        pair.close()
+
+
+def test_reservations_released_after_many_faulty_transfers(staged):
     """220 transfers mixing successes with every fault kind, including the prefill dying mid-transfer;
     both ledgers (and every dead prefill's) end empty, and every prefill block comes back exactly once."""
     tp, td = LocalTransport(), FaultyLocal()
@@ -175,21 +216,27 @@ def test_pull_from_a_dead_prefill_fails_cleanly():
         pair.close()
 
 
-def test_a_failing_transform_gives_everything_back():
+@pytest.mark.parametrize("path", ["staged", "landed"])
+def test_a_failing_transform_gives_everything_back(path, monkeypatch):
+    """The transform fails inside P3, into staging or straight into the decode's pages: the pull fails,
+    the blocks come back once, nothing stays reserved on either side, and the next pull works."""
+    monkeypatch.setenv("HAWK_DIRECT_WRITE", "1" if path == "landed" else "0")
     pair = make_pair("gn-hawk", LocalTransport(), LocalTransport())
-    good = pair.sender.fmt.produce
+    name = "land" if path == "landed" else "produce"
+    good = getattr(pair.sender.fmt, name)
 
     def broken(plan, out):
         raise RuntimeError("kernel fault")
 
     try:
         pair.add("bad", 40, [0, 1, 2])
-        pair.sender.fmt.produce = broken
+        setattr(pair.sender.fmt, name, broken)
         with pytest.raises(KVTransferFailed, match="kernel fault"):
             pair.receiver.pull(pair.sender.address, "bad", [0])
         assert pair.freed == ["bad"]
-        assert pair.sender.accounting()["staging"] == []
-        pair.sender.fmt.produce = good
+        assert pair.sender.accounting()["staging"] == [] and pair.sender.accounting()["in_flight"] == []
+        assert pair.receiver.accounting() == {"reservations": [], "draining": 0, "expecting": []}
+        setattr(pair.sender.fmt, name, good)
         pair.add("good", 40, [0, 1, 2])
         pair.receiver.pull(pair.sender.address, "good", [0])
         assert pair.landed(40, [0, 1, 2], [0])

@@ -23,13 +23,13 @@ class SlowPushSender(KVSender):
         return super()._push(msg)
 
 
-def _prefill_child(conn, config: str, transport: str, slow: bool) -> None:
+def _prefill_child(conn, config: str, transport: str, slow: bool, device: str = "cpu") -> None:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     torch.set_num_threads(1)
     from hawk.connector import configs
     from tests.kv_fixtures import make_source_sender, sources
 
-    src, caches, src_kv = sources(config, 0)  # the same KV the decode side's fixture expects
+    src, caches, src_kv = sources(config, 0, device)  # the same KV the decode side's fixture expects
     t = make_transport(transport)
     if slow:
         configs.KVSender = SlowPushSender  # type: ignore[attr-defined]
@@ -49,20 +49,20 @@ def _prefill_child(conn, config: str, transport: str, slow: bool) -> None:
     t.close()
 
 
-def _start(config, transport, slow=False):
+def _start(config, transport, slow=False, device="cpu"):
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    p = ctx.Process(target=_prefill_child, args=(child, config, transport, slow), daemon=True)
+    p = ctx.Process(target=_prefill_child, args=(child, config, transport, slow, device), daemon=True)
     p.start()
     assert parent.poll(60), "prefill child did not start"
     return p, parent, parent.recv()
 
 
-def _receiver(config, transport, post="pull", timeout_s=10.0):
+def _receiver(config, transport, post="pull", timeout_s=10.0, device="cpu"):
     from tests.kv_fixtures import make_pair
 
     # Reuse the fixture's decode side; its own in-process sender stays idle.
-    pair = make_pair(config, make_transport(transport), make_transport(transport), post=post, timeout_s=timeout_s)
+    pair = make_pair(config, make_transport(transport), make_transport(transport), post=post, timeout_s=timeout_s, device=device)
     return pair
 
 
@@ -141,3 +141,45 @@ def test_prefill_killed_mid_transfer_releases_decode_side(transport):
 def _kill_later(pid: int, delay: float) -> None:
     time.sleep(delay)
     os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("direct", ["1", "0"])
+@pytest.mark.parametrize("kind", ["pull", "layerwise"])
+def test_gpu_two_processes_one_gpu_write_the_pages_themselves(direct, kind, monkeypatch):
+    """gn-hawk between two processes on one GPU (auto -> cuda-ipc): the prefill writes the decode's pages
+    itself through CUDA IPC (a landed pull, a direct layer-wise push), or stages them (HAWK_DIRECT_WRITE=0);
+    the bytes land either way and nothing stays held on either side."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    monkeypatch.setenv("HAWK_DIRECT_WRITE", direct)  # the child inherits it (spawned after this)
+    proc, conn, address = _start("gn-hawk", "auto", device="cuda:0")
+    pair = _receiver("gn-hawk", "auto", device="cuda:0")
+    try:
+        for i, (tokens, gblocks) in enumerate([(150, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]), (33, [12, 5, 9])]):
+            dst = dst_blocks_for("gn-hawk", tokens, start=2 * i)
+            if kind == "pull":
+                conn.send(("add", f"r{i}", tokens, gblocks))
+                assert conn.recv() == "ok"
+                res = pair.receiver.pull(address, f"r{i}", dst)
+            else:  # the destination first; the prefill already finished, so it pushes the request whole
+                conn.send(("add", f"r{i}", tokens, gblocks))
+                assert conn.recv() == "ok"
+                res = pair.receiver.push_to(address, f"r{i}", dst, tokens)
+            assert pair.landed(tokens, gblocks, dst), "bytes did not arrive intact where the plan put them"
+            assert (res.requests == 0) == (direct == "1"), res  # written by the transform: no transport request
+            if kind == "pull":
+                assert (res.mode == "landed") == (direct == "1")
+        conn.send(("acct",))
+        acct = conn.recv()
+        deadline = time.monotonic() + 5
+        while (acct["staging"] or acct["in_flight"] or acct["pushes"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            conn.send(("acct",))
+            acct = conn.recv()
+        assert acct["staging"] == 0 and acct["in_flight"] == 0 and acct["waiting"] == 0 and acct["pushes"] == 0
+        assert pair.receiver.accounting() == {"reservations": [], "draining": 0, "expecting": []}
+    finally:
+        conn.send(("stop",))
+        proc.join(20)
+        pair.close()

@@ -26,7 +26,7 @@ def post_from(request, monkeypatch):
     write the decode's memory itself."""
     monkeypatch.setenv("HAWK_LAYERWISE_INLINE", "0" if request.param.startswith("worker") else "always")
     monkeypatch.setenv("HAWK_LAYERWISE_GROUP", str(L) if request.param == "inline-grouped" else "1")
-    monkeypatch.setenv("HAWK_LAYERWISE_DIRECT", "0" if request.param.endswith("staged") else "1")
+    monkeypatch.setenv("HAWK_DIRECT_WRITE", "0" if request.param.endswith("staged") else "1")
     return request.param.split("-")[0]
 
 
@@ -34,7 +34,7 @@ def _direct(config: str) -> bool:
     """Whether this run's pushes of ``config`` go straight into the decode's memory (gn-hawk's transform)."""
     import os
 
-    return config == "gn-hawk" and os.environ["HAWK_LAYERWISE_DIRECT"] == "1"
+    return config == "gn-hawk" and os.environ["HAWK_DIRECT_WRITE"] == "1"
 
 
 class Faults:

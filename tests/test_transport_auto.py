@@ -416,10 +416,13 @@ def test_connector_over_auto_lands_the_kv(config, post):
     try:
         pair.add("r0", 100, [9, 3, 4, 5, 6, 7, 8])
         dst = dst_blocks_for(config, 100, start=1)
-        pair.receiver.pull(pair.sender.address, "r0", dst)
+        res = pair.receiver.pull(pair.sender.address, "r0", dst)
         assert pair.landed(100, [9, 3, 4, 5, 6, 7, 8], dst)
         assert set(td.routes().values()) == {"local"} and set(tp.routes().values()) == {"local"}
-        assert (td if post == "pull" else tp).batches_by_engine().get("local", 0) >= 1
+        if config == "gn-hawk":  # the sender reaches the decode's memory through "local": it writes the pages itself
+            assert res.mode == "landed" and not (td.batches_by_engine() or tp.batches_by_engine())
+        else:
+            assert (td if post == "pull" else tp).batches_by_engine().get("local", 0) >= 1
     finally:
         pair.close()
 

@@ -18,6 +18,10 @@ NPU decode instance, with both sides releasing what they reserved.
     D9  tell the prefill it is done  ──────────────▶ P8  receive the notice
                                                      P9  release the RDMA-buffer reservation
 
+Landed pull: where the prefill can address the decode's pages (the same GPU, in-process or through
+CUDA IPC) and D1 allows it (``land``), P3 + P5 write the tiles straight into them, P4 reserves
+nothing, D2 says ``landed`` and D3-D6 do nothing; D7 only makes the pages visible.
+
 Every step is the same for the five configurations; what differs (the send format, where the
 decode side lands the bytes) lives in ``formats`` and ``landings``. Failure paths release too:
 an un-pulled request expires on the prefill side; a failed or timed-out batch, a dead prefill or
@@ -172,8 +176,9 @@ def layer_group(num_layers: int) -> int:
     return max(1, int(env)) if env else max(1, -(-num_layers // 8))
 
 
-#: ``0`` keeps staging + WRITE for a layer-wise push whose destination this process could write itself.
-DIRECT_ENV = "HAWK_LAYERWISE_DIRECT"
+#: ``0``: the sender never writes the decode's memory itself (the same GPU), keeping staging + WRITE for a
+#: layer-wise push and staging + READ for a pull (for comparison, and for tests of those paths).
+DIRECT_ENV = "HAWK_DIRECT_WRITE"
 
 #: ``0`` keeps every layer-wise push on the push worker (for comparison); default (``1``): inline on
 #: CUDA when the transport is stream-ordered; ``always``: inline on a CPU too (tests: on a CPU the
@@ -544,15 +549,20 @@ class KVSender:
     def _direct_target(self, push: _Push) -> DirectTarget | None:
         """Where the layers can be produced straight into the decode's memory: this process addresses
         it (the same GPU, in-process or through CUDA IPC) and the format can write it in one pass.
-        ``$HAWK_LAYERWISE_DIRECT=0`` keeps staging + WRITE (for comparison)."""
+        ``$HAWK_DIRECT_WRITE=0`` keeps staging + WRITE (for comparison)."""
+        memory = self._receiver_memory(push.receiver)
+        return None if memory is None else self.fmt.direct_target(push.plan, memory)
+
+    def _receiver_memory(self, r: _Receiver) -> Any:
+        """The receiver's destination regions as one tensor this process can write (looked up once per
+        receiver), or None: not addressable from here, or ``$HAWK_DIRECT_WRITE=0``."""
         if os.environ.get(DIRECT_ENV, "1") == "0":
             return None
-        r = push.receiver
         if not r.memory_known:
             names = self.fmt.dest_regions(r.info)
             r.memory = self.transport.peer_memory(r.peer, names) if names else None
             r.memory_known = True
-        return None if r.memory is None else self.fmt.direct_target(push.plan, r.memory)
+        return r.memory
 
     def _push_layer(self, push: _Push, layer: int, marker: Any) -> None:
         """P3 + P5 for one layer: produce it on the side stream, then WRITE it to the destination."""
@@ -719,7 +729,9 @@ class KVSender:
         try:
             plan = self.fmt.plan(job.num_tokens, job.block_ids, receiver.info, msg.dst_block_ids)
             t_plan = time.perf_counter()
-            staged = self._stage(plan, msg.request_id)  # P3 + P4 + P5: reserve, transform into it
+            staged = self._land(plan, receiver) if msg.land else None  # P3 + P5 into the decode's pages
+            if staged is None:
+                staged = self._stage(plan, msg.request_id)  # P3 + P4 + P5: reserve, transform into it
         except BaseException as e:  # the request fails; nothing it held may stay held
             self._give_back_blocks(job)
             if isinstance(e, (ValueError, BufferFull)):
@@ -744,7 +756,14 @@ class KVSender:
             self.fmt.extents(plan),
             staged.sources,
             timings,
+            landed=staged.held.mode == "landed",
         )
+
+    def _land(self, plan: Any, receiver: _Receiver) -> Staged | None:
+        """A pull whose decode lets this side write its pages (D1 ``land``), and that this process can
+        address (the same GPU): the transform writes them, nothing is reserved or moved after."""
+        memory = self._receiver_memory(receiver)
+        return None if memory is None else self.fmt.land(plan, memory)
 
     def _push(self, msg: PushRequest) -> Message:
         """Push variant of D5-D6: post the decode side's pairing as one WRITE batch from here."""
@@ -1073,7 +1092,7 @@ class KVReceiver:
         t = _Clock()
         # D1: ask for the KV (and plan this side while the request is in flight).   D2: receive the metadata.
         try:
-            pending = s.client.start(PullRequest(request_id, s.receiver, [int(b) for b in dst_block_ids]))
+            pending = s.client.start(PullRequest(request_id, s.receiver, [int(b) for b in dst_block_ids], self.landing.takes_landed()))
             t.lap("send_s")
             if num_tokens is not None:
                 self._warm(num_tokens, dst_block_ids, s.info)
@@ -1090,15 +1109,25 @@ class KVReceiver:
         try:
             if not isinstance(ready, KVReady) or ready.request_id != request_id or ready.format != self.landing.format:
                 raise ProtocolError(f"request {request_id}: unexpected reply {ready!r:.200}")
-            plan = self.landing.plan(ready, dst_block_ids, s.info)
-            t.lap("plan_s")
-            held = self.landing.reserve(plan, request_id, ttl_s=None, peer=s.info)  # D3
-            t.lap("reserve_s")
-            descs = self.landing.pair(plan, held, ready)  # D4
-            t.lap("descs_s")
-            self._move(s, request_id, descs, timeout, t)  # D5 + D6
-            self.landing.finish(plan, held)  # D7
-            t.lap("finish_s")
+            if ready.landed:  # the prefill wrote the pages itself (it may only if D1 said so): D3-D6 hold nothing
+                if not self.landing.takes_landed():
+                    raise ProtocolError(f"request {request_id}: the prefill wrote the pages, which this decode did not allow")
+                self.landing.finish_layers()  # D7: visible to this side's kernels
+                t.lap("finish_s")
+            else:
+                plan = self.landing.plan(ready, dst_block_ids, s.info)
+                t.lap("plan_s")
+                held = self.landing.reserve(plan, request_id, ttl_s=None, peer=s.info)  # D3
+                t.lap("reserve_s")
+                descs = self.landing.pair(plan, held, ready)  # D4
+                t.lap("descs_s")
+                parts = self.landing.parts(plan, held, descs) if self.post == "pull" else None
+                if parts:
+                    self._move_parts(s, parts, plan, held, timeout, t)  # D5-D7, overlapped part by part
+                else:
+                    self._move(s, request_id, descs, timeout, t)  # D5 + D6
+                    self.landing.finish(plan, held)  # D7
+                t.lap("finish_s")
             ok = True
         except (TransferError, PeerUnreachable) as e:
             error = f"request {request_id}: transfer failed: {e}"
@@ -1118,7 +1147,10 @@ class KVReceiver:
             s.client.send(Done(request_id, ok, error))  # D9: the prefill may release (P8-P9); one message, no reply
             t.lap("notify_s")
         timings = _pull_timings(t, t_stored, ready)
-        result = PullResult(request_id, ready.num_tokens, desc_bytes(descs), len(descs), held.mode if held else "", timings)
+        if ready.landed:
+            result = PullResult(request_id, ready.num_tokens, ready.total_bytes, 0, "landed", timings)
+        else:
+            result = PullResult(request_id, ready.num_tokens, desc_bytes(descs), len(descs), held.mode if held else "", timings)
         self._remember(result)
         return result
 
@@ -1228,6 +1260,26 @@ class KVReceiver:
         host-side breakdown: how benchmarks read what a pull cost when an engine made it."""
         with self._lock:
             return self._history.get(request_id)
+
+    def _move_parts(self, s: _Sender, parts: list[tuple[Sequence[Desc], list[int]]], plan: Any, held: Held,
+                    timeout: float, t: _Clock) -> None:
+        """D5-D7 in parts (:meth:`Landing.parts`): every part's READ posted at once, then each part's D7
+        enqueued as soon as its batch is in, so the copies out of the per-channel buffers run while
+        later parts are still on the wire. A failed part fails the pull (the others are waited for
+        or released by the transport; the caller drains the reservations)."""
+        handles: list[Any] = []
+        try:
+            for descs, _ in parts:
+                handles.append(self.transport.submit("READ", s.peer, descs))
+            t.lap("submit_s")
+            for h, (_, channels) in zip(handles, parts):
+                self.transport.wait(h, timeout)
+                self.landing.finish_channels(plan, held, channels)
+            t.lap("transfer_wait_s")
+            self.landing.finish_layers()  # the copies enqueued above, done
+        finally:
+            for h in handles:
+                self.transport.release(h)
 
     def _move(self, s: _Sender, request_id: str, descs: Sequence[Desc], timeout: float, t: _Clock) -> None:
         if self.post == "pull":

@@ -153,8 +153,15 @@ class SendFormat(ABC):
         """Write layer ``layer``'s bytes into its slice of ``staged`` (nothing when read in place)."""
 
     def dest_regions(self, peer: dict[str, Any]) -> list[str]:
-        """The receiver's regions a layer-wise push of this format writes into, in address order."""
+        """The receiver's regions a layer-wise push (or a landed pull) of this format writes into, in
+        address order."""
         return []
+
+    def land(self, plan: Any, memory: torch.Tensor) -> Staged | None:
+        """P3 + P5 of a pull with no P4: the request's bytes straight into the receiver's memory
+        (:meth:`dest_regions` as one tensor here), finished on return; None where this format cannot
+        (the caller stages instead)."""
+        return None
 
     def direct_target(self, plan: Any, memory: torch.Tensor) -> DirectTarget | None:
         """How to produce every layer of ``plan`` straight into ``memory`` (the receiver's
@@ -264,16 +271,34 @@ class NpuTiles(_InStagingBuffer):
     def dest_regions(self, peer: dict[str, Any]) -> list[str]:
         return [channel_region(c) for c in range(peer["layout"].arch.num_channels)]
 
-    def direct_target(self, plan: LayerwisePlan, memory: torch.Tensor) -> DirectTarget | None:
-        """The decode's DRAM (channels back to back, equal sizes) on this GPU: each layer's transform
-        writes its tiles into their pages. None where that memory is elsewhere, the tensor bases are
-        not evenly spaced, or an address does not fit the kernels' tables."""
-        nch = plan.plan.dst.arch.num_channels
+    def _memory_dest(self, plan: KVTransferPlan, memory: torch.Tensor) -> TileDest | None:
+        """``plan``'s tiles in the decode's DRAM (``memory``: its channels back to back, equal sizes) if
+        this GPU's kernels can write them there: None where that memory is elsewhere, the tensor
+        bases are not evenly spaced, or an address does not fit the kernels' tables."""
+        nch = plan.dst.arch.num_channels
         if memory.device != self.caches[0].device or memory.numel() % nch:
             return None
         try:
-            dest = plan.plan.memory_dest(memory.numel() // nch)
+            dest = plan.memory_dest(memory.numel() // nch)
         except ValueError:
+            return None
+        return dest if dest.extent <= memory.numel() else None
+
+    def land(self, plan: KVTransferPlan, memory: torch.Tensor) -> Staged | None:
+        dest = self._memory_dest(plan, memory)
+        if dest is None:
+            return None
+        t0 = time.perf_counter()
+        transform(self.caches, plan, memory, self.impl, dest)
+        t1 = time.perf_counter()
+        _sync(memory)  # the decode hears of it (KVReady) only once it is there
+        return Staged(Held("landed"), timings={"reserve_s": 0.0, "transform_s": t1 - t0, "transform_wait_s": time.perf_counter() - t1})
+
+    def direct_target(self, plan: LayerwisePlan, memory: torch.Tensor) -> DirectTarget | None:
+        """Each layer's transform writes its tiles into their pages of the decode's DRAM (see
+        :meth:`_memory_dest`); None where it cannot, or a layer's tensors are not evenly spaced."""
+        dest = self._memory_dest(plan.plan, memory)
+        if dest is None:
             return None
         shifts = [plan.shift(layer) for layer in range(plan.num_layers)]
         if any(s is None or s < 0 or s + dest.extent > memory.numel() for s in shifts):

@@ -73,6 +73,9 @@ class PullRequest(Message):
     request_id: str
     receiver: str
     dst_block_ids: list
+    # The sender may write the KV straight into those blocks' pages where it can address them (same GPU):
+    # then its KVReady says ``landed``. Optional with a default, so older peers interoperate: no bump.
+    land: bool = False
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,8 @@ class KVReady(Message):
     # the decode side subtracts handler_s from its round trip to get the control cost. Optional with a
     # default, so a peer that predates it interoperates (decode ignores keys it does not know): no bump.
     timings: dict = field(default_factory=dict)
+    # The KV is already in the decode's pages (PullRequest.land): nothing to move, only D7. Optional (no bump).
+    landed: bool = False
 
 
 @dataclass(frozen=True)
