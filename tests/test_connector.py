@@ -83,34 +83,6 @@ class FaultyLocal(LocalTransport):
         return super()._engine_poll(h)
 
 
-@pytest.mark.parametrize("fault", ["none", "fail"])
-def test_a_staged_pull_in_parts_lands_and_releases(fault, staged):
-    """A large staged request moves in parts, each part's D7 (intra-channel copies) enqueued as soon as
-    its batch is in: same bytes, one batch per part; a failing part fails the pull and nothing stays held."""
-    td = FaultyLocal()
-    pair = make_pair("gn-hawk", LocalTransport(), td)
-    landing = pair.receiver.landing
-    landing.mode, landing.PIPELINE_MIN_BYTES = "staging", 0  # every request is "large" here
-    try:
-        pair.add("r", 200, list(range(13)))
-        td.fault = fault
-        if fault == "none":
-            res = pair.receiver.pull(pair.sender.address, "r", [2, 5, 7, 9])
-            assert res.mode == "staging" and res.requests == 8  # one request per p150a channel ...
-            assert td.stats()["read_batches"] == landing.PIPELINE_PARTS  # ... in that many batches
-            assert pair.landed(200, list(range(13)), [2, 5, 7, 9])
-        else:
-            with pytest.raises(KVTransferFailed, match="injected"):
-                pair.receiver.pull(pair.sender.address, "r", [2, 5, 7, 9])
-        td.fault = "none"
-        time.sleep(td.drain_s)
-        s, r = _settled(pair)
-        assert not s["staging"] and not s["in_flight"] and not r["reservations"] and not r["draining"], (s, r)
-        assert pair.freed == ["r"]
-    finally:
-        pair.close()
-
-
 def test_reservations_released_after_many_faulty_transfers(staged):
     """220 transfers mixing successes with every fault kind, including the prefill dying mid-transfer;
     both ledgers (and every dead prefill's) end empty, and every prefill block comes back exactly once."""

@@ -1121,12 +1121,8 @@ class KVReceiver:
                 t.lap("reserve_s")
                 descs = self.landing.pair(plan, held, ready)  # D4
                 t.lap("descs_s")
-                parts = self.landing.parts(plan, held, descs) if self.post == "pull" else None
-                if parts:
-                    self._move_parts(s, parts, plan, held, timeout, t)  # D5-D7, overlapped part by part
-                else:
-                    self._move(s, request_id, descs, timeout, t)  # D5 + D6
-                    self.landing.finish(plan, held)  # D7
+                self._move(s, request_id, descs, timeout, t)  # D5 + D6
+                self.landing.finish(plan, held)  # D7
                 t.lap("finish_s")
             ok = True
         except (TransferError, PeerUnreachable) as e:
@@ -1260,26 +1256,6 @@ class KVReceiver:
         host-side breakdown: how benchmarks read what a pull cost when an engine made it."""
         with self._lock:
             return self._history.get(request_id)
-
-    def _move_parts(self, s: _Sender, parts: list[tuple[Sequence[Desc], list[int]]], plan: Any, held: Held,
-                    timeout: float, t: _Clock) -> None:
-        """D5-D7 in parts (:meth:`Landing.parts`): every part's READ posted at once, then each part's D7
-        enqueued as soon as its batch is in, so the copies out of the per-channel buffers run while
-        later parts are still on the wire. A failed part fails the pull (the others are waited for
-        or released by the transport; the caller drains the reservations)."""
-        handles: list[Any] = []
-        try:
-            for descs, _ in parts:
-                handles.append(self.transport.submit("READ", s.peer, descs))
-            t.lap("submit_s")
-            for h, (_, channels) in zip(handles, parts):
-                self.transport.wait(h, timeout)
-                self.landing.finish_channels(plan, held, channels)
-            t.lap("transfer_wait_s")
-            self.landing.finish_layers()  # the copies enqueued above, done
-        finally:
-            for h in handles:
-                self.transport.release(h)
 
     def _move(self, s: _Sender, request_id: str, descs: Sequence[Desc], timeout: float, t: _Clock) -> None:
         if self.post == "pull":

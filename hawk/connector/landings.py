@@ -27,7 +27,7 @@ from hawk.plan.block_plan import BlockCopyPlan, plan_block_copy
 from hawk.plan.cost_model import CostModel
 from hawk.plan.kv_plan import KVTransferPlan
 from hawk.plan.plan_cache import LRU, PLANS
-from hawk.plan.requests import Request, Runs, merge_runs
+from hawk.plan.requests import Request, merge_runs
 from hawk.transform import transform, untransform
 from hawk.transport.base import Desc, DescArray
 
@@ -88,15 +88,6 @@ class Landing(ABC):
 
     def finish_layers(self) -> None:
         """D7 of a layer-wise push: make the pages the prefill wrote visible to the decode's kernels."""
-
-    def parts(self, plan: Any, held: Held, descs: Sequence[Desc]) -> list[tuple[Sequence[Desc], list[int]]] | None:
-        """D5-D7 in parts, or None (one batch, then :meth:`finish`): each part is a batch of ``descs`` and
-        the channels it fills, whose D7 (:meth:`finish_channels`) may start once that batch is in."""
-        return None
-
-    def finish_channels(self, plan: Any, held: Held, channels: Sequence[int]) -> None:
-        """D7 for these channels only, enqueued (not waited for: :meth:`finish_layers` does that)."""
-        raise NotImplementedError
 
     def takes_landed(self) -> bool:
         """Whether a pull may let the sender write the KV straight into the destination pages (where it
@@ -183,29 +174,6 @@ class ChannelLanding(_NpuTilesLanding):
         if held.mode == "staging":
             self.npu.copy(plan.staging_copy_runs(self._addresses(held)))
         self.npu.synchronize()
-
-    #: A staged request of at least this many bytes moves in :attr:`PIPELINE_PARTS` batches, each
-    #: part's intra-channel copies (D7) running while later parts are still on the wire. Below it the
-    #: extra batches cost more host time than the copies they hide (bench transfer, two H200s: D7 of
-    #: 1280 MiB took 0.9 ms after a 3.6 ms wire; one batch of 8 requests posts in ~0.3 ms).
-    PIPELINE_MIN_BYTES = 256 << 20
-    PIPELINE_PARTS = 4
-
-    def parts(self, plan, held, descs):
-        if held.mode != "staging" or plan.total_bytes < self.PIPELINE_MIN_BYTES or len(descs) < 2:
-            return None
-        if not isinstance(descs, DescArray):
-            descs = DescArray.from_descs(descs)
-        channels = [c for c, _, _ in plan.channel_extents]  # pair()'s rows, in order (one per channel)
-        if len(channels) != len(descs):
-            return None
-        split = np.array_split(np.arange(len(descs)), min(self.PIPELINE_PARTS, len(descs)))
-        return [(descs.take(rows), [channels[int(i)] for i in rows]) for rows in split]
-
-    def finish_channels(self, plan, held, channels) -> None:
-        r = plan.staging_copy_runs(self._addresses(held))
-        keep = np.isin(np.asarray(r.src_region), np.asarray(channels, dtype=np.int64))
-        self.npu.copy(Runs(*(np.asarray(c)[keep] for c in (r.src_region, r.src_offset, r.dst_region, r.dst_offset, r.length))))
 
     layerwise = True  # pushed layer by layer, always straight into the pages (direct placement)
 

@@ -197,12 +197,6 @@ class DescArray(_Rows):
         return cls(lnames, np.array([li[r[0]] for r in rows], dtype=np.int64), col(1),
                    rnames, np.array([ri[r[2]] for r in rows], dtype=np.int64), col(3), col(4))
 
-    def take(self, rows: np.ndarray) -> DescArray:
-        """Rows ``rows`` (indices, in order) as a batch of their own, with the same region names."""
-        r = np.asarray(rows, dtype=np.int64)
-        return DescArray(self.local_names, self.local_idx[r], self.local_offset[r], self.remote_names, self.remote_idx[r],
-                         self.remote_offset[r], self.length[r])
-
     @classmethod
     def concat(cls, parts: Sequence[Sequence[Desc]]) -> DescArray:
         """One batch of ``parts`` in order (DescArrays, or lists of Desc), region names merged."""
