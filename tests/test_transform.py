@@ -457,7 +457,7 @@ def test_kernel_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_kernel(None, 72) == "v1" and resolve_kernel("v2", 72) == "v1"
     monkeypatch.setenv(ENV_KERNEL, "v1")
     assert resolve_kernel(None, 128) == "v1" and resolve_kernel("v2", 128) == "v2"
-    assert default_tpp(128, 2, 160) == 2 and default_tpp(128, 4, 160) == 1 and default_tpp(32, 2, 6) == 8
+    assert default_tpp(128, 2, 160) == 1 and default_tpp(128, 4, 160) == 1 and default_tpp(32, 2, 6) == 4
 
 
 # -- the reference against a naive per-element model ------------------------------------------

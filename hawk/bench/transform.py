@@ -418,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     p.add_argument("--num-warps", type=int, default=4, help="Triton kernel warps per program")
     p.add_argument("--kernels", default=None,
                    help="Triton kernels to time, comma-separated: v1, v2, v2e (default: the default kernel)")
-    p.add_argument("--tpp", type=int, default=None, help="v2: K/V tensors per program (default: ~16 KiB of source)")
+    p.add_argument("--tpp", type=int, default=None, help="v2: K/V tensors per program (default: ~8 KiB of source)")
     p.add_argument("--check-edges", action="store_true",
                    help="first check each Triton kernel's bytes on edge-value caches (every bf16/fp16 pattern, "
                         "fp32 ties; zeros, subnormals, inf/NaN) against the torch reference")

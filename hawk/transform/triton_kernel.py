@@ -4,7 +4,7 @@ Two kernels write the same bytes; ``transform_triton(kernel=...)`` or ``$HAWK_TR
 picks one (default ``v2``; ``v2e`` is v2 without its word path, for comparison):
 
 ``v2`` (face rows). One program handles one *row group* (32 consecutive tokens of one head: one
-NPU row tile) of ``TPP`` consecutive K/V tensors (default: about 16 KiB of source per program). It
+NPU row tile) of ``TPP`` consecutive K/V tensors (default: about 8 KiB of source per program). It
 gathers straight into tile/face order: every tensor is indexed ``[half, face column, row, tensor,
 unit]``, where ``(half, unit)`` spans one 16-value face row, i.e. 16 contiguous source elements and
 16 contiguous destination values (bf16: 32 bytes; bfloat8_b: 16 value bytes plus one exponent
@@ -765,7 +765,7 @@ def _prepare(plan: KVTransferPlan, caches: Sequence[torch.Tensor], dest: TileDes
 #: without the word path (each element loaded on its own), for comparison.
 KERNELS = ("auto", "v1", "v2", "v2e")
 ENV_KERNEL = "HAWK_TRANSFORM_KERNEL"
-ENV_TPP = "HAWK_TRANSFORM_TPP"  # tensors per v2 program (a power of two); default: ~16 KiB of source each
+ENV_TPP = "HAWK_TRANSFORM_TPP"  # tensors per v2 program (a power of two); default: ~8 KiB of source each
 #: ``jit`` launches through Triton's JIT dispatcher every time; ``direct`` (the default) does so
 #: once per configuration and then calls the compiled kernel's launcher, skipping argument binding
 #: and specialization (host time the 10 MiB case is bound by). Interpreted runs always use ``jit``.
@@ -786,14 +786,26 @@ def resolve_kernel(kernel: str | None, head_dim: int, dtype: str = "bfp8_b") -> 
     return name
 
 
+#: Source bytes per v2 program by default, and its register cap (``$HAWK_TRANSFORM_MAXNREG``; 0: none).
+#: One H200, bfloat8_b output from bf16 at head_dim 128, 1280 MiB (`hawk.bench.transform --kernels v2
+#: --tpp N --num-warps W`, one call): 8 KiB (one tensor, 4 warps) 0.76 of a same-run copy, 16 KiB 0.65,
+#: 32 KiB 0.71; 8 warps 0.72-0.73. At 16 KiB Nsight Compute showed 102 registers per thread (a quarter
+#: of the warps an SM holds) and warps waiting on their loads: smaller programs and a cap let more of
+#: them hide each other's loads. Caps at 8 KiB (three calls): 64 registers 0.80 at 1280 MiB, 0.79 at
+#: 320, 0.83 at 10 MiB (48: 0.72, 56: 0.76, 72: 0.78, none: 0.76); bf16 output 0.95 either way.
+V2_PROGRAM_BYTES = 8 << 10
+V2_MAXNREG = 64
+ENV_MAXNREG = "HAWK_TRANSFORM_MAXNREG"
+
+
 def default_tpp(head_dim: int, elem_bytes: int, num_tensors: int) -> int:
-    """Tensors per v2 program: ``$HAWK_TRANSFORM_TPP``, else about 16 KiB of source per program;
-    at most the tensors there are (rounded up to a power of two)."""
+    """Tensors per v2 program: ``$HAWK_TRANSFORM_TPP``, else about :data:`V2_PROGRAM_BYTES` of source
+    per program; at most the tensors there are (rounded up to a power of two)."""
     env = os.environ.get(ENV_TPP)
     if env:
         tpp = int(env)
     else:
-        tpp = max(1, (16 << 10) // (32 * head_dim * elem_bytes))
+        tpp = max(1, V2_PROGRAM_BYTES // (32 * head_dim * elem_bytes))
         tpp = 1 << (tpp.bit_length() - 1)
     return max(1, min(tpp, triton.next_power_of_2(num_tensors)))
 
@@ -811,6 +823,7 @@ class _Call:
     num_warps: int
     direct: bool  # launch through the compiled kernel's launcher after the first launch
     compiled: dict = field(default_factory=dict)
+    maxnreg: int | None = None  # a per-thread register cap compiled in (None: the compiler's choice)
 
 
 def _strides(layout: _Layout, ctp: int) -> tuple:
@@ -827,7 +840,8 @@ def _page_align(unit: int, bfp8: bool) -> int:
 def _v2_call(layout: _Layout, ctp: int, bfp8: bool, words: bool, num_warps: int, tpp: int | None, elem_bytes: int,
              unit: int) -> _Call:
     direct = os.environ.get(ENV_LAUNCH, "direct") != "jit"
-    key = ("v2", ctp, bfp8, words, num_warps, tpp, direct, unit)
+    maxnreg = int(os.environ.get(ENV_MAXNREG, V2_MAXNREG)) or None
+    key = ("v2", ctp, bfp8, words, num_warps, tpp, direct, unit, maxnreg)
     hit = layout.calls.get(key)
     if hit is not None:
         return hit
@@ -838,7 +852,7 @@ def _v2_call(layout: _Layout, ctp: int, bfp8: bool, words: bool, num_warps: int,
     # n_tensors stays a runtime integer: it is fixed per cache layout (so is its specialization).
     rest = (n, *_strides(layout, ctp), layout.src_kind, bfp8, layout.vec2, tpp, words, n % tpp == 0, unit,
             _page_align(unit, bfp8))
-    hit = _Call(grid_y=triton.cdiv(n, tpp), rest=rest, num_warps=num_warps, direct=direct)
+    hit = _Call(grid_y=triton.cdiv(n, tpp), rest=rest, num_warps=num_warps, direct=direct, maxnreg=maxnreg)
     layout.calls[key] = hit
     return hit
 
@@ -878,7 +892,8 @@ def _launch(call: _Call, groups: int, args: tuple, device: torch.device, align: 
         except Exception:  # noqa: BLE001 - a launcher this code does not know: use the dispatcher from now on
             call.compiled.clear()
             call.direct = False
-    compiled = kernel[(groups, call.grid_y, 1)](*args, num_warps=call.num_warps)  # type: ignore[index]
+    extra = {"maxnreg": call.maxnreg} if call.maxnreg and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") else {}
+    compiled = kernel[(groups, call.grid_y, 1)](*args, num_warps=call.num_warps, **extra)  # type: ignore[index]
     if (call.direct and device.type == "cuda" and getattr(compiled, "function", None) is not None
             and hasattr(compiled, "packed_metadata")):
         call.compiled[align] = compiled
@@ -916,7 +931,7 @@ def transform_triton(
     Same contract and bytes as :func:`hawk.transform.reference.transform_reference`, except that rows
     past the request are always +0 (the reference's multiply-by-0 can leave -0, or NaN from inf).
     ``kernel`` picks v1 or v2 (see the module docstring; default ``$HAWK_TRANSFORM_KERNEL`` or v2),
-    ``tpp`` v2's tensors per program (default ``$HAWK_TRANSFORM_TPP`` or about 16 KiB of source).
+    ``tpp`` v2's tensors per program (default ``$HAWK_TRANSFORM_TPP`` or about 8 KiB of source).
     """
     ndtype = plan.dst.dtype
     if ndtype not in ("bf16", "bfp8_b"):
