@@ -62,15 +62,17 @@ def transform_reference(
     dest = dest or plan.send_dest()
     if out.dtype != torch.uint8 or out.numel() < dest.extent:
         raise ValueError(f"send buffer (or destination) must be uint8 with >= {dest.extent} bytes, got {out.dtype} x {out.numel()}")
-    a, b = (torch.as_tensor(x, device=device) for x in (dest.a, dest.b))
-    flat = out.view(-1)
-    within = torch.arange(pb, device=device)
+    # Offsets are whole units: write units, not bytes (a send buffer's unit is a page: one row per tile).
+    unit = dest.unit
+    rows = out.view(-1)[: dest.extent].view(-1, unit)
+    a, b = (torch.as_tensor(x, device=device) // unit for x in (dest.a, dest.b))
+    within = torch.arange(pb // unit, device=device)
     for layer in range(plan.src.num_layers):
         encoded = tiles_to_bytes(gather_faces(caches, plan, layer).reshape(-1, 4, FACE, FACE), plan.dst.dtype)
-        encoded = encoded.view(2, -1, pb)
+        encoded = encoded.view(2, -1, pb // unit, unit)
         for kv in range(2):
             t = 2 * layer + kv
-            flat[(a + t * b)[:, None] + within[None, :]] = encoded[kv]
+            rows[(a + t * b)[:, None] + within[None, :]] = encoded[kv]
     return out
 
 
