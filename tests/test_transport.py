@@ -283,6 +283,34 @@ def test_local_read_write_channels(pair):
     assert st_["descriptors"] == 2 * N_CH and st_["completed"] == 2 and st_["failed"] == 0
 
 
+def test_peer_memory_spans_only_regions_that_follow_each_other():
+    """peer_memory: regions back to back in one allocation, in the order asked, as one tensor whose writes
+    land in the peer's memory; anything else (a gap, another order, another storage, an unknown name, a
+    paced transport) gives None."""
+    from hawk.transport.paced import PacedTransport
+
+    a, b = LocalTransport(), LocalTransport()
+    dram = torch.zeros(4, 256, dtype=torch.uint8)
+    for c in range(3):
+        b.register(f"ch{c}", dram[c])
+    b.register("gap", dram[3, 128:])
+    b.register("alone", torch.zeros(256, dtype=torch.uint8))
+    try:
+        peer = a.connect(b.metadata())
+        span = a.peer_memory(peer, ["ch0", "ch1", "ch2"])
+        assert span is not None and span.numel() == 3 * 256 and span.data_ptr() == dram.data_ptr()
+        span[300] = 7  # channel 1, byte 44: the peer's own tensor sees it
+        assert int(dram[1, 44]) == 7
+        assert a.peer_memory(peer, ["ch1", "ch2"]).data_ptr() == dram[1].data_ptr()
+        for names in (["ch1", "ch0"], ["ch2", "gap"], ["ch0", "alone"], ["ch0", "nope"]):
+            assert a.peer_memory(peer, names) is None, names
+        paced = PacedTransport(a, 100.0)
+        assert paced.peer_memory(peer, ["ch0"]) is None  # every byte it moves must be paced
+    finally:
+        a.close()
+        b.close()
+
+
 def test_local_invalid_descriptors(pair):
     a, b = pair
     check_invalid(a, a.connect(b.metadata()))
