@@ -287,8 +287,9 @@ class KVTransferPlan:
 @dataclass(frozen=True, eq=False)
 class TileDest:
     """Where a transform writes tile ``(t, q)`` of a plan: byte ``a[q] + t * b[q]`` of one flat buffer
-    of at least ``extent`` bytes (its furthest byte written, plus one). Every offset is a multiple of ``unit`` (the kernels keep them as
-    int32 counts of it); ``key`` names the destination for the caches built on it."""
+    of at least ``extent`` bytes (its furthest byte written, plus one). Every offset is a multiple of
+    ``unit`` (the kernels keep them as int32 counts of it); ``key`` names the destination for the
+    caches built on it."""
 
     a: np.ndarray
     b: np.ndarray

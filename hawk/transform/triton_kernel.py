@@ -840,7 +840,8 @@ def _page_align(unit: int, bfp8: bool) -> int:
 def _v2_call(layout: _Layout, ctp: int, bfp8: bool, words: bool, num_warps: int, tpp: int | None, elem_bytes: int,
              unit: int) -> _Call:
     direct = os.environ.get(ENV_LAUNCH, "direct") != "jit"
-    maxnreg = int(os.environ.get(ENV_MAXNREG, V2_MAXNREG)) or None
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # (no registers to cap there)
+    maxnreg = None if interpreted else int(os.environ.get(ENV_MAXNREG, V2_MAXNREG)) or None
     key = ("v2", ctp, bfp8, words, num_warps, tpp, direct, unit, maxnreg)
     hit = layout.calls.get(key)
     if hit is not None:
@@ -892,7 +893,7 @@ def _launch(call: _Call, groups: int, args: tuple, device: torch.device, align: 
         except Exception:  # noqa: BLE001 - a launcher this code does not know: use the dispatcher from now on
             call.compiled.clear()
             call.direct = False
-    extra = {"maxnreg": call.maxnreg} if call.maxnreg and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") else {}
+    extra = {"maxnreg": call.maxnreg} if call.maxnreg else {}
     compiled = kernel[(groups, call.grid_y, 1)](*args, num_warps=call.num_warps, **extra)  # type: ignore[index]
     if (call.direct and device.type == "cuda" and getattr(compiled, "function", None) is not None
             and hasattr(compiled, "packed_metadata")):
