@@ -1048,6 +1048,17 @@ BFP8_VARIANTS: dict[str, DecodeConfig] = {
                                       fused_write=True),  # b; 4 per SM (40 KB shared memory)
     "tok-pipe2-r128-fw": DecodeConfig(bfp8="words", prefetch=False, num_stages=2, maxnreg=128, token_loads=True,
                                       fused_write=True),  # b; 4 per SM
+    # Probes of other launch shapes (not the paged decode's bits; bfloat8_b values need not keep them). One
+    # H200, batch 64 x 1k (docs/benchmarks.md, session 8): paged 89.5-90.2 us, the default 100.4-102.2,
+    # w2-t64 96.4-97.3, w2-t32 104.9-105.5, w1-t16 123.5-124.4, w4-t32 136; at batch 1 none beat the default.
+    "tok-w1-t16": DecodeConfig(bfp8="words", prefetch=False, num_stages=2, token_loads=True, fused_write=True,
+                               num_warps=1, tokens=16),
+    "tok-w2-t32": DecodeConfig(bfp8="words", prefetch=False, num_stages=2, token_loads=True, fused_write=True,
+                               num_warps=2, tokens=32),
+    "tok-w2-t64": DecodeConfig(bfp8="words", prefetch=False, num_stages=2, token_loads=True, fused_write=True,
+                               num_warps=2),
+    "tok-w4-t32": DecodeConfig(bfp8="words", prefetch=False, num_stages=2, token_loads=True, fused_write=True,
+                               tokens=32, maxnreg=128),
 }
 #: The variant bfloat8_b tiles get when no config is given (``HAWK_NPU_BFP8_KERNEL`` overrides it): the
 #: fastest that keeps the paged decode's bits in `benchmarks/bfp8_kernel_probe.py --flush-mb 256` on an
