@@ -49,7 +49,8 @@ def test_every_configuration_lands_the_kv(config, post, direct, monkeypatch):
             res = pair.receiver.pull(pair.sender.address, f"r{i}", dst)
             assert pair.landed(tokens, gblocks, dst)
             assert res.num_tokens == tokens and res.bytes > 0
-            assert (res.mode == "landed") == (config == "gn-hawk" and direct == "1")  # only HAWK's tiles land that way
+            # a pull lands straight in the decode's memory where the prefill can address it: HAWK's tiles and gg-direct's blocks
+            assert (res.mode == "landed") == (config in ("gn-hawk", "gg-direct") and direct == "1")
             assert res.mode != "landed" or res.requests == 0
         s, r = _settled(pair)
         assert not s["staging"] and not r["reservations"]
@@ -197,7 +198,7 @@ def test_a_failing_transform_gives_everything_back(path, monkeypatch):
     name = "land" if path == "landed" else "produce"
     good = getattr(pair.sender.fmt, name)
 
-    def broken(plan, out):
+    def broken(plan, out, *events):
         raise RuntimeError("kernel fault")
 
     try:
@@ -258,3 +259,48 @@ def test_a_device_copy_route_plans_with_the_device_figures():
         assert landing.choose(plan, {"device_copy": True}) == "staging"
     finally:
         p.close()
+
+
+def test_only_a_decode_in_another_process_on_the_gpu_waits_on_ipc_events(monkeypatch):
+    """A landed pull may be answered before its transform ends only where the decode can wait on the
+    prefill's CUDA IPC event: a device copy through cuda-ipc to another process. In one process, over
+    a network engine or with HAWK_IPC_EVENTS=0 the decode does not offer it, and a pull in one process
+    lands as before (its D1 says no, its D2 names no event)."""
+    import dataclasses
+    import os
+    from types import SimpleNamespace
+
+    import msgpack
+
+    from hawk.connector.algorithm1 import KVReceiver
+    from hawk.connector.messages import KVReady, decode, encode
+    from hawk.transport.base import RegionInfo
+
+    g0 = RegionInfo("a", 1 << 20, 4096, "cuda", 3)
+
+    def device(engine: str, pid: object, device_copy: bool = True) -> int | None:
+        t = SimpleNamespace(name="auto", engine_for=lambda peer: engine, regions=lambda: {"a": g0})
+        return KVReceiver._event_device(SimpleNamespace(transport=t), "peer", {"device_copy": device_copy, "pid": pid})
+
+    assert device("cuda-ipc", os.getpid() + 1) == 3
+    assert device("cuda-ipc", os.getpid()) is None and device("local", os.getpid() + 1) is None
+    assert device("cuda-ipc", None) is None and device("cuda-ipc", os.getpid() + 1, device_copy=False) is None
+    monkeypatch.setenv("HAWK_IPC_EVENTS", "0")
+    assert device("cuda-ipc", os.getpid() + 1) is None
+
+    # the new fields cross the wire; a peer that predates them decodes to "no event"
+    m = PullRequest("r", "rx", [1, 2], True, True)
+    k = KVReady("r", "npu-tiles", 3, [0], "", 0, 10, [], landed=True, ready_event=bytes(range(64)))
+    assert decode(encode(m)) == m and decode(encode(k)) == k
+    old = {kk: v for kk, v in dataclasses.asdict(k).items() if kk != "ready_event"}
+    assert decode(msgpack.packb({"v": 1, "type": "ready", **old}, use_bin_type=True)).ready_event == b""
+
+    monkeypatch.delenv("HAWK_IPC_EVENTS")
+    pair = make_pair("gn-hawk", LocalTransport(), LocalTransport())
+    try:
+        pair.add("r", 40, [0, 1, 2])
+        pair.receiver.pull(pair.sender.address, "r", [0])
+        assert pair.receiver._senders[pair.sender.address].info["event_device"] is None
+        assert pair.landed(40, [0, 1, 2], [0])
+    finally:
+        pair.close()

@@ -146,18 +146,22 @@ def _kill_later(pid: int, delay: float) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("direct", ["1", "0"])
 @pytest.mark.parametrize("kind", ["pull", "layerwise"])
-def test_gpu_two_processes_one_gpu_write_the_pages_themselves(direct, kind, monkeypatch):
-    """gn-hawk between two processes on one GPU (auto -> cuda-ipc): the prefill writes the decode's pages
-    itself through CUDA IPC (a landed pull, a direct layer-wise push), or stages them (HAWK_DIRECT_WRITE=0);
-    the bytes land either way and nothing stays held on either side."""
+@pytest.mark.parametrize("config", ["gn-hawk", "gg-direct"])
+def test_gpu_two_processes_one_gpu_write_the_pages_themselves(config, direct, kind, monkeypatch):
+    """gn-hawk (and gg-direct's pull) between two processes on one GPU (auto -> cuda-ipc): the prefill
+    writes the decode's memory itself through CUDA IPC (a landed pull, a direct layer-wise push), or
+    stages / lets the decode READ (HAWK_DIRECT_WRITE=0); the bytes land either way and nothing stays
+    held on either side."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    if config == "gg-direct" and kind == "layerwise":
+        pytest.skip("gg-direct's layer-wise push posts its blocks as WRITEs")
     monkeypatch.setenv("HAWK_DIRECT_WRITE", direct)  # the child inherits it (spawned after this)
-    proc, conn, address = _start("gn-hawk", "auto", device="cuda:0")
-    pair = _receiver("gn-hawk", "auto", device="cuda:0")
+    proc, conn, address = _start(config, "auto", device="cuda:0")
+    pair = _receiver(config, "auto", device="cuda:0")
     try:
         for i, (tokens, gblocks) in enumerate([(150, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]), (33, [12, 5, 9])]):
-            dst = dst_blocks_for("gn-hawk", tokens, start=2 * i)
+            dst = dst_blocks_for(config, tokens, start=2 * i)
             if kind == "pull":
                 conn.send(("add", f"r{i}", tokens, gblocks))
                 assert conn.recv() == "ok"
@@ -170,6 +174,8 @@ def test_gpu_two_processes_one_gpu_write_the_pages_themselves(direct, kind, monk
             assert (res.requests == 0) == (direct == "1"), res  # written by the transform: no transport request
             if kind == "pull":
                 assert (res.mode == "landed") == (direct == "1")
+                if direct == "1":  # D2 left while the transform ran; D7 waited on the prefill's CUDA IPC event
+                    assert "transfer_wait_s" in res.timings, res.timings
         conn.send(("acct",))
         acct = conn.recv()
         deadline = time.monotonic() + 5

@@ -84,3 +84,25 @@ def test_lru_evicts_the_least_recently_used():
     lru.get_or_build("c", lambda: 3)  # evicts "b"
     assert lru.get_or_build("b", lambda: 20) == 20 and lru.get_or_build("a", lambda: 0) in (0, 1)
     assert len(lru) == 2
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_repeated_npu_ids_are_refused_cached_or_not(case):
+    """The cache checks the NPU ids' uniqueness only when it places ids it has not placed before; the
+    ids a hit stands for were checked then, so a repeat is refused exactly as without the cache."""
+    import pytest
+
+    tokens, gids, nids, src, dst, bases, _ = case
+    if len(nids) < 2:
+        return
+    bad = list(nids)
+    bad[-1] = bad[0]
+    cache = PlanCache()
+    cache.kv_plan(tokens, gids, nids, src, dst, bases)  # the good ids, placed
+    for _ in range(2):  # a miss each time: a refused placement is not kept
+        with pytest.raises(ValueError, match="repeats a block"):
+            cache.kv_plan(tokens, gids, bad, src, dst, bases)
+    with pytest.raises(ValueError, match="repeats a block"):
+        plan_kv_transfer(tokens, gids, bad, src, dst, bases)
+    assert cache.placements.hits == 0 and len(cache.placements) == 1

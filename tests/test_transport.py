@@ -564,6 +564,38 @@ def test_local_cpu_cuda_copies():
 
 @pytest.mark.gpu
 @gpu
+def test_same_gpu_array_batches_follow_region_changes():
+    """Array batches on one GPU keep their regions' addresses from one batch to the next (looked up
+    once per set of regions), but a region that comes or goes on either side is looked up again: a
+    peer region replaced since connect() fails the batch, and after reconnecting the copies go to the
+    new memory, never the old."""
+    n = 1 << 16
+    with LocalTransport() as a, LocalTransport() as b:
+        for i in range(4):
+            a.register(f"a{i}", torch.zeros(n, dtype=torch.uint8, device="cuda"))
+            b.register(f"b{i}", torch.full((n,), i + 1, dtype=torch.uint8, device="cuda"))
+        peer = a.connect(b.metadata())
+        arr = DescArray.from_descs([Desc(f"a{i}", 0, f"b{i}", 4096, 8192) for i in range(4)])
+        for _ in range(2):  # the second batch uses the addresses kept from the first
+            a.transfer("READ", peer, arr, timeout_s=10)
+            assert all(int(a.tensor(f"a{i}")[:8192].float().mean()) == i + 1 for i in range(4))
+        old = b.tensor("b2")
+        b.deregister("b2")
+        b.register("b2", torch.full((2 * n,), 9, dtype=torch.uint8, device="cuda"))
+        with pytest.raises(TransferError, match="changed since connect"):
+            a.transfer("READ", peer, arr, timeout_s=10)
+        peer = a.connect(b.metadata())
+        a.transfer("READ", peer, arr, timeout_s=10)
+        assert int(a.tensor("a2")[:8192].min()) == 9
+        old.fill_(0)
+        a.tensor("a2").fill_(7)
+        a.transfer("WRITE", peer, arr, timeout_s=10)  # into the new b2; the old one stays as it was
+        torch.cuda.synchronize()
+        assert int(b.tensor("b2")[4096 : 4096 + 8192].min()) == 7 and int(old.max()) == 0
+
+
+@pytest.mark.gpu
+@gpu
 def test_cuda_ipc_two_processes():
     proc = PeerProcess("cuda-ipc", hawk_regions(2, "cuda"))
     t = make_transport("cuda-ipc")

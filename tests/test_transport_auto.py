@@ -419,7 +419,7 @@ def test_connector_over_auto_lands_the_kv(config, post):
         res = pair.receiver.pull(pair.sender.address, "r0", dst)
         assert pair.landed(100, [9, 3, 4, 5, 6, 7, 8], dst)
         assert set(td.routes().values()) == {"local"} and set(tp.routes().values()) == {"local"}
-        if config == "gn-hawk":  # the sender reaches the decode's memory through "local": it writes the pages itself
+        if config in ("gn-hawk", "gg-direct"):  # the sender reaches the decode's memory through "local": it writes it itself
             assert res.mode == "landed" and not (td.batches_by_engine() or tp.batches_by_engine())
         else:
             assert (td if post == "pull" else tp).batches_by_engine().get("local", 0) >= 1

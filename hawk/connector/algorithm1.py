@@ -20,7 +20,9 @@ NPU decode instance, with both sides releasing what they reserved.
 
 Landed pull: where the prefill can address the decode's pages (the same GPU, in-process or through
 CUDA IPC) and D1 allows it (``land``), P3 + P5 write the tiles straight into them, P4 reserves
-nothing, D2 says ``landed`` and D3-D6 do nothing; D7 only makes the pages visible.
+nothing, D2 says ``landed`` and D3-D6 do nothing; D7 only makes the pages visible. A decode in another
+process on that GPU may wait on a CUDA IPC event instead (D1 ``ready_event_ok``): then P7 leaves while
+the transform still runs, D2 names the event, and D7 waits for it first (the hop overlaps the transform).
 
 Every step is the same for the five configurations; what differs (the send format, where the
 decode side lands the bytes) lives in ``formats`` and ``landings``. Failure paths release too:
@@ -82,6 +84,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+import numpy as np
 
 from hawk.connector.control import ControlClient, ControlServer, Deferred, PeerUnreachable
 from hawk.connector.formats import DirectTarget, Held, SendFormat, Staged
@@ -105,6 +108,7 @@ from hawk.connector.messages import (
     layout_from_wire,
     layout_to_wire,
 )
+from hawk.devices.ipc_events import EventRecorder, EventWaiter
 from hawk.errors import DuplicateRequest
 from hawk.memory.reservations import BufferFull
 from hawk.transport.base import Desc, DescArray, Transport, TransferError, desc_bytes
@@ -134,7 +138,7 @@ class _Prefilled:
     """A finished prefill whose KV waits for the decode side to ask (between prefill and P1)."""
 
     num_tokens: int
-    block_ids: list[int]
+    block_ids: np.ndarray  # int64, converted when the prefill hands them over (off P1-P7's path)
     release_blocks: Callable[[], None] | None
     deadline: float
 
@@ -160,7 +164,7 @@ def _device_of(fmt: SendFormat) -> Any:
 class _Receiver:
     peer: str
     info: dict[str, Any]
-    memory: Any = None  # the destination regions as one tensor here (peer_memory), once looked up
+    memory: Any = None  # the destination regions as tensors here (peer_tensors), once looked up
     memory_known: bool = False
 
 
@@ -179,6 +183,8 @@ def layer_group(num_layers: int) -> int:
 #: ``0``: the sender never writes the decode's memory itself (the same GPU), keeping staging + WRITE for a
 #: layer-wise push and staging + READ for a pull (for comparison, and for tests of those paths).
 DIRECT_ENV = "HAWK_DIRECT_WRITE"
+#: ``0``: a decode never lets a landed pull answer before its transform ends (CUDA IPC events; for comparison).
+IPC_EVENTS_ENV = "HAWK_IPC_EVENTS"
 
 #: ``0`` keeps every layer-wise push on the push worker (for comparison); default (``1``): inline on
 #: CUDA when the transport is stream-ordered; ``always``: inline on a CPU too (tests: on a CPU the
@@ -275,6 +281,7 @@ class KVSender:
         self._pushes: dict[str, _Push] = {}
         self.device = _device_of(fmt)
         self._side = SideStream(self.device)
+        self._events = EventRecorder()  # landed pulls' "bytes are there" events, for decodes in other processes
         self._work: queue.SimpleQueue[tuple[_Push, int, Any]] = queue.SimpleQueue()
         for name, tensor in fmt.regions().items():
             transport.register(name, tensor)
@@ -294,7 +301,7 @@ class KVSender:
 
         A request being pushed layer-wise hands its blocks to its push instead (freed when the push
         ends); one whose destination came but whose push did not begin is pushed whole, now."""
-        job = _Prefilled(num_tokens, list(block_ids), release_blocks, time.monotonic() + self.ttl_s)
+        job = _Prefilled(num_tokens, np.array(block_ids, dtype=np.int64), release_blocks, time.monotonic() + self.ttl_s)
         with self._lock:
             push = self._pushes.get(request_id)
             if push is None and (request_id in self._prefilled or request_id in self._sent):
@@ -455,7 +462,7 @@ class KVSender:
         with self._lock:
             if push.state is not PushState.WAITING:
                 return
-            push.state, push.src_block_ids = PushState.PUSHING, list(job.block_ids)
+            push.state, push.src_block_ids = PushState.PUSHING, job.block_ids.tolist()
         self._work.put((push, -1, ""))
         for layer in range(self.fmt.layout.num_layers):
             self._work.put((push, layer, marker))
@@ -554,13 +561,13 @@ class KVSender:
         return None if memory is None else self.fmt.direct_target(push.plan, memory)
 
     def _receiver_memory(self, r: _Receiver) -> Any:
-        """The receiver's destination regions as one tensor this process can write (looked up once per
-        receiver), or None: not addressable from here, or ``$HAWK_DIRECT_WRITE=0``."""
+        """The receiver's destination regions (the format's ``dest_regions``) as tensors this process can
+        write (looked up once per receiver), or None: not addressable from here, or ``$HAWK_DIRECT_WRITE=0``."""
         if os.environ.get(DIRECT_ENV, "1") == "0":
             return None
         if not r.memory_known:
             names = self.fmt.dest_regions(r.info)
-            r.memory = self.transport.peer_memory(r.peer, names) if names else None
+            r.memory = self.transport.peer_tensors(r.peer, names) if names else None
             r.memory_known = True
         return r.memory
 
@@ -709,9 +716,11 @@ class KVSender:
         layout = layout_from_wire(msg.layout)
         peer = self.transport.connect(msg.transport_md)
         receiver = str(msg.extra.get("receiver") or uuid.uuid4().hex)
+        info = _with_tuple_bases({"layout": layout, **msg.extra})
         with self._lock:
-            self._receivers[receiver] = _Receiver(peer, {"layout": layout, **msg.extra})
-        extra = {**self.fmt.hello_extra(), "format": self.fmt.name, "receiver": receiver, "keepalive": True, "ttl_s": self.ttl_s, "layerwise": self.fmt.layerwise}
+            self._receivers[receiver] = _Receiver(peer, info)
+        extra = {**self.fmt.hello_extra(), "format": self.fmt.name, "receiver": receiver, "keepalive": True, "ttl_s": self.ttl_s,
+                 "layerwise": self.fmt.layerwise, "pid": os.getpid()}
         return Hello("prefill", self.config, self.transport.name, self.transport.metadata(), layout_to_wire(self.fmt.layout), extra)
 
     def _pull(self, msg: PullRequest) -> Message:
@@ -729,7 +738,7 @@ class KVSender:
         try:
             plan = self.fmt.plan(job.num_tokens, job.block_ids, receiver.info, msg.dst_block_ids)
             t_plan = time.perf_counter()
-            staged = self._land(plan, receiver) if msg.land else None  # P3 + P5 into the decode's pages
+            staged = self._land(plan, receiver, msg.ready_event_ok) if msg.land else None  # P3 + P5 into the decode's pages
             if staged is None:
                 staged = self._stage(plan, msg.request_id)  # P3 + P4 + P5: reserve, transform into it
         except BaseException as e:  # the request fails; nothing it held may stay held
@@ -749,7 +758,7 @@ class KVSender:
             msg.request_id,
             self.fmt.name,
             job.num_tokens,
-            list(job.block_ids),
+            job.block_ids.tolist(),
             staged.region,
             staged.offset,
             self.fmt.size(plan),
@@ -757,13 +766,17 @@ class KVSender:
             staged.sources,
             timings,
             landed=staged.held.mode == "landed",
+            ready_event=staged.ready_event,
         )
 
-    def _land(self, plan: Any, receiver: _Receiver) -> Staged | None:
+    def _land(self, plan: Any, receiver: _Receiver, event_ok: bool) -> Staged | None:
         """A pull whose decode lets this side write its pages (D1 ``land``), and that this process can
-        address (the same GPU): the transform writes them, nothing is reserved or moved after."""
+        address (the same GPU): the transform writes them, nothing is reserved or moved after. With
+        ``event_ok`` (the decode waits on a CUDA IPC event) P7 leaves while the transform runs."""
         memory = self._receiver_memory(receiver)
-        return None if memory is None else self.fmt.land(plan, memory)
+        if memory is None:
+            return None
+        return self.fmt.land(plan, memory, self._events if event_ok else None)
 
     def _push(self, msg: PushRequest) -> Message:
         """Push variant of D5-D6: post the decode side's pairing as one WRITE batch from here."""
@@ -980,6 +993,18 @@ def _pull_timings(t: _Clock, t_stored: float, ready: Any) -> dict[str, float]:
     return out
 
 
+def _with_tuple_bases(info: dict[str, Any]) -> dict[str, Any]:
+    """A peer's handshake with its NPU tensor bases (when it has them) as a tuple of ints: converted
+    once here, not on every plan (``check_request`` takes a tuple as it is)."""
+    bases = info.get("bases")
+    if isinstance(bases, list):
+        try:
+            info["bases"] = tuple(int(b) for b in bases)
+        except (TypeError, ValueError) as e:
+            raise ProtocolError(f"malformed tensor bases in handshake: {e}") from e
+    return info
+
+
 @dataclass
 class _Sender:
     client: ControlClient
@@ -1006,6 +1031,7 @@ class KVReceiver:
         self._draining: list[tuple[float, Held]] = []
         self._history: dict[str, PullResult] = {}
         self._expecting: dict[str, float] = {}  # layer-wise destinations handed out, by request
+        self._events = EventWaiter()  # senders' CUDA IPC events (landed pulls answered early), opened once
 
     def connect(self, address: str) -> None:
         """Handshake with a prefill instance: exchange transport metadata and KV layouts."""
@@ -1033,7 +1059,8 @@ class KVReceiver:
             if not isinstance(reply, Hello) or reply.extra.get("format") != self.landing.format:
                 raise ProtocolError(f"prefill at {address} answered the handshake with {reply!r:.200}")
             peer = self.transport.connect(reply.transport_md)
-            info = {**reply.extra, "layout": layout_from_wire(reply.layout), "device_copy": self._device_copy(peer)}
+            info = _with_tuple_bases({**reply.extra, "layout": layout_from_wire(reply.layout), "device_copy": self._device_copy(peer)})
+            info["event_device"] = self._event_device(peer, info)
         except BaseException:
             client.close()
             raise
@@ -1052,6 +1079,19 @@ class KVReceiver:
             return False
         regions = [*t.regions().values(), *t.remote_regions(peer).values()]
         return all(r.device == "cuda" for r in regions) and len({r.device_id for r in regions}) == 1
+
+    def _event_device(self, peer: str, info: dict[str, Any]) -> int | None:
+        """The GPU on which this side can wait for the sender's CUDA IPC events (a landed pull then
+        answers before its transform ends), or None: not a device copy through CUDA IPC between two
+        processes, a sender that does not say its process, or ``$HAWK_IPC_EVENTS=0`` (for comparison)."""
+        if os.environ.get(IPC_EVENTS_ENV, "1") == "0":
+            return None
+        t = self.transport
+        engine = t.engine_for(peer) if hasattr(t, "engine_for") else t.name
+        pid = info.get("pid")
+        if not info["device_copy"] or engine != "cuda-ipc" or not isinstance(pid, int) or pid == os.getpid():
+            return None
+        return next(r.device_id for r in t.regions().values() if r.device == "cuda")
 
     def peer_layout(self, address: str) -> Any:
         """The KV layout the prefill at ``address`` announced (its ``head_start`` and heads tell a
@@ -1092,7 +1132,9 @@ class KVReceiver:
         t = _Clock()
         # D1: ask for the KV (and plan this side while the request is in flight).   D2: receive the metadata.
         try:
-            pending = s.client.start(PullRequest(request_id, s.receiver, [int(b) for b in dst_block_ids], self.landing.takes_landed()))
+            land = self.landing.takes_landed()
+            event_ok = land and s.info.get("event_device") is not None
+            pending = s.client.start(PullRequest(request_id, s.receiver, [int(b) for b in dst_block_ids], land, event_ok))
             t.lap("send_s")
             if num_tokens is not None:
                 self._warm(num_tokens, dst_block_ids, s.info)
@@ -1112,6 +1154,9 @@ class KVReceiver:
             if ready.landed:  # the prefill wrote the pages itself (it may only if D1 said so): D3-D6 hold nothing
                 if not self.landing.takes_landed():
                     raise ProtocolError(f"request {request_id}: the prefill wrote the pages, which this decode did not allow")
+                if ready.ready_event:  # still being written: wait for the prefill's event first
+                    self._wait_event(s, request_id, ready.ready_event)
+                    t.lap("transfer_wait_s")
                 self.landing.finish_layers()  # D7: visible to this side's kernels
                 t.lap("finish_s")
             else:
@@ -1149,6 +1194,16 @@ class KVReceiver:
             result = PullResult(request_id, ready.num_tokens, desc_bytes(descs), len(descs), held.mode if held else "", timings)
         self._remember(result)
         return result
+
+    def _wait_event(self, s: _Sender, request_id: str, handle: bytes) -> None:
+        """D7 of a landed pull answered early: until the sender's CUDA IPC event has fired."""
+        device = s.info.get("event_device")
+        if device is None:
+            raise ProtocolError(f"request {request_id}: the prefill sent a CUDA event, which this decode did not allow")
+        try:
+            self._events.wait(handle, device)
+        except RuntimeError as e:  # a handle that does not open, or a device error while waiting
+            raise TransferError(f"waiting on the prefill's CUDA IPC event: {e}") from e
 
     def cancel_push(self, address: str, request_id: str, why: str) -> bool:
         """Stop a layer-wise push this receiver is waiting for (its request was aborted): D9 not ok,

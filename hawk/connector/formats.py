@@ -21,7 +21,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from hawk.devices.batched_copy import copy_regions
+from hawk.devices.batched_copy import copy_regions, span_table
+from hawk.devices.ipc_events import EventRecorder
 from hawk.layouts.gpu import GpuKVLayout
 from hawk.layouts.npu import NpuKVLayout
 from hawk.memory.buffers import ChannelBuffers, StagingBuffer
@@ -30,9 +31,9 @@ from hawk.memory.reservations import Reservation
 from hawk.plan.block_plan import BlockCopyPlan, plan_block_copy
 from hawk.plan.kv_plan import KVTransferPlan, TileDest
 from hawk.plan.layer_plan import LayerwisePlan, plan_layerwise
-from hawk.plan.plan_cache import PLANS
+from hawk.plan.plan_cache import LRU, PLANS
 from hawk.transform import transform
-from hawk.transport.base import Desc, DescArray
+from hawk.transport.base import Desc, DescArray, byte_view, contiguous_span
 
 #: Transport region name of a sender's staging buffer.
 STAGING_REGION = "staging"
@@ -71,6 +72,9 @@ class Staged:
     #: Host seconds spent in P4 (``reserve_s``), launching P3 + P5 (``transform_s``) and waiting for
     #: them (``transform_wait_s``): the sender's half of the host-side breakdown.
     timings: dict[str, float] = field(default_factory=dict)
+    #: A landed pull answered before its transform ended: the IPC handle of the CUDA event that fires
+    #: when the bytes are in the decode's pages (``hawk.devices.ipc_events``); empty when they are there.
+    ready_event: bytes = b""
 
 
 def cache_region(layer: int) -> str:
@@ -88,6 +92,19 @@ def channel_regions(channels: np.ndarray) -> tuple[tuple[str, ...], np.ndarray]:
     and every run's index into them."""
     uniq, idx = np.unique(np.asarray(channels, dtype=np.int64), return_inverse=True)
     return tuple(channel_region(int(c)) for c in uniq), idx.reshape(-1)
+
+
+def _landed(device: torch.device, t0: float, events: EventRecorder | None) -> Staged:
+    """A landed pull's bytes are queued on this thread's stream since ``t0``: wait for them, or (with
+    ``events``, for a receiver in another process) record the event it waits on instead."""
+    t1 = time.perf_counter()
+    handle = b""
+    if events is not None and device.type == "cuda":
+        handle = events.record(device)  # the decode waits on it: D2 leaves while the bytes move
+    elif device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()  # the decode hears of it (KVReady) only once it is there
+    timings = {"reserve_s": 0.0, "transform_s": t1 - t0, "transform_wait_s": time.perf_counter() - t1}
+    return Staged(Held("landed"), timings=timings, ready_event=handle)
 
 
 def _sync(t: torch.Tensor) -> None:
@@ -157,15 +174,16 @@ class SendFormat(ABC):
         address order."""
         return []
 
-    def land(self, plan: Any, memory: torch.Tensor) -> Staged | None:
+    def land(self, plan: Any, dests: Sequence[torch.Tensor], events: EventRecorder | None = None) -> Staged | None:
         """P3 + P5 of a pull with no P4: the request's bytes straight into the receiver's memory
-        (:meth:`dest_regions` as one tensor here), finished on return; None where this format cannot
-        (the caller stages instead)."""
+        (:meth:`dest_regions`, as this process addresses them); None where this format cannot (the
+        caller stages instead). Finished on return, or with ``events`` (a receiver in another process
+        that waits on one) still running: ``Staged.ready_event`` then says when they are there."""
         return None
 
-    def direct_target(self, plan: Any, memory: torch.Tensor) -> DirectTarget | None:
-        """How to produce every layer of ``plan`` straight into ``memory`` (the receiver's
-        :meth:`dest_regions`, back to back, as this process addresses them), or None: staging + WRITE."""
+    def direct_target(self, plan: Any, dests: Sequence[torch.Tensor]) -> DirectTarget | None:
+        """How to produce every layer of ``plan`` straight into the receiver's :meth:`dest_regions`
+        (``dests``, as this process addresses them), or None: staging + WRITE."""
         return None
 
     def produce_layer_into(self, plan: Any, layer: int, target: DirectTarget) -> None:
@@ -284,19 +302,21 @@ class NpuTiles(_InStagingBuffer):
             return None
         return dest if dest.extent <= memory.numel() else None
 
-    def land(self, plan: KVTransferPlan, memory: torch.Tensor) -> Staged | None:
-        dest = self._memory_dest(plan, memory)
+    def land(self, plan: KVTransferPlan, dests: Sequence[torch.Tensor], events: EventRecorder | None = None) -> Staged | None:
+        memory = contiguous_span(dests)  # the channels, back to back
+        dest = None if memory is None else self._memory_dest(plan, memory)
         if dest is None:
             return None
         t0 = time.perf_counter()
         transform(self.caches, plan, memory, self.impl, dest)
-        t1 = time.perf_counter()
-        _sync(memory)  # the decode hears of it (KVReady) only once it is there
-        return Staged(Held("landed"), timings={"reserve_s": 0.0, "transform_s": t1 - t0, "transform_wait_s": time.perf_counter() - t1})
+        return _landed(memory.device, t0, events)
 
-    def direct_target(self, plan: LayerwisePlan, memory: torch.Tensor) -> DirectTarget | None:
+    def direct_target(self, plan: LayerwisePlan, dests: Sequence[torch.Tensor]) -> DirectTarget | None:
         """Each layer's transform writes its tiles into their pages of the decode's DRAM (see
         :meth:`_memory_dest`); None where it cannot, or a layer's tensors are not evenly spaced."""
+        memory = contiguous_span(dests)
+        if memory is None:
+            return None
         dest = self._memory_dest(plan.plan, memory)
         if dest is None:
             return None
@@ -341,8 +361,23 @@ class CompactBlocks(_InStagingBuffer):
             out.copy_(gather_compact(self.caches, plan).reshape(-1).view(torch.uint8), non_blocking=out.is_pinned())
 
 
+@dataclass(frozen=True)
+class InPlacePlan:
+    """gg-direct's plan of one pull: the request's blocks here and, from D1, where they go (``dst`` is
+    None when the receiver's layout is not a paged GPU cache: then only the peer's READ can move them)."""
+
+    blocks: BlockCopyPlan
+    dst: GpuKVLayout | None
+    dst_block_ids: np.ndarray
+
+    @property
+    def total_bytes(self) -> int:
+        return self.blocks.total_bytes
+
+
 class InPlace(SendFormat):
-    """gg-direct: the peer reads the blocks out of the registered paged cache, layer by layer."""
+    """gg-direct: the peer reads the blocks out of the registered paged cache, layer by layer; on one
+    GPU (a landed pull) this side copies them into the peer's blocks itself, in one launch."""
 
     name = "cache"
     reads_cache_in_place = True
@@ -350,18 +385,60 @@ class InPlace(SendFormat):
     def __init__(self, caches: Sequence[torch.Tensor], layout: GpuKVLayout):
         layout.check_cache(list(caches))
         self.caches, self.layout = list(caches), layout
+        self._bytes = [byte_view(c) for c in self.caches]
+        self._src = np.array([b.data_ptr() for b in self._bytes], dtype=np.int64)  # each layer's first byte
+        self._copies: LRU[tuple] = LRU(128)  # a landed pull's copies by receiver, tokens and both sides' block ids
 
     def regions(self) -> dict[str, torch.Tensor]:
         return {cache_region(i): c for i, c in enumerate(self.caches)}
 
-    def plan(self, num_tokens, block_ids, peer, dst_block_ids) -> BlockCopyPlan:
-        return plan_block_copy(num_tokens, block_ids, self.layout)
+    def plan(self, num_tokens, block_ids, peer, dst_block_ids) -> InPlacePlan:
+        dst = peer.get("layout")
+        return InPlacePlan(plan_block_copy(num_tokens, block_ids, self.layout), dst if isinstance(dst, GpuKVLayout) else None,
+                           np.asarray(dst_block_ids, dtype=np.int64))
 
-    def size(self, plan: BlockCopyPlan) -> int:
+    def size(self, plan: InPlacePlan) -> int:
         return plan.total_bytes
 
-    def stage(self, plan: BlockCopyPlan, owner: str, ttl_s: float) -> Staged:
+    def stage(self, plan: InPlacePlan, owner: str, ttl_s: float) -> Staged:
         return Staged(Held("in-place"))
+
+    def dest_regions(self, peer: dict[str, Any]) -> list[str]:
+        dst = peer.get("layout")
+        if not isinstance(dst, GpuKVLayout) or dst.heads != self.layout.heads:
+            return []  # tensor-parallel ranks of other degrees: the peer's READ slices the heads
+        return [cache_region(i) for i in range(dst.num_layers)]
+
+    def land(self, plan: InPlacePlan, dests: Sequence[torch.Tensor], events: EventRecorder | None = None) -> Staged | None:
+        """The request's blocks copied into the peer's blocks (``dests``: its layer caches as this
+        process addresses them, on this GPU): the copy the peer's READ would make, issued here, so
+        that with ``events`` D2 leaves while it runs."""
+        dev = self.caches[0].device
+        if plan.dst is None or len(dests) != len(self.caches) or any(d.device != dev for d in dests):
+            return None
+        if any(d.numel() < plan.dst.layer_bytes for d in dests):
+            return None
+        t0 = time.perf_counter()
+        b = plan.blocks
+        # kept as the decode's READ path keeps its descriptors (the entry holds ``dests``: its id stays unique)
+        key = (id(dests), plan.dst, b.num_tokens, b.src_block_ids.tobytes(), plan.dst_block_ids.tobytes())
+        _, runs, table = self._copies.get_or_build(key, lambda: self._copies_into(plan, dests))
+        if table is not None:
+            table.run()  # one launch
+        else:  # a CPU, or ranges one launch cannot take: a copy each
+            for sr, so, dr, do, n in runs:
+                dests[dr][do : do + n].copy_(self._bytes[sr][so : so + n], non_blocking=True)
+        return _landed(dev, t0, events)
+
+    def _copies_into(self, plan: InPlacePlan, dests: Sequence[torch.Tensor]) -> tuple:
+        """(dests, the request's runs, their SpanTable on a GPU or None): what :meth:`land` repeats."""
+        runs = plan.blocks.direct_runs(plan.dst, plan.dst_block_ids)
+        dev = self.caches[0].device
+        if dev.type != "cuda":
+            return dests, runs, None
+        src = self._src[runs.src_region] + runs.src_offset
+        dst = np.array([d.data_ptr() for d in dests], dtype=np.int64)[runs.dst_region] + runs.dst_offset
+        return dests, runs, span_table(dev, src, dst, runs.length)
 
     # Layer-wise: nothing is produced; layer l's blocks are written from this cache's layer-l
     # region into the receiver's layer-l region (its blocks were allocated before prefill).

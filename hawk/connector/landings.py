@@ -384,7 +384,7 @@ class GpuDirectLanding(Landing):
     def __init__(self, caches: Sequence[torch.Tensor], layout: GpuKVLayout):
         layout.check_cache(list(caches))
         self.caches, self.layout = list(caches), layout
-        self._descs: LRU[list[Desc]] = LRU(128)
+        self._descs: LRU[DescArray] = LRU(128)
 
     def regions(self) -> dict[str, torch.Tensor]:
         return {cache_region(i): c for i, c in enumerate(self.caches)}
@@ -392,22 +392,24 @@ class GpuDirectLanding(Landing):
     def hello(self) -> tuple[Any, dict]:
         return self.layout, {}
 
-    def plan(self, ready, dst_block_ids, peer) -> list[Desc]:
-        """The descriptor list itself, kept per (layouts, tokens, both sides' block ids): a repeated
-        request shape with the same blocks (what an idle allocator hands back) costs a lookup."""
+    def plan(self, ready, dst_block_ids, peer) -> DescArray:
+        """The descriptors themselves, kept per (layouts, tokens, both sides' block ids): a repeated
+        request shape with the same blocks (what an idle allocator hands back) costs a lookup. As a
+        :class:`DescArray`: the transport checks and addresses a batch without a Python object per
+        descriptor (a list of 160 cost ~1 ms of submit on an H200 host)."""
         src = peer["layout"]
         key = (src, ready.num_tokens, np.asarray(ready.src_block_ids, dtype=np.int64).tobytes(), np.asarray(dst_block_ids, dtype=np.int64).tobytes())
         return self._descs.get_or_build(key, lambda: self._build(ready, dst_block_ids, src))
 
-    def _build(self, ready, dst_block_ids, src) -> list[Desc]:
+    def _build(self, ready, dst_block_ids, src) -> DescArray:
         blocks = plan_block_copy(ready.num_tokens, ready.src_block_ids, src)
         if blocks.src.heads != self.layout.heads:  # tensor-parallel ranks of different degrees
             reqs = head_slice_requests(blocks, self.layout, dst_block_ids)
         else:
             reqs = blocks.direct_requests(self.layout, dst_block_ids)
-        return [Desc(cache_region(r.dst_region), r.dst_offset, cache_region(r.src_region), r.src_offset, r.length) for r in reqs]
+        return DescArray.from_descs(Desc(cache_region(r.dst_region), r.dst_offset, cache_region(r.src_region), r.src_offset, r.length) for r in reqs)
 
-    def pair(self, plan, held, ready) -> list[Desc]:
+    def pair(self, plan, held, ready) -> DescArray:
         return plan
 
     def finish(self, plan, held) -> None:
@@ -417,6 +419,9 @@ class GpuDirectLanding(Landing):
 
     def finish_layers(self) -> None:
         self.finish(None, Held("in-place"))
+
+    def takes_landed(self) -> bool:
+        return True  # on one GPU the prefill copies the blocks in itself (the READ's copy, issued there)
 
 
 class GpuFromTiles(Landing):

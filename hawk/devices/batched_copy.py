@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -151,12 +152,37 @@ def copy_spans(device: torch.device, src_addr: np.ndarray, dst_addr: np.ndarray,
     dev = torch.device(device)
     if dev.type != "cuda" and not force:
         return False
+    table = span_table(dev, src_addr, dst_addr, lengths)
+    if table is None:
+        return False
+    table.run()
+    return True
+
+
+@dataclass(frozen=True)
+class SpanTable:
+    """:func:`copy_spans`' copies with their offsets uploaded once: :meth:`run` issues them again on the
+    current stream, with no host work but the launch (for copies that repeat between the same places)."""
+
+    base: torch.Tensor  # the tensor the offsets count from (kept alive with them)
+    table: torch.Tensor  # [3, n] int64 words: source, destination, length
+    max_len: int
+    align: int
+
+    def run(self) -> None:
+        _launch_copy(self.base, self.table, self.max_len, self.align)
+
+
+def span_table(device: torch.device | str, src_addr: np.ndarray, dst_addr: np.ndarray, lengths: np.ndarray) -> SpanTable | None:
+    """The copies of :func:`copy_spans` as a :class:`SpanTable` (uploaded now, on the current stream,
+    not run), or None where one launch cannot take them (see :func:`span_words`)."""
+    dev = torch.device(device)
     base = torch.empty(1, dtype=torch.int64, device=dev)
     words = span_words(src_addr, dst_addr, lengths, base.data_ptr())
     if words is None:
-        return False
-    _triton_copy(base, *words)
-    return True
+        return None
+    s, d, n = words
+    return SpanTable(base, upload_int64(np.stack([s, d, n]), dev), int(n.max()), vector_align(s, d, n))
 
 
 def span_words(src_addr: np.ndarray, dst_addr: np.ndarray, lengths: np.ndarray,

@@ -29,10 +29,11 @@ class NpuKVCacheMemory:
             raise
         slots = buf.page_map.slots_per_bank(layout.pages_per_tensor)
         self._views = [npu.interleaved_pages(a.address, buf.aligned_page, slots) for a in self.allocs]
+        self._bases = tuple(int(a.address) for a in self.allocs)  # fixed for the cache's life; planning reads it per request
 
     @property
     def bases(self) -> tuple[int, ...]:
-        return tuple(a.address for a in self.allocs)
+        return self._bases
 
     def pages(self, t: int) -> torch.Tensor:
         """``[banks, slots, aligned_page]`` view of tensor ``t``'s pages (index it with the page map)."""

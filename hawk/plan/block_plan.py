@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from hawk.layouts.gpu import GpuKVLayout
-from hawk.plan.requests import Copy, Request, merge_runs
+from hawk.plan.requests import Copy, Request, Runs, merge_runs
 
 
 def _block_bytes(layout: GpuKVLayout) -> int:
@@ -76,11 +76,15 @@ class BlockCopyPlan:
 
     def direct_requests(self, dst: GpuKVLayout, dst_block_ids: Sequence[int]) -> list[Request]:
         """Source cache -> destination cache, region = layer on both sides, merged where contiguous."""
+        return [Request(*r) for r in self.direct_runs(dst, dst_block_ids)]
+
+    def direct_runs(self, dst: GpuKVLayout, dst_block_ids: Sequence[int]) -> Runs:
+        """:meth:`direct_requests` as arrays (a device copy takes them without an object per run)."""
         ids = self._check_dst(dst, dst_block_ids)
         first, count = self._runs(self.src_block_ids, ids)
         layer, src_off, _, length = self._expand(first, count, self.src_block_ids, self.src)
         _, dst_off, _, _ = self._expand(first, count, ids, dst)
-        return [Request(*r) for r in merge_runs(layer, src_off, layer, dst_off, length)]
+        return merge_runs(layer, src_off, layer, dst_off, length)
 
     def _check_dst(self, dst: GpuKVLayout, dst_block_ids: Sequence[int]) -> np.ndarray:
         s = self.src

@@ -379,9 +379,19 @@ class CheckedRequest:
     bases: tuple[int, ...]
 
 
+def require_unique(nids: np.ndarray) -> np.ndarray:
+    """``nids`` (NPU block ids), or ValueError when one repeats: two tiles would share a page."""
+    if len(np.unique(nids)) != len(nids):
+        raise ValueError(f"npu_block_ids repeats a block: {nids.tolist()}")
+    return nids
+
+
 def check_request(
-    num_tokens: int, gpu_block_ids: Sequence[int], npu_block_ids: Sequence[int], src: GpuKVLayout, dst: NpuKVLayout, dst_bases: Sequence[int]
+    num_tokens: int, gpu_block_ids: Sequence[int], npu_block_ids: Sequence[int], src: GpuKVLayout, dst: NpuKVLayout,
+    dst_bases: Sequence[int], unique_checked_later: bool = False,
 ) -> CheckedRequest:
+    """The request's arguments validated. ``unique_checked_later``: the caller checks the NPU ids'
+    uniqueness itself (:func:`require_unique`), e.g. only when it places ids it has not placed before."""
     if not isinstance(num_tokens, (int, np.integer)) or num_tokens <= 0:
         raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
     num_tokens = int(num_tokens)
@@ -397,9 +407,10 @@ def check_request(
     )
     nb = _blocks_needed(num_tokens, dst.block_size)
     nids = _check_block_ids("npu_block_ids", np.asarray(npu_block_ids, dtype=np.int64), nb, dst.max_num_blocks)
-    if len(np.unique(nids)) != len(nids):
-        raise ValueError(f"npu_block_ids repeats a block: {nids.tolist()}")
-    return CheckedRequest(num_tokens, gids, nids, heads, tuple(int(b) for b in dst_bases))
+    if not unique_checked_later:
+        require_unique(nids)
+    bases = dst_bases if type(dst_bases) is tuple else tuple(int(b) for b in dst_bases)  # a tuple is taken as ints
+    return CheckedRequest(num_tokens, gids, nids, heads, bases)
 
 
 def assemble_plan(req: CheckedRequest, src: GpuKVLayout, dst: NpuKVLayout, grid: TileGrid, placed: Placement) -> KVTransferPlan:

@@ -28,7 +28,17 @@ import numpy as np
 
 from hawk.layouts.gpu import GpuKVLayout
 from hawk.layouts.npu import NpuKVLayout
-from hawk.plan.kv_plan import KVTransferPlan, Placement, TileGrid, assemble_plan, check_request, place_pages, shared_heads, tile_grid
+from hawk.plan.kv_plan import (
+    KVTransferPlan,
+    Placement,
+    TileGrid,
+    assemble_plan,
+    check_request,
+    place_pages,
+    require_unique,
+    shared_heads,
+    tile_grid,
+)
 
 V = TypeVar("V")
 
@@ -79,8 +89,9 @@ class PlanCache:
         return self.grids.get_or_build((dst, heads.start, heads.stop, num_blocks), lambda: tile_grid(dst, heads, num_blocks))
 
     def _placement(self, grid: TileGrid, nids: np.ndarray, dst: NpuKVLayout, heads: range, bases: tuple[int, ...]) -> Placement:
+        """Keyed by the ids' bytes: a hit means these very ids were placed (and found unique) before."""
         key = (dst, heads.start, heads.stop, _ids_key(nids), bases)
-        return self.placements.get_or_build(key, lambda: place_pages(grid, nids, dst))
+        return self.placements.get_or_build(key, lambda: place_pages(grid, require_unique(nids), dst))
 
     def kv_plan(
         self,
@@ -91,7 +102,7 @@ class PlanCache:
         dst: NpuKVLayout,
         dst_bases: Sequence[int],
     ) -> KVTransferPlan:
-        req = check_request(num_tokens, gpu_block_ids, npu_block_ids, src, dst, dst_bases)
+        req = check_request(num_tokens, gpu_block_ids, npu_block_ids, src, dst, dst_bases, unique_checked_later=True)
         grid = self._grid(dst, req.heads, len(req.nids))
         return assemble_plan(req, src, dst, grid, self._placement(grid, req.nids, dst, req.heads, req.bases))
 

@@ -421,7 +421,7 @@ class AutoTransport(Transport):
     def _route_for(self, peer: _Peer, segs: Sequence[Segment]) -> tuple[Transport, _Peer, str]:
         r: _Route = peer.state
         key = r.primary
-        remote = {x.name for x in used_regions(segs, "remote")}
+        remote = {x.name for x in used_regions(segs, "remote")} if r.host_regions else set()
         if r.host_regions and not remote.isdisjoint(r.host_regions):
             if "net" not in r.links:
                 names = sorted(remote & set(r.host_regions))
@@ -466,12 +466,12 @@ class AutoTransport(Transport):
         eng, iid = r.links[r.primary]
         return eng.stream_ordered(iid)
 
-    def peer_memory(self, peer: str, names: Sequence[str]) -> torch.Tensor | None:
+    def peer_tensors(self, peer: str, names: Sequence[str]) -> list[torch.Tensor] | None:
         p = self._peers.get(peer)
         if p is None or p.state is None:
             return None
         eng, iid = p.state.links[p.state.primary]
-        return eng.peer_memory(iid, names)
+        return eng.peer_tensors(iid, names)
 
     def _engine_block(self, h: TransferHandle, timeout_s: float) -> None:
         r: _Routed | None = h.engine_state

@@ -351,6 +351,26 @@ def resolve(
     return out
 
 
+def contiguous_span(views: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """Flat uint8 views that follow each other in one storage, as one tensor over all of them (None
+    when they do not: other storages, gaps, another device)."""
+    if not views:
+        return None
+    v0 = views[0]
+    storage = v0.untyped_storage()
+    end = v0.data_ptr()
+    for v in views:
+        if v.dtype != torch.uint8 or v.dim() != 1 or v.device != v0.device or v.data_ptr() != end:
+            return None
+        if v.untyped_storage().data_ptr() != storage.data_ptr():
+            return None
+        end += v.numel()
+    total = end - v0.data_ptr()
+    if v0.storage_offset() + total > storage.nbytes():
+        return None
+    return torch.empty(0, dtype=torch.uint8, device=v0.device).set_(storage, v0.storage_offset(), (total,), (1,))
+
+
 def used_regions(segs: Sequence[Segment], side: str) -> list[RegionInfo]:
     """The regions of ``side`` ("local" or "remote") that some segment of a batch names, each once
     (a SegArray's without an object per descriptor)."""
@@ -364,10 +384,19 @@ def desc_bytes(descs: Sequence[Desc]) -> int:
     return descs.nbytes if isinstance(descs, DescArray) else sum(d.length for d in descs)
 
 
-def resolve_array(descs: DescArray, local: dict[str, RegionInfo], remote: dict[str, RegionInfo], peer: str) -> SegArray:
-    """:func:`resolve` for a :class:`DescArray`: the same checks, vectorized, and the same messages."""
-    if not len(descs):
-        raise ValueError("empty batch: submit needs at least one descriptor")
+@dataclass(frozen=True, eq=False)
+class RegionTables:
+    """A DescArray's region names resolved on both sides, with each region's length: what validating
+    its rows needs and what stays the same from one batch to the next between the same regions."""
+
+    local: tuple[RegionInfo, ...]
+    remote: tuple[RegionInfo, ...]
+    local_lengths: np.ndarray
+    remote_lengths: np.ndarray
+
+
+def region_tables(descs: DescArray, local: dict[str, RegionInfo], remote: dict[str, RegionInfo], peer: str) -> RegionTables:
+    """``descs``' region names looked up in both tables (ValueError for an unknown one)."""
     infos = []
     for side, names, table in (("local", descs.local_names, local), ("remote", descs.remote_names, remote)):
         got = []
@@ -378,20 +407,31 @@ def resolve_array(descs: DescArray, local: dict[str, RegionInfo], remote: dict[s
                 raise ValueError(f"descriptor region: unknown {side} region {name!r}{where} (have {sorted(table)})")
             got.append(r)
         infos.append(tuple(got))
+    lengths = [np.array([r.length for r in regions], dtype=np.int64) for regions in infos]
+    return RegionTables(infos[0], infos[1], lengths[0], lengths[1])
+
+
+def resolve_array(descs: DescArray, local: dict[str, RegionInfo] | RegionTables, remote: dict[str, RegionInfo] | None = None,
+                  peer: str = "") -> SegArray:
+    """:func:`resolve` for a :class:`DescArray`: the same checks, vectorized, and the same messages.
+    ``local`` may be the batch's :class:`RegionTables` already (then ``remote`` is not needed)."""
+    if not len(descs):
+        raise ValueError("empty batch: submit needs at least one descriptor")
+    tables = local if isinstance(local, RegionTables) else region_tables(descs, local, remote or {}, peer)
     lo, ro, n = (np.asarray(c, dtype=np.int64) for c in (descs.local_offset, descs.remote_offset, descs.length))
     li, ri = np.asarray(descs.local_idx, dtype=np.int64), np.asarray(descs.remote_idx, dtype=np.int64)
     bad = np.flatnonzero(n <= 0)
     if len(bad):
         raise ValueError(f"descriptor {int(bad[0])}: length={int(n[bad[0]])} must be positive")
-    for side, idx, off, regions in (("local", li, lo, infos[0]), ("remote", ri, ro, infos[1])):
-        lens = np.array([r.length for r in regions], dtype=np.int64)[idx]
-        bad = np.flatnonzero((off < 0) | (off + n > lens))
+    for side, idx, off, regions, lengths in (("local", li, lo, tables.local, tables.local_lengths),
+                                             ("remote", ri, ro, tables.remote, tables.remote_lengths)):
+        bad = np.flatnonzero((off < 0) | (off + n > lengths[idx]))
         if len(bad):
             i = int(bad[0])
             r = regions[int(idx[i])]
             raise ValueError(f"descriptor {i}: {side}_offset={int(off[i])} length={int(n[i])} outside {side} region "
                              f"{r.name!r} of {r.length} bytes")
-    return SegArray(infos[0], li, lo, infos[1], ri, ro, n)
+    return SegArray(tables.local, li, lo, tables.remote, ri, ro, n)
 
 
 # ------------------------------------------------------------------------------------------- interface
@@ -416,6 +456,8 @@ class Transport(abc.ABC):
         self._hids = itertools.count(1)
         self._closed = False
         self._stats = self._zero_stats()
+        self._tables: dict[tuple, RegionTables] = {}  # see _tables_for; cleared when regions or peers change
+        self._region_version = 0  # bumped when a region comes or goes (same-process peers check it)
 
     # -------------------------------------------------------------------------------------- regions
     def register(self, name: str, tensor: torch.Tensor) -> RegionInfo:
@@ -429,6 +471,8 @@ class Transport(abc.ABC):
                 raise ValueError(f"region {name!r} is already registered")
             token = self._engine_register(info, tensor)
             self._regions[name] = _Region(info, tensor, token)
+            self._tables.clear()
+            self._region_version += 1
         return info
 
     def deregister(self, name: str) -> None:
@@ -442,6 +486,8 @@ class Transport(abc.ABC):
                     raise TransportError(f"{self.name}: region {name!r} is used by in-flight batch #{h.id}")
             self._engine_deregister(reg.info, reg.token)
             del self._regions[name]
+            self._tables.clear()
+            self._region_version += 1
 
     def regions(self) -> dict[str, RegionInfo]:
         with self._lock:
@@ -476,6 +522,7 @@ class Transport(abc.ABC):
         doc = self._decode_metadata(peer_metadata)
         regions = {n: RegionInfo.from_wire(n, v) for n, v in doc["regions"].items()}
         with self._lock:
+            self._tables.clear()
             known = next((p for p in self._peers.values() if p.agent == doc["agent"]), None)
             if known is not None and known.engine_md == doc["engine_md"]:
                 known.regions = regions
@@ -488,6 +535,7 @@ class Transport(abc.ABC):
         """Forget a peer (no-op if unknown). Release its batches first."""
         with self._lock:
             p = self._peers.pop(peer, None)
+            self._tables.clear()
             if p is not None:
                 self._engine_disconnect(p)
 
@@ -509,14 +557,13 @@ class Transport(abc.ABC):
             raise ValueError(f"op={op!r} must be one of {OPS}")
         with self._lock:
             p = self._peer(peer)
-            local = {n: r.info for n, r in self._regions.items()}
             segs: Sequence[Segment]
             if isinstance(descs, DescArray):
-                arr = resolve_array(descs, local, p.regions, peer)
+                arr = resolve_array(descs, self._tables_for(p, descs))
                 nbytes, names = arr.nbytes, frozenset(r.name for r in arr.used("local"))
                 segs = arr if self.takes_arrays else list(arr)
             else:
-                segs = resolve(descs, local, p.regions, peer)
+                segs = resolve(descs, {n: r.info for n, r in self._regions.items()}, p.regions, peer)
                 nbytes, names = sum(s.length for s in segs), frozenset(s.local.name for s in segs)
             self._engine_validate(p, segs)
             h = TransferHandle(next(self._hids), op, peer, len(segs), nbytes, names)
@@ -533,6 +580,20 @@ class Transport(abc.ABC):
             except Exception as e:  # noqa: BLE001 - any engine failure becomes the batch's error
                 self._fail(h, f"submit failed: {type(e).__name__}: {e}")
         return h
+
+    def _tables_for(self, p: _Peer, descs: DescArray) -> RegionTables:
+        """``descs``' regions resolved, kept per (peer, local names, remote names) until a region or a
+        peer changes: batches between the same regions (every pull of one configuration) look their
+        regions up once. The same tables object comes back each time, so engines may key their own
+        per-region state on it (holding it, so that its id is not reused)."""
+        key = (p.id, descs.local_names, descs.remote_names)
+        hit = self._tables.get(key)
+        if hit is None:
+            if len(self._tables) >= 256:
+                self._tables.clear()
+            local = {n: r.info for n, r in self._regions.items()}
+            hit = self._tables[key] = region_tables(descs, local, p.regions, p.id)
+        return hit
 
     def poll(self, handle: TransferHandle) -> Status:
         """PENDING, DONE or ERROR; never blocks."""
@@ -744,16 +805,21 @@ class Transport(abc.ABC):
         a layer-wise push does from the forward's thread). False: post only bytes that are ready."""
         return False
 
-    def peer_memory(self, peer: str, names: Sequence[str]) -> torch.Tensor | None:
-        """The peer's regions ``names``, back to back in one allocation, as one flat uint8 tensor this
-        process's kernels can write; None where this engine cannot give one (another host, or regions
-        that are not one contiguous range).
+    def peer_tensors(self, peer: str, names: Sequence[str]) -> list[torch.Tensor] | None:
+        """The peer's regions ``names``, in that order, as flat uint8 tensors this process's kernels can
+        write; None where this engine cannot give them (another host or GPU, a paced link).
 
         Why: a sender that can address the receiver's memory writes its bytes there in the pass that
-        produces them: no staging, no copy. The tensor stays valid while the peer is connected;
+        produces them: no staging, no copy. The tensors stay valid while the peer is connected;
         ordering and completing those writes is the caller's (on its CUDA stream), and nothing here
-        checks them against the regions' bounds: the caller writes inside ``[0, numel)`` only."""
+        checks them against the regions' bounds: the caller writes inside each ``[0, numel)`` only."""
         return None
+
+    def peer_memory(self, peer: str, names: Sequence[str]) -> torch.Tensor | None:
+        """:meth:`peer_tensors` when they are back to back in one allocation, as one flat uint8 tensor;
+        None otherwise (or where there are none)."""
+        views = self.peer_tensors(peer, names)
+        return None if views is None else contiguous_span(views)
 
     def _engine_block(self, h: TransferHandle, timeout_s: float) -> None:
         """Block until ``h`` is likely finished, without holding the GIL, where the engine can (CUDA

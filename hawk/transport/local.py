@@ -269,6 +269,7 @@ class LocalTransport(Transport):
         super().__init__(agent_name)
         self._streams: dict[int, Any] = {}
         self._copiers: dict[int, SpanCopier | None] = {}
+        self._pointers: dict[tuple, tuple] = {}  # see _region_pointers
         with _REGISTRY_LOCK:
             if self.agent_name in _REGISTRY and _REGISTRY[self.agent_name]() is not None:
                 raise ValueError(f"agent name {self.agent_name!r} is already used in this process")
@@ -341,18 +342,38 @@ class LocalTransport(Transport):
     def _array_batch(self, peer: _Peer, segs: SegArray, read: bool) -> _CopyBatch | None:
         """A batch given as arrays, when every region it names is on one CUDA device: addresses by
         numpy, one SpanCopier launch, no object per descriptor. None: the caller copies it as Segments."""
-        local = [self._regions[r.name].token for r in segs.local]
-        remote = [self._peer_region(peer, r) for r in segs.remote]
-        used = [local[int(i)] for i in np.unique(segs.local_idx)] + [remote[int(i)] for i in np.unique(segs.remote_idx)]
-        dev = used[0].device
-        if dev.type != "cuda" or any(t.device != dev for t in used):
+        ptrs = self._region_pointers(peer, segs)
+        if ptrs is None:
             return None
-        lbase = np.array([t.data_ptr() for t in local], dtype=np.int64)[segs.local_idx] + segs.local_offset
-        rbase = np.array([t.data_ptr() for t in remote], dtype=np.int64)[segs.remote_idx] + segs.remote_offset
+        dev, lptr, rptr = ptrs
+        lbase = lptr[segs.local_idx] + segs.local_offset
+        rbase = rptr[segs.remote_idx] + segs.remote_offset
         src, dst = (rbase, lbase) if read else (lbase, rbase)
         copier = _copier_for(self._copiers, self._streams, dev)
         ev = copier.copy(src, dst, segs.length) if copier is not None else None
         return _CopyBatch([ev]) if ev is not None else None
+
+    def _region_pointers(self, peer: _Peer, segs: SegArray) -> tuple[torch.device, np.ndarray, np.ndarray] | None:
+        """(device, local and remote region addresses) of a batch's region tables, or None where they are
+        not all on one CUDA device. Kept per tables object (the transport hands the same one for the
+        same regions until they change; the entry holds it, so its id stays unique)."""
+        other = peer.state() if callable(peer.state) else None  # a peer in this process: its regions may change
+        version = (peer.state, other._region_version if other is not None else None)
+        key = (peer.id, id(segs.local), id(segs.remote))
+        hit = self._pointers.get(key)
+        if hit is not None and hit[0] is segs.local and hit[1] is segs.remote and hit[2][0] is version[0] and hit[2][1] == version[1]:
+            return hit[3]
+        local = [self._regions[r.name].token for r in segs.local]
+        remote = [self._peer_region(peer, r) for r in segs.remote]
+        dev = local[0].device
+        ptrs = None
+        if dev.type == "cuda" and all(t.device == dev for t in (*local, *remote)):
+            ptrs = (dev, np.array([t.data_ptr() for t in local], dtype=np.int64),
+                    np.array([t.data_ptr() for t in remote], dtype=np.int64))
+        if len(self._pointers) >= 64:
+            self._pointers.clear()
+        self._pointers[key] = (segs.local, segs.remote, version, ptrs)
+        return ptrs
 
     def _engine_poll(self, h: TransferHandle) -> tuple[Status, str | None]:
         return ("DONE" if h.engine_state.done() else "PENDING"), None
@@ -363,14 +384,13 @@ class LocalTransport(Transport):
     def stream_ordered(self, peer: str) -> bool:
         return True  # copy_span_batch's side streams wait for the caller's current stream first
 
-    def peer_memory(self, peer: str, names: Sequence[str]) -> torch.Tensor | None:
+    def peer_tensors(self, peer: str, names: Sequence[str]) -> list[torch.Tensor] | None:
         with self._lock:
             p = self._peer(peer)
             try:
-                views = [self._peer_region(p, p.regions[n]) for n in names]
+                return [self._peer_region(p, p.regions[n]) for n in names]
             except (KeyError, TransferError):
                 return None
-        return contiguous_span(views)
 
     def _engine_block(self, h: TransferHandle, timeout_s: float) -> None:
         batch = h.engine_state
@@ -389,26 +409,6 @@ class LocalTransport(Transport):
             ref = _REGISTRY.get(self.agent_name)
             if ref is not None and ref() in (self, None):
                 del _REGISTRY[self.agent_name]
-
-
-def contiguous_span(views: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """Flat uint8 views that follow each other in one storage, as one tensor over all of them (None
-    when they do not: other storages, gaps, another device)."""
-    if not views:
-        return None
-    v0 = views[0]
-    storage = v0.untyped_storage()
-    end = v0.data_ptr()
-    for v in views:
-        if v.dtype != torch.uint8 or v.dim() != 1 or v.device != v0.device or v.data_ptr() != end:
-            return None
-        if v.untyped_storage().data_ptr() != storage.data_ptr():
-            return None
-        end += v.numel()
-    total = end - v0.data_ptr()
-    if v0.storage_offset() + total > storage.nbytes():
-        return None
-    return torch.empty(0, dtype=torch.uint8, device=v0.device).set_(storage, v0.storage_offset(), (total,), (1,))
 
 
 def _lookup(agent: str, engine: str) -> weakref.ref[LocalTransport]:

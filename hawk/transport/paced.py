@@ -41,8 +41,12 @@ class PacedTransport:
     def __repr__(self) -> str:
         return f"<PacedTransport {self.link_gbps:g} Gb/s over {self.inner!r}>"
 
-    def peer_memory(self, peer: str, names: Sequence[str]) -> None:
+    def peer_tensors(self, peer: str, names: Sequence[str]) -> None:
         """None: bytes written around the link would not be paced."""
+        return None
+
+    def peer_memory(self, peer: str, names: Sequence[str]) -> None:
+        """None, as :meth:`peer_tensors`."""
         return None
 
     def submit(self, op: Op, peer: str, descs: Sequence[Desc]) -> TransferHandle:
