@@ -993,6 +993,11 @@ def _pull_timings(t: _Clock, t_stored: float, ready: Any) -> dict[str, float]:
     return out
 
 
+def _engine_of(transport: Transport, peer: str) -> str:
+    """The engine that carries batches with ``peer`` (auto's choice for that peer, else the transport's own)."""
+    return transport.engine_for(peer) if hasattr(transport, "engine_for") else transport.name
+
+
 def _with_tuple_bases(info: dict[str, Any]) -> dict[str, Any]:
     """A peer's handshake with its NPU tensor bases (when it has them) as a tuple of ints: converted
     once here, not on every plan (``check_request`` takes a tuple as it is)."""
@@ -1074,8 +1079,7 @@ class KVReceiver:
         t = self.transport
         if isinstance(t, PacedTransport):
             return False
-        engine = t.engine_for(peer) if hasattr(t, "engine_for") else t.name
-        if engine not in ("local", "cuda-ipc"):
+        if _engine_of(t, peer) not in ("local", "cuda-ipc"):
             return False
         regions = [*t.regions().values(), *t.remote_regions(peer).values()]
         return all(r.device == "cuda" for r in regions) and len({r.device_id for r in regions}) == 1
@@ -1087,9 +1091,8 @@ class KVReceiver:
         if os.environ.get(IPC_EVENTS_ENV, "1") == "0":
             return None
         t = self.transport
-        engine = t.engine_for(peer) if hasattr(t, "engine_for") else t.name
         pid = info.get("pid")
-        if not info["device_copy"] or engine != "cuda-ipc" or not isinstance(pid, int) or pid == os.getpid():
+        if not info["device_copy"] or _engine_of(t, peer) != "cuda-ipc" or not isinstance(pid, int) or pid == os.getpid():
             return None
         return next(r.device_id for r in t.regions().values() if r.device == "cuda")
 

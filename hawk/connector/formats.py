@@ -94,15 +94,15 @@ def channel_regions(channels: np.ndarray) -> tuple[tuple[str, ...], np.ndarray]:
     return tuple(channel_region(int(c)) for c in uniq), idx.reshape(-1)
 
 
-def _landed(device: torch.device, t0: float, events: EventRecorder | None) -> Staged:
-    """A landed pull's bytes are queued on this thread's stream since ``t0``: wait for them, or (with
-    ``events``, for a receiver in another process) record the event it waits on instead."""
+def _landed(memory: torch.Tensor, t0: float, events: EventRecorder | None) -> Staged:
+    """A landed pull's bytes are queued on this thread's stream (on ``memory``'s device) since ``t0``: wait
+    for them, or (with ``events``, for a receiver in another process) record the event it waits on instead."""
     t1 = time.perf_counter()
     handle = b""
-    if events is not None and device.type == "cuda":
-        handle = events.record(device)  # the decode waits on it: D2 leaves while the bytes move
-    elif device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()  # the decode hears of it (KVReady) only once it is there
+    if events is not None and memory.is_cuda:
+        handle = events.record(memory.device)  # the decode waits on it: D2 leaves while the bytes move
+    else:
+        _sync(memory)  # the decode hears of it (KVReady) only once it is there
     timings = {"reserve_s": 0.0, "transform_s": t1 - t0, "transform_wait_s": time.perf_counter() - t1}
     return Staged(Held("landed"), timings=timings, ready_event=handle)
 
@@ -309,7 +309,7 @@ class NpuTiles(_InStagingBuffer):
             return None
         t0 = time.perf_counter()
         transform(self.caches, plan, memory, self.impl, dest)
-        return _landed(memory.device, t0, events)
+        return _landed(memory, t0, events)
 
     def direct_target(self, plan: LayerwisePlan, dests: Sequence[torch.Tensor]) -> DirectTarget | None:
         """Each layer's transform writes its tiles into their pages of the decode's DRAM (see
@@ -428,7 +428,7 @@ class InPlace(SendFormat):
         else:  # a CPU, or ranges one launch cannot take: a copy each
             for sr, so, dr, do, n in runs:
                 dests[dr][do : do + n].copy_(self._bytes[sr][so : so + n], non_blocking=True)
-        return _landed(dev, t0, events)
+        return _landed(dests[0], t0, events)
 
     def _copies_into(self, plan: InPlacePlan, dests: Sequence[torch.Tensor]) -> tuple:
         """(dests, the request's runs, their SpanTable on a GPU or None): what :meth:`land` repeats."""

@@ -358,11 +358,11 @@ class LocalTransport(Transport):
         not all on one CUDA device. Kept per tables object (the transport hands the same one for the
         same regions until they change; the entry holds it, so its id stays unique)."""
         other = peer.state() if callable(peer.state) else None  # a peer in this process: its regions may change
-        version = (peer.state, other._region_version if other is not None else None)
+        version = other._region_version if other is not None else None
         key = (peer.id, id(segs.local), id(segs.remote))
         hit = self._pointers.get(key)
-        if hit is not None and hit[0] is segs.local and hit[1] is segs.remote and hit[2][0] is version[0] and hit[2][1] == version[1]:
-            return hit[3]
+        if hit is not None and all(a is b for a, b in zip(hit, (segs.local, segs.remote, peer.state))) and hit[3] == version:
+            return hit[4]
         local = [self._regions[r.name].token for r in segs.local]
         remote = [self._peer_region(peer, r) for r in segs.remote]
         dev = local[0].device
@@ -372,7 +372,7 @@ class LocalTransport(Transport):
                     np.array([t.data_ptr() for t in remote], dtype=np.int64))
         if len(self._pointers) >= 64:
             self._pointers.clear()
-        self._pointers[key] = (segs.local, segs.remote, version, ptrs)
+        self._pointers[key] = (segs.local, segs.remote, peer.state, version, ptrs)
         return ptrs
 
     def _engine_poll(self, h: TransferHandle) -> tuple[Status, str | None]:
