@@ -216,7 +216,7 @@ def npu_bfp8_rows(batch: int, ctx: int, q, k, v, names: list[str], split_variant
         bytes_out = None
         for label, name, splits in variant_list(names, split_variants, batch, args.split_programs_per_sm):
             cfg = tk.BFP8_VARIANTS[name]
-            nsplits = splits or tk.choose_splits(batch, HKV, q.device)
+            nsplits = splits or tk.choose_splits(batch, HKV, q.device, tk.tile_geometry(mem), cfg, D, HQ // HKV)
             fused = tk.fuses_row_write(tk.tile_geometry(mem), cfg)
             r = {"path": "npu-bfp8_b", "variant": label, "splits": nsplits,
                  "keeps_paged_bits": cfg.keeps_paged_bits and splits is None,

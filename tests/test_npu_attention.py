@@ -336,7 +336,8 @@ _VARIANT_BITWISE = {
 
 #: Probe variants the interpreter runs exactly as another case does (warps, stages and register caps are
 #: compiled out there, and its chunks are 16 tokens unless a variant sets ``tokens``): no case of their own.
-_SAME_UNDER_INTERPRETER = {"tok-w1-t16", "tok-w2-t64", "tok-w4-t32"}  # = tok-pipe2-r128-fw, ditto, tok-w2-t32
+_SAME_UNDER_INTERPRETER = {"tok-w1-t16", "tok-w2-t64", "tok-w4-t32",  # = tok-pipe2-r128-fw, ditto, tok-w2-t32
+                           "regs-t16"}  # the register kernel is GPU-only: the default runs (regs-t32's case checks that)
 
 
 def _issue7_group(cfg) -> bool:
@@ -589,6 +590,12 @@ def test_bfp8_variant_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     # the issue 7 candidates keep the paged decode's chunks and warps (their row write and loads change no value)
     for name in ("words-pipe2-r128-fw", "tok-pipe3-r128-fw", "tok-pipe2-r128-fw"):
         assert tk.BFP8_VARIANTS[name].keeps_paged_bits, name
+    # the register kernel: its own chunks, warps and splits (one-warp programs, ~8 per SM); GPU only
+    from hawk.engine import gluon_npu_attention as gk
+
+    assert not tk.BFP8_VARIANTS["regs-t32"].keeps_paged_bits
+    assert not gk.supported(128, 4, torch.device("cpu"))
+    assert [gk.num_splits(b, 8, 132) for b in (1, 8, 32, 64)] == [32, 17, 5, 3]
 
 
 def _prmt(a: torch.Tensor, b: torch.Tensor, sel: int) -> torch.Tensor:
@@ -677,7 +684,7 @@ def test_gpu_8b_shape_matches_codecs(dtype: str) -> None:
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("variant", ["default", "words", "words-pipe2-r128", "words-pipe2-r128-fw", "tok-pipe3-r128-fw"])
+@pytest.mark.parametrize("variant", ["default", "words", "words-pipe2-r128", "words-pipe2-r128-fw", "tok-pipe3-r128-fw", "regs-t32"])
 def test_gpu_cuda_graph_replays_a_new_batch_of_the_same_padded_size(variant: str) -> None:
     from hawk.engine.npu_attention import NpuTileAttention
     from hawk.engine.triton_npu_attention import BFP8_VARIANTS

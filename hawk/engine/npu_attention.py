@@ -91,6 +91,13 @@ class NpuTileAttention:
 
     def begin(self, batch: Sequence[SeqSlice], pad_to: int | None = None) -> None:
         """Declare the next forward; validates, then builds all metadata on the host in one go."""
+        if self._geom is not None and all(s.q_len == 1 for s in batch):  # a decode step: the hot path
+            rows = len(batch) if pad_to is None else pad_to
+            if rows < len(batch):
+                raise ValueError(f"pad_to={pad_to} is smaller than the batch ({len(batch)})")
+            self._begin_decode(batch, rows)  # validates as it goes
+            self._batch, self._rows, self._decode_only = list(batch), rows, True
+            return
         bs = self.layout.block_size
         q_lens = [s.q_len for s in batch]
         for s in batch:
@@ -109,10 +116,6 @@ class NpuTileAttention:
             if pad_to < len(batch):
                 raise ValueError(f"pad_to={pad_to} is smaller than the batch ({len(batch)})")
             rows = pad_to
-        if self._geom is not None and tokens == len(batch):  # a decode step: the hot path
-            self._begin_decode(batch, rows)
-            self._batch, self._rows, self._decode_only = list(batch), rows, True
-            return
         # every new token's (sequence, position) -> (npu block, row), without per-token Python work
         seq_of = np.repeat(np.arange(len(batch)), q_lens)
         starts = np.repeat(np.array([s.start for s in batch], dtype=np.int64), q_lens)
@@ -153,35 +156,41 @@ class NpuTileAttention:
     def _begin_decode(self, batch: Sequence[SeqSlice], rows: int) -> None:
         """A decode step's metadata (one new row per sequence) as the paged decode writes its own:
         into a pinned staging slot, rewriting only the blocks a row did not have two steps ago, then
-        one async copy. Every step pays this on the host before its graph replays."""
+        one async copy. Every step pays this on the host before its graph replays, so the loop
+        checks each row as it goes and collects the per-row columns for two slice writes."""
         if rows > self.max_batch:
             raise ValueError(f"{rows} rows exceed max_batch={self.max_batch}")
         bs, mb, n = self.layout.block_size, tk.META_BLOCKS, len(batch)
         host, known = self._stage.next_slot()
         del known[n:]
-        locs = set()
+        lens: list[int] = []
+        locs: list[int] = []
         for i, s in enumerate(batch):
             start, ids = s.start, s.block_ids
+            if start <= 0:
+                raise ValueError("the NPU decode cache is filled by KV transfer; prefill does not run here")
             need = start // bs + 1
+            if len(ids) < need:
+                raise ValueError(f"sequence needs {need} NPU blocks for {start + 1} tokens, has {len(ids)}")
             if need > self.max_blocks:
                 raise ValueError(f"a sequence needs {need} blocks, more than max_model_len allows ({self.max_blocks})")
             done = 0
             if i < len(known):
                 old, k, last = known[i]
                 if old is ids and len(ids) >= k and ids[k - 1] == last:
-                    done = k  # the same list, grown at its end only: its first k blocks are written
+                    done = k
             if need > done:
                 host[i, mb + done : mb + need] = ids[done:need]
                 if i < len(known):
                     known[i] = (ids, need, ids[need - 1])
                 else:
                     known.append((ids, need, ids[need - 1]))
-            loc = ids[need - 1] * bs + start % bs
-            host[i, tk.META_SEQ_LEN] = start + 1
-            host[i, tk.META_ROW_LOC] = loc
-            locs.add(loc)
-        if len(locs) != n:
+            lens.append(start + 1)
+            locs.append(ids[need - 1] * bs + start % bs)
+        if len(set(locs)) != n:
             raise ValueError("two new tokens map to the same cache row")
+        host[:n, tk.META_SEQ_LEN] = lens
+        host[:n, tk.META_ROW_LOC] = locs
         host[n:rows, tk.META_SEQ_LEN] = 0  # pad rows: no context, no row to write
         host[n:rows, tk.META_ROW_LOC] = -1
         self._stage.upload(rows)
@@ -246,7 +255,8 @@ class NpuTileAttention:
         fused = self._decode_only and tk.fuses_row_write(g, self.decode_config, self.generic)
         if not fused:
             tk.write_rows(g, layer, kd, vd, self._meta, rows)  # then read back, as the paged decode does
-        splits = self.num_splits or tk.choose_splits(rows, g.num_kv_heads, dev)
+        splits = self.num_splits or tk.choose_splits(rows, g.num_kv_heads, dev, g, self.decode_config,
+                                                     q.shape[2], q.shape[1] // g.num_kv_heads)
         ws = None
         if splits > 1:
             key = (rows, q.shape[1], q.shape[2], splits)

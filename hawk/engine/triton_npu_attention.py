@@ -38,6 +38,8 @@ except Exception:  # noqa: BLE001 - a broken install is as good as none
     tl = None  # type: ignore[assignment]
     HAVE_TRITON = False
 
+from hawk.engine import gluon_npu_attention as gk
+
 #: Metadata columns before the block table.
 META_SEQ_LEN, META_ROW_LOC, META_BLOCKS = 0, 1, 2
 
@@ -142,15 +144,21 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def choose_splits(rows: int, num_kv_heads: int, device: torch.device) -> int:
-    """Split-K factor for a batch of ``rows``: the paged decode's (``decode_num_splits``), by design.
+def choose_splits(rows: int, num_kv_heads: int, device: torch.device, g: TileGeometry | None = None,
+                  config: DecodeConfig | None = None, head_dim: int = 0, group: int = 0) -> int:
+    """Split-K factor for a batch of ``rows``: the paged decode's (``decode_num_splits``), by design,
+    unless ``g`` and ``config`` (default :func:`default_config`) pick the one-warp register kernel
+    (:func:`uses_register_kernel`), which fills the GPU with its own, smaller programs.
 
-    Why not a count of its own: split boundaries fix the floating-point summation order, and the NPU
-    decode must give the same bits as the paged decode (the colocated reference) for the same K/V.
+    Why the paged count otherwise: split boundaries fix the floating-point summation order, and the
+    NPU decode must give the same bits as the paged decode (the colocated reference) for the same K/V.
     """
     from hawk.engine import triton_attention as ta
 
-    return ta.decode_num_splits(rows, num_kv_heads, ta.decode_sm_count(device))
+    sms = ta.decode_sm_count(device)
+    if g is not None and uses_register_kernel(g, config, head_dim, group, device):
+        return gk.num_splits(rows, num_kv_heads, sms)
+    return ta.decode_num_splits(rows, num_kv_heads, sms)
 
 
 if HAVE_TRITON:
@@ -995,7 +1003,9 @@ class DecodeConfig:
     ``bfp8`` picks the bfloat8_b kernel (bf16 tiles ignore it and every field below): ``"bytes"``,
     ``_decode_tiles_kernel`` (value bytes, per-token addresses); ``"words"``, ``_decode_bfp8_kernel``
     (value bytes as 32-bit words, per-row-tile addresses, PTX decode four values at a time);
-    ``"words-int"``, the same kernel decoding with integer ops instead of PTX. ``prefetch`` (word
+    ``"words-int"``, the same kernel decoding with integer ops instead of PTX; ``"regs"``, the one-warp
+    Gluon kernel with every operand in registers (``gluon_npu_attention``; ``tokens`` per iteration 16
+    or 32, default 32; its own splits; sm_90, head_dim 128, bf16 queries, else the default applies). ``prefetch`` (word
     kernel): next chunk into registers (else ``num_stages`` > 1 pipelines through shared memory).
     ``maxnreg``: a per-thread register cap (more programs per SM; may spill). ``token_loads`` (word
     kernel): block ids as tensor loads and exponents as 16-byte header runs (``_words_chunk_tok``), so
@@ -1059,6 +1069,9 @@ BFP8_VARIANTS: dict[str, DecodeConfig] = {
                                num_warps=2),
     "tok-w4-t32": DecodeConfig(bfp8="words", prefetch=False, num_stages=2, token_loads=True, fused_write=True,
                                tokens=32, maxnreg=128),
+    # The register kernel (gluon_npu_attention): no shared memory, one warp per split; rows written first.
+    "regs-t32": DecodeConfig(bfp8="regs", num_warps=1, tokens=32),
+    "regs-t16": DecodeConfig(bfp8="regs", num_warps=1, tokens=16),
 }
 #: The variant bfloat8_b tiles get when no config is given (``HAWK_NPU_BFP8_KERNEL`` overrides it): the
 #: fastest that keeps the paged decode's bits in `benchmarks/bfp8_kernel_probe.py --flush-mb 256` on an
@@ -1087,6 +1100,16 @@ def fuses_row_write(g: TileGeometry, config: DecodeConfig | None, generic: bool 
         return False
     cfg = config or default_config(g)
     return cfg.fused_write and cfg.bfp8 in ("words", "words-int")
+
+
+def uses_register_kernel(g: TileGeometry, config: DecodeConfig | None, head_dim: int, group: int,
+                         device: torch.device) -> bool:
+    """True when :func:`decode_attention` runs ``config`` (None: :func:`default_config`) on the register
+    kernel: bfloat8_b on a separable map, the ``"regs"`` config, and a device and shape it supports."""
+    if not (g.bfp8 and g.separable) or interpreting():
+        return False
+    cfg = config or default_config(g)
+    return cfg.bfp8 == "regs" and gk.supported(head_dim, group, device)
 
 
 def default_config(g: TileGeometry) -> DecodeConfig:
@@ -1146,8 +1169,15 @@ def decode_attention(
     common = (q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), part_out, part_lse,
               g.memory, g.bases[2 * layer], g.bases[2 * layer + 1], meta, meta.stride(0), qk_scale, num_splits)
     bh = max(16, _next_pow2(group))
+    if not generic and q.dtype == torch.bfloat16 and uses_register_kernel(g, config, d, group, q.device):
+        if new_kv is not None:
+            raise ValueError("new_kv is for the bfloat8_b word kernel (DecodeConfig.fused_write)")
+        cfg = config or default_config(g)
+        return gk.decode(g, layer, q, meta, rows, num_splits, partials, cfg.tokens or 32)
     if g.separable and not generic:
         cfg = config or default_config(g)
+        if cfg.bfp8 == "regs":  # not runnable here (device, shape or dtype): the default word kernel
+            cfg = BFP8_VARIANTS[DEFAULT_BFP8_VARIANT]
         # FAST is GPU-only: the interpreter's int16 -> bf16 bitcast gives wrong values (its bf16 is
         # emulated), so CPU tests run the exact fp32 decode; the gpu tests check FAST bitwise.
         fast = g.bfp8 and q.dtype == torch.bfloat16 and not interp

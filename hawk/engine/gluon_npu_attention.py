@@ -1,0 +1,338 @@
+"""bfloat8_b tile decode with every operand in registers (Gluon: Triton with explicit layouts).
+
+Why: the Triton word kernel (``triton_npu_attention._decode_bfp8_kernel``) decodes a chunk into a
+blocked layout, and the compiler then moves it through shared memory into the tensor cores' operand
+layout, with barriers between the four warps of a program at every step. That round trip, not the
+bytes, bounded it (Nsight Compute: a third of the paged kernel's DRAM throughput, stalls on shared
+memory). Here one warp owns its split and loads each value byte straight into the register that
+``mma.m16n8k16`` reads it from, so nothing is staged in shared memory and no warp waits on another.
+
+How the bytes meet the tensor cores (bf16 ``m16n8k16``; lane = 4*g + t):
+- ``S^T = K Q^T``: K is the A operand ``[tokens, D]``. A lane holds, per 16-column block, columns
+  ``2t, 2t+1, 2t+8, 2t+9``. The head dimension is summed over, so its order is free: the same
+  permutation of D is applied to q, and a lane's four values of a block become four *consecutive*
+  bytes of a face row, one 32-bit word; lane t reads face-row runs t and t+4 (16 bytes each), its
+  words for all eight blocks. Shared exponents are one byte per (token, run).
+- ``O^T = V^T P^T``: V^T is the A operand ``[D, tokens]``; a lane needs four tokens of one column
+  (tokens are summed over, so their order is free too: the token order of a 16-token block is
+  permuted so a lane's four are rows ``4t .. 4t+3``). It reads those four rows of one face-row run
+  (four 16-byte loads) and transposes the 4x4 byte blocks in registers (PRMT); the four rows'
+  exponents are one 32-bit word of the tile header. P^T comes from S^T's accumulator with a
+  register shuffle, q^T and P^T pad the GQA group to 8 columns.
+- Values decode as in the word kernel (``(sign << 15 | m7)`` is the bf16 subnormal ``m7 * 2^-133``;
+  one ``mul.bf16x2`` by ``2^(E-64)`` makes it exact): K and V come out times ``2^-64``, which q and
+  the output undo exactly (exponents 64..191, as the word kernel's FAST path).
+
+Not the paged decode's bits (other chunks, order and warps): bfloat8_b values need not keep them,
+they are checked against the reference within tolerance. Splits are this kernel's own (one warp
+per program: more programs than the paged decode's); partials merge in the paged decode's reduce.
+Requires sm_80+ (``mma.sync``) and sm_90 for ``mul.bf16x2``; head_dim 128, separable page maps.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:  # Gluon ships with Triton >= 3.5; CI's CPU image has no Triton at all
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    HAVE_GLUON = True
+except Exception:  # noqa: BLE001 - an older or broken Triton is as good as none
+    HAVE_GLUON = False
+
+#: Head dimension the layouts below are written for (eight 16-value face-row runs per token).
+HEAD_DIM = 128
+#: Query heads per KV head the kernel pads to (the N of its MMAs).
+MAX_GROUP = 8
+
+
+def _bases(bits: list[tuple[int, ...]]) -> list[list[int]]:
+    return [list(b) for b in bits]
+
+
+@functools.lru_cache(maxsize=None)
+def layouts(tokens: int) -> dict:
+    """The kernel's register layouts for ``tokens`` per iteration (16 or 32), as constexpr values.
+
+    ``kw``: K words ``[tokens, 8 runs, 4 words]`` (lane t: runs t, t+4; lane g: token g of each
+    8-token half; registers: the four words of a run (one 16-byte load), run t+4, token +8, next
+    16 tokens). ``vw``: V words ``[tokens/4, 4 rows, 8 runs, 4 words]`` as loaded (lane t: rows
+    4t..4t+3 of each 16-token block, lane g: run g); ``vt``: the same registers with the four rows
+    first (the transpose takes them four at a time). ``mma``: the accumulators' layout.
+    """
+    if tokens not in (16, 32):
+        raise ValueError(f"tokens per iteration must be 16 or 32, got {tokens}")
+    kreg = [(0, 0, 1), (0, 0, 2), (0, 4, 0), (8, 0, 0)] + ([(16, 0, 0)] if tokens == 32 else [])
+    klane = [(0, 1, 0), (0, 2, 0), (1, 0, 0), (2, 0, 0), (4, 0, 0)]
+    kw = gl.DistributedLinearLayout(_bases(kreg), _bases(klane), [], [], [tokens, 8, 4])
+    vblk = [(4, 0, 0, 0)] if tokens == 32 else []
+    vlane = [(1, 0, 0, 0), (2, 0, 0, 0), (0, 0, 1, 0), (0, 0, 2, 0), (0, 0, 4, 0)]
+    vw = gl.DistributedLinearLayout(_bases([(0, 0, 0, 1), (0, 0, 0, 2), (0, 1, 0, 0), (0, 2, 0, 0)] + vblk),
+                                    _bases(vlane), [], [], [tokens // 4, 4, 8, 4])
+    vt = gl.DistributedLinearLayout(_bases([(0, 1, 0, 0), (0, 2, 0, 0), (0, 0, 0, 1), (0, 0, 0, 2)] + vblk),
+                                    _bases(vlane), [], [], [tokens // 4, 4, 8, 4])
+    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    return {"kw": kw, "vw": vw, "vt": vt, "mma": mma}
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _page_offset(pages, bank_stride, page_stride, NB: gl.constexpr, SHARD: gl.constexpr):
+        """Page indices -> byte offsets (block-cyclic map, bank count and shard size known at compile time)."""
+        bank = (pages // SHARD) % NB
+        slot = (pages // (SHARD * NB)) * SHARD + pages % SHARD
+        return bank.to(gl.int64) * bank_stride + slot.to(gl.int64) * page_stride
+
+    @gluon.jit
+    def _rho(kappa):
+        """Memory row (within a 16-token block) of logical token ``kappa``: ``2t + 8h + b -> 4t + 2h + b``."""
+        k = kappa % 16
+        return ((k % 8) // 2) * 4 + (k // 8) * 2 + k % 2
+
+    @gluon.jit
+    def _scale_bits(e):
+        """Exponent byte(s) -> bf16 bits of ``2^(E-64)`` (E clamped at 191: larger saturates, as the word kernel)."""
+        return (gl.minimum(e, 191) + 63) << 7
+
+    @gluon.jit
+    def _decode_words(w, s_lo, s_hi):
+        """Four value bytes per word -> two bf16x2 words (bytes 0,1 scaled by ``s_lo``, 2,3 by ``s_hi``)."""
+        return gl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 m, s, a, b;
+            and.b32 m, $2, 0x7F7F7F7F;
+            and.b32 s, $2, 0x80808080;
+            prmt.b32 a, m, s, 0x5140;
+            prmt.b32 b, m, s, 0x7362;
+            mul.rn.bf16x2 $0, a, $3;
+            mul.rn.bf16x2 $1, b, $4;
+            }""",
+            constraints="=r,=r,r,r,r",
+            args=[w, s_lo, s_hi],
+            dtype=(gl.int32, gl.int32),
+            is_pure=True,
+            pack=1,
+        )
+
+    @gluon.jit
+    def _transpose4(w):
+        """Four words (rows r0..r3, bytes b0..b3 each, consecutive registers) -> word i = ``(r0.bi, r1.bi, r2.bi, r3.bi)``."""
+        return gl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t0, t1, t2, t3;
+            prmt.b32 t0, $4, $5, 0x5140;
+            prmt.b32 t1, $4, $5, 0x7362;
+            prmt.b32 t2, $6, $7, 0x5140;
+            prmt.b32 t3, $6, $7, 0x7362;
+            prmt.b32 $0, t0, t2, 0x5410;
+            prmt.b32 $1, t0, t2, 0x7632;
+            prmt.b32 $2, t1, t3, 0x5410;
+            prmt.b32 $3, t1, t3, 0x7632;
+            }""",
+            constraints="=r,=r,=r,=r,r,r,r,r",
+            args=[w],
+            dtype=gl.int32,
+            is_pure=True,
+            pack=4,
+        )
+
+    @gluon.jit
+    def _pairs(lo, hi):
+        """bf16x2 words ``lo`` (values b=0,1 of h=0) and ``hi`` (h=1) -> bf16 with two new last dims (b, h)."""
+        lo2 = gl.join(lo.to(gl.int16).to(gl.bfloat16, bitcast=True), (lo >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True))
+        hi2 = gl.join(hi.to(gl.int16).to(gl.bfloat16, bitcast=True), (hi >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True))
+        return gl.join(lo2, hi2)
+
+    @gluon.jit
+    def _k_operand(wp, ep, off, start, n, col, TOKN: gl.constexpr, KW: gl.constexpr, MMA: gl.constexpr):
+        """K of tokens ``[start, start+TOKN)`` as the A operand ``[TOKN, 128]`` (D in the kernel's order).
+
+        ``off``: byte offset of the chunk's row tile (column tile 0); ``col``: ``[8]`` byte offsets of
+        the runs' column tiles (in ``KW``'s run slice)."""
+        L2: gl.constexpr = gl.SliceLayout(2, KW)
+        kap = gl.arange(0, TOKN, layout=gl.SliceLayout(1, L2))
+        run = gl.arange(0, 8, layout=gl.SliceLayout(0, L2))
+        pos = start + (kap // 16) * 16 + _rho(kap)
+        fr = (pos % 32) // 16
+        r = pos % 16
+        # exponents: one byte per (token, run); header byte face*16 + row, face = 2*fr + run%2
+        eoff = off + col[None, :] + ((fr * 2)[:, None] + (run % 2)[None, :]) * 16 + r[:, None]
+        e = gl.load(ep + eoff).to(gl.int32)
+        sc = _scale_bits(e)
+        s2 = sc | (sc << 16)
+        # values: word w of run R's 16-byte face row, 64-byte header first
+        w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, KW)))
+        voff = (off + col[None, :] + 64 + ((fr * 2)[:, None] + (run % 2)[None, :]) * 256 + (r * 16)[:, None]) // 4
+        words = gl.load(wp + (gl.expand_dims(voff, 2) + w[None, None, :]))
+        s3 = gl.broadcast(gl.expand_dims(s2, 2), words)[0]
+        lo, hi = _decode_words(words, s3, s3)
+        x = _pairs(lo, hi)  # [TOKN, 8 (run = 4j + t), 4 (w), 2 (b), 2 (h)]
+        x = gl.reshape(x, [TOKN, 2, 4, 4, 2, 2])  # (j, t, w, b, h)
+        x = gl.permute(x, [0, 1, 3, 5, 2, 4])  # (j, w, h, t, b): block kb = 4j + w, column 8h + 2t + b
+        x = gl.reshape(x, [TOKN, 128])
+        return gl.convert_layout(x, gl.DotOperandLayout(0, MMA, 2), assert_trivial=True)
+
+    @gluon.jit
+    def _v_operand(wp, off, start, col, TOKN: gl.constexpr, VW: gl.constexpr, VT: gl.constexpr, MMA: gl.constexpr):
+        """V of tokens ``[start, start+TOKN)`` as the A operand ``[128, TOKN]`` of ``O^T = V^T P^T``
+        (rows in the kernel's D' order, tokens in its per-block order: both undone elsewhere)."""
+        L3: gl.constexpr = gl.SliceLayout(3, VW)
+        L2: gl.constexpr = gl.SliceLayout(1, L3)
+        q4 = gl.arange(0, TOKN // 4, layout=gl.SliceLayout(1, L2))  # 16-token block * 4 + t
+        run = gl.arange(0, 8, layout=gl.SliceLayout(0, L2))
+        row0 = start + (q4 // 4) * 16 + (q4 % 4) * 4  # first of the lane's four rows
+        fr = (row0 % 32) // 16
+        r0 = row0 % 16
+        face = (fr * 2)[:, None] + (run % 2)[None, :]
+        # the four rows' exponents: one word of the header
+        ew = gl.load(wp + (off + col[None, :] + face * 16 + r0[:, None]) // 4)
+        e0 = _scale_bits(ew & 0xFF)
+        e1 = _scale_bits((ew >> 8) & 0xFF)
+        e2 = _scale_bits((ew >> 16) & 0xFF)
+        e3 = _scale_bits((ew >> 24) & 0xFF)
+        s_lo = e0 | (e1 << 16)  # rows 4t, 4t+1: tokens 2t, 2t+1
+        s_hi = e2 | (e3 << 16)  # rows 4t+2, 4t+3: tokens 2t+8, 2t+9
+        i = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+        w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, VW))))
+        base = (off + col[None, :] + 64 + face * 256 + (r0 * 16)[:, None]) // 4  # [q4, run]
+        b3 = gl.expand_dims(gl.convert_layout(base, gl.SliceLayout(1, L3)), 1) + (i * 4)[None, :, None]  # + row i
+        words = gl.load(wp + (gl.expand_dims(b3, 3) + w[None, None, None, :]))  # [q4, row i, run, w]
+        z = _transpose4(gl.convert_layout(words, VT))  # element (q4, i, run, w): column 4w + i, rows 4t..4t+3
+        s_lo4 = gl.broadcast(gl.expand_dims(gl.expand_dims(gl.convert_layout(s_lo, gl.SliceLayout(1, gl.SliceLayout(3, VT))), 1), 3), z)[0]
+        s_hi4 = gl.broadcast(gl.expand_dims(gl.expand_dims(gl.convert_layout(s_hi, gl.SliceLayout(1, gl.SliceLayout(3, VT))), 1), 3), z)[0]
+        lo, hi = _decode_words(z, s_lo4, s_hi4)
+        x = _pairs(lo, hi)  # [q4 (kb, t), i (i1, i0), g, w, b, h]
+        x = gl.reshape(x, [TOKN // 16, 4, 2, 2, 8, 4, 2, 2])  # (kb, t, i1, i0, g, w, b, h)
+        x = gl.permute(x, [5, 2, 3, 4, 0, 7, 1, 6])  # D' = (w, i1, i0, g), tokens = (kb, h, t, b)
+        x = gl.reshape(x, [128, TOKN])
+        return gl.convert_layout(x, gl.DotOperandLayout(0, MMA, 2), assert_trivial=True)
+
+    @gluon.jit
+    def _decode_bfp8_regs_kernel(
+        q, q_s0, q_s1, out, o_s0, o_s1, part_out, part_lse,
+        mem, k_base, v_base, meta, meta_s0, qk_scale, num_splits,
+        bank_stride, page_stride, s0, s1, s2,
+        NB: gl.constexpr, SHARD: gl.constexpr, G: gl.constexpr, BS: gl.constexpr, TOKN: gl.constexpr,
+        KW: gl.constexpr, VW: gl.constexpr, VT: gl.constexpr, MMA: gl.constexpr, DIRECT: gl.constexpr,
+    ):
+        """One (row, kv head, split), one warp: the split's TOKN-token chunks, online softmax, then
+        the output (one split) or the split's normalized partial and log2-sum-exp (the paged reduce's format)."""
+        row = gl.program_id(0).to(gl.int64)
+        h = gl.program_id(1)
+        sp = gl.program_id(2)
+        mrow = meta + row * meta_s0
+        n = gl.load(mrow)
+        split_len = gl.cdiv(gl.cdiv(n, num_splits), TOKN) * TOKN
+        lo = sp * split_len
+        hi = gl.minimum(lo + split_len, n)
+        wp = (mem + k_base).to(gl.pointer_type(gl.int32))
+        ep = mem + k_base
+        vp = (mem + v_base).to(gl.pointer_type(gl.int32))
+        # q^T as the B operand [128 (kernel order), 8 heads], times 2^64 (K comes scaled by 2^-64)
+        QL: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
+        kap = gl.arange(0, 128, layout=gl.SliceLayout(1, QL))
+        kb = kap // 16
+        c = kap % 16
+        dmem = ((c % 8) // 2 + 4 * (kb // 4)) * 16 + (kb % 4) * 4 + (c // 8) * 2 + c % 2
+        hh = gl.arange(0, 8, layout=gl.SliceLayout(0, QL))
+        qm = (hh < G)[None, :]
+        qv = gl.load(q + row * q_s0 + (h * G + hh)[None, :] * q_s1 + dmem[:, None], mask=qm, other=0.0)
+        qv = (qv.to(gl.float32) * 18446744073709551616.0).to(gl.bfloat16)
+        # the runs' column-tile offsets (separable map: a tile's offset = its row part + its column part)
+        KR: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, KW))
+        krun = gl.arange(0, 8, layout=KR)
+        kcol = _page_offset(krun // 2, bank_stride, page_stride, NB, SHARD)
+        VR: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, VW)))
+        vrun = gl.arange(0, 8, layout=VR)
+        vcol = _page_offset(vrun // 2, bank_stride, page_stride, NB, SHARD)
+        SL: gl.constexpr = gl.SliceLayout(0, MMA)
+        m_i = gl.full([8], -1.0e30, gl.float32, layout=SL)
+        l_i = gl.zeros([8], gl.float32, layout=SL)
+        acc = gl.zeros([128, 8], gl.float32, layout=MMA)
+        tok = gl.arange(0, TOKN, layout=gl.SliceLayout(1, MMA))
+        for start in range(lo, hi, TOKN):
+            blk = gl.load(mrow + 2 + start // BS)
+            off = _page_offset(blk * s0 + h * s1 + ((start % BS) // 32) * s2, bank_stride, page_stride, NB, SHARD)
+            k = _k_operand(wp, ep, off, start, n, kcol, TOKN, KW, MMA)
+            s = mma_v2(k, qv, gl.zeros([TOKN, 8], gl.float32, layout=MMA)) * qk_scale
+            pos = start + (tok // 16) * 16 + _rho(tok)
+            s = gl.where((pos < hi)[:, None], s, -1.0e30)
+            m_new = gl.maximum(m_i, gl.max(s, 0))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s - m_new[None, :])
+            l_i = l_i * alpha + gl.sum(p, 0)
+            m_i = m_new
+            v = _v_operand(vp, off, start, vcol, TOKN, VW, VT, MMA)
+            pb = gl.convert_layout(p.to(gl.bfloat16), gl.DotOperandLayout(1, MMA, 2))
+            acc = mma_v2(v, pb, acc * alpha[None, :])
+        # epilogue: D' -> memory order, undo V's 2^-64
+        dp = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
+        cc = ((dp // 32) * 4 + ((dp // 16) % 2) * 2 + (dp // 8) % 2)  # column within the run: 4w + i
+        d_out = (dp % 8) * 16 + cc
+        heads = gl.arange(0, 8, layout=SL)
+        hmask = heads < G
+        l_safe = gl.where(l_i > 0, l_i, 1.0)
+        o = acc * (18446744073709551616.0 / l_safe)[None, :]
+        omask = hmask[None, :] & (d_out < 128)[:, None]
+        if DIRECT:
+            gl.store(out + row * o_s0 + (h * G + heads)[None, :] * o_s1 + d_out[:, None], o.to(out.dtype.element_ty), mask=omask)
+        else:
+            hq = gl.num_programs(1) * G
+            lse = gl.where(l_i > 0, m_i + gl.log2(l_safe), -1.0e30)
+            prow = (row * hq + h * G + heads) * num_splits + sp
+            gl.store(part_out + prow[None, :] * 128 + d_out[:, None], o, mask=omask)
+            gl.store(part_lse + prow, lse, mask=hmask)
+
+
+def supported(head_dim: int, group: int, device: torch.device) -> bool:
+    """True when this kernel can run: Gluon importable, head_dim 128, GQA group <= 8, an sm_90 GPU."""
+    if not HAVE_GLUON or head_dim != HEAD_DIM or not 1 <= group <= MAX_GROUP or device.type != "cuda":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(idx)[0] >= 9
+
+
+def num_splits(rows: int, num_kv_heads: int, num_sms: int, programs_per_sm: int = 8, max_splits: int = 32) -> int:
+    """Splits per sequence for one-warp programs: about ``programs_per_sm`` per SM (a function of the
+    padded batch only, so a captured graph keeps its grid)."""
+    return max(1, min(max_splits, -(-num_sms * programs_per_sm // (rows * num_kv_heads))))
+
+
+def decode(g, layer: int, q: torch.Tensor, meta: torch.Tensor, rows: int, splits: int,
+           partials: tuple[torch.Tensor, torch.Tensor] | None, tokens: int = 32) -> torch.Tensor:
+    """``q [rows, Hq, 128]`` (bf16) over each row's bfloat8_b tiles (``g``: a ``TileGeometry`` with a
+    separable map) -> ``[rows, Hq, 128]``; the new rows must be in the cache already (``write_rows``).
+
+    ``splits`` > 1 needs ``partials`` (the paged decode's ``[rows*Hq*splits*D]``, ``[rows*Hq*splits]``
+    fp32 scratch), merged by its reduce. No host sync; fixed grid for a given ``rows`` and ``splits``.
+    """
+    from hawk.engine import triton_attention as ta
+
+    hq, d = q.shape[1], q.shape[2]
+    group = hq // g.num_kv_heads
+    if not (g.bfp8 and g.separable) or d != HEAD_DIM or group > MAX_GROUP or q.dtype != torch.bfloat16:
+        raise ValueError("the register kernel needs bfloat8_b tiles on a separable map, head_dim 128, "
+                         f"GQA group <= {MAX_GROUP} and bf16 queries")
+    if q.stride(2) != 1:
+        raise ValueError("q's last dim must be contiguous")
+    if splits > 1 and partials is None:
+        raise ValueError("several splits need the partials scratch")
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    part_out, part_lse = partials if partials is not None else (out, out)
+    lay = layouts(tokens)
+    _decode_bfp8_regs_kernel[(rows, g.num_kv_heads, splits)](
+        q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), part_out, part_lse,
+        g.memory, g.bases[2 * layer], g.bases[2 * layer + 1], meta, meta.stride(0), ta.decode_qk_scale(d), splits,
+        g.bank_stride, g.page_stride, g.s0, g.s1, g.s2,
+        NB=g.num_banks, SHARD=g.shard_pages, G=group, BS=g.block_size, TOKN=tokens,
+        KW=lay["kw"], VW=lay["vw"], VT=lay["vt"], MMA=lay["mma"], DIRECT=splits == 1,
+        num_warps=1,
+    )
+    if splits > 1:
+        ta.decode_reduce(part_out, part_lse, out, splits)
+    return out
