@@ -337,7 +337,7 @@ _VARIANT_BITWISE = {
 #: Probe variants the interpreter runs exactly as another case does (warps, stages and register caps are
 #: compiled out there, and its chunks are 16 tokens unless a variant sets ``tokens``): no case of their own.
 _SAME_UNDER_INTERPRETER = {"tok-w1-t16", "tok-w2-t64", "tok-w4-t32",  # = tok-pipe2-r128-fw, ditto, tok-w2-t32
-                           "regs-t16"}  # the register kernel is GPU-only: the default runs (regs-t32's case checks that)
+                           "regs-t16-fw"}  # GPU-only kernel: the word kernel runs (regs-t32 and -fw check that)
 
 
 def _issue7_group(cfg) -> bool:
@@ -500,7 +500,8 @@ def test_fused_row_write_launch_plumbing(monkeypatch: pytest.MonkeyPatch) -> Non
             (tk.BFP8_VARIANTS["tok-pipe3-r128-fw"], BATCH, False, [("decode", True)]),
             (tk.BFP8_VARIANTS["words-pipe2-r128-fw"], BATCH_MULTI, False, [("write",), ("decode", False)]),
             (tk.BFP8_VARIANTS["words-pipe2-r128-fw"], BATCH, True, [("write",), ("decode", False)]),
-            (None, BATCH, False, [("decode", True)]),  # the default variant (tok-pipe2-r128-fw) fuses
+            (None, BATCH, False, [("decode", True)]),  # the default variant (regs-t16-fw) fuses
+            (tk.BFP8_VARIANTS["regs-t32"], BATCH, False, [("write",), ("decode", False)]),  # this register one does not
             (tk.BFP8_VARIANTS["words-pipe2-r128"], BATCH, False, [("write",), ("decode", False)]),  # this one does not
         ]:
             calls.clear()
@@ -684,7 +685,7 @@ def test_gpu_8b_shape_matches_codecs(dtype: str) -> None:
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("variant", ["default", "words", "words-pipe2-r128", "words-pipe2-r128-fw", "tok-pipe3-r128-fw", "regs-t32"])
+@pytest.mark.parametrize("variant", ["default", "words", "words-pipe2-r128", "words-pipe2-r128-fw", "tok-pipe3-r128-fw", "regs-t32", "regs-t32-fw"])
 def test_gpu_cuda_graph_replays_a_new_batch_of_the_same_padded_size(variant: str) -> None:
     from hawk.engine.npu_attention import NpuTileAttention
     from hawk.engine.triton_npu_attention import BFP8_VARIANTS
@@ -734,7 +735,7 @@ def _gpu_batch(n: int, ctx: int = 1000):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("batch", [1, 8, 64])
-@pytest.mark.parametrize("dtype,kernel", [("bf16", "default"), ("bf16", "chunked"), ("bfp8_b", "default")])
+@pytest.mark.parametrize("dtype,kernel", [("bf16", "default"), ("bf16", "chunked"), ("bfp8_b", "tok-pipe2-r128-fw")])
 def test_gpu_8b_shape_bitwise_equals_paged(dtype: str, kernel: str, batch: int) -> None:
     """The 8B shape (32 q heads, 8 KV heads, head_dim 128), ~1k contexts: NPU-tile decode output ==
     paged decode output (torch.equal) as the backends pick paths (b1: 17 splits, b8 padded to 9: 2, both
@@ -772,11 +773,11 @@ def _variant_names(bitwise: bool | None = None) -> list[str]:
 def test_gpu_bfp8_variant_matches_codecs(variant: str, batch: int) -> None:
     """Every bfloat8_b variant at the 8B shape, ~1k contexts over shuffled block-cyclic blocks: the
     codec oracle's outputs (bf16 tolerance) and its row writes byte for byte; pad rows give 0; and the
-    default variant's output on the same bytes: bit for bit when the variant keeps the paged decode's
-    bits (the default does), else within bf16 tolerance. Batch 5 (padded to 8) runs split-K, batch 64
-    one split."""
+    bit-keeping reference variant's output on the same bytes (``PAGED_BITS_BFP8_VARIANT``): bit for bit
+    when the variant keeps the paged decode's bits, else within bf16 tolerance. Batch 5 (padded to 8)
+    runs split-K, batch 64 one split (the register kernel: its own splits)."""
     from hawk.engine.npu_attention import NpuTileAttention
-    from hawk.engine.triton_npu_attention import BFP8_VARIANTS, DEFAULT_BFP8_VARIANT
+    from hawk.engine.triton_npu_attention import BFP8_VARIANTS, PAGED_BITS_BFP8_VARIANT
 
     pytest.importorskip("triton")
     slices, blocks = _gpu_batch(batch)
@@ -790,11 +791,11 @@ def test_gpu_bfp8_variant_matches_codecs(variant: str, batch: int) -> None:
         mem_want = npu.memory.clone()
         npu.memory.copy_(mem0)
         attn = NpuTileAttention(kv, max_batch=rows)
-        attn.decode_config = BFP8_VARIANTS[DEFAULT_BFP8_VARIANT]
+        attn.decode_config = BFP8_VARIANTS[PAGED_BITS_BFP8_VARIANT]
         attn.begin(slices, pad_to=rows)
         ref = attn(0, q, k, v)
         torch.cuda.synchronize()
-        assert torch.equal(npu.memory, mem_want), "the default variant's row writes differ from the codecs"
+        assert torch.equal(npu.memory, mem_want), "the reference variant's row writes differ from the codecs"
         npu.memory.copy_(mem0)
         attn.decode_config = BFP8_VARIANTS[variant]
         got = attn(0, q, k, v)
@@ -806,7 +807,7 @@ def test_gpu_bfp8_variant_matches_codecs(variant: str, batch: int) -> None:
         assert torch.allclose(got[:batch].float(), want.float(), atol=2e-2), err
         if BFP8_VARIANTS[variant].keeps_paged_bits:
             diff = float((got.float() - ref.float()).abs().max())
-            assert torch.equal(got, ref), f"{variant} vs default {DEFAULT_BFP8_VARIANT}: max diff {diff:.3g}"
+            assert torch.equal(got, ref), f"{variant} vs {PAGED_BITS_BFP8_VARIANT}: max diff {diff:.3g}"
         else:
             assert torch.allclose(got.float(), ref.float(), atol=2e-2)
     finally:

@@ -76,7 +76,8 @@ def layouts(tokens: int) -> dict:
     vt = gl.DistributedLinearLayout(_bases([(0, 1, 0, 0), (0, 2, 0, 0), (0, 0, 0, 1), (0, 0, 0, 2)] + vblk),
                                     _bases(vlane), [], [], [tokens // 4, 4, 8, 4])
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    return {"kw": kw, "vw": vw, "vt": vt, "mma": mma}
+    rl = gl.BlockedLayout([4, 1], [4, 8], [1, 1], [0, 1])  # a new row as [16 (column in run), 8 (run)]
+    return {"kw": kw, "vw": vw, "vt": vt, "mma": mma, "rl": rl}
 
 
 if HAVE_GLUON:
@@ -149,27 +150,33 @@ if HAVE_GLUON:
         return gl.join(lo2, hi2)
 
     @gluon.jit
-    def _k_operand(wp, ep, off, start, n, col, TOKN: gl.constexpr, KW: gl.constexpr, MMA: gl.constexpr):
-        """K of tokens ``[start, start+TOKN)`` as the A operand ``[TOKN, 128]`` (D in the kernel's order).
+    def _chunk_offset(mrow, start, h, s0, s1, s2, bank_stride, page_stride,
+                      NB: gl.constexpr, SHARD: gl.constexpr, BS: gl.constexpr):
+        """Byte offset of the row tile (column tile 0) holding the chunk at ``start`` (one block table read)."""
+        blk = gl.load(mrow + 2 + start // BS)
+        return _page_offset(blk * s0 + h * s1 + ((start % BS) // 32) * s2, bank_stride, page_stride, NB, SHARD)
 
-        ``off``: byte offset of the chunk's row tile (column tile 0); ``col``: ``[8]`` byte offsets of
-        the runs' column tiles (in ``KW``'s run slice)."""
+    @gluon.jit
+    def _k_load(wp, ep, off, start, col, TOKN: gl.constexpr, KW: gl.constexpr):
+        """K of tokens ``[start, start+TOKN)`` as loaded: words ``[TOKN, 8 runs, 4]`` and exponent bytes
+        ``[TOKN, 8]`` (token ``kappa`` of a 16-token block is its row ``_rho(kappa)``). ``off``: the
+        chunk's row tile; ``col``: the runs' column-tile offsets."""
         L2: gl.constexpr = gl.SliceLayout(2, KW)
         kap = gl.arange(0, TOKN, layout=gl.SliceLayout(1, L2))
         run = gl.arange(0, 8, layout=gl.SliceLayout(0, L2))
         pos = start + (kap // 16) * 16 + _rho(kap)
-        fr = (pos % 32) // 16
         r = pos % 16
-        # exponents: one byte per (token, run); header byte face*16 + row, face = 2*fr + run%2
-        eoff = off + col[None, :] + ((fr * 2)[:, None] + (run % 2)[None, :]) * 16 + r[:, None]
-        e = gl.load(ep + eoff).to(gl.int32)
-        sc = _scale_bits(e)
-        s2 = sc | (sc << 16)
-        # values: word w of run R's 16-byte face row, 64-byte header first
+        face = (((pos % 32) // 16) * 2)[:, None] + (run % 2)[None, :]
+        e = gl.load(ep + (off + col[None, :] + face * 16 + r[:, None]))  # header byte face*16 + row
         w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, KW)))
-        voff = (off + col[None, :] + 64 + ((fr * 2)[:, None] + (run % 2)[None, :]) * 256 + (r * 16)[:, None]) // 4
-        words = gl.load(wp + (gl.expand_dims(voff, 2) + w[None, None, :]))
-        s3 = gl.broadcast(gl.expand_dims(s2, 2), words)[0]
+        voff = (off + col[None, :] + 64 + face * 256 + (r * 16)[:, None]) // 4
+        return gl.load(wp + (gl.expand_dims(voff, 2) + w[None, None, :])), e
+
+    @gluon.jit
+    def _k_operand(words, e, TOKN: gl.constexpr, MMA: gl.constexpr):
+        """Loaded K (``_k_load``) as the A operand ``[TOKN, 128]`` of ``S^T = K q^T`` (D in the kernel's order)."""
+        sc = _scale_bits(e.to(gl.int32))
+        s3 = gl.broadcast(gl.expand_dims(sc | (sc << 16), 2), words)[0]
         lo, hi = _decode_words(words, s3, s3)
         x = _pairs(lo, hi)  # [TOKN, 8 (run = 4j + t), 4 (w), 2 (b), 2 (h)]
         x = gl.reshape(x, [TOKN, 2, 4, 4, 2, 2])  # (j, t, w, b, h)
@@ -178,33 +185,34 @@ if HAVE_GLUON:
         return gl.convert_layout(x, gl.DotOperandLayout(0, MMA, 2), assert_trivial=True)
 
     @gluon.jit
-    def _v_operand(wp, off, start, col, TOKN: gl.constexpr, VW: gl.constexpr, VT: gl.constexpr, MMA: gl.constexpr):
-        """V of tokens ``[start, start+TOKN)`` as the A operand ``[128, TOKN]`` of ``O^T = V^T P^T``
-        (rows in the kernel's D' order, tokens in its per-block order: both undone elsewhere)."""
+    def _v_load(wp, off, start, col, TOKN: gl.constexpr, VW: gl.constexpr):
+        """V of tokens ``[start, start+TOKN)`` as loaded: words ``[TOKN/4, 4 rows, 8 runs, 4]`` (lane t:
+        rows 4t .. 4t+3 of each 16-token block, lane g: run g) and the four rows' exponents, one header
+        word per (row group, run) ``[TOKN/4, 8]``."""
         L3: gl.constexpr = gl.SliceLayout(3, VW)
         L2: gl.constexpr = gl.SliceLayout(1, L3)
         q4 = gl.arange(0, TOKN // 4, layout=gl.SliceLayout(1, L2))  # 16-token block * 4 + t
         run = gl.arange(0, 8, layout=gl.SliceLayout(0, L2))
         row0 = start + (q4 // 4) * 16 + (q4 % 4) * 4  # first of the lane's four rows
-        fr = (row0 % 32) // 16
         r0 = row0 % 16
-        face = (fr * 2)[:, None] + (run % 2)[None, :]
-        # the four rows' exponents: one word of the header
+        face = (((row0 % 32) // 16) * 2)[:, None] + (run % 2)[None, :]
         ew = gl.load(wp + (off + col[None, :] + face * 16 + r0[:, None]) // 4)
-        e0 = _scale_bits(ew & 0xFF)
-        e1 = _scale_bits((ew >> 8) & 0xFF)
-        e2 = _scale_bits((ew >> 16) & 0xFF)
-        e3 = _scale_bits((ew >> 24) & 0xFF)
-        s_lo = e0 | (e1 << 16)  # rows 4t, 4t+1: tokens 2t, 2t+1
-        s_hi = e2 | (e3 << 16)  # rows 4t+2, 4t+3: tokens 2t+8, 2t+9
         i = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
         w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, VW))))
         base = (off + col[None, :] + 64 + face * 256 + (r0 * 16)[:, None]) // 4  # [q4, run]
-        b3 = gl.expand_dims(gl.convert_layout(base, gl.SliceLayout(1, L3)), 1) + (i * 4)[None, :, None]  # + row i
-        words = gl.load(wp + (gl.expand_dims(b3, 3) + w[None, None, None, :]))  # [q4, row i, run, w]
+        b3 = gl.expand_dims(base, 1) + (i * 4)[None, :, None]  # + row i
+        return gl.load(wp + (gl.expand_dims(b3, 3) + w[None, None, None, :])), ew
+
+    @gluon.jit
+    def _v_operand(words, ew, TOKN: gl.constexpr, VT: gl.constexpr, MMA: gl.constexpr):
+        """Loaded V (``_v_load``) as the A operand ``[128, TOKN]`` of ``O^T = V^T P^T`` (rows in the
+        kernel's D' order, tokens in its per-block order: both undone elsewhere)."""
+        s_lo = _scale_bits(ew & 0xFF) | (_scale_bits((ew >> 8) & 0xFF) << 16)  # rows 4t, 4t+1: tokens 2t, 2t+1
+        s_hi = _scale_bits((ew >> 16) & 0xFF) | (_scale_bits((ew >> 24) & 0xFF) << 16)  # rows 4t+2, 4t+3: 2t+8, 2t+9
         z = _transpose4(gl.convert_layout(words, VT))  # element (q4, i, run, w): column 4w + i, rows 4t..4t+3
-        s_lo4 = gl.broadcast(gl.expand_dims(gl.expand_dims(gl.convert_layout(s_lo, gl.SliceLayout(1, gl.SliceLayout(3, VT))), 1), 3), z)[0]
-        s_hi4 = gl.broadcast(gl.expand_dims(gl.expand_dims(gl.convert_layout(s_hi, gl.SliceLayout(1, gl.SliceLayout(3, VT))), 1), 3), z)[0]
+        SV: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, VT))
+        s_lo4 = gl.broadcast(gl.expand_dims(gl.expand_dims(gl.convert_layout(s_lo, SV), 1), 3), z)[0]
+        s_hi4 = gl.broadcast(gl.expand_dims(gl.expand_dims(gl.convert_layout(s_hi, SV), 1), 3), z)[0]
         lo, hi = _decode_words(z, s_lo4, s_hi4)
         x = _pairs(lo, hi)  # [q4 (kb, t), i (i1, i0), g, w, b, h]
         x = gl.reshape(x, [TOKN // 16, 4, 2, 2, 8, 4, 2, 2])  # (kb, t, i1, i0, g, w, b, h)
@@ -213,15 +221,52 @@ if HAVE_GLUON:
         return gl.convert_layout(x, gl.DotOperandLayout(0, MMA, 2), assert_trivial=True)
 
     @gluon.jit
+    def _pack_row(x):
+        """A new row's fp32 values ``[16 (column in run), 8 (run)]`` -> (shared exponents ``[8]``, value
+        bytes ``[16, 8]``, the values they decode to): ``hawk/layouts/tt.py``'s packing, per face row."""
+        bits = x.to(gl.int32, bitcast=True)
+        exp = (bits >> 23) & 0xFF
+        shared = gl.max(exp, 0)
+        mant = (bits & 0x7FFFFF) | 0x800000
+        shift = gl.minimum(17 + shared[None, :] - exp, 31)  # >= 25 already shifts everything out
+        qv = mant >> shift
+        rem = mant - (qv << shift)
+        half = 1 << (shift - 1)
+        up = (rem > half) | ((rem == half) & ((qv & 1) == 1))
+        qv = gl.minimum(qv + up.to(gl.int32), 127)
+        qv = gl.where(exp != 0, qv, 0)
+        neg = (bits >> 31) & 1
+        sign = gl.where(qv != 0, neg, 0)
+        scale = (shared << 23).to(gl.float32, bitcast=True) * 0.015625  # 2^(E-133) (E=0 gives 0, as the codec)
+        mag = qv.to(gl.float32) * scale[None, :]
+        return shared, qv | (sign << 7), gl.where(sign != 0, -mag, mag)
+
+    @gluon.jit
+    def _store_row(mem, start, face, ri, exps, vals, ok, RL: gl.constexpr):
+        """Store a packed row (``_pack_row``) at row ``ri`` of face ``face[run]`` of the tiles at
+        ``mem + start[run]``: its shared exponents and its value bytes, nothing else."""
+        c = gl.arange(0, 16, layout=gl.SliceLayout(1, RL))
+        gl.store(mem + start + face * 16 + ri, exps.to(gl.uint8), mask=ok)
+        vptr = mem + (start + 64 + face * 256 + ri * 16)[None, :] + c[:, None]
+        gl.store(vptr, vals.to(gl.uint8), mask=ok)
+
+    @gluon.jit
     def _decode_bfp8_regs_kernel(
         q, q_s0, q_s1, out, o_s0, o_s1, part_out, part_lse,
         mem, k_base, v_base, meta, meta_s0, qk_scale, num_splits,
-        bank_stride, page_stride, s0, s1, s2,
+        bank_stride, page_stride, s0, s1, s2, k_new, kn_s0, kn_s1, v_new, vn_s0, vn_s1,
         NB: gl.constexpr, SHARD: gl.constexpr, G: gl.constexpr, BS: gl.constexpr, TOKN: gl.constexpr,
-        KW: gl.constexpr, VW: gl.constexpr, VT: gl.constexpr, MMA: gl.constexpr, DIRECT: gl.constexpr,
+        KW: gl.constexpr, VW: gl.constexpr, VT: gl.constexpr, MMA: gl.constexpr, RL: gl.constexpr,
+        DIRECT: gl.constexpr, PREFETCH: gl.constexpr, FUSED: gl.constexpr,
     ):
         """One (row, kv head, split), one warp: the split's TOKN-token chunks, online softmax, then
-        the output (one split) or the split's normalized partial and log2-sum-exp (the paged reduce's format)."""
+        the output (one split) or the split's normalized partial and log2-sum-exp (the paged reduce's format).
+
+        PREFETCH: chunk c+1's loads are issued before chunk c is computed. FUSED (decode batches): the
+        new row (``k_new``, ``v_new [rows, Hkv, 128]``, where ``meta[:, 1]`` says) is packed here; the
+        program whose split holds position ``n - 1`` attends it from registers (the cache's row there
+        is masked: it may hold old bytes) and stores it after its own reads. No other program reads
+        that row (splits are whole chunks), so nothing orders programs."""
         row = gl.program_id(0).to(gl.int64)
         h = gl.program_id(1)
         sp = gl.program_id(2)
@@ -230,51 +275,85 @@ if HAVE_GLUON:
         split_len = gl.cdiv(gl.cdiv(n, num_splits), TOKN) * TOKN
         lo = sp * split_len
         hi = gl.minimum(lo + split_len, n)
-        wp = (mem + k_base).to(gl.pointer_type(gl.int32))
-        ep = mem + k_base
-        vp = (mem + v_base).to(gl.pointer_type(gl.int32))
+        last = gl.maximum((n - 1) // TOKN, 0) * TOKN  # the row's last chunk: prefetches clamp to it
+        kwp = (mem + k_base).to(gl.pointer_type(gl.int32))
+        kep = mem + k_base
+        vwp = (mem + v_base).to(gl.pointer_type(gl.int32))
         # q^T as the B operand [128 (kernel order), 8 heads], times 2^64 (K comes scaled by 2^-64)
         QL: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
         kap = gl.arange(0, 128, layout=gl.SliceLayout(1, QL))
         kb = kap // 16
         c = kap % 16
         dmem = ((c % 8) // 2 + 4 * (kb // 4)) * 16 + (kb % 4) * 4 + (c // 8) * 2 + c % 2
+        dmem = gl.max_contiguous(gl.multiple_of(dmem, 2), 2)  # columns 2t, 2t+1 are adjacent: 4-byte loads
         hh = gl.arange(0, 8, layout=gl.SliceLayout(0, QL))
-        qm = (hh < G)[None, :]
-        qv = gl.load(q + row * q_s0 + (h * G + hh)[None, :] * q_s1 + dmem[:, None], mask=qm, other=0.0)
+        qv = gl.load(q + row * q_s0 + (h * G + hh)[None, :] * q_s1 + dmem[:, None], mask=(hh < G)[None, :], other=0.0)
         qv = (qv.to(gl.float32) * 18446744073709551616.0).to(gl.bfloat16)
         # the runs' column-tile offsets (separable map: a tile's offset = its row part + its column part)
-        KR: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, KW))
-        krun = gl.arange(0, 8, layout=KR)
+        krun = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, KW)))
         kcol = _page_offset(krun // 2, bank_stride, page_stride, NB, SHARD)
-        VR: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, VW)))
-        vrun = gl.arange(0, 8, layout=VR)
+        vrun = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, VW))))
         vcol = _page_offset(vrun // 2, bank_stride, page_stride, NB, SHARD)
         SL: gl.constexpr = gl.SliceLayout(0, MMA)
+        heads = gl.arange(0, 8, layout=SL)
         m_i = gl.full([8], -1.0e30, gl.float32, layout=SL)
         l_i = gl.zeros([8], gl.float32, layout=SL)
         acc = gl.zeros([128, 8], gl.float32, layout=MMA)
         tok = gl.arange(0, TOKN, layout=gl.SliceLayout(1, MMA))
+        hi_m = hi
+        if FUSED:  # before the chunks, so that its loads overlap theirs (at batch 1 a split is one chunk)
+            hi_m = gl.minimum(hi, n - 1)  # the cache's row n - 1 is attended from registers instead
+            is_new = (lo <= n - 1) & (n - 1 < hi)
+            c16 = gl.arange(0, 16, layout=gl.SliceLayout(1, RL))
+            r8 = gl.arange(0, 8, layout=gl.SliceLayout(0, RL))
+            dm = r8[None, :] * 16 + c16[:, None]  # [16 (column in run), 8 (run)]
+            ke8, kb8, kd = _pack_row(gl.load(k_new + row * kn_s0 + h * kn_s1 + dm).to(gl.float32))
+            ve8, vb8, vd = _pack_row(gl.load(v_new + row * vn_s0 + h * vn_s1 + dm).to(gl.float32))
+            s_new = gl.full([8], -1.0e30, gl.float32, layout=SL)
+            for i in gl.static_range(G):
+                qi = gl.load(q + row * q_s0 + (h * G + i) * q_s1 + dm).to(gl.float32)
+                s_new = gl.where(heads == i, gl.sum(gl.sum(qi * kd, 1), 0) * qk_scale, s_new)
+            s_new = gl.where(is_new & (heads < G), s_new, -1.0e30)
+        if PREFETCH:
+            off = _chunk_offset(mrow, gl.minimum(lo, last), h, s0, s1, s2, bank_stride, page_stride, NB, SHARD, BS)
+            kw, ke = _k_load(kwp, kep, off, gl.minimum(lo, last), kcol, TOKN, KW)
+            vw, ve = _v_load(vwp, off, gl.minimum(lo, last), vcol, TOKN, VW)
         for start in range(lo, hi, TOKN):
-            blk = gl.load(mrow + 2 + start // BS)
-            off = _page_offset(blk * s0 + h * s1 + ((start % BS) // 32) * s2, bank_stride, page_stride, NB, SHARD)
-            k = _k_operand(wp, ep, off, start, n, kcol, TOKN, KW, MMA)
+            if PREFETCH:
+                nxt = gl.minimum(start + TOKN, last)
+                noff = _chunk_offset(mrow, nxt, h, s0, s1, s2, bank_stride, page_stride, NB, SHARD, BS)
+                nkw, nke = _k_load(kwp, kep, noff, nxt, kcol, TOKN, KW)
+                nvw, nve = _v_load(vwp, noff, nxt, vcol, TOKN, VW)
+            else:
+                off = _chunk_offset(mrow, start, h, s0, s1, s2, bank_stride, page_stride, NB, SHARD, BS)
+                kw, ke = _k_load(kwp, kep, off, start, kcol, TOKN, KW)
+                vw, ve = _v_load(vwp, off, start, vcol, TOKN, VW)
+            k = _k_operand(kw, ke, TOKN, MMA)
             s = mma_v2(k, qv, gl.zeros([TOKN, 8], gl.float32, layout=MMA)) * qk_scale
             pos = start + (tok // 16) * 16 + _rho(tok)
-            s = gl.where((pos < hi)[:, None], s, -1.0e30)
+            s = gl.where((pos < hi_m)[:, None], s, -1.0e30)
             m_new = gl.maximum(m_i, gl.max(s, 0))
             alpha = gl.exp2(m_i - m_new)
             p = gl.exp2(s - m_new[None, :])
             l_i = l_i * alpha + gl.sum(p, 0)
             m_i = m_new
-            v = _v_operand(vp, off, start, vcol, TOKN, VW, VT, MMA)
+            v = _v_operand(vw, ve, TOKN, VT, MMA)
             pb = gl.convert_layout(p.to(gl.bfloat16), gl.DotOperandLayout(1, MMA, 2))
             acc = mma_v2(v, pb, acc * alpha[None, :])
+            if PREFETCH:
+                kw, ke, vw, ve = nkw, nke, nvw, nve
+        if FUSED:  # the new token: packed as the cache will hold it, attended from registers, stored last
+            m_new = gl.maximum(m_i, s_new)
+            alpha = gl.exp2(m_i - m_new)
+            p_new = gl.where(is_new, gl.exp2(s_new - m_new), 0.0)
+            l_i = l_i * alpha + p_new
+            m_i = m_new
+            vcol_d = gl.convert_layout(gl.reshape(vd, [128]), gl.SliceLayout(1, MMA))  # d' = 8 * column + run
+            acc = acc * alpha[None, :] + (vcol_d * 5.421010862427522e-20)[:, None] * p_new[None, :]  # V's 2^-64
         # epilogue: D' -> memory order, undo V's 2^-64
         dp = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
         cc = ((dp // 32) * 4 + ((dp // 16) % 2) * 2 + (dp // 8) % 2)  # column within the run: 4w + i
         d_out = (dp % 8) * 16 + cc
-        heads = gl.arange(0, 8, layout=SL)
         hmask = heads < G
         l_safe = gl.where(l_i > 0, l_i, 1.0)
         o = acc * (18446744073709551616.0 / l_safe)[None, :]
@@ -287,6 +366,16 @@ if HAVE_GLUON:
             prow = (row * hq + h * G + heads) * num_splits + sp
             gl.store(part_out + prow[None, :] * 128 + d_out[:, None], o, mask=omask)
             gl.store(part_lse + prow, lse, mask=hmask)
+        if FUSED:  # after this program's reads; pad rows (loc < 0, n = 0) write nothing
+            loc = gl.load(mrow + 1)
+            ok = is_new & (loc >= 0)
+            loc = gl.maximum(loc, 0)
+            rr = (loc % BS) % 32
+            face = (rr // 16) * 2 + r8 % 2
+            tile = _page_offset(loc // BS * s0 + h * s1 + ((loc % BS) // 32) * s2, bank_stride, page_stride, NB, SHARD) \
+                + _page_offset(r8 // 2, bank_stride, page_stride, NB, SHARD)
+            _store_row(mem + k_base, tile, face, rr % 16, ke8, kb8, ok, RL)
+            _store_row(mem + v_base, tile, face, rr % 16, ve8, vb8, ok, RL)
 
 
 def supported(head_dim: int, group: int, device: torch.device) -> bool:
@@ -304,12 +393,16 @@ def num_splits(rows: int, num_kv_heads: int, num_sms: int, programs_per_sm: int 
 
 
 def decode(g, layer: int, q: torch.Tensor, meta: torch.Tensor, rows: int, splits: int,
-           partials: tuple[torch.Tensor, torch.Tensor] | None, tokens: int = 32) -> torch.Tensor:
+           partials: tuple[torch.Tensor, torch.Tensor] | None, tokens: int = 32, prefetch: bool = True,
+           new_kv: tuple[torch.Tensor, torch.Tensor] | None = None, maxnreg: int | None = None) -> torch.Tensor:
     """``q [rows, Hq, 128]`` (bf16) over each row's bfloat8_b tiles (``g``: a ``TileGeometry`` with a
-    separable map) -> ``[rows, Hq, 128]``; the new rows must be in the cache already (``write_rows``).
+    separable map) -> ``[rows, Hq, 128]``.
 
-    ``splits`` > 1 needs ``partials`` (the paged decode's ``[rows*Hq*splits*D]``, ``[rows*Hq*splits]``
-    fp32 scratch), merged by its reduce. No host sync; fixed grid for a given ``rows`` and ``splits``.
+    ``new_kv``: the new rows' ``k, v [rows, Hkv, 128]`` (decode batches: one new token per sequence),
+    written by this launch where ``meta[:, 1]`` says; else they must be in the cache already
+    (``write_rows``). ``splits`` > 1 needs ``partials`` (the paged decode's ``[rows*Hq*splits*D]``,
+    ``[rows*Hq*splits]`` fp32 scratch), merged by its reduce. No host sync; fixed grid for a given
+    ``rows`` and ``splits``. ``maxnreg``: a per-thread register cap (more programs per SM).
     """
     from hawk.engine import triton_attention as ta
 
@@ -322,16 +415,23 @@ def decode(g, layer: int, q: torch.Tensor, meta: torch.Tensor, rows: int, splits
         raise ValueError("q's last dim must be contiguous")
     if splits > 1 and partials is None:
         raise ValueError("several splits need the partials scratch")
+    if new_kv is not None:
+        kn, vn = new_kv
+        if kn.shape != (q.shape[0], g.num_kv_heads, d) or vn.shape != kn.shape or kn.stride(2) != 1 or vn.stride(2) != 1:
+            raise ValueError(f"new_kv must be two [{q.shape[0]}, {g.num_kv_heads}, {d}] tensors, last dim contiguous")
+        new_args = (kn, kn.stride(0), kn.stride(1), vn, vn.stride(0), vn.stride(1))
+    else:  # never read: any pointer, zero strides
+        new_args = (q, 0, 0, q, 0, 0)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     part_out, part_lse = partials if partials is not None else (out, out)
     lay = layouts(tokens)
     _decode_bfp8_regs_kernel[(rows, g.num_kv_heads, splits)](
         q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), part_out, part_lse,
         g.memory, g.bases[2 * layer], g.bases[2 * layer + 1], meta, meta.stride(0), ta.decode_qk_scale(d), splits,
-        g.bank_stride, g.page_stride, g.s0, g.s1, g.s2,
+        g.bank_stride, g.page_stride, g.s0, g.s1, g.s2, *new_args,
         NB=g.num_banks, SHARD=g.shard_pages, G=group, BS=g.block_size, TOKN=tokens,
-        KW=lay["kw"], VW=lay["vw"], VT=lay["vt"], MMA=lay["mma"], DIRECT=splits == 1,
-        num_warps=1,
+        KW=lay["kw"], VW=lay["vw"], VT=lay["vt"], MMA=lay["mma"], RL=lay["rl"], DIRECT=splits == 1,
+        PREFETCH=prefetch, FUSED=new_kv is not None, num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     if splits > 1:
         ta.decode_reduce(part_out, part_lse, out, splits)

@@ -11,6 +11,9 @@ Two paths, one contract (``PagedBackend``):
   syncs, so a CUDA graph captured after ``begin(.., pad_to=B)`` replays after any later one. It gives
   the paged decode's bits for the same K/V values (same splits, chunks, steps and merge: the kernels
   share them with ``triton_attention.py``), so a disaggregated run decodes the colocated one's tokens.
+  Except bfloat8_b's default on an sm_90 GPU, the register kernel (``gluon_npu_attention.py``: its own
+  chunks and splits, 0.67x the paged decode's time at batch 64): its values are the codec's, its
+  sums in another order (within tolerance; bfloat8_b changes the values anyway).
 - torch (CPU, or no triton): the same reads and writes vectorised over the batch; only the row tiles
   up to each sequence's length are decoded.
 ``hawk/layouts/tt.py`` is the oracle for both.

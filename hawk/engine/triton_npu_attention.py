@@ -1069,16 +1069,28 @@ BFP8_VARIANTS: dict[str, DecodeConfig] = {
                                num_warps=2),
     "tok-w4-t32": DecodeConfig(bfp8="words", prefetch=False, num_stages=2, token_loads=True, fused_write=True,
                                tokens=32, maxnreg=128),
-    # The register kernel (gluon_npu_attention): no shared memory, one warp per split; rows written first.
+    # The register kernel (gluon_npu_attention): no shared memory, one warp per split, the next chunk's
+    # loads issued before this one is computed ("-np": not); "-fw": the new rows packed and written in
+    # the decode launch, else by write_rows first.
     "regs-t32": DecodeConfig(bfp8="regs", num_warps=1, tokens=32),
-    "regs-t16": DecodeConfig(bfp8="regs", num_warps=1, tokens=16),
+    # One H200, write + attention (+ merge) at context 1k, batch 1 / 8 / 64 (us; paged bf16 10.8 / 21.9 /
+    # 88.9): regs-t32-fw 11.95 / 20.4 / 67.0, regs-t16-fw 12.1 / 19.1 / 59.7; a 168-register cap on t32
+    # (13.1 / 21.2 / 61.9) and t32 without the prefetch (14.5 / 20.3 / 64.0, an earlier call) were worse.
+    "regs-t32-fw": DecodeConfig(bfp8="regs", num_warps=1, tokens=32, fused_write=True),
+    "regs-t16-fw": DecodeConfig(bfp8="regs", num_warps=1, tokens=16, fused_write=True),
 }
+#: The fastest bfloat8_b variant that keeps the paged decode's bits (`benchmarks/bfp8_kernel_probe.py
+#: --flush-mb 256` on an H200, 2026-11-30: write + attention vs paged bf16 at context 1k, 0.90x at batch 1,
+#: 1.15x at batch 64; in the 8B step 1.023x / 1.014x, benchmarks/results/raw/engine_h200_tokpipe2fw.json).
+#: What runs where the register kernel cannot (CPU interpreter, other GPUs or shapes), and the reference
+#: the bit-keeping variants are tested against.
+PAGED_BITS_BFP8_VARIANT = "tok-pipe2-r128-fw"
 #: The variant bfloat8_b tiles get when no config is given (``HAWK_NPU_BFP8_KERNEL`` overrides it): the
-#: fastest that keeps the paged decode's bits in `benchmarks/bfp8_kernel_probe.py --flush-mb 256` on an
-#: H200 (2026-11-30; write + attention vs paged bf16, context 1k: 0.90x at batch 1, 1.15x at batch 64;
-#: words-pipe2-r128 1.05x, 1.21x). In the 8B decode step: 1.023x / 1.014x the paged step (words-pipe2-r128
-#: had measured 1.059x / 1.110x); benchmarks/results/raw/engine_h200_tokpipe2fw.json.
-DEFAULT_BFP8_VARIANT = "tok-pipe2-r128-fw"
+#: register kernel, 16 tokens per iteration, the row write fused. One H200, context 1k, write + attention
+#: + merge against the paged bf16 decode (`benchmarks/bfp8_kernel_probe.py --flush-mb 256`, 2026-12-01,
+#: benchmarks/results/raw/bfp8_kernel_probe_h200_regs_call3.json): 0.67x at batch 64, 0.87x at batch 8,
+#: 1.13x at batch 1 (the bit-keeping word kernel: 1.14x, 1.28x, 1.08x).
+DEFAULT_BFP8_VARIANT = "regs-t16-fw"
 
 
 def _has_bf16x2_mul(device: torch.device) -> bool:
@@ -1099,7 +1111,7 @@ def fuses_row_write(g: TileGeometry, config: DecodeConfig | None, generic: bool 
     if not (g.bfp8 and g.separable) or generic:
         return False
     cfg = config or default_config(g)
-    return cfg.fused_write and cfg.bfp8 in ("words", "words-int")
+    return cfg.fused_write and cfg.bfp8 in ("words", "words-int", "regs")
 
 
 def uses_register_kernel(g: TileGeometry, config: DecodeConfig | None, head_dim: int, group: int,
@@ -1170,14 +1182,14 @@ def decode_attention(
               g.memory, g.bases[2 * layer], g.bases[2 * layer + 1], meta, meta.stride(0), qk_scale, num_splits)
     bh = max(16, _next_pow2(group))
     if not generic and q.dtype == torch.bfloat16 and uses_register_kernel(g, config, d, group, q.device):
-        if new_kv is not None:
-            raise ValueError("new_kv is for the bfloat8_b word kernel (DecodeConfig.fused_write)")
         cfg = config or default_config(g)
-        return gk.decode(g, layer, q, meta, rows, num_splits, partials, cfg.tokens or 32)
+        if new_kv is not None and not cfg.fused_write:
+            raise ValueError("new_kv given, but this config does not write the rows in the decode launch")
+        return gk.decode(g, layer, q, meta, rows, num_splits, partials, cfg.tokens or 32, cfg.prefetch, new_kv, cfg.maxnreg)
     if g.separable and not generic:
         cfg = config or default_config(g)
-        if cfg.bfp8 == "regs":  # not runnable here (device, shape or dtype): the default word kernel
-            cfg = BFP8_VARIANTS[DEFAULT_BFP8_VARIANT]
+        if cfg.bfp8 == "regs":  # not runnable here (device, shape or dtype): the word kernel, fused alike
+            cfg = BFP8_VARIANTS[PAGED_BITS_BFP8_VARIANT if cfg.fused_write else "words-pipe2-r128"]
         # FAST is GPU-only: the interpreter's int16 -> bf16 bitcast gives wrong values (its bf16 is
         # emulated), so CPU tests run the exact fp32 decode; the gpu tests check FAST bitwise.
         fast = g.bfp8 and q.dtype == torch.bfloat16 and not interp
