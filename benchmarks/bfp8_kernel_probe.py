@@ -180,17 +180,19 @@ def occupancy_splits(batch: int, programs_per_sm: int) -> int:
     return max(1, min(64, math.ceil(programs_per_sm * sms / (batch * HKV))))
 
 
-def variant_list(names: list[str], split_variants: list[str], batch: int, programs_per_sm: int = 4) -> list[tuple[str, str, int | None]]:
-    """``(label, variant, splits override)``: each variant at the paged decode's split count, then the
-    split overrides at the occupancy rule's count (``occupancy_splits``), where that differs."""
+def variant_list(names: list[str], split_variants: list[str], batch: int, programs_per_sm: int = 4,
+                 split_counts: tuple[int, ...] = ()) -> list[tuple[str, str, int | None]]:
+    """``(label, variant, splits override)``: each variant at its own split count, then the split
+    overrides: at the occupancy rule's count (``occupancy_splits``) where that differs from the paged
+    decode's, or at each of ``split_counts`` when given."""
     from hawk.engine import triton_npu_attention as tk
 
     out = [(n, n, None) for n in names]
     default = tk.choose_splits(batch, HKV, torch.device(DEV))
-    alt = occupancy_splits(batch, programs_per_sm)
+    alts = split_counts or ((occupancy_splits(batch, programs_per_sm),) if occupancy_splits(batch, programs_per_sm) != default else ())
     for n in split_variants:
-        if n in names and alt != default:
-            out.append((f"{n}+s{alt}", n, alt))
+        if n in names:
+            out += [(f"{n}+s{a}", n, a) for a in alts]
     return out
 
 
@@ -214,7 +216,8 @@ def npu_bfp8_rows(batch: int, ctx: int, q, k, v, names: list[str], split_variant
         attn = NpuTileAttention(mem, max_batch=max(batch, 8), max_model_len=ctx + 64, backend="triton")
         attn.begin(slices, pad_to=batch)
         bytes_out = None
-        for label, name, splits in variant_list(names, split_variants, batch, args.split_programs_per_sm):
+        counts = tuple(int(x) for x in args.split_counts.split(",") if x)
+        for label, name, splits in variant_list(names, split_variants, batch, args.split_programs_per_sm, counts):
             cfg = tk.BFP8_VARIANTS[name]
             nsplits = splits or tk.choose_splits(batch, HKV, q.device, tk.tile_geometry(mem), cfg, D, HQ // HKV)
             fused = tk.fuses_row_write(tk.tile_geometry(mem), cfg)
@@ -376,6 +379,8 @@ def main() -> None:
                    help="variants also timed at the occupancy rule's split count (not the paged decode's bits)")
     p.add_argument("--split-programs-per-sm", type=int, default=4,
                    help="programs per SM the occupancy split rule fills (4: 128 registers, 4 warps)")
+    p.add_argument("--split-counts", default="",
+                   help="comma-separated split counts for the --split-variants (instead of the occupancy rule)")
     p.add_argument("--flush-mb", type=int, default=0,
                    help="read this many MiB before each timed call and subtract that read's time (cold L2; 0: off)")
     p.add_argument("--reps", type=int, default=20, help="calls per CUDA graph")
@@ -407,7 +412,8 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--child", "--rows", str(rows_path), "--deadline", str(t0 + a.budget_s),
                "--points", ",".join(points), "--variants", ",".join(v for v in variants if v not in excluded),
                "--split-variants", a.split_variants, "--reps", str(a.reps), "--iters", str(a.iters),
-               "--split-programs-per-sm", str(a.split_programs_per_sm), "--flush-mb", str(a.flush_mb)]
+               "--split-programs-per-sm", str(a.split_programs_per_sm), "--split-counts", a.split_counts,
+               "--flush-mb", str(a.flush_mb)]
         cmd += ["--first"] if first else []
         cmd += ["--skip-reference-paths"] if a.skip_reference_paths else []
         env = dict(os.environ)

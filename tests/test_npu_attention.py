@@ -337,7 +337,7 @@ _VARIANT_BITWISE = {
 #: Probe variants the interpreter runs exactly as another case does (warps, stages and register caps are
 #: compiled out there, and its chunks are 16 tokens unless a variant sets ``tokens``): no case of their own.
 _SAME_UNDER_INTERPRETER = {"tok-w1-t16", "tok-w2-t64", "tok-w4-t32",  # = tok-pipe2-r128-fw, ditto, tok-w2-t32
-                           "regs-t16-fw"}  # GPU-only kernel: the word kernel runs (regs-t32 and -fw check that)
+                           "regs-t16-fw", "regs-fw"}  # GPU-only kernel: the word kernel runs (regs-t32 and -fw check that)
 
 
 def _issue7_group(cfg) -> bool:
@@ -500,7 +500,7 @@ def test_fused_row_write_launch_plumbing(monkeypatch: pytest.MonkeyPatch) -> Non
             (tk.BFP8_VARIANTS["tok-pipe3-r128-fw"], BATCH, False, [("decode", True)]),
             (tk.BFP8_VARIANTS["words-pipe2-r128-fw"], BATCH_MULTI, False, [("write",), ("decode", False)]),
             (tk.BFP8_VARIANTS["words-pipe2-r128-fw"], BATCH, True, [("write",), ("decode", False)]),
-            (None, BATCH, False, [("decode", True)]),  # the default variant (regs-t16-fw) fuses
+            (None, BATCH, False, [("decode", True)]),  # the default variant (regs-fw) fuses
             (tk.BFP8_VARIANTS["regs-t32"], BATCH, False, [("write",), ("decode", False)]),  # this register one does not
             (tk.BFP8_VARIANTS["words-pipe2-r128"], BATCH, False, [("write",), ("decode", False)]),  # this one does not
         ]:
@@ -597,6 +597,7 @@ def test_bfp8_variant_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not tk.BFP8_VARIANTS["regs-t32"].keeps_paged_bits
     assert not gk.supported(128, 4, torch.device("cpu"))
     assert [gk.num_splits(b, 8, 132) for b in (1, 8, 32, 64)] == [32, 17, 5, 3]
+    assert [gk.auto_tokens(b, 8) for b in (1, 4, 8, 64)] == [32, 32, 16, 16]
 
 
 def _prmt(a: torch.Tensor, b: torch.Tensor, sel: int) -> torch.Tensor:

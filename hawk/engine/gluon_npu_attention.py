@@ -151,26 +151,27 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _chunk_offset(mrow, start, h, s0, s1, s2, bank_stride, page_stride,
-                      NB: gl.constexpr, SHARD: gl.constexpr, BS: gl.constexpr):
-        """Byte offset of the row tile (column tile 0) holding the chunk at ``start`` (one block table read)."""
-        blk = gl.load(mrow + 2 + start // BS)
+                      NB: gl.constexpr, SHARD: gl.constexpr, BS: gl.constexpr, pred=True):
+        """Byte offset of the row tile (column tile 0) holding the chunk at ``start`` (one block table
+        read; none when ``pred`` is false: block 0 stands in)."""
+        blk = gl.load(mrow + 2 + start // BS, mask=pred, other=0)
         return _page_offset(blk * s0 + h * s1 + ((start % BS) // 32) * s2, bank_stride, page_stride, NB, SHARD)
 
     @gluon.jit
-    def _k_load(wp, ep, off, start, col, TOKN: gl.constexpr, KW: gl.constexpr):
+    def _k_load(wp, ep, off, start, col, TOKN: gl.constexpr, KW: gl.constexpr, pred=True):
         """K of tokens ``[start, start+TOKN)`` as loaded: words ``[TOKN, 8 runs, 4]`` and exponent bytes
         ``[TOKN, 8]`` (token ``kappa`` of a 16-token block is its row ``_rho(kappa)``). ``off``: the
-        chunk's row tile; ``col``: the runs' column-tile offsets."""
+        chunk's row tile; ``col``: the runs' column-tile offsets; ``pred`` false: nothing is read."""
         L2: gl.constexpr = gl.SliceLayout(2, KW)
         kap = gl.arange(0, TOKN, layout=gl.SliceLayout(1, L2))
         run = gl.arange(0, 8, layout=gl.SliceLayout(0, L2))
         pos = start + (kap // 16) * 16 + _rho(kap)
         r = pos % 16
         face = (((pos % 32) // 16) * 2)[:, None] + (run % 2)[None, :]
-        e = gl.load(ep + (off + col[None, :] + face * 16 + r[:, None]))  # header byte face*16 + row
+        e = gl.load(ep + (off + col[None, :] + face * 16 + r[:, None]), mask=pred, other=0)  # header byte face*16 + row
         w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, KW)))
         voff = (off + col[None, :] + 64 + face * 256 + (r * 16)[:, None]) // 4
-        return gl.load(wp + (gl.expand_dims(voff, 2) + w[None, None, :])), e
+        return gl.load(wp + (gl.expand_dims(voff, 2) + w[None, None, :]), mask=pred, other=0), e
 
     @gluon.jit
     def _k_operand(words, e, TOKN: gl.constexpr, MMA: gl.constexpr):
@@ -185,7 +186,7 @@ if HAVE_GLUON:
         return gl.convert_layout(x, gl.DotOperandLayout(0, MMA, 2), assert_trivial=True)
 
     @gluon.jit
-    def _v_load(wp, off, start, col, TOKN: gl.constexpr, VW: gl.constexpr):
+    def _v_load(wp, off, start, col, TOKN: gl.constexpr, VW: gl.constexpr, pred=True):
         """V of tokens ``[start, start+TOKN)`` as loaded: words ``[TOKN/4, 4 rows, 8 runs, 4]`` (lane t:
         rows 4t .. 4t+3 of each 16-token block, lane g: run g) and the four rows' exponents, one header
         word per (row group, run) ``[TOKN/4, 8]``."""
@@ -196,12 +197,12 @@ if HAVE_GLUON:
         row0 = start + (q4 // 4) * 16 + (q4 % 4) * 4  # first of the lane's four rows
         r0 = row0 % 16
         face = (((row0 % 32) // 16) * 2)[:, None] + (run % 2)[None, :]
-        ew = gl.load(wp + (off + col[None, :] + face * 16 + r0[:, None]) // 4)
+        ew = gl.load(wp + (off + col[None, :] + face * 16 + r0[:, None]) // 4, mask=pred, other=0)
         i = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
         w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, VW))))
         base = (off + col[None, :] + 64 + face * 256 + (r0 * 16)[:, None]) // 4  # [q4, run]
         b3 = gl.expand_dims(base, 1) + (i * 4)[None, :, None]  # + row i
-        return gl.load(wp + (gl.expand_dims(b3, 3) + w[None, None, None, :])), ew
+        return gl.load(wp + (gl.expand_dims(b3, 3) + w[None, None, None, :]), mask=pred, other=0), ew
 
     @gluon.jit
     def _v_operand(words, ew, TOKN: gl.constexpr, VT: gl.constexpr, MMA: gl.constexpr):
@@ -275,7 +276,6 @@ if HAVE_GLUON:
         split_len = gl.cdiv(gl.cdiv(n, num_splits), TOKN) * TOKN
         lo = sp * split_len
         hi = gl.minimum(lo + split_len, n)
-        last = gl.maximum((n - 1) // TOKN, 0) * TOKN  # the row's last chunk: prefetches clamp to it
         kwp = (mem + k_base).to(gl.pointer_type(gl.int32))
         kep = mem + k_base
         vwp = (mem + v_base).to(gl.pointer_type(gl.int32))
@@ -314,16 +314,16 @@ if HAVE_GLUON:
                 qi = gl.load(q + row * q_s0 + (h * G + i) * q_s1 + dm).to(gl.float32)
                 s_new = gl.where(heads == i, gl.sum(gl.sum(qi * kd, 1), 0) * qk_scale, s_new)
             s_new = gl.where(is_new & (heads < G), s_new, -1.0e30)
-        if PREFETCH:
-            off = _chunk_offset(mrow, gl.minimum(lo, last), h, s0, s1, s2, bank_stride, page_stride, NB, SHARD, BS)
-            kw, ke = _k_load(kwp, kep, off, gl.minimum(lo, last), kcol, TOKN, KW)
-            vw, ve = _v_load(vwp, off, gl.minimum(lo, last), vcol, TOKN, VW)
+        if PREFETCH:  # loads of a chunk past the split (or of an empty split) are masked off: no traffic
+            off = _chunk_offset(mrow, lo, h, s0, s1, s2, bank_stride, page_stride, NB, SHARD, BS, lo < hi)
+            kw, ke = _k_load(kwp, kep, off, lo, kcol, TOKN, KW, lo < hi)
+            vw, ve = _v_load(vwp, off, lo, vcol, TOKN, VW, lo < hi)
         for start in range(lo, hi, TOKN):
             if PREFETCH:
-                nxt = gl.minimum(start + TOKN, last)
-                noff = _chunk_offset(mrow, nxt, h, s0, s1, s2, bank_stride, page_stride, NB, SHARD, BS)
-                nkw, nke = _k_load(kwp, kep, noff, nxt, kcol, TOKN, KW)
-                nvw, nve = _v_load(vwp, noff, nxt, vcol, TOKN, VW)
+                nxt = start + TOKN
+                noff = _chunk_offset(mrow, nxt, h, s0, s1, s2, bank_stride, page_stride, NB, SHARD, BS, nxt < hi)
+                nkw, nke = _k_load(kwp, kep, noff, nxt, kcol, TOKN, KW, nxt < hi)
+                nvw, nve = _v_load(vwp, noff, nxt, vcol, TOKN, VW, nxt < hi)
             else:
                 off = _chunk_offset(mrow, start, h, s0, s1, s2, bank_stride, page_stride, NB, SHARD, BS)
                 kw, ke = _k_load(kwp, kep, off, start, kcol, TOKN, KW)
@@ -384,6 +384,14 @@ def supported(head_dim: int, group: int, device: torch.device) -> bool:
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_capability(idx)[0] >= 9
+
+
+def auto_tokens(rows: int, num_kv_heads: int) -> int:
+    """Tokens per iteration when the config leaves it open: 32 for a handful of programs' rows (batch 1
+    of the 8B shape: 11.3 against 12.4 us with 16), else 16 (fewer registers, more programs per SM:
+    batch 8 19.2 against 20.9 us, batch 64 58.8 against 66.7; one H200, context 1k, 2026-12-01,
+    benchmarks/results/raw/bfp8_kernel_probe_h200_regs_call4.json)."""
+    return 32 if rows * num_kv_heads <= 32 else 16
 
 
 def num_splits(rows: int, num_kv_heads: int, num_sms: int, programs_per_sm: int = 8, max_splits: int = 32) -> int:

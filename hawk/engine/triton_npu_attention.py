@@ -1078,6 +1078,7 @@ BFP8_VARIANTS: dict[str, DecodeConfig] = {
     # (13.1 / 21.2 / 61.9) and t32 without the prefetch (14.5 / 20.3 / 64.0, an earlier call) were worse.
     "regs-t32-fw": DecodeConfig(bfp8="regs", num_warps=1, tokens=32, fused_write=True),
     "regs-t16-fw": DecodeConfig(bfp8="regs", num_warps=1, tokens=16, fused_write=True),
+    "regs-fw": DecodeConfig(bfp8="regs", num_warps=1, fused_write=True),  # 32 or 16 tokens by batch (gk.auto_tokens)
 }
 #: The fastest bfloat8_b variant that keeps the paged decode's bits (`benchmarks/bfp8_kernel_probe.py
 #: --flush-mb 256` on an H200, 2026-11-30: write + attention vs paged bf16 at context 1k, 0.90x at batch 1,
@@ -1086,11 +1087,11 @@ BFP8_VARIANTS: dict[str, DecodeConfig] = {
 #: the bit-keeping variants are tested against.
 PAGED_BITS_BFP8_VARIANT = "tok-pipe2-r128-fw"
 #: The variant bfloat8_b tiles get when no config is given (``HAWK_NPU_BFP8_KERNEL`` overrides it): the
-#: register kernel, 16 tokens per iteration, the row write fused. One H200, context 1k, write + attention
+#: register kernel, its chunk size by batch, the row write fused. One H200, context 1k, write + attention
 #: + merge against the paged bf16 decode (`benchmarks/bfp8_kernel_probe.py --flush-mb 256`, 2026-12-01,
-#: benchmarks/results/raw/bfp8_kernel_probe_h200_regs_call3.json): 0.67x at batch 64, 0.87x at batch 8,
-#: 1.13x at batch 1 (the bit-keeping word kernel: 1.14x, 1.28x, 1.08x).
-DEFAULT_BFP8_VARIANT = "regs-t16-fw"
+#: benchmarks/results/raw/bfp8_kernel_probe_h200_regs_call4.json): 0.66x at batch 64 (16 tokens), 0.89x
+#: at batch 8 (16), 1.07x at batch 1 (32) (the bit-keeping word kernel: 1.14x, 1.32x, 1.15x).
+DEFAULT_BFP8_VARIANT = "regs-fw"
 
 
 def _has_bf16x2_mul(device: torch.device) -> bool:
@@ -1185,7 +1186,8 @@ def decode_attention(
         cfg = config or default_config(g)
         if new_kv is not None and not cfg.fused_write:
             raise ValueError("new_kv given, but this config does not write the rows in the decode launch")
-        return gk.decode(g, layer, q, meta, rows, num_splits, partials, cfg.tokens or 32, cfg.prefetch, new_kv, cfg.maxnreg)
+        tokens = cfg.tokens or gk.auto_tokens(rows, g.num_kv_heads)
+        return gk.decode(g, layer, q, meta, rows, num_splits, partials, tokens, cfg.prefetch, new_kv, cfg.maxnreg)
     if g.separable and not generic:
         cfg = config or default_config(g)
         if cfg.bfp8 == "regs":  # not runnable here (device, shape or dtype): the word kernel, fused alike
