@@ -12,7 +12,7 @@ import pytest
 from hawk.connector.algorithm1 import KVTransferFailed
 from hawk.connector.configs import CONFIGS
 from hawk.connector.control import ControlClient
-from hawk.connector.messages import Error, PullRequest
+from hawk.connector.messages import Done, Error, PullRequest
 from hawk.transport.local import LocalTransport
 from tests.kv_fixtures import dst_blocks_for, make_pair
 
@@ -213,6 +213,78 @@ def test_a_failing_transform_gives_everything_back(path, monkeypatch):
         pair.add("good", 40, [0, 1, 2])
         pair.receiver.pull(pair.sender.address, "good", [0])
         assert pair.landed(40, [0, 1, 2], [0])
+    finally:
+        pair.close()
+
+
+def test_a_landed_pull_keeps_the_prefill_blocks_until_done():
+    """A landed pull's blocks stay with the prefill after D2 (a transform answered early may still read
+    them) and come back exactly once: at D9, ok or not (a decode that fails after a landed D2 says so),
+    when no D9 comes (TTL) and when the prefill closes. Its D2 names no block ids and no extents."""
+    pair = make_pair("gn-hawk", LocalTransport(), LocalTransport(), ttl_s=1.0)
+    raw = ControlClient(pair.sender.address)
+    gblocks = [9, 3, 4, 5, 6, 7, 8]
+    try:
+        pair.receiver.connect(pair.sender.address)
+        rx = pair.receiver._senders[pair.sender.address].receiver
+
+        def landed_by_hand(rid: str) -> None:
+            pair.add(rid, 100, gblocks)
+            reply = raw.call(PullRequest(rid, rx, [1, 2], True), 2.0)
+            assert reply.landed and reply.src_block_ids == [] and reply.extents == [] and reply.total_bytes > 0, reply
+            assert pair.landed(100, gblocks, [1, 2])
+            assert rid not in pair.freed and rid in pair.sender.accounting()["in_flight"]
+
+        for rid, ok in (("ok", True), ("failed", False)):
+            landed_by_hand(rid)
+            raw.call(Done(rid, ok, "" if ok else "the decode failed"), 2.0)
+            assert pair.freed.count(rid) == 1 and rid not in pair.sender.accounting()["in_flight"]
+
+        def broken() -> None:
+            raise ValueError("pages not visible")
+
+        pair.add("decode-fails", 100, gblocks)
+        pair.receiver.landing.finish_layers = broken  # D7 of the landed pull fails: D9 says so
+        with pytest.raises(KVTransferFailed, match="pages not visible"):
+            pair.receiver.pull(pair.sender.address, "decode-fails", [1, 2])
+        del pair.receiver.landing.finish_layers
+        landed_by_hand("silent")  # no D9 ever: the TTL gives the blocks back
+        _settled(pair)
+        assert sorted(pair.freed) == ["decode-fails", "failed", "ok", "silent"]
+        landed_by_hand("open")
+        pair.sender.close()  # with its D9 still to come
+        assert sorted(pair.freed) == ["decode-fails", "failed", "ok", "open", "silent"]
+    finally:
+        raw.close()
+        pair.close()
+
+
+def test_no_plan_ahead_while_the_prefill_lands_and_correct_bytes_when_it_declines(monkeypatch):
+    """The decode plans ahead of D2 (``_warm``) only where it does not expect a landed pull: after a
+    landed D2 it skips the plan; when the prefill then declines to land (HAWK_DIRECT_WRITE=0) the pull is
+    planned after D2 and lands the right bytes, and the next pull plans ahead again."""
+    pair = make_pair("gn-hawk", LocalTransport(), LocalTransport())
+    warmed: list[str] = []
+    warm = pair.receiver.landing.warm
+    pair.receiver.landing.warm = lambda *a: (warmed.append(rid), warm(*a))
+    try:
+        for i, (direct, planned_ahead) in enumerate([
+            ("1", True),  # a CPU route in one process is no device copy: not expected to land at first
+            ("1", False),
+            ("0", False),  # expected to land, declined: planned after D2
+            ("0", True),
+            ("1", True),
+            ("1", False),
+        ]):
+            monkeypatch.setenv("HAWK_DIRECT_WRITE", direct)
+            rid, tokens, gblocks, dst = f"r{i}", 100 + i, [9, 3, 4, 5, 6, 7, 8], [2 + i % 3, 7]
+            pair.add(rid, tokens, gblocks)
+            res = pair.receiver.pull(pair.sender.address, rid, dst, num_tokens=tokens)
+            assert (rid in warmed) == planned_ahead and (res.mode == "landed") == (direct == "1"), (rid, warmed, res.mode)
+            assert pair.landed(tokens, gblocks, dst)
+        s, r = _settled(pair)
+        assert not s["staging"] and not s["in_flight"] and not r["reservations"]
+        assert sorted(pair.freed) == [f"r{i}" for i in range(6)]
     finally:
         pair.close()
 

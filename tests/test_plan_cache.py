@@ -106,3 +106,69 @@ def test_repeated_npu_ids_are_refused_cached_or_not(case):
     with pytest.raises(ValueError, match="repeats a block"):
         plan_kv_transfer(tokens, gids, bad, src, dst, bases)
     assert cache.placements.hits == 0 and len(cache.placements) == 1
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.data())
+def test_the_senders_whole_plans_are_never_reused_for_another_request(case, data):
+    """gn-hawk's sender keeps whole plans (``NpuTiles.plan``): a repeat is the very plan object, and
+    other block ids (either side), another token count, another receiver (an equal layout object of its
+    own, or other bases) each get their own plan, equal to an uncached one; bad ids are refused every time."""
+    import dataclasses
+
+    import pytest
+
+    from hawk.connector.formats import NpuTiles
+    from hawk.memory.buffers import StagingBuffer
+
+    tokens, gids, nids, src, dst, bases, seed = case
+    g = torch.Generator().manual_seed(seed)
+    caches = [torch.randn(src.layer_shape, generator=g).to(src.torch_dtype) for _ in range(src.num_layers)]
+    fmt = NpuTiles(caches, src, StagingBuffer(1 << 16, "cpu"), impl="torch")
+    peer = {"layout": dst, "bases": tuple(bases)}
+    twin = {"layout": dataclasses.replace(dst), "bases": tuple(bases)}  # another receiver of the same shape
+    moved = {"layout": dst, "bases": tuple(b + 4096 for b in bases)}
+    other_g = list(data.draw(st.permutations(range(src.num_blocks))))[: len(gids)]
+    other_n = list(data.draw(st.permutations(range(dst.max_num_blocks))))[: len(nids)]
+    fewer = max(1, tokens - data.draw(st.integers(0, 40)))  # may need fewer blocks: the ids are a prefix then
+    seen: dict[tuple, object] = {}  # request -> its plan
+    for t, gi, ni, p in ((tokens, gids, nids, peer), (tokens, other_g, nids, peer), (tokens, gids, other_n, peer),
+                         (fewer, gids, nids, peer), (tokens, gids, nids, twin), (tokens, gids, nids, moved)):
+        plan = fmt.plan(t, np.asarray(gi, dtype=np.int64), p, list(ni))  # as the handler passes them
+        assert plan.dst is p["layout"] and plan.dst_bases == p["bases"] and plan.num_tokens == t
+        _same(plan, plan_kv_transfer(t, gi, ni, src, p["layout"], p["bases"]), caches)
+        request = (t, tuple(gi), tuple(ni), id(p["layout"]), p["bases"])  # a draw may repeat one
+        assert plan is seen[request] if request in seen else all(plan is not q for q in seen.values())
+        seen[request] = plan
+    first = seen[(tokens, tuple(gids), tuple(nids), id(dst), peer["bases"])]
+    assert fmt.plan(tokens, np.asarray(gids, dtype=np.int64), peer, list(nids)) is first
+    with pytest.raises(ValueError, match="positive int"):
+        fmt.plan(float(tokens), gids, peer, nids)  # equal to a cached key's token count, but not an int
+    if len(nids) == 1:  # the same bytes as a planned request, as a 2-D array
+        with pytest.raises(ValueError, match="1-D"):
+            fmt.plan(tokens, gids, peer, np.asarray(nids).reshape(1, 1))
+    if len(nids) > 1:
+        with pytest.raises(ValueError, match="repeats a block"):
+            fmt.plan(tokens, gids, peer, [nids[0]] * len(nids))
+
+
+def test_memory_dest_is_found_by_the_bases_and_uneven_bases_are_refused_every_time():
+    """``memory_dest`` is looked up by the plan's bases before they are checked: every plan on a
+    placement gets the one destination its first check built, and bases that are not evenly spaced
+    raise on every call (nothing refused is kept)."""
+    import pytest
+
+    from tests.test_plan import GpuKVLayout, NpuKVLayout, get_arch
+
+    src = GpuKVLayout(2, 8, 16, 2, 64, "bf16")
+    dst = NpuKVLayout(get_arch("blackhole-p150a", bank_capacity=8 << 20), 2, 4, 2, 64, 64, "bf16")
+    cache = PlanCache()
+    even = tuple(t * (1 << 20) for t in range(4))
+    a, b = cache.kv_plan(100, range(7), [0, 1], src, dst, even), cache.kv_plan(100, [6, 5, 4, 3, 2, 1, 0], [0, 1], src, dst, even)
+    dest = a.memory_dest(8 << 20)
+    assert b.memory_dest(8 << 20) is dest and dest.key == ("memory", 8 << 20, 0, 1 << 20)
+    assert a.memory_dest(16 << 20) is not dest  # another channel size: another destination
+    uneven = cache.kv_plan(100, range(7), [0, 1], src, dst, (0, 1 << 20, 3 << 20, 4 << 20))
+    for _ in range(2):
+        with pytest.raises(ValueError, match="not evenly spaced"):
+            uneven.memory_dest(8 << 20)

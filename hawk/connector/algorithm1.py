@@ -23,6 +23,9 @@ CUDA IPC) and D1 allows it (``land``), P3 + P5 write the tiles straight into the
 nothing, D2 says ``landed`` and D3-D6 do nothing; D7 only makes the pages visible. A decode in another
 process on that GPU may wait on a CUDA IPC event instead (D1 ``ready_event_ok``): then P7 leaves while
 the transform still runs, D2 names the event, and D7 waits for it first (the hop overlaps the transform).
+P6 then waits for D9 (as gg-direct's in-place reads do): the transform may still read the blocks when P7
+leaves, and P7 leaves sooner without the pool's callback. D2 carries no block ids or extents (nothing to
+pair), and the decode plans nothing while D1 is in flight when it expects the sender to land.
 
 Every step is the same for the five configurations; what differs (the send format, where the
 decode side lands the bytes) lives in ``formats`` and ``landings``. Failure paths release too:
@@ -148,7 +151,7 @@ class _Sent:
     """A request between P4 and P9: what the sender still holds for it."""
 
     held: Held
-    held_blocks: _Prefilled | None  # gg-direct keeps the paged blocks until D9
+    held_blocks: _Prefilled | None  # the paged blocks, kept until D9 where they are read after P7 (gg-direct, landed pulls)
     deadline: float
 
 
@@ -746,14 +749,18 @@ class KVSender:
             if isinstance(e, (ValueError, BufferFull)):
                 return Error(msg.request_id, str(e))
             raise
-        in_place = self.fmt.reads_cache_in_place
-        if not in_place:
+        landed = staged.held.mode == "landed"
+        keep = landed or self.fmt.reads_cache_in_place  # read after P7 (in place, or by a transform still running)
+        if not keep:
             self._give_back_blocks(job)  # P6: the KV now lives in staging; the paged blocks can be reused
         with self._lock:
-            self._sent[msg.request_id] = _Sent(staged.held, job if in_place else None, time.monotonic() + self.ttl_s)
+            self._sent[msg.request_id] = _Sent(staged.held, job if keep else None, time.monotonic() + self.ttl_s)
         # P7: send metadata: where the bytes are and how many (and what this side's host work cost).
         timings = {"plan_s": t_plan - t0, **staged.timings}
         timings["handler_s"] = time.perf_counter() - t0
+        if landed:  # nothing for the decode to pair: no block ids, no extents (1024 ids cost ~65 us to list and encode)
+            return KVReady(msg.request_id, self.fmt.name, job.num_tokens, [], "", 0, self.fmt.size(plan), [], [], timings,
+                           landed=True, ready_event=staged.ready_event)
         return KVReady(
             msg.request_id,
             self.fmt.name,
@@ -765,8 +772,6 @@ class KVSender:
             self.fmt.extents(plan),
             staged.sources,
             timings,
-            landed=staged.held.mode == "landed",
-            ready_event=staged.ready_event,
         )
 
     def _land(self, plan: Any, receiver: _Receiver, event_ok: bool) -> Staged | None:
@@ -805,7 +810,7 @@ class KVSender:
                     job.deadline = max(job.deadline, deadline)
 
     def _done(self, msg: Done) -> None:
-        # P8: receive the notice; P9: release what P4 reserved (and the blocks gg-direct held).
+        # P8: receive the notice; P9: release what P4 reserved (and the blocks kept until now).
         with self._lock:
             push = self._pushes.get(msg.request_id)
             if push is not None:  # layer-wise: the decode gave up; stop writing, nobody will ask
@@ -1017,6 +1022,9 @@ class _Sender:
     info: dict[str, Any]  # the sender's handshake: its layout and extras (e.g. NPU tensor bases)
     receiver: str
     next_keepalive: float = 0.0  # monotonic time before which no KeepAlive is sent again
+    #: Whether a pull that lets it land is expected to be landed (then no plan is made while D1 is in
+    #: flight: nothing here would use it). First a device copy's route, then what its last such D2 said.
+    lands: bool = False
 
 
 class KVReceiver:
@@ -1070,7 +1078,7 @@ class KVReceiver:
             client.close()
             raise
         with self._lock:
-            self._senders[address] = _Sender(client, peer, info, str(reply.extra["receiver"]))
+            self._senders[address] = _Sender(client, peer, info, str(reply.extra["receiver"]), lands=bool(info["device_copy"]))
 
     def _device_copy(self, peer: str) -> bool:
         """Whether batches with ``peer`` are copies inside one GPU: a same-host engine (local or
@@ -1126,7 +1134,9 @@ class KVReceiver:
 
         ``num_tokens`` (the prompt's length, when the caller knows it) lets this side plan while D1 is
         in flight; without it the plan is built after D2, as before. Either way the sender's metadata
-        decides: a wrong hint costs only the overlap.
+        decides: a wrong hint costs only the overlap. Where the sender is expected to land the pull
+        (``_Sender.lands``) nothing is planned ahead: a landed pull needs no plan here, and one the
+        sender declines is planned after D2.
         """
         timeout = self.timeout_s if timeout_s is None else timeout_s
         self.reap()
@@ -1139,7 +1149,7 @@ class KVReceiver:
             event_ok = land and s.info.get("event_device") is not None
             pending = s.client.start(PullRequest(request_id, s.receiver, [int(b) for b in dst_block_ids], land, event_ok))
             t.lap("send_s")
-            if num_tokens is not None:
+            if num_tokens is not None and not (land and s.lands):
                 self._warm(num_tokens, dst_block_ids, s.info)
             t.lap("plan_overlap_s")
             ready = pending.result(timeout)
@@ -1154,6 +1164,8 @@ class KVReceiver:
         try:
             if not isinstance(ready, KVReady) or ready.request_id != request_id or ready.format != self.landing.format:
                 raise ProtocolError(f"request {request_id}: unexpected reply {ready!r:.200}")
+            if land:
+                s.lands = ready.landed  # the next pull plans ahead only if this one was not landed
             if ready.landed:  # the prefill wrote the pages itself (it may only if D1 said so): D3-D6 hold nothing
                 if not self.landing.takes_landed():
                     raise ProtocolError(f"request {request_id}: the prefill wrote the pages, which this decode did not allow")
