@@ -44,6 +44,19 @@ try:  # Gluon ships with Triton >= 3.5; CI's CPU image has no Triton at all
 except Exception:  # noqa: BLE001 - an older or broken Triton is as good as none
     HAVE_GLUON = False
 
+#: bfloat8_b value bytes -> bf16, four per 32-bit word (``$2``): ``(sign << 15 | m7)`` per byte is the bf16
+#: subnormal ``m7 * 2^-133``; one ``mul.bf16x2`` by ``2^(E-64)`` (bytes 0,1 by ``$3``, 2,3 by ``$4``) makes
+#: it exact. Outputs ``$0`` (bytes 0,1) and ``$1`` (2,3). Every bfloat8_b decode kernel uses this text.
+DECODE_PTX = """{
+            .reg .b32 m, s, a, b;
+            and.b32 m, $2, 0x7F7F7F7F;
+            and.b32 s, $2, 0x80808080;
+            prmt.b32 a, m, s, 0x5140;
+            prmt.b32 b, m, s, 0x7362;
+            mul.rn.bf16x2 $0, a, $3;
+            mul.rn.bf16x2 $1, b, $4;
+            }"""
+
 #: Head dimension the layouts below are written for (eight 16-value face-row runs per token).
 HEAD_DIM = 128
 #: Query heads per KV head the kernel pads to (the N of its MMAs).
@@ -81,6 +94,7 @@ def layouts(tokens: int) -> dict:
 
 
 if HAVE_GLUON:
+    _DECODE_PTX = gl.constexpr(DECODE_PTX)
 
     @gluon.jit
     def _page_offset(pages, bank_stride, page_stride, NB: gl.constexpr, SHARD: gl.constexpr):
@@ -104,15 +118,7 @@ if HAVE_GLUON:
     def _decode_words(w, s_lo, s_hi):
         """Four value bytes per word -> two bf16x2 words (bytes 0,1 scaled by ``s_lo``, 2,3 by ``s_hi``)."""
         return gl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 m, s, a, b;
-            and.b32 m, $2, 0x7F7F7F7F;
-            and.b32 s, $2, 0x80808080;
-            prmt.b32 a, m, s, 0x5140;
-            prmt.b32 b, m, s, 0x7362;
-            mul.rn.bf16x2 $0, a, $3;
-            mul.rn.bf16x2 $1, b, $4;
-            }""",
+            asm=_DECODE_PTX,
             constraints="=r,=r,r,r,r",
             args=[w, s_lo, s_hi],
             dtype=(gl.int32, gl.int32),

@@ -166,6 +166,7 @@ if HAVE_TRITON:
 
     #: ``2**64``: the fast bfloat8_b decode's values are the codec's times ``2**-64`` (see ``_bfp8_decode``).
     _FAST_BIAS = tl.constexpr(2.0**64)
+    _DECODE_PTX = tl.constexpr(gk.DECODE_PTX)
 
     @triton.jit
     def _decode_program(q, q_s0, q_s1, meta, meta_s0, num_splits,
@@ -368,15 +369,7 @@ if HAVE_TRITON:
         """Four value bytes per 32-bit lane -> two bf16x2 words: ``(sign << 15 | m7)`` is the bf16 subnormal
         ``m7 * 2^-133``; one ``mul.bf16x2`` by the face row's ``2^(E-64)`` makes it exact. 1.5 ops per value."""
         return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 m, s, a, b;
-            and.b32 m, $2, 0x7F7F7F7F;
-            and.b32 s, $2, 0x80808080;
-            prmt.b32 a, m, s, 0x5140;
-            prmt.b32 b, m, s, 0x7362;
-            mul.rn.bf16x2 $0, a, $3;
-            mul.rn.bf16x2 $1, b, $4;
-            }""",
+            asm=_DECODE_PTX,
             constraints="=r,=r,r,r,r",
             args=[vals, scale],
             dtype=tl.bfloat16,
@@ -697,17 +690,9 @@ if HAVE_TRITON:
         subnormal ``m7 * 2^-133``; one ``mul.bf16x2`` by the group's ``2^(E-64)`` (``s2``, both halves)
         makes it exact. Two LOP3, two PRMT, two HMUL2 per four values."""
         return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 m, s, a, b;
-            and.b32 m, $2, 0x7F7F7F7F;
-            and.b32 s, $2, 0x80808080;
-            prmt.b32 a, m, s, 0x5140;
-            prmt.b32 b, m, s, 0x7362;
-            mul.rn.bf16x2 $0, a, $3;
-            mul.rn.bf16x2 $1, b, $3;
-            }""",
-            constraints="=r,=r,r,r",
-            args=[w, s2],
+            asm=_DECODE_PTX,
+            constraints="=r,=r,r,r,r",
+            args=[w, s2, s2],
             dtype=(tl.int32, tl.int32),
             is_pure=True,
             pack=1,
