@@ -189,7 +189,8 @@ def variant_list(names: list[str], split_variants: list[str], batch: int, progra
 
     out = [(n, n, None) for n in names]
     default = tk.choose_splits(batch, HKV, torch.device(DEV))
-    alts = split_counts or ((occupancy_splits(batch, programs_per_sm),) if occupancy_splits(batch, programs_per_sm) != default else ())
+    alt = occupancy_splits(batch, programs_per_sm)
+    alts = split_counts or ((alt,) if alt != default else ())
     for n in split_variants:
         if n in names:
             out += [(f"{n}+s{a}", n, a) for a in alts]

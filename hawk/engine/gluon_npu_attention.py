@@ -75,7 +75,8 @@ def layouts(tokens: int) -> dict:
     8-token half; registers: the four words of a run (one 16-byte load), run t+4, token +8, next
     16 tokens). ``vw``: V words ``[tokens/4, 4 rows, 8 runs, 4 words]`` as loaded (lane t: rows
     4t..4t+3 of each 16-token block, lane g: run g); ``vt``: the same registers with the four rows
-    first (the transpose takes them four at a time). ``mma``: the accumulators' layout.
+    first (the transpose takes them four at a time). ``mma``: the accumulators' layout. ``rl``: a new
+    row as ``[16 (column in run), 8 (run)]`` (the fused row write packs it).
     """
     if tokens not in (16, 32):
         raise ValueError(f"tokens per iteration must be 16 or 32, got {tokens}")
@@ -95,6 +96,7 @@ def layouts(tokens: int) -> dict:
 
 if HAVE_GLUON:
     _DECODE_PTX = gl.constexpr(DECODE_PTX)
+    _TWO_64 = gl.constexpr(2.0**64)  # K and V decode to the codec's values times 2^-64 (see DECODE_PTX)
 
     @gluon.jit
     def _page_offset(pages, bank_stride, page_stride, NB: gl.constexpr, SHARD: gl.constexpr):
@@ -294,7 +296,7 @@ if HAVE_GLUON:
         dmem = gl.max_contiguous(gl.multiple_of(dmem, 2), 2)  # columns 2t, 2t+1 are adjacent: 4-byte loads
         hh = gl.arange(0, 8, layout=gl.SliceLayout(0, QL))
         qv = gl.load(q + row * q_s0 + (h * G + hh)[None, :] * q_s1 + dmem[:, None], mask=(hh < G)[None, :], other=0.0)
-        qv = (qv.to(gl.float32) * 18446744073709551616.0).to(gl.bfloat16)
+        qv = (qv.to(gl.float32) * _TWO_64).to(gl.bfloat16)
         # the runs' column-tile offsets (separable map: a tile's offset = its row part + its column part)
         krun = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, KW)))
         kcol = _page_offset(krun // 2, bank_stride, page_stride, NB, SHARD)
@@ -355,14 +357,14 @@ if HAVE_GLUON:
             l_i = l_i * alpha + p_new
             m_i = m_new
             vcol_d = gl.convert_layout(gl.reshape(vd, [128]), gl.SliceLayout(1, MMA))  # d' = 8 * column + run
-            acc = acc * alpha[None, :] + (vcol_d * 5.421010862427522e-20)[:, None] * p_new[None, :]  # V's 2^-64
+            acc = acc * alpha[None, :] + (vcol_d / _TWO_64)[:, None] * p_new[None, :]  # in V's 2^-64 scale
         # epilogue: D' -> memory order, undo V's 2^-64
         dp = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
         cc = ((dp // 32) * 4 + ((dp // 16) % 2) * 2 + (dp // 8) % 2)  # column within the run: 4w + i
         d_out = (dp % 8) * 16 + cc
         hmask = heads < G
         l_safe = gl.where(l_i > 0, l_i, 1.0)
-        o = acc * (18446744073709551616.0 / l_safe)[None, :]
+        o = acc * (_TWO_64 / l_safe)[None, :]
         omask = hmask[None, :] & (d_out < 128)[:, None]
         if DIRECT:
             gl.store(out + row * o_s0 + (h * G + heads)[None, :] * o_s1 + d_out[:, None], o.to(out.dtype.element_ty), mask=omask)

@@ -990,8 +990,9 @@ class DecodeConfig:
     (value bytes as 32-bit words, per-row-tile addresses, PTX decode four values at a time);
     ``"words-int"``, the same kernel decoding with integer ops instead of PTX; ``"regs"``, the one-warp
     Gluon kernel with every operand in registers (``gluon_npu_attention``; ``tokens`` per iteration 16
-    or 32, default 32; its own splits; sm_90, head_dim 128, bf16 queries, else the default applies). ``prefetch`` (word
-    kernel): next chunk into registers (else ``num_stages`` > 1 pipelines through shared memory).
+    or 32, by batch when unset; its own splits; sm_90, head_dim 128 and bf16 queries, else the
+    bit-keeping word kernel runs). ``prefetch`` (word and register kernels): next chunk into registers
+    (else, word kernel, ``num_stages`` > 1 pipelines through shared memory).
     ``maxnreg``: a per-thread register cap (more programs per SM; may spill). ``token_loads`` (word
     kernel): block ids as tensor loads and exponents as 16-byte header runs (``_words_chunk_tok``), so
     that with ``num_stages`` > 1 every load of a chunk is pipelined (the row-tile loads issue a scalar
@@ -1055,8 +1056,8 @@ BFP8_VARIANTS: dict[str, DecodeConfig] = {
     "tok-w4-t32": DecodeConfig(bfp8="words", prefetch=False, num_stages=2, token_loads=True, fused_write=True,
                                tokens=32, maxnreg=128),
     # The register kernel (gluon_npu_attention): no shared memory, one warp per split, the next chunk's
-    # loads issued before this one is computed ("-np": not); "-fw": the new rows packed and written in
-    # the decode launch, else by write_rows first.
+    # loads issued before this one is computed; "-fw": the new rows packed and written in the decode
+    # launch, else by write_rows first; "-tN": N tokens per iteration.
     "regs-t32": DecodeConfig(bfp8="regs", num_warps=1, tokens=32),
     # One H200, write + attention (+ merge) at context 1k, batch 1 / 8 / 64 (us; paged bf16 10.8 / 21.9 /
     # 88.9): regs-t32-fw 11.95 / 20.4 / 67.0, regs-t16-fw 12.1 / 19.1 / 59.7; a 168-register cap on t32
