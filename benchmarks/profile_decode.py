@@ -7,7 +7,7 @@ graph's step time says whether a step is bound by kernels (tune them) or by the 
 (``runner.step`` up to and including the replay launch, no sync) split the step's time between the
 GPU and what the GPU waits for.
 
-    python benchmarks/profile_decode.py --batches 1,64 --context 1024 [--path npu-tile --kv-dtype bfp8_b]
+    python benchmarks/profile_decode.py --batches 1,64 --context 1024 [--paths npu-tile:bfp8_b] [--replay-trace]
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--paths", default="gpu-paged:bf16,npu-tile:bfp8_b")
     p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--replay-trace", action="store_true",
+                   help="also trace graph replays: per kernel, its time in the replay and the idle gap before it")
     a = p.parse_args()
     dev = torch.device("cuda:0")
     cfg = preset("llama-3.1-8b")
@@ -84,10 +86,40 @@ def main() -> None:
                 replay.append(e0.elapsed_time(e1))
             print(f"=== graph step median {sorted(times)[10]:.3f} ms (kernels alone {total:.3f} ms, replay alone "
                   f"{sorted(replay)[10]:.3f} ms); host part of step() median {sorted(host)[10]:.0f} us")
+            if a.replay_trace:
+                print(replay_trace(g, a.rows))
             print("=== host phases of a graph step, median us: " + host_phases(graphed, cache.attn, toks, slices, b))
             cache.close()
             del cache, eager, graphed
             torch.cuda.empty_cache()
+
+
+def replay_trace(graph: torch.cuda.CUDAGraph, rows: int, replays: int = 5) -> str:
+    """Where a replay's time goes beyond its kernels: the replayed kernels in start order, per kernel
+    name the time it ran and the idle time before it started (since the previous kernel ended),
+    summed over ``replays`` replays and divided by them; the largest gaps first."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+            torch.cuda.synchronize()
+    ev = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    by: dict[str, list[float]] = {}
+    prev_end = None
+    for e in ev:
+        gap = 0.0 if prev_end is None else max(0.0, e.time_range.start - prev_end)
+        if gap > 1000:  # between replays (the host's sync), not inside one
+            gap = 0.0
+        d = by.setdefault(e.name[:60], [0, 0.0, 0.0])
+        d[0] += 1
+        d[1] += e.time_range.end - e.time_range.start
+        d[2] += gap
+        prev_end = e.time_range.end if prev_end is None else max(prev_end, e.time_range.end)
+    lines = [f"=== replay trace ({replays} replays, per replay): kernels {sum(v[1] for v in by.values()) / replays:.0f} us, "
+             f"gaps {sum(v[2] for v in by.values()) / replays:.0f} us"]
+    for name, (n, dur, gap) in sorted(by.items(), key=lambda kv: -kv[1][2])[:rows]:
+        lines.append(f"    {name:60s} x{n // replays:4d}  ran {dur / replays:8.1f} us  gaps before {gap / replays:7.1f} us")
+    return "\n".join(lines)
 
 
 def host_phases(runner: ModelRunner, attn: object, toks: list[list[int]], slices: list[SeqSlice], b: int) -> str:
