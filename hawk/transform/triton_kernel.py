@@ -654,8 +654,8 @@ class _Launch:
         self.blocks.order(cur)
 
 
-#: Launch-state parts across plan objects (a plan is a new object per request: ``PLANS.kv_plan``
-#: assembles one from cached parts), each keyed by exactly what it depends on, bounded LRUs:
+#: Launch-state parts across plan objects (``PLANS.kv_plan`` assembles a new plan from cached parts for
+#: each request the sender has not kept whole), each keyed by exactly what it depends on, bounded LRUs:
 #: cache layouts (one per engine, in practice), placement tables (48 bytes per 32 tokens per KV head
 #: at head_dim 128; keyed by the plan's placement, which the entry holds so its id is not reused),
 #: and block tables (by content: a request whose GPU blocks repeat uploads nothing).
