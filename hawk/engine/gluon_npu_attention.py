@@ -386,12 +386,22 @@ if HAVE_GLUON:
             _store_row(mem + v_base, tile, face, rr % 16, ve8, vb8, ok, RL)
 
 
+def has_bf16x2_mul(device: torch.device) -> bool:
+    """``mul.bf16x2`` (``DECODE_PTX``) needs sm_90 (older GPUs take the word kernel's integer decode)."""
+    if device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> int:
+    """A GPU's major compute capability, asked once (decode launches check it per layer)."""
+    return torch.cuda.get_device_capability(index)[0]
+
+
 def supported(head_dim: int, group: int, device: torch.device) -> bool:
     """True when this kernel can run: Gluon importable, head_dim 128, GQA group <= 8, an sm_90 GPU."""
-    if not HAVE_GLUON or head_dim != HEAD_DIM or not 1 <= group <= MAX_GROUP or device.type != "cuda":
-        return False
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(idx)[0] >= 9
+    return HAVE_GLUON and head_dim == HEAD_DIM and 1 <= group <= MAX_GROUP and has_bf16x2_mul(device)
 
 
 def auto_tokens(rows: int, num_kv_heads: int) -> int:

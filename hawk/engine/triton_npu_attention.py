@@ -22,7 +22,6 @@ pad row) and ``row_loc = npu_block * block_size + row`` is where its K/V row goe
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -1080,18 +1079,6 @@ PAGED_BITS_BFP8_VARIANT = "tok-pipe2-r128-fw"
 DEFAULT_BFP8_VARIANT = "regs-fw"
 
 
-def _has_bf16x2_mul(device: torch.device) -> bool:
-    """``mul.bf16x2`` (the word kernel's PTX decode) needs sm_90; older GPUs take its integer decode."""
-    if device.type != "cuda":
-        return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= 9
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
-
-
 def fuses_row_write(g: TileGeometry, config: DecodeConfig | None, generic: bool = False) -> bool:
     """True when :func:`decode_attention` with ``config`` (None: :func:`default_config`) writes the
     new rows itself for a decode batch, so the caller must not launch :func:`write_rows` first."""
@@ -1200,7 +1187,7 @@ def decode_attention(
             _decode_bfp8_kernel[grid](
                 *common, g.bank_stride, g.page_stride, g.s0, g.s1, g.s2, *new_args,
                 NB=g.num_banks, SHARD=g.shard_pages, G=group, BH=bh, WT=g.col_tiles, BS=g.block_size, TOKN=tokn,
-                FAST=fast, ASM=fast and cfg.bfp8 == "words" and _has_bf16x2_mul(q.device), ANCHOR=True,
+                FAST=fast, ASM=fast and cfg.bfp8 == "words" and gk.has_bf16x2_mul(q.device), ANCHOR=True,
                 PREFETCH=cfg.prefetch, KDT=kdt,
                 VMASK=q.dtype == torch.float16,
                 DIRECT=num_splits == 1, PREC=prec, INTERP=interp, TOKLOAD=cfg.token_loads, FUSED=new_kv is not None,
