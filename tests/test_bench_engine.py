@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -82,6 +83,7 @@ def test_records_have_the_fields_and_sane_values(tiny_model: LlamaModel) -> None
         assert r["ms"] > 0 and r["device"].startswith("cpu") and r["model"] == "tiny" and r["dtype"] == "fp32"
         assert r["path"] in ("gpu-paged", "npu-tile") and "note" in r
     for r in decode:
+        assert r["interleaved"] == 3 and r["steps"] == 2  # the three paths of a batch, timed in rounds
         assert r["floor_ms"] > 0 and r["read_gbps"] == CEILINGS["read_gbps"] and r["context"] == 40
         assert math.isclose(r["ratio"], r["ms"] / r["floor_ms"], rel_tol=1e-3)
         nbytes = eb.decode_floor_bytes(TINY, 4, r["path"], r["kv_dtype"], r["batch"], 40)
@@ -92,6 +94,31 @@ def test_records_have_the_fields_and_sane_values(tiny_model: LlamaModel) -> None
     assert p["tokens"] == 16 and p["flops"] == eb.prefill_flops(TINY, 16) and p["gemm_tflops"] == CEILINGS["gemm_tflops"]
     achieved = p["flops"] / (p["ms"] * 1e-3) / 1e12
     assert math.isclose(p["ratio"], achieved / CEILINGS["gemm_tflops"], rel_tol=1e-2)
+
+
+def test_rounds_rotate_the_first_step_and_keep_each_steps_own_times() -> None:
+    calls: list[str] = []
+    naps = {"a": 0.004, "b": 0.001, "c": 0.002}
+
+    def make(name: str):
+        def step() -> None:
+            calls.append(name)
+            time.sleep(naps[name])
+        return step
+
+    out = eb.time_rounds([make("a"), make("b"), make("c")], torch.device("cpu"), warmup=1, rounds=4, budget_s=60)
+    assert calls[:3] == ["a", "b", "c"]  # the warm-up call of each
+    assert calls[3:] == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+    assert [n for _, n in out] == [4, 4, 4]
+    (ma, _), (mb, _), (mc, _) = out
+    assert mb < mc < ma and ma >= 4.0
+
+
+def test_a_group_too_big_side_by_side_runs_its_points_one_at_a_time(tiny_model: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    one = eb.cache_bytes(TINY, "npu-tile", "bfp8_b", 1, 41)
+    monkeypatch.setattr(eb, "free_bytes", lambda device: one * 2 + 512 * eb.MiB)  # room for one cache, not three
+    recs = eb.run_benchmark(_spec(batches=(1,), prefill_tokens=()), model=tiny_model, verbose=False)
+    assert len(recs) == 3 and all(not r.get("skipped") and "interleaved" not in r for r in recs)
 
 
 def test_a_point_that_does_not_fit_is_skipped_with_a_note(tiny_model: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:

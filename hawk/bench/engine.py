@@ -438,6 +438,34 @@ def time_steps(step: Callable[[], object], device: torch.device, warmup: int, st
     return statistics.median(times), len(times)
 
 
+def time_rounds(steps: Sequence[Callable[[], object]], device: torch.device, warmup: int, rounds: int,
+                budget_s: float) -> list[tuple[float, int]]:
+    """Median ms of each of ``steps``, timed in rounds: one call of each per round, the round's
+    first step rotating (round r starts at step r mod n), each call synchronized on both sides.
+
+    Why rounds: on an H200 the same CUDA graph replayed ~5 % slower minutes into a process than at
+    its start (benchmarks/graph_order_probe.py), as large as the differences the paths are compared
+    on; timed back to back in rounds, every path sees the same drift. Stops early once ``budget_s``
+    is spent (after at least 3 rounds). Returns ``(median ms, calls timed)`` per step.
+    """
+    for step in steps:
+        for _ in range(warmup):
+            step()
+    _sync(device)
+    times: list[list[float]] = [[] for _ in steps]
+    n, t_start = len(steps), time.perf_counter()
+    for r in range(rounds):
+        for i in [(r + j) % n for j in range(n)]:
+            _sync(device)
+            t0 = time.perf_counter()
+            steps[i]()
+            _sync(device)
+            times[i].append((time.perf_counter() - t0) * 1e3)
+        if r >= 2 and time.perf_counter() - t_start > budget_s:
+            break
+    return [(statistics.median(t), len(t)) for t in times]
+
+
 # ---- the points ------------------------------------------------------------------------------------
 
 
@@ -531,26 +559,83 @@ def run_decode_point(ctx: Context, path: str, kv_dtype: str, batch: int, context
     return _guarded(ctx, lambda: _measure_decode(ctx, path, kv_dtype, batch, context), skipped)
 
 
-def _measure_decode(ctx: Context, path: str, kv_dtype: str, batch: int, context: int) -> dict[str, Any]:
+@dataclass
+class _Prepared:
+    """One decode point ready to time: its cache, a step that feeds its sampled tokens back, and
+    what its record says about how it ran."""
+
+    cache: Cache
+    step: Callable[[], None]
+    graphs: bool
+    sampler: str
+    note: str
+
+
+def _prepare_decode(ctx: Context, path: str, kv_dtype: str, batch: int, context: int) -> _Prepared:
+    """Build a point's cache and runner (graphs captured); the caller closes the cache."""
     build = build_npu if path == "npu-tile" else build_paged
     cache = build(ctx.cfg, kv_dtype, batch, context + 1, ctx.device)
     try:
         runner, graphs, why = make_runner(ctx.model, cache.attn, batch, ctx.device)
         warn = warm_runner(runner, batch)
         sname, run = make_step(runner, batch)
-        slices = [SeqSlice(b, context, 1) for b in cache.blocks]
-        tokens = [[1] for _ in range(batch)]
-
-        def step() -> None:
-            for row, t in zip(tokens, run(tokens, slices)):
-                row[0] = t
-
-        ms, n = time_steps(step, ctx.device, ctx.spec.warmup or 0, ctx.spec.steps or 10, ctx.spec.point_budget_s or 10.0)
-    finally:
+    except BaseException:
         cache.close()
+        raise
+    slices = [SeqSlice(b, context, 1) for b in cache.blocks]
+    tokens = [[1] for _ in range(batch)]
+
+    def step() -> None:
+        for row, t in zip(tokens, run(tokens, slices)):
+            row[0] = t
+
     note = "; ".join(x for x in (_note(path, ctx.device), why, warn) if x)
-    return decode_record(ctx, path, kv_dtype, batch, context, ms, steps=n, graphs=graphs, sampler=sname,
-                         cache_bytes=cache.nbytes, note=note)
+    return _Prepared(cache, step, graphs, sname, note)
+
+
+def _measure_decode(ctx: Context, path: str, kv_dtype: str, batch: int, context: int) -> dict[str, Any]:
+    prep = _prepare_decode(ctx, path, kv_dtype, batch, context)
+    try:
+        ms, n = time_steps(prep.step, ctx.device, ctx.spec.warmup or 0, ctx.spec.steps or 10, ctx.spec.point_budget_s or 10.0)
+    finally:
+        prep.cache.close()
+    return decode_record(ctx, path, kv_dtype, batch, context, ms, steps=n, graphs=prep.graphs, sampler=prep.sampler,
+                         cache_bytes=prep.cache.nbytes, note=prep.note)
+
+
+def run_decode_group(ctx: Context, points: Sequence[tuple[str, str, int, int]]) -> list[dict[str, Any]]:
+    """Several decode points (the paths at one batch and context), timed in rounds (:func:`time_rounds`)
+    when their caches fit side by side, so their ratios are like for like; else one after another.
+
+    Each record says ``interleaved``: how many points were timed in its rounds (1 = alone).
+    """
+    if len(points) < 2:
+        return [run_decode_point(ctx, *p) for p in points]
+    need = sum(cache_bytes(ctx.cfg, path, kv, b, c + 1) for path, kv, b, c in points)
+    if _skip_reason(ctx, need):
+        return [run_decode_point(ctx, *p) for p in points]
+    preps: list[_Prepared] = []
+    try:
+        for p in points:
+            preps.append(_prepare_decode(ctx, *p))
+        spec = ctx.spec
+        timed = time_rounds([x.step for x in preps], ctx.device, spec.warmup or 0, spec.steps or 10,
+                            (spec.point_budget_s or 10.0) * len(points))
+    except Exception as e:  # noqa: BLE001
+        if not _is_oom(e):
+            raise
+        timed = None
+    finally:
+        for x in preps:
+            x.cache.close()
+        preps_meta = [(x.graphs, x.sampler, x.cache.nbytes, x.note) for x in preps]
+        del preps
+        _free(ctx.device)
+    if timed is None:  # out of memory side by side: one at a time
+        return [run_decode_point(ctx, *p) for p in points]
+    return [decode_record(ctx, path, kv, b, c, ms, steps=n, graphs=g, sampler=sn, cache_bytes=nb, note=note,
+                          interleaved=len(points))
+            for (path, kv, b, c), (ms, n), (g, sn, nb, note) in zip(points, timed, preps_meta)]
 
 
 def run_prefill_point(ctx: Context, tokens: int, kv_dtype: str = "bf16") -> dict[str, Any]:
@@ -741,8 +826,12 @@ def run_benchmark(spec: EngineBenchSpec, on_record: Callable[[dict[str, Any]], N
         # benchmarks/graph_order_probe.py): one point is run and dropped first, so none is measured in that state.
         warm = run_decode_point(ctx, *points[0])
         log(f"warm-up point (not kept): {_line(warm)}", flush=True)
-    for point in points:  # the paths side by side per batch and context: compared points run back to back
-        add(run_decode_point(ctx, *point))
+    groups: dict[tuple[int, int], list[tuple[str, str, int, int]]] = {}
+    for point in points:  # the paths compared at one batch and context are timed together, in rounds
+        groups.setdefault(point[2:], []).append(point)
+    for group in groups.values():
+        for rec in run_decode_group(ctx, group):
+            add(rec)
     run_hf, why = want_hf_baseline(spec)
     if run_hf:
         add(run_hf_baseline(ctx))
