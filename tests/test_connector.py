@@ -376,3 +376,113 @@ def test_only_a_decode_in_another_process_on_the_gpu_waits_on_ipc_events(monkeyp
         assert pair.landed(40, [0, 1, 2], [0])
     finally:
         pair.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("config", ["gn-hawk", "gg-direct"])
+def test_repeated_landed_pulls_reuse_what_they_keep_and_land_the_current_kv(config, device):
+    """A landed pull keeps what it set up (both formats: the whole plan; gg-direct: the landing copies on
+    it; gn-hawk: the transform bound to the decode's DRAM), so a repeat of a request's shape and blocks
+    reuses it. Each pull still lands the rows the prefill's cache holds now, and a request with other
+    blocks (either side) or another token count is set up anew and lands its own rows. On a GPU: the
+    one-launch copy (gg-direct) and the fused kernel (gn-hawk) in one process."""
+    import torch
+
+    if device != "cpu" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pair = make_pair(config, LocalTransport(), LocalTransport(), device=device)
+    first = (100, [9, 3, 4, 5, 6, 7, 8], 1)
+    requests = [first, first, (100, [10, 11, 12, 13, 14, 15, 16], 1), (100, first[1], 3), (60, first[1], 1), first]
+    try:
+        for i, (tokens, gblocks, start) in enumerate(requests):
+            for c in pair.caches:  # a new prefill's KV in the same blocks
+                c.copy_(torch.randn(c.shape).to(c.dtype))
+            pair.add(f"r{i}", tokens, gblocks)
+            dst = dst_blocks_for(config, tokens, start)
+            res = pair.receiver.pull(pair.sender.address, f"r{i}", dst, num_tokens=tokens)
+            assert res.mode == "landed" and pair.landed(tokens, gblocks, dst), i
+        fmt = pair.sender.fmt
+        assert (fmt._plans.hits, fmt._plans.misses) == (2, 4)
+        if config == "gn-hawk":
+            assert (fmt._landings.hits, fmt._landings.misses) == (2, 4)
+        s, r = _settled(pair)
+        assert not s["in_flight"] and not r["reservations"] and sorted(pair.freed) == [f"r{i}" for i in range(len(requests))]
+    finally:
+        pair.close()
+
+
+def test_the_destination_travels_packed_to_a_prefill_that_reads_it_and_listed_to_one_that_does_not():
+    """D1 names the destination blocks as packed int64 bytes to a prefill whose handshake offers
+    ``packed_ids`` and as a list to one that does not (an older prefill would see no blocks); both land.
+    A D1 that names them both ways, or packs a partial id, is refused and the prefill's blocks go back."""
+    from hawk.connector.messages import pack_ids, unpack_ids
+
+    pair = make_pair("gg-direct", LocalTransport(), LocalTransport())
+    raw = ControlClient(pair.sender.address)
+    gblocks, dst = [9, 3, 4, 5, 6, 7, 8], dst_blocks_for("gg-direct", 100, 1)
+    try:
+        pair.receiver.connect(pair.sender.address)
+        s = pair.receiver._senders[pair.sender.address]
+        sent = []
+        start = s.client.start
+        s.client.start = lambda m: (sent.append(m), start(m))[1]
+        assert s.info["packed_ids"] is True
+        for rid, packed in (("packed", True), ("listed", False)):
+            if not packed:
+                del s.info["packed_ids"]  # as from a prefill that predates it
+            pair.add(rid, 100, gblocks)
+            pair.receiver.pull(pair.sender.address, rid, dst)
+            assert pair.landed(100, gblocks, dst)
+            m = sent[-1]
+            assert (m.dst_block_ids, unpack_ids(m.dst_ids).tolist()) == (([], dst) if packed else (dst, []))
+        for rid, msg, why in (("both", PullRequest("both", s.receiver, dst, True, dst_ids=pack_ids(dst)), "both"),
+                              ("partial", PullRequest("partial", s.receiver, [], True, dst_ids=pack_ids(dst)[:-1]), "multiple of 8")):
+            pair.add(rid, 100, gblocks)
+            reply = raw.call(msg, 2.0)
+            assert isinstance(reply, Error) and why in reply.message, reply
+            assert rid in pair.freed and rid not in pair.sender.accounting()["waiting"]
+        with pytest.raises(ValueError, match="flat"):
+            pack_ids([[1, 2]])
+        _settled(pair)
+        assert sorted(pair.freed) == ["both", "listed", "packed", "partial"]
+    finally:
+        raw.close()
+        pair.close()
+
+
+def test_a_kept_gn_hawk_landing_is_bound_to_its_plan_and_to_the_decode_memory():
+    """gn-hawk's sender binds a landed transform per (plan, decode DRAM): the same plan landing in another
+    decode's memory binds its own and writes there, each landing writes what the cache holds at that
+    moment, and another plan into the same memory is bound anew."""
+    import numpy as np
+    import torch
+
+    from hawk.devices.emulated import open_npu
+    from hawk.layouts.npu import NpuKVLayout
+    from hawk.memory.npu_kv_cache import NpuKVCacheMemory
+    from tests.kv_fixtures import NPU_BLOCK, D, H, L
+
+    pair = make_pair("gn-hawk", LocalTransport(), LocalTransport())
+    npu_b = open_npu("npu-emu:cpu", "blackhole-p150a", bank_capacity=4 << 20)
+    kv_b = NpuKVCacheMemory(npu_b, NpuKVLayout(npu_b.arch, L, 16, H, NPU_BLOCK, D))  # the same bases as the pair's decode
+    try:
+        pair.receiver.connect(pair.sender.address)
+        fmt, receiver = pair.sender.fmt, next(iter(pair.sender._receivers.values()))
+        mem_a, mem_b = pair.sender._receiver_memory(receiver), [npu_b.channel_memory(c) for c in range(npu_b.arch.num_channels)]
+        assert kv_b.bases == pair.kv.bases
+        plan = fmt.plan(100, np.asarray([9, 3, 4, 5, 6, 7, 8]), receiver.info, [1, 2])
+        assert fmt.land(plan, mem_a) is not None and fmt.land(plan, mem_b) is not None
+        assert torch.equal(pair.kv.npu.memory, npu_b.memory) and bool(npu_b.memory.any())
+        for c in pair.caches:
+            c.mul_(-2)
+        fmt.land(plan, mem_b)  # the kept call reads the cache as it is now
+        assert not torch.equal(pair.kv.npu.memory, npu_b.memory)
+        fmt.land(plan, mem_a)
+        assert torch.equal(pair.kv.npu.memory, npu_b.memory) and pair.landed(100, [9, 3, 4, 5, 6, 7, 8], [1, 2])
+        other = fmt.plan(100, np.asarray([10, 11, 12, 13, 14, 15, 16]), receiver.info, [1, 2])
+        fmt.land(other, mem_a)
+        assert pair.landed(100, [10, 11, 12, 13, 14, 15, 16], [1, 2])
+        assert (fmt._landings.hits, fmt._landings.misses) == (2, 3)
+    finally:
+        kv_b.close()
+        pair.close()

@@ -172,3 +172,78 @@ def test_memory_dest_is_found_by_the_bases_and_uneven_bases_are_refused_every_ti
     for _ in range(2):
         with pytest.raises(ValueError, match="not evenly spaced"):
             uneven.memory_dest(8 << 20)
+
+
+@st.composite
+def block_requests(draw):
+    """A gg-direct pull: a paged layout on both sides, tokens, both sides' block ids, and other ids / fewer tokens."""
+    from hawk.layouts.gpu import GpuKVLayout
+
+    layers, bs, heads = draw(st.integers(1, 3)), draw(st.sampled_from([1, 8, 16])), draw(st.integers(1, 2))
+    tokens = draw(st.integers(1, 120))
+    n = -(-tokens // bs)
+    total = n + draw(st.integers(0, 4))
+    layout = GpuKVLayout(layers, total, bs, heads, 32, "bf16")
+    gids, dids = (draw(st.permutations(range(total)))[:n] for _ in range(2))
+    other_g, other_d = (draw(st.permutations(range(total)))[:n] for _ in range(2))
+    fewer = max(1, tokens - draw(st.integers(1, 3 * bs)))  # may need fewer blocks: the ids are a prefix then
+    return layout, tokens, gids, dids, other_g, other_d, fewer
+
+
+def _cache_rows(cache: torch.Tensor, ids: list[int], tokens: int, bs: int) -> torch.Tensor:
+    """The request's token rows of one layer's cache ``[2, blocks, bs, ...]``, in token order."""
+    return torch.stack([cache[:, ids[t // bs], t % bs] for t in range(tokens)], 1)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(block_requests())
+def test_gg_direct_whole_plans_and_landings_are_never_reused_for_another_request(req):
+    """gg-direct's sender keeps whole plans (``InPlace.plan``) and, on each, its landing copies per receiver:
+    a repeat is the very plan object; other block ids (either side), another token count or another
+    receiver (an equal layout object of its own) each get their own plan, equal to an uncached one; each
+    landing writes the current rows of its own request into its own receiver; a bad destination id is
+    refused every time (nothing refused is kept)."""
+    import dataclasses
+
+    import pytest
+
+    from hawk.connector.formats import InPlace
+    from hawk.plan.block_plan import plan_block_copy
+    from hawk.transport.base import byte_view
+
+    layout, tokens, gids, dids, other_g, other_d, fewer = req
+    caches = [torch.randn(layout.layer_shape).to(layout.torch_dtype) for _ in range(layout.num_layers)]
+    fmt = InPlace(caches, layout)
+    peer, twin = {"layout": layout}, {"layout": dataclasses.replace(layout)}
+    receivers = {id(p["layout"]): [torch.zeros(layout.layer_shape, dtype=layout.torch_dtype) for _ in caches] for p in (peer, twin)}
+    as_bytes = {k: [byte_view(d) for d in v] for k, v in receivers.items()}  # as the transport gives a peer's regions
+    seen: dict[tuple, object] = {}
+    for t, gi, di, p in ((tokens, gids, dids, peer), (tokens, other_g, dids, peer), (tokens, gids, other_d, peer),
+                         (fewer, gids, dids, peer), (tokens, gids, dids, twin), (tokens, gids, dids, peer)):
+        plan = fmt.plan(t, np.asarray(gi, dtype=np.int64), p, np.asarray(di, dtype=np.int64))  # as the handler passes them
+        fresh = plan_block_copy(t, gi, layout)
+        assert plan.dst is p["layout"] and plan.blocks.num_tokens == t
+        assert np.array_equal(plan.blocks.src_block_ids, fresh.src_block_ids) and plan.dst_block_ids.tolist() == list(di)
+        request = (t, tuple(gi), tuple(di), id(p["layout"]))  # a draw may repeat one
+        assert plan is seen[request] if request in seen else all(plan is not q for q in seen.values())
+        seen[request] = plan
+        for c in caches:  # new contents: a kept landing copies what the cache holds now
+            c.copy_(torch.randn(c.shape).to(c.dtype))
+        dests = as_bytes[id(p["layout"])]
+        assert fmt.land(plan, dests) is not None
+        for c, d in zip(caches, receivers[id(p["layout"])]):
+            assert torch.equal(_cache_rows(d, list(di), t, layout.block_size), _cache_rows(c, list(gi), t, layout.block_size))
+        assert len(plan.landings) == 1 and next(iter(plan.landings.values()))[0] is dests
+    first, elsewhere = seen[(tokens, tuple(gids), tuple(dids), id(layout))], receivers[id(twin["layout"])]
+    for d in elsewhere:  # the same plan into other memory (a receiver that mapped its caches again): copies of its own
+        d.zero_()
+    assert fmt.land(first, as_bytes[id(twin["layout"])]) is not None and len(first.landings) == 2
+    for c, d in zip(caches, elsewhere):
+        assert torch.equal(_cache_rows(d, list(dids), tokens, layout.block_size), _cache_rows(c, list(gids), tokens, layout.block_size))
+    with pytest.raises(ValueError, match="positive int"):
+        fmt.plan(float(tokens), gids, peer, dids)  # equal to a cached key's token count, but not an int
+    bad = fmt.plan(tokens, gids, peer, [layout.num_blocks] + list(dids[1:]))
+    for _ in range(2):
+        with pytest.raises(ValueError, match="outside"):
+            fmt.land(bad, as_bytes[id(layout)])
+    assert not bad.landings

@@ -83,6 +83,9 @@ CASES = all_cases()
 #: Cases whose tiles are also written straight into an NPU's DRAM (``run_memory_dest``).
 MEMORY_CASES = [c for c in CASES if c["name"].startswith("grid-bf16-")] + [
     c for c in CASES if c["name"] in ("head-subset", "head-dim-96-bfp8")]
+#: Bound transforms (a landed pull's): bf16, bfloat8_b, and caches whose strides disagree (the kernel reads
+#: copies of those, made per call: a bound call must not keep them).
+BOUND_CASES = MEMORY_CASES[:1] + [c for c in CASES if c["name"] in ("head-dim-96-bfp8", "mixed-strides")]
 
 
 def build_plan(c: dict) -> KVTransferPlan:
@@ -270,6 +273,29 @@ def run_memory_dest(c: dict, device: str, kernel: str | None = None) -> None:
         assert bool((via_copies.cpu()[~touched] == 0x5A).all()), "direct requests cover exactly the tiles"
 
 
+def run_bound(c: dict, device: str, kernel: str | None = None) -> None:
+    """A transform bound to the NPU's DRAM (``bind_triton``: what a landed pull keeps) writes nothing when
+    bound, and at each call the tiles of what the caches hold then: the bytes of a fresh transform, before
+    and after the caches change in place."""
+    from hawk.transform.triton_kernel import bind_triton, transform_triton
+
+    plan = build_plan(c)
+    caches = make_caches(c, plan, device)
+    cb, nch = _dram(plan)
+    dest = plan.memory_dest(cb)
+    mem = torch.full((nch * cb,), 0x5A, dtype=torch.uint8, device=device)
+    run = bind_triton(caches, plan, mem, dest, kernel=kernel)
+    assert bool((mem == 0x5A).all()), "binding wrote"
+    for step in range(2):
+        if step:
+            for x in caches:
+                x.copy_(x.flip(0))  # new contents, same tensors
+        run()
+        want = torch.full_like(mem, 0x5A)
+        transform_triton(caches, plan, want, kernel=kernel, dest=dest)
+        assert torch.equal(mem, want), f"call {step}"
+
+
 def run_odd_buffer(device: str, kernel: str) -> None:
     """Send buffers at an odd address (bfloat8_b: byte stores only; bf16: written aside and copied)
     and at 2 mod 16 (no 16-byte vectors), several tensors per program with a partial last program."""
@@ -300,10 +326,19 @@ def run_edges(device: str, kernel: str, gdtype: str, ndtype: str) -> None:
 EDGE_COMBOS = [(g, n) for g in ("bf16", "fp16", "fp32") for n in ("bfp8_b", "bf16")]
 
 
+def interpreted_kernels(c: dict) -> tuple[str, ...]:
+    """The kernels a case runs on under the interpreter: every kernel, except that the random cases take one
+    each in turn (the interpreter is CI's slowest part; on a GPU every case runs on every kernel)."""
+    if c["name"].startswith("random-"):
+        return (KERNELS[int(c["name"].split("-")[1]) % len(KERNELS)],)
+    return KERNELS
+
+
 def interpreted_names() -> list[str]:
-    names = [f"{c['name']}@{k}" for c in CASES for k in KERNELS]
+    names = [f"{c['name']}@{k}" for c in CASES for k in interpreted_kernels(c)]
     names += [f"odd-buffer@{k}" for k in KERNELS]
     names += [f"{c['name']}@memory@{k}" for c in MEMORY_CASES for k in KERNELS]
+    names += [f"{c['name']}@bound@{k}" for c in BOUND_CASES for k in KERNELS]
     names += [f"edges-{g}-{n}@{k}" for g, n in EDGE_COMBOS for k in KERNELS]
     return names + ["bench-triton"]
 
@@ -329,13 +364,16 @@ def _run_all_interpreted() -> None:
     # then discards): numpy's warnings about those are noise here.
     np.seterr(all="ignore")
     for c in CASES:
-        for k in KERNELS:
+        for k in interpreted_kernels(c):
             _attempt(f"{c['name']}@{k}", run_case, c, "cpu", k)
     for k in KERNELS:
         _attempt(f"odd-buffer@{k}", run_odd_buffer, "cpu", k)
     for c in MEMORY_CASES:
         for k in KERNELS:
             _attempt(f"{c['name']}@memory@{k}", run_memory_dest, c, "cpu", k)
+    for c in BOUND_CASES:
+        for k in KERNELS:
+            _attempt(f"{c['name']}@bound@{k}", run_bound, c, "cpu", k)
     for g, n in EDGE_COMBOS:
         for k in KERNELS:
             _attempt(f"edges-{g}-{n}@{k}", run_edges, "cpu", k, g, n)
@@ -358,9 +396,10 @@ def _bench_smoke_interpreted() -> None:
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, dict]:
-    return run_interpreted("tests.test_transform", timeout_s=420)
+    return run_interpreted("tests.test_transform", timeout_s=800)
 
 
+@pytest.mark.timeout(900)  # the first case waits for the whole interpreter run (~2-5 min on 2 busy cores)
 @pytest.mark.parametrize("name", interpreted_names())
 def test_triton_matches_reference_interpreted(interpreted: dict[str, dict], name: str) -> None:
     r = interpreted.get(name)
@@ -384,6 +423,36 @@ def test_triton_memory_dest_cuda(case: dict, kernel: str) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     run_memory_dest(case, "cuda", kernel)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("case", BOUND_CASES, ids=[c["name"] for c in BOUND_CASES])
+def test_triton_bound_cuda(case: dict, kernel: str) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    run_bound(case, "cuda", kernel)
+
+
+def test_bound_reference_transform_reads_the_caches_at_each_call() -> None:
+    """``hawk.transform.bind`` with the torch reference: nothing written when bound, and each call writes
+    the tiles of the caches' contents at that moment (into a send buffer and into the NPU's DRAM)."""
+    from hawk.transform import bind
+
+    c = MEMORY_CASES[0]
+    plan = build_plan(c)
+    caches = make_caches(c, plan, "cpu")
+    cb, nch = _dram(plan)
+    for dest, size in ((None, plan.total_bytes), (plan.memory_dest(cb), nch * cb)):
+        out = torch.full((size,), 0x5A, dtype=torch.uint8)
+        run = bind(caches, plan, out, "torch", dest)
+        assert bool((out == 0x5A).all())
+        for step in range(2):
+            if step:
+                for x in caches:
+                    x.copy_(x.flip(0))
+            run()
+            assert torch.equal(out, transform_reference(caches, plan, torch.full_like(out, 0x5A), dest)), step
 
 
 @pytest.mark.gpu

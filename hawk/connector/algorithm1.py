@@ -110,6 +110,7 @@ from hawk.connector.messages import (
     PushTo,
     layout_from_wire,
     layout_to_wire,
+    pack_ids,
 )
 from hawk.devices.ipc_events import EventRecorder, EventWaiter
 from hawk.errors import DuplicateRequest
@@ -723,7 +724,7 @@ class KVSender:
         with self._lock:
             self._receivers[receiver] = _Receiver(peer, info)
         extra = {**self.fmt.hello_extra(), "format": self.fmt.name, "receiver": receiver, "keepalive": True, "ttl_s": self.ttl_s,
-                 "layerwise": self.fmt.layerwise, "pid": os.getpid()}
+                 "layerwise": self.fmt.layerwise, "pid": os.getpid(), "packed_ids": True}
         return Hello("prefill", self.config, self.transport.name, self.transport.metadata(), layout_to_wire(self.fmt.layout), extra)
 
     def _pull(self, msg: PullRequest) -> Message:
@@ -739,7 +740,7 @@ class KVSender:
         if job is None:
             return Error(msg.request_id, f"no KV waiting for request {msg.request_id!r} (never prefilled, expired, or pulled already)")
         try:
-            plan = self.fmt.plan(job.num_tokens, job.block_ids, receiver.info, msg.dst_block_ids)
+            plan = self.fmt.plan(job.num_tokens, job.block_ids, receiver.info, msg.destination())
             t_plan = time.perf_counter()
             staged = self._land(plan, receiver, msg.ready_event_ok) if msg.land else None  # P3 + P5 into the decode's pages
             if staged is None:
@@ -1147,7 +1148,7 @@ class KVReceiver:
         try:
             land = self.landing.takes_landed()
             event_ok = land and s.info.get("event_device") is not None
-            pending = s.client.start(PullRequest(request_id, s.receiver, [int(b) for b in dst_block_ids], land, event_ok))
+            pending = s.client.start(self._pull_request(s, request_id, dst_block_ids, land, event_ok))
             t.lap("send_s")
             if num_tokens is not None and not (land and s.lands):
                 self._warm(num_tokens, dst_block_ids, s.info)
@@ -1209,6 +1210,14 @@ class KVReceiver:
             result = PullResult(request_id, ready.num_tokens, desc_bytes(descs), len(descs), held.mode if held else "", timings)
         self._remember(result)
         return result
+
+    @staticmethod
+    def _pull_request(s: _Sender, request_id: str, dst_block_ids: Sequence[int], land: bool, event_ok: bool) -> PullRequest:
+        """D1's message: the destination packed for a prefill that reads it so (one copy each side instead of
+        an int per block; its handshake says ``packed_ids``), listed for an older one."""
+        if s.info.get("packed_ids"):
+            return PullRequest(request_id, s.receiver, [], land, event_ok, pack_ids(dst_block_ids))
+        return PullRequest(request_id, s.receiver, [int(b) for b in dst_block_ids], land, event_ok)
 
     def _wait_event(self, s: _Sender, request_id: str, handle: bytes) -> None:
         """D7 of a landed pull answered early: until the sender's CUDA IPC event has fired."""

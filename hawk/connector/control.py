@@ -51,6 +51,30 @@ SECRET_ENV = "HAWK_CLUSTER_SECRET"
 _FLUSH_MS = 100  # how long a closed client's socket may still flush fire-and-forget messages (in the background)
 
 
+#: Flags and options as plain ints: pyzmq's enums cost microseconds per operation (``Enum.__or__`` for
+#: every frame of ``send_multipart``, an enum per ``getsockopt``), and one pull sends and receives three
+#: multipart messages each way (D1, D2, D9).
+_NB, _MORE_NB = int(zmq.NOBLOCK), int(zmq.SNDMORE | zmq.NOBLOCK)
+_RCVMORE, _EVENTS, _POLLIN = int(zmq.RCVMORE), int(zmq.EVENTS), int(zmq.POLLIN)
+
+
+def _send_frames(sock: zmq.Socket, frames: list[bytes]) -> None:
+    """``sock.send_multipart(frames, zmq.NOBLOCK)`` for bytes frames, with int flags. As there: a full
+    queue raises ``zmq.Again`` on the first frame and nothing is sent (ZeroMQ sends a message whole)."""
+    send = sock.send
+    for f in frames[:-1]:
+        send(f, _MORE_NB)
+    send(frames[-1], _NB)
+
+
+def _recv_frames(sock: zmq.Socket) -> list[bytes]:
+    """``sock.recv_multipart(zmq.NOBLOCK)``, with int flags: ``zmq.Again`` when no message is waiting."""
+    parts = [sock.recv(_NB)]
+    while sock.get(_RCVMORE):
+        parts.append(sock.recv(_NB))
+    return parts
+
+
 def _secret(secret: str | bytes | None) -> bytes | None:
     """The key for frame tags: the one given, else the cluster's from the environment, else none."""
     if secret is None:
@@ -218,10 +242,14 @@ class ControlServer:
             with self._sock_lock:
                 if self._closed:
                     return None
-                try:
-                    return self._sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:  # having processed the socket's commands, so the fd is quiet now
-                    pass
+                # Asking for the events processes the socket's commands, so the fd is quiet after a "no"; asked
+                # rather than a receive that fails: pyzmq builds an exception for that (microseconds), and a new
+                # listener comes here while the thread it took over from runs a handler
+                if self._sock.get(_EVENTS) & _POLLIN:
+                    try:
+                        return _recv_frames(self._sock)
+                    except zmq.Again:
+                        pass
             for fd, _ in poller.poll(1000):  # the socket's fd (new events) or the wake-up pipe
                 if fd == self._wake_r:
                     try:
@@ -265,10 +293,10 @@ class ControlServer:
                 log.debug("control reply after close dropped")
                 return
             try:
-                self._sock.send_multipart(frames, zmq.NOBLOCK)
+                _send_frames(self._sock, frames)
             except zmq.ZMQError as e:  # a full queue to a peer that reads nothing: its timeout decides
                 log.debug("control reply dropped: %s", e)
-            if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if self._sock.get(_EVENTS) & _POLLIN:
                 _signal(self._wake_w)
 
     def close(self) -> None:
@@ -343,7 +371,7 @@ class ControlClient:
         frames = [corr, sign(self._key, corr, payload), payload]
         sock = self._take()
         try:
-            sock.send_multipart(frames, zmq.NOBLOCK)
+            _send_frames(sock, frames)
         except zmq.ZMQError as e:  # Again: the queue to the peer is full, it has not been reading
             self._give(sock)
             raise PeerUnreachable(f"{msg.TYPE} to {self.address} not sent: {e}") from None
@@ -363,7 +391,7 @@ class ControlClient:
                 continue
             while True:
                 try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                    frames = _recv_frames(sock)
                 except zmq.Again:
                     break
                 if len(frames) != 3 or frames[0] != corr:  # a late reply to a call that timed out
@@ -392,7 +420,7 @@ class ControlClient:
         except PeerUnreachable:  # closed: nobody would send it
             return
         try:
-            sock.send_multipart(frames, zmq.NOBLOCK)
+            _send_frames(sock, frames)
         except zmq.ZMQError as e:
             log.debug("control message %s to %s dropped: %s", msg.TYPE, self.address, e)
         finally:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from hawk.devices.batched_copy import copy_regions, span_table
+from hawk.devices.streams import synchronize_current
 from hawk.devices.ipc_events import EventRecorder
 from hawk.layouts.gpu import GpuKVLayout
 from hawk.layouts.npu import NpuKVLayout
@@ -32,7 +33,7 @@ from hawk.plan.block_plan import BlockCopyPlan, plan_block_copy
 from hawk.plan.kv_plan import KVTransferPlan, TileDest
 from hawk.plan.layer_plan import LayerwisePlan, plan_layerwise
 from hawk.plan.plan_cache import LRU, PLANS
-from hawk.transform import transform
+from hawk.transform import bind, transform
 from hawk.transport.base import Desc, DescArray, byte_view, contiguous_span
 
 #: Transport region name of a sender's staging buffer.
@@ -100,7 +101,7 @@ def _landed(memory: torch.Tensor, t0: float, events: EventRecorder | None) -> St
     t1 = time.perf_counter()
     handle = b""
     if events is not None and memory.is_cuda:
-        handle = events.record(memory.device)  # the decode waits on it: D2 leaves while the bytes move
+        handle = events.record(memory.get_device())  # the decode waits on it: D2 leaves while the bytes move
     else:
         _sync(memory)  # the decode hears of it (KVReady) only once it is there
     timings = {"reserve_s": 0.0, "transform_s": t1 - t0, "transform_wait_s": time.perf_counter() - t1}
@@ -111,7 +112,7 @@ def _sync(t: torch.Tensor) -> None:
     """Until the calling thread's stream on ``t``'s device has run (not the whole device: a GPU may hold
     both roles, and one request's step must not wait for another's forward)."""
     if t.is_cuda:
-        torch.cuda.current_stream(t.device).synchronize()
+        synchronize_current(t.get_device())
 
 
 class SendFormat(ABC):
@@ -245,20 +246,23 @@ class NpuTiles(_InStagingBuffer):
         self.impl = impl
         self._plans: LRU[tuple] = LRU(64)  # whole plans by receiver layout and bases, tokens and both sides' block ids
         self._spans: LRU[tuple] = LRU(8)  # a receiver's channels as one tensor, by its list of them
+        self._landings: LRU[tuple] = LRU(64)  # bound transforms into a receiver's DRAM, by plan and its channel list
 
     def plan(self, num_tokens, block_ids, peer, dst_block_ids) -> KVTransferPlan:
         """The request's plan, kept whole like gg-direct's landing copies: a repeated request (the same
         blocks on both sides, as idle pools hand back) costs a lookup instead of ~50-90 us of checks and
         assembly, and the transform's launch state kept on the plan object is reused with it. Keyed by
-        the receiver's layout object (held by the entry, so its id stays unique), its bases, the token
-        count with its type, and both id arrays as the planner converts them (shape and bytes)."""
+        the receiver's layout object (held by the entry, so its id stays unique), its bases (a tuple by
+        its id, also held: a receiver's handshake gives one tuple, and hashing one int per tensor on every
+        pull is host time; anything else by its contents), the token count with its type, and both id
+        arrays as the planner converts them (shape and bytes)."""
         dst, bases = peer["layout"], peer["bases"]
         if not isinstance(dst, NpuKVLayout):
             raise ValueError("npu-tiles needs an NPU receiver layout")
         gids, nids = np.asarray(block_ids, dtype=np.int64), np.asarray(dst_block_ids, dtype=np.int64)
-        key = (id(dst), bases if type(bases) is tuple else tuple(bases), type(num_tokens), num_tokens,
+        key = (id(dst), id(bases) if type(bases) is tuple else tuple(bases), type(num_tokens), num_tokens,
                gids.shape, gids.tobytes(), nids.shape, nids.tobytes())
-        return self._plans.get_or_build(key, lambda: (dst, PLANS.kv_plan(num_tokens, gids, nids, self.layout, dst, bases)))[1]
+        return self._plans.get_or_build(key, lambda: (dst, bases, PLANS.kv_plan(num_tokens, gids, nids, self.layout, dst, bases)))[2]
 
     def size(self, plan: KVTransferPlan) -> int:
         return plan.total_bytes
@@ -319,13 +323,24 @@ class NpuTiles(_InStagingBuffer):
         return self._spans.get_or_build(id(dests), lambda: (dests, contiguous_span(dests)))[1]
 
     def land(self, plan: KVTransferPlan, dests: Sequence[torch.Tensor], events: EventRecorder | None = None) -> Staged | None:
-        memory = self._span(dests)  # the channels, back to back
-        dest = None if memory is None else self._memory_dest(plan, memory)
-        if dest is None:
+        """The tiles straight into the decode's pages (``dests``: its channels as this process addresses
+        them), by ``plan``'s transform bound to them (:func:`hawk.transform.bind`), kept per (plan, dests)
+        like gg-direct's landing copies: a repeated request (its plan kept whole) costs one lookup and one
+        launch, not the transform's checks and setup again. The entry holds both, so their ids stay
+        unique; a None (this GPU cannot write those pages) is kept too."""
+        _, _, memory, run = self._landings.get_or_build((id(plan), id(dests)), lambda: (plan, dests, *self._bind_landing(plan, dests)))
+        if run is None:
             return None
         t0 = time.perf_counter()
-        transform(self.caches, plan, memory, self.impl, dest)
+        run()
         return _landed(memory, t0, events)
+
+    def _bind_landing(self, plan: KVTransferPlan, dests: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, Callable[[], None] | None]:
+        """(the channels as one tensor, the transform bound to it), or None for the call where
+        :meth:`_memory_dest` finds no destination there."""
+        memory = self._span(dests)  # the channels, back to back
+        dest = None if memory is None else self._memory_dest(plan, memory)
+        return memory, None if dest is None else bind(self.caches, plan, memory, self.impl, dest)
 
     def direct_target(self, plan: LayerwisePlan, dests: Sequence[torch.Tensor]) -> DirectTarget | None:
         """Each layer's transform writes its tiles into their pages of the decode's DRAM (see
@@ -377,18 +392,27 @@ class CompactBlocks(_InStagingBuffer):
             out.copy_(gather_compact(self.caches, plan).reshape(-1).view(torch.uint8), non_blocking=out.is_pinned())
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class InPlacePlan:
     """gg-direct's plan of one pull: the request's blocks here and, from D1, where they go (``dst`` is
-    None when the receiver's layout is not a paged GPU cache: then only the peer's READ can move them)."""
+    None when the receiver's layout is not a paged GPU cache: then only the peer's READ can move them).
+
+    ``landings`` keeps what landing it takes, per receiver (:meth:`InPlace.land`): by the id of the
+    receiver's list of layer tensors, each entry holding that list (so the id stays unique) and either
+    its copies or None (this plan cannot land there)."""
 
     blocks: BlockCopyPlan
     dst: GpuKVLayout | None
     dst_block_ids: np.ndarray
+    landings: dict[int, tuple] = field(default_factory=dict, repr=False)
 
     @property
     def total_bytes(self) -> int:
         return self.blocks.total_bytes
+
+
+#: Receivers a plan keeps landing copies for (a sender passes one list per receiver; more is churn).
+_LANDINGS_PER_PLAN = 4
 
 
 class InPlace(SendFormat):
@@ -403,15 +427,26 @@ class InPlace(SendFormat):
         self.caches, self.layout = list(caches), layout
         self._bytes = [byte_view(c) for c in self.caches]
         self._src = np.array([b.data_ptr() for b in self._bytes], dtype=np.int64)  # each layer's first byte
-        self._copies: LRU[tuple] = LRU(128)  # a landed pull's copies by receiver, tokens and both sides' block ids
+        self._plans: LRU[tuple] = LRU(128)  # whole plans by receiver layout, tokens and both sides' block ids
 
     def regions(self) -> dict[str, torch.Tensor]:
         return {cache_region(i): c for i, c in enumerate(self.caches)}
 
     def plan(self, num_tokens, block_ids, peer, dst_block_ids) -> InPlacePlan:
+        """The request's plan, kept whole as gn-hawk's sender keeps its plans (:meth:`NpuTiles.plan`): a
+        repeated request (the same blocks on both sides, as idle pools hand back) costs a lookup, and the
+        landing copies kept on the plan come with it, instead of checking and assembling it again (and the
+        landing checking every layer of the receiver). Keyed by the receiver's layout object (held
+        by the entry, so its id stays unique), the token count with its type, and both id arrays as the
+        planner converts them (shape and bytes)."""
         dst = peer.get("layout")
-        return InPlacePlan(plan_block_copy(num_tokens, block_ids, self.layout), dst if isinstance(dst, GpuKVLayout) else None,
-                           np.asarray(dst_block_ids, dtype=np.int64))
+        gids, dids = np.asarray(block_ids, dtype=np.int64), np.asarray(dst_block_ids, dtype=np.int64)
+        key = (id(dst), type(num_tokens), num_tokens, gids.shape, gids.tobytes(), dids.shape, dids.tobytes())
+        return self._plans.get_or_build(key, lambda: (dst, self._plan(num_tokens, gids, dst, dids)))[1]
+
+    def _plan(self, num_tokens: int, gids: np.ndarray, dst: Any, dids: np.ndarray) -> InPlacePlan:
+        """An uncached plan (the source ids checked here; the destination's when a landing or READ pairs them)."""
+        return InPlacePlan(plan_block_copy(num_tokens, gids, self.layout), dst if isinstance(dst, GpuKVLayout) else None, dids)
 
     def size(self, plan: InPlacePlan) -> int:
         return plan.total_bytes
@@ -428,17 +463,20 @@ class InPlace(SendFormat):
     def land(self, plan: InPlacePlan, dests: Sequence[torch.Tensor], events: EventRecorder | None = None) -> Staged | None:
         """The request's blocks copied into the peer's blocks (``dests``: its layer caches as this
         process addresses them, on this GPU): the copy the peer's READ would make, issued here, so
-        that with ``events`` D2 leaves while it runs."""
-        dev = self.caches[0].device
-        if plan.dst is None or len(dests) != len(self.caches) or any(d.device != dev for d in dests):
-            return None
-        if any(d.numel() < plan.dst.layer_bytes for d in dests):
+        that with ``events`` D2 leaves while it runs. What it takes (the checks of every layer, the
+        runs, their offsets on the device) is kept on the plan per ``dests``, as the decode's READ
+        path keeps its descriptors: a repeat is one launch."""
+        hit = plan.landings.get(id(dests))
+        if hit is None or hit[0] is not dests:
+            hit = (dests, self._copies_into(plan, dests))  # a bad destination id raises here, every time
+            if len(plan.landings) >= _LANDINGS_PER_PLAN:
+                plan.landings.clear()
+            plan.landings[id(dests)] = hit
+        copies = hit[1]
+        if copies is None:
             return None
         t0 = time.perf_counter()
-        b = plan.blocks
-        # kept as the decode's READ path keeps its descriptors (the entry holds ``dests``: its id stays unique)
-        key = (id(dests), plan.dst, b.num_tokens, b.src_block_ids.tobytes(), plan.dst_block_ids.tobytes())
-        _, runs, table = self._copies.get_or_build(key, lambda: self._copies_into(plan, dests))
+        runs, table = copies
         if table is not None:
             table.run()  # one launch
         else:  # a CPU, or ranges one launch cannot take: a copy each
@@ -446,15 +484,20 @@ class InPlace(SendFormat):
                 dests[dr][do : do + n].copy_(self._bytes[sr][so : so + n], non_blocking=True)
         return _landed(dests[0], t0, events)
 
-    def _copies_into(self, plan: InPlacePlan, dests: Sequence[torch.Tensor]) -> tuple:
-        """(dests, the request's runs, their SpanTable on a GPU or None): what :meth:`land` repeats."""
-        runs = plan.blocks.direct_runs(plan.dst, plan.dst_block_ids)
+    def _copies_into(self, plan: InPlacePlan, dests: Sequence[torch.Tensor]) -> tuple | None:
+        """(the request's runs, their SpanTable on a GPU or None) into ``dests``; None where this plan
+        cannot land there: no paged receiver layout, another layer count, another device, too small."""
         dev = self.caches[0].device
+        if plan.dst is None or len(dests) != len(self.caches) or any(d.device != dev for d in dests):
+            return None
+        if any(d.numel() < plan.dst.layer_bytes for d in dests):
+            return None
+        runs = plan.blocks.direct_runs(plan.dst, plan.dst_block_ids)
         if dev.type != "cuda":
-            return dests, runs, None
+            return runs, None
         src = self._src[runs.src_region] + runs.src_offset
         dst = np.array([d.data_ptr() for d in dests], dtype=np.int64)[runs.dst_region] + runs.dst_offset
-        return dests, runs, span_table(dev, src, dst, runs.length)
+        return runs, span_table(dev, src, dst, runs.length)
 
     # Layer-wise: nothing is produced; layer l's blocks are written from this cache's layer-l
     # region into the receiver's layer-l region (its blocks were allocated before prefill).

@@ -418,7 +418,7 @@ class GpuDirectLanding(Landing):
     layerwise = True
 
     def finish_layers(self) -> None:
-        self.finish(None, Held("in-place"))
+        _sync(self.caches[0])  # as finish: the writer's work has ended (D2 or Pushed says so) before this
 
     def takes_landed(self) -> bool:
         return True  # on one GPU the prefill copies the blocks in itself (the READ's copy, issued there)

@@ -15,10 +15,12 @@ import dataclasses
 import functools
 import hashlib
 import hmac
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, get_type_hints
 
 import msgpack
+import numpy as np
 
 from hawk.layouts.gpu import GpuKVLayout
 from hawk.layouts.npu import Bank, NpuArch, NpuKVLayout
@@ -45,6 +47,23 @@ def verify(secret: bytes | None, corr: bytes, tag: bytes, payload: bytes) -> Non
     """Raises AuthError unless ``tag`` is this frame's tag (anything goes without a secret)."""
     if secret and not hmac.compare_digest(tag, sign(secret, corr, payload)):
         raise AuthError("missing or wrong cluster secret on the control channel" if tag else "unauthenticated control message (this cluster needs its secret)")
+
+
+def pack_ids(ids: Sequence[int] | np.ndarray) -> bytes:
+    """Block ids as little-endian int64 bytes. Why: a D1 names every destination block (1024 for a 16k-token
+    gg-direct pull), and as a msgpack list each id was converted, packed, unpacked and converted again,
+    one Python int at a time on each side; as bytes each side does one copy."""
+    arr = np.asarray(ids, dtype="<i8")
+    if arr.ndim != 1:
+        raise ValueError(f"block ids must be a flat list, got shape {arr.shape}")
+    return arr.tobytes()
+
+
+def unpack_ids(blob: bytes) -> np.ndarray:
+    """:func:`pack_ids` reversed: a writable int64 array (a length that is not whole ids is refused)."""
+    if len(blob) % 8:
+        raise ProtocolError(f"packed block ids must be a multiple of 8 bytes, got {len(blob)}")
+    return np.frombuffer(blob, dtype="<i8").astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -79,6 +98,17 @@ class PullRequest(Message):
     # This decode (another process on the same GPU) can wait on a CUDA IPC event: a landed KVReady may
     # leave before the transform ends, naming the event (KVReady.ready_event). Optional: no bump.
     ready_event_ok: bool = False
+    # ``dst_block_ids`` packed (:func:`pack_ids`), with ``dst_block_ids`` left empty: sent only to a prefill
+    # whose handshake offers ``packed_ids`` (an older one would plan with no blocks), so no bump.
+    dst_ids: bytes = b""
+
+    def destination(self) -> list | np.ndarray:
+        """The destination block ids, whichever field carries them (both at once is refused: ambiguous)."""
+        if not self.dst_ids:
+            return self.dst_block_ids
+        if self.dst_block_ids:
+            raise ProtocolError(f"pull {self.request_id}: destination block ids given both listed and packed")
+        return unpack_ids(self.dst_ids)
 
 
 @dataclass(frozen=True)
@@ -241,19 +271,27 @@ def decode(blob: bytes) -> Message:
     cls = MESSAGES.get(body.get("type"))  # type: ignore[arg-type]
     if cls is None:
         raise ProtocolError(f"unknown control message type {body.get('type')!r}")
-    hints = _hints(cls)
     kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in body:
-            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+    for name, want, required in _schema(cls):
+        if name not in body:
+            if not required:
                 continue
-            raise ProtocolError(f"{cls.TYPE} message lacks field {f.name!r}")
-        want = _PY_TYPES[hints[f.name]]
-        v = body[f.name]
+            raise ProtocolError(f"{cls.TYPE} message lacks field {name!r}")
+        v = body[name]
         if not isinstance(v, want) or (want is int and isinstance(v, bool)):
-            raise ProtocolError(f"{cls.TYPE}.{f.name} must be {want.__name__}, got {type(v).__name__} {v!r:.60}")
-        kwargs[f.name] = v
+            raise ProtocolError(f"{cls.TYPE}.{name} must be {want.__name__}, got {type(v).__name__} {v!r:.60}")
+        kwargs[name] = v
     return cls(**kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _schema(cls: type) -> tuple[tuple[str, type, bool], ...]:
+    """A message class's fields as ``(name, Python type on the wire, required)``, worked out once: every
+    control message is decoded on the hot path, and asking ``dataclasses.fields`` and each field's
+    default again per message is host time the decode's checks do not need."""
+    hints = _hints(cls)
+    return tuple((f.name, _PY_TYPES[hints[f.name]], f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)  # type: ignore[misc]
+                 for f in dataclasses.fields(cls))
 
 
 # -- layouts on the wire ---------------------------------------------------------------------

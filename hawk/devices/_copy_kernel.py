@@ -2,12 +2,13 @@
 
 import contextlib
 import os
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-from hawk.transform.triton_kernel import launch_hooks_idle
+from hawk.transform.triton_kernel import current_device_index, launch_hooks_idle
 
 
 # The offset tables are read one value each and their alignment varies per batch: no variant per alignment.
@@ -40,27 +41,58 @@ def copy_words(words: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, lens: 
     (default: all); ``align`` (1 or 2) divides every offset and length, so loads and stores move 16
     bytes per vector when it is 2. ``stream``: a raw CUDA stream of ``words``' device to launch on
     (default: the current one)."""
+    _bind(words, src, dst, lens, max_len, block, align, num_warps, count, by_address=False)(stream)
+
+
+def bind_copy_words(words: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, lens: torch.Tensor, max_len: int, block: int,
+                    align: int = 1, num_warps: int = 4, count: int | None = None) -> Callable[[int | None], None]:
+    """:func:`copy_words` with these arguments as a call to repeat (its argument: the raw stream, None for
+    the current one). Why: a same-GPU landed pull repeats one copy table (:class:`~hawk.devices.batched_copy.SpanTable`),
+    and working out the grid, the device and the compiled kernel's key per launch, and the launcher's
+    check of every pointer, is host time on its critical path. The call holds the tensors."""
+    return _bind(words, src, dst, lens, max_len, block, align, num_warps, count, by_address=True)
+
+
+def _bind(words: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, lens: torch.Tensor, max_len: int, block: int, align: int,
+          num_warps: int, count: int | None, by_address: bool) -> Callable[[int | None], None]:
+    """The launch as a call; ``by_address``: a direct launch passes the tensors' addresses (ints, which
+    Triton's launcher takes as they are, where for a tensor it asks the driver whether the address is
+    device memory, per pointer and launch): only for a call that holds the tensors, checked once by the
+    dispatcher's first launch."""
     grid = (src.numel() if count is None else count, triton.cdiv(max_len, block))
-    with torch.cuda.device(words.device) if words.is_cuda else contextlib.nullcontext():  # Triton launches on the current device
-        if not words.is_cuda:
-            _copy_words_kernel[grid](words, src, dst, lens, BLOCK=block, ALIGN=align, num_warps=num_warps)
+    if not words.is_cuda:
+        return lambda stream=None: _copy_words_kernel[grid](words, src, dst, lens, BLOCK=block, ALIGN=align, num_warps=num_warps)
+    idx = words.get_device()
+    key = (idx, block, align, num_warps, words.data_ptr() % 16 == 0)
+    ptrs = tuple(t.data_ptr() for t in (words, src, dst, lens)) if by_address else (words, src, dst, lens)
+
+    def run(stream: int | None = None) -> None:
+        # Triton launches on the current device: switch only when it is another one (torch's device guard
+        # costs more host time than the launch on the H200 host)
+        with torch.cuda.device(idx) if idx != current_device_index() else contextlib.nullcontext():
+            _launch_on(idx, key, grid, words, src, dst, lens, block, align, num_warps, stream, ptrs)
+
+    return run
+
+
+def _launch_on(idx: int, key: tuple, grid: tuple[int, int], words: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+               lens: torch.Tensor, block: int, align: int, num_warps: int, stream: int | None, ptrs: tuple[int, ...]) -> None:
+    """:func:`copy_words` on CUDA device ``idx``, which is current: the compiled kernel's launcher once known,
+    given ``ptrs`` for its four pointers (the tensors, or their addresses: see :func:`_bind`)."""
+    direct = _DIRECT["ok"] and os.environ.get("HAWK_TRANSFORM_LAUNCH", "direct") != "jit"  # the transform's switch
+    compiled = _COMPILED.get(key) if direct else None
+    if compiled is not None and launch_hooks_idle():
+        try:
+            raw = stream if stream is not None else torch._C._cuda_getCurrentRawStream(idx)
+            compiled.run(grid[0], grid[1], 1, raw, compiled.function,
+                         compiled.packed_metadata, None, None, None, *ptrs, block, align)
             return
-        idx = words.device.index
-        key = (idx, block, align, num_warps, words.data_ptr() % 16 == 0)
-        direct = _DIRECT["ok"] and os.environ.get("HAWK_TRANSFORM_LAUNCH", "direct") != "jit"  # the transform's switch
-        compiled = _COMPILED.get(key) if direct else None
-        if compiled is not None and launch_hooks_idle():
-            try:
-                raw = stream if stream is not None else torch._C._cuda_getCurrentRawStream(idx)
-                compiled.run(grid[0], grid[1], 1, raw, compiled.function,
-                             compiled.packed_metadata, None, None, None, words, src, dst, lens, block, align)
-                return
-            except Exception:  # noqa: BLE001 - a launcher this code does not know: the dispatcher from now on
-                _DIRECT["ok"] = False
-                _COMPILED.clear()
-        # the dispatcher launches on the current stream
-        on = contextlib.nullcontext() if stream is None else torch.cuda.stream(torch.cuda.ExternalStream(stream, device=words.device))
-        with on:
-            compiled = _copy_words_kernel[grid](words, src, dst, lens, BLOCK=block, ALIGN=align, num_warps=num_warps)
-        if direct and getattr(compiled, "function", None) is not None and hasattr(compiled, "packed_metadata"):
-            _COMPILED[key] = compiled
+        except Exception:  # noqa: BLE001 - a launcher this code does not know: the dispatcher from now on
+            _DIRECT["ok"] = False
+            _COMPILED.clear()
+    # the dispatcher launches on the current stream
+    on = contextlib.nullcontext() if stream is None else torch.cuda.stream(torch.cuda.ExternalStream(stream, device=words.device))
+    with on:
+        compiled = _copy_words_kernel[grid](words, src, dst, lens, BLOCK=block, ALIGN=align, num_warps=num_warps)
+    if direct and getattr(compiled, "function", None) is not None and hasattr(compiled, "packed_metadata"):
+        _COMPILED[key] = compiled

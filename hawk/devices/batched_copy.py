@@ -8,8 +8,8 @@ a small Triton kernel runs them all at once; elsewhere plain slice copies do.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -159,18 +159,24 @@ def copy_spans(device: torch.device, src_addr: np.ndarray, dst_addr: np.ndarray,
     return True
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class SpanTable:
     """:func:`copy_spans`' copies with their offsets uploaded once: :meth:`run` issues them again on the
-    current stream, with no host work but the launch (for copies that repeat between the same places)."""
+    current stream, with no host work but the launch (for copies that repeat between the same places):
+    the launch itself is bound on the first run."""
 
     base: torch.Tensor  # the tensor the offsets count from (kept alive with them)
     table: torch.Tensor  # [3, n] int64 words: source, destination, length
     max_len: int
     align: int
+    _launch: Callable[..., None] | None = field(default=None, init=False, repr=False)
 
     def run(self) -> None:
-        _launch_copy(self.base, self.table, self.max_len, self.align)
+        if self._launch is None:
+            from hawk.devices._copy_kernel import bind_copy_words
+
+            self._launch = bind_copy_words(self.base, self.table[0], self.table[1], self.table[2], self.max_len, _BLOCK, self.align)
+        self._launch()
 
 
 def span_table(device: torch.device | str, src_addr: np.ndarray, dst_addr: np.ndarray, lengths: np.ndarray) -> SpanTable | None:

@@ -18,6 +18,8 @@ import threading
 
 import torch
 
+from hawk.devices.streams import current_stream
+
 #: Events per (device, stream) ring: a receiver that has not waited after this many newer transfers on
 #: the same stream waits for the newest of them (still correct; see the module docstring).
 RING = 8
@@ -34,16 +36,19 @@ class EventRecorder:
         self._slots: dict[tuple[int, int], list[tuple[torch.cuda.Event, bytes]]] = {}
         self._next: dict[tuple[int, int], int] = {}
 
-    def record(self, device: torch.device) -> bytes:
-        """Record an event after the work queued so far on ``device``'s current stream; its IPC handle."""
-        stream = torch.cuda.current_stream(device)
-        key = (stream.device_index, stream.cuda_stream)
+    def record(self, device: torch.device | int) -> bytes:
+        """Record an event after the work queued so far on ``device``'s current stream; its IPC handle.
+        (The stream object is the kept one, :func:`~hawk.devices.streams.current_stream`: every
+        transfer that answers early records here.)"""
+        index = device if isinstance(device, int) else torch.cuda.current_device() if device.index is None else device.index
+        stream = current_stream(index)
+        key = (index, stream.cuda_stream)
         with self._lock:
             slots = self._slots.setdefault(key, [])
             i = self._next.get(key, 0)
             self._next[key] = (i + 1) % self.ring
             if i == len(slots):
-                with torch.cuda.device(device):
+                with torch.cuda.device(index):
                     ev = torch.cuda.Event(interprocess=True)
                     ev.record(stream)
                     slots.append((ev, bytes(ev.ipc_handle())))

@@ -6,7 +6,8 @@ the same bytes (tests hold them to it).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -38,6 +39,24 @@ def transform(
 
         return transform_triton(caches, plan, out, dest=dest)
     return transform_reference(caches, plan, out, dest)
+
+
+def bind(
+    caches: Sequence[torch.Tensor], plan: KVTransferPlan, out: torch.Tensor, impl: str = "auto", dest: TileDest | None = None,
+) -> Callable[[], None]:
+    """``transform(caches, plan, out, impl, dest)`` as a call to repeat: each call writes the tiles of what
+    the caches hold then. Why: a landed pull repeats one transform into the same pages, and the fused
+    kernel's checks and launch setup (done once here) cost more host time than its launch. The call holds
+    its arguments: valid while they are the same objects over the same storage (a sender's caches, a
+    receiver's mapped memory)."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown transform impl {impl!r}; expected one of {IMPLS}")
+    use_triton = impl == "triton" or (impl == "auto" and caches[0].is_cuda and triton_available())
+    if use_triton:
+        from hawk.transform.triton_kernel import bind_triton
+
+        return bind_triton(caches, plan, out, dest)
+    return functools.partial(transform_reference, caches, plan, out, dest)
 
 
 def untransform(send: torch.Tensor, plan: KVTransferPlan, caches: Sequence[torch.Tensor]) -> None:

@@ -61,7 +61,7 @@ import os
 import threading
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -722,6 +722,14 @@ def _blocks(plan: KVTransferPlan, device: torch.device) -> _Table:
     return table
 
 
+def _deltas_key(caches: Sequence[torch.Tensor], p0: int) -> bytes:
+    """The layers' pointers relative to ``p0`` (layer 0's), as bytes: the same information as a tuple of
+    ints, read without a Python int per layer (80 layers cost ~25 us as a tuple on the H200 host, and a
+    landed pull pays it on every transform)."""
+    ptrs = np.fromiter(map(torch.Tensor.data_ptr, caches), dtype=np.int64, count=len(caches))
+    return (ptrs - p0).tobytes()
+
+
 def _prepare(plan: KVTransferPlan, caches: Sequence[torch.Tensor], dest: TileDest | None = None) -> tuple[_Launch, Sequence[torch.Tensor]]:
     """Validate the caches and build (or fetch) the launch state cached on the plan (and, part by
     part, across plans); also return the caches the kernel reads (contiguous copies in the rare case
@@ -737,7 +745,7 @@ def _prepare(plan: KVTransferPlan, caches: Sequence[torch.Tensor], dest: TileDes
     dest = dest or plan.send_dest()
     c0 = caches[0]
     p0 = c0.data_ptr()
-    key = ("launch", c0.device, c0.dtype, tuple(c0.shape), c0.stride(), p0 % 16, tuple(c.data_ptr() - p0 for c in caches), dest.key)
+    key = ("launch", c0.device, c0.dtype, tuple(c0.shape), c0.stride(), p0 % 16, _deltas_key(caches, p0), dest.key)
     cache = _plan_cache(plan)
     hit = cache.get(key)
     if hit is not None:
@@ -877,18 +885,20 @@ def launch_hooks_idle() -> bool:
     return all(h is None or getattr(h, "calls", None) == [] for h in hooks)
 
 
-def _launch(call: _Call, groups: int, args: tuple, device: torch.device, align: int, kernel: object) -> None:
+def _launch(call: _Call, groups: int, args: tuple, device: torch.device, align: int, kernel: object,
+            direct_args: tuple | None = None) -> None:
     """Launch ``kernel`` on ``groups`` row groups. The first launch of a configuration goes through
     Triton's JIT dispatcher; later ones call the compiled kernel's launcher directly with the same
     arguments (``$HAWK_TRANSFORM_LAUNCH`` = ``direct``, the default): ``args`` are all the kernel's
     parameters in signature order, constexprs included, as the dispatcher passes them. Everything the
     JIT specializes on is fixed per cache layout except the send buffer's alignment, so compiled
-    kernels are kept per ``align`` (its address mod 16)."""
+    kernels are kept per ``align`` (its address mod 16). ``direct_args``: what the direct launch passes
+    instead of ``args`` (:func:`_pointer_args`)."""
     compiled = call.compiled.get(align)
     if compiled is not None and launch_hooks_idle():
         try:
             compiled.run(groups, call.grid_y, 1, _raw_stream(device.index), compiled.function, compiled.packed_metadata,
-                         None, None, None, *args)
+                         None, None, None, *(args if direct_args is None else direct_args))
             return
         except Exception:  # noqa: BLE001 - a launcher this code does not know: use the dispatcher from now on
             call.compiled.clear()
@@ -898,6 +908,15 @@ def _launch(call: _Call, groups: int, args: tuple, device: torch.device, align: 
     if (call.direct and device.type == "cuda" and getattr(compiled, "function", None) is not None
             and hasattr(compiled, "packed_metadata")):
         call.compiled[align] = compiled
+
+
+def _pointer_args(args: tuple) -> tuple:
+    """``args`` with each tensor as its address, for a compiled kernel's launcher called directly: given an
+    int, Triton's launcher takes it as the pointer, where for a tensor it calls ``data_ptr()`` and asks the
+    driver whether the address is device memory (``cuPointerGetAttribute``), per pointer and launch. Only
+    for a call that holds the tensors and launches on them again (:func:`bind_triton`): checked once, by
+    the dispatcher's launch and the bind's own checks."""
+    return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def _raw_stream(index: int) -> int:
@@ -934,6 +953,35 @@ def transform_triton(
     ``kernel`` picks v1 or v2 (see the module docstring; default ``$HAWK_TRANSFORM_KERNEL`` or v2),
     ``tpp`` v2's tensors per program (default ``$HAWK_TRANSFORM_TPP`` or about 8 KiB of source).
     """
+    out, run = _bound(caches, plan, out, num_warps, kernel, tpp, dest, reusable=False)
+    run()
+    return out
+
+
+def bind_triton(
+    caches: Sequence[torch.Tensor],
+    plan: KVTransferPlan,
+    out: torch.Tensor,
+    dest: TileDest | None = None,
+    num_warps: int = 4,
+    kernel: str | None = None,
+    tpp: int | None = None,
+) -> Callable[[], None]:
+    """:func:`transform_triton` into ``out`` as a call to repeat: each call writes the tiles of what the
+    caches hold then, with the checks, the launch state's lookup and the arguments done once, here.
+
+    Why: a landed pull repeats one transform into the same pages (a repeated request with the same
+    blocks), and on the H200 host that setup costs more host time than the launch itself. The call
+    holds ``caches``' tensors, ``out`` and the plan: valid while they are the same objects with the same
+    storage (what a sender's caches and a receiver's mapped memory are). Where the caches had to be
+    copied for the kernel (strides that disagree), each call transforms from scratch instead."""
+    return _bound(caches, plan, out, num_warps, kernel, tpp, dest, reusable=True)[1]
+
+
+def _bound(caches: Sequence[torch.Tensor], plan: KVTransferPlan, out: torch.Tensor | None, num_warps: int, kernel: str | None,
+           tpp: int | None, dest: TileDest | None, reusable: bool) -> tuple[torch.Tensor, Callable[[], None]]:
+    """Check the arguments and prepare the launch; ``(out, the launch as a call)`` (nothing launched yet).
+    ``reusable``: the call will be repeated, so it must not read copies of the caches made now."""
     ndtype = plan.dst.dtype
     if ndtype not in ("bf16", "bfp8_b"):
         raise ValueError(f"Triton transform supports NPU dtypes bf16 and bfp8_b, got {ndtype!r}")
@@ -962,23 +1010,49 @@ def transform_triton(
         if not to_send:
             raise ValueError("a destination other than a send buffer must be 2-byte aligned")
         # An odd-aligned buffer cannot take int16 stores: write aside, then copy.
-        dst.copy_(transform_triton(caches, plan, None, num_warps, kernel, tpp))
-        return out
+        return out, lambda: dst.copy_(transform_triton(caches, plan, None, num_warps, kernel, tpp))
+    if reusable and any(u is not c for u, c in zip(used, caches)):  # copies of this call's caches: not to be kept
+        return out, lambda: transform_triton(caches, plan, out, num_warps, kernel, tpp, None if to_send else dest)
 
-    switch = device.type == "cuda" and device.index != torch.cuda.current_device()
-    with torch.cuda.device(device) if switch else contextlib.nullcontext():  # launch on the caches' GPU
+    with _on_device(device):  # tables are uploaded on the caches' GPU
         deltas, tbase, groups, blk = launch.tables()
-        launch.order_after_uploads()
-        layout, placed = launch.layout, launch.placed
-        if which == "v1":
-            call = _v1_call(layout, placed.ctp, bfp8, num_warps, dest.unit)
-            src = c0.view(_SRC_BITS[c0.dtype])  # `used` stays alive until the launch is enqueued
-            args = (src, deltas, groups, blk, dst if bfp8 else dst.view(torch.int16), *call.rest)
-            _launch(call, placed.groups, args, device, ptr % 16, _transform_kernel)
-        else:
-            words = bfp8 and layout.words and which == "v2" and ptr % 2 == 0
-            call = _v2_call(layout, placed.ctp, bfp8, words, num_warps, tpp, c0.element_size(), dest.unit)
-            src = _word_view(c0) if words else c0.view(_SRC_BITS[c0.dtype])
-            dst16 = dst.view(torch.int16) if ptr % 2 == 0 else dst  # (odd: only bfloat8_b bytes are stored)
-            _launch(call, placed.groups, (src, tbase, groups, blk, dst, dst16, *call.rest), device, ptr % 16, _rows_kernel)
-    return out
+    layout, placed = launch.layout, launch.placed
+    if which == "v1":
+        call = _v1_call(layout, placed.ctp, bfp8, num_warps, dest.unit)
+        src = c0.view(_SRC_BITS[c0.dtype])
+        args = (src, deltas, groups, blk, dst if bfp8 else dst.view(torch.int16), *call.rest)
+        fn = _transform_kernel
+    else:
+        words = bfp8 and layout.words and which == "v2" and ptr % 2 == 0
+        call = _v2_call(layout, placed.ctp, bfp8, words, num_warps, tpp, c0.element_size(), dest.unit)
+        src = _word_view(c0) if words else c0.view(_SRC_BITS[c0.dtype])
+        dst16 = dst.view(torch.int16) if ptr % 2 == 0 else dst  # (odd: only bfloat8_b bytes are stored)
+        args = (src, tbase, groups, blk, dst, dst16, *call.rest)
+        fn = _rows_kernel
+
+    direct_args = _pointer_args(args) if reusable and device.type == "cuda" else None
+
+    def run(reads: Sequence[torch.Tensor] = used) -> None:
+        """One launch on the caches' GPU, after the tables' uploads. ``args`` hold the tensors the kernel is
+        given and ``reads`` every layer it reads through them (copies made above, in the rare case: they
+        must outlive the launch's enqueueing)."""
+        with _on_device(device):
+            launch.order_after_uploads()
+            _launch(call, placed.groups, args, device, ptr % 16, fn, direct_args)
+
+    return out, run
+
+
+def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """``device`` as the current CUDA device when it is not already (Triton launches on the current one);
+    nothing to do otherwise, or off CUDA."""
+    switch = device.type == "cuda" and device.index != current_device_index()
+    return torch.cuda.device(device) if switch else contextlib.nullcontext()
+
+
+def current_device_index() -> int:
+    """This thread's current CUDA device, for a caller that already holds CUDA tensors: torch's raw getter
+    where it has one (``torch.cuda.current_device()`` checks CUDA's lazy initialization first, on every
+    launch), else that."""
+    get = getattr(torch._C, "_cuda_getDevice", None)
+    return int(get()) if get is not None else torch.cuda.current_device()
