@@ -312,11 +312,16 @@ BATCH_B32 = [SeqSlice([3, 7, 1, 11], 100, 1), SeqSlice([0, 2, 5], 70, 1), SeqSli
 #: iteration, 128-token chunks across two NPU blocks) get the cases below (128-token chunks the layout
 #: ones); the others differ only in GPU launch knobs (register cap, warps, stages, PTX or integer
 #: decode, all compiled out here) and get one case each, which checks their plumbing.
-_VARIANTS_FULL = {"words": None, "words-pipe2": None,
+_VARIANTS_FULL = {"words": None,
+                  # the register prefetch: its cases and the next two variants' together cover every case kind
+                  "words-pipe2": ("interleaved", "pad5-gqa8-split4", "edges-fp16q-split2", "bitwise-edges-pad6-blockcyclic2"),
                   "words-t128w8": ("interleaved", "blockcyclic2-rows-sharing-a-tile-gqa3-split2", "block32-split3"),
                   # the fused row write (decode batches; BATCH_MULTI's three rows per sequence take the
-                  # separate write) and token-addressed loads
-                  "words-pipe2-r128-fw": None, "tok-pipe3-r128-fw": None,
+                  # separate write) and token-addressed loads (tok-pipe3 runs as the CPU's tok-pipe2 here)
+                  "words-pipe2-r128-fw": ("interleaved", "blockcyclic2-rows-sharing-a-tile-gqa3-split2", "edges-bf16q-pad6",
+                                          "bitwise-b1-hkv1-splits8", "bitwise-edges-pad6-blockcyclic2"),
+                  "tok-pipe3-r128-fw": ("interleaved", "block32-split3", "edges-fp16q-split2", "pad5-gqa8-split4",
+                                        "bitwise-b1-hkv1-splits8", "bitwise-edges-splits2-fp32q"),
                   "cfg:prefetch-fw": ("interleaved", "edges-bf16q-pad6", "bitwise-b1-hkv1-splits8"),
                   "cfg:prefetch-tok-fw": ("block32-split3", "edges-fp16q-split2", "bitwise-edges-pad6-blockcyclic2")}
 _VARIANT_COMPARE = {
@@ -432,11 +437,13 @@ def interpreter_results_issue7() -> dict[str, str]:
         mp.undo()
 
 
+@pytest.mark.timeout(900)  # the first case waits for its group's whole interpreter run
 @pytest.mark.parametrize("case", list(_INTERP_CASES))
 def test_triton_kernels_under_interpreter(interpreter_results: dict[str, str], case: str) -> None:
     assert interpreter_results[case] == "ok", interpreter_results[case]
 
 
+@pytest.mark.timeout(900)  # the first case waits for its group's whole interpreter run
 @pytest.mark.parametrize("case", list(_BITWISE_CASES))
 def test_triton_decode_bitwise_equals_paged_under_interpreter(interpreter_results: dict[str, str], case: str) -> None:
     """Same K/V values in -> the very bits of the paged decode out, on every paged path."""
@@ -444,6 +451,7 @@ def test_triton_decode_bitwise_equals_paged_under_interpreter(interpreter_result
     assert r.startswith("ok "), r
 
 
+@pytest.mark.timeout(900)  # the first case waits for its group's whole interpreter run
 @pytest.mark.parametrize("case", list(_variant_cases()))
 def test_bfp8_variants_under_interpreter(interpreter_results: dict[str, str], case: str) -> None:
     """Each bfloat8_b decode variant against the codec oracle (outputs, and every byte the row writes
@@ -453,6 +461,7 @@ def test_bfp8_variants_under_interpreter(interpreter_results: dict[str, str], ca
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the first case waits for its group's whole interpreter run
 @pytest.mark.parametrize("case", list(_variant_cases("issue7")))
 def test_bfp8_fused_write_and_token_load_variants_under_interpreter(interpreter_results_issue7: dict[str, str],
                                                                     case: str) -> None:

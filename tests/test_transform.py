@@ -326,19 +326,30 @@ def run_edges(device: str, kernel: str, gdtype: str, ndtype: str) -> None:
 EDGE_COMBOS = [(g, n) for g in ("bf16", "fp16", "fp32") for n in ("bfp8_b", "bf16")]
 
 
-def interpreted_kernels(c: dict) -> tuple[str, ...]:
-    """The kernels a case runs on under the interpreter: every kernel, except that the random cases take one
-    each in turn (the interpreter is CI's slowest part; on a GPU every case runs on every kernel)."""
-    if c["name"].startswith("random-"):
-        return (KERNELS[int(c["name"].split("-")[1]) % len(KERNELS)],)
-    return KERNELS
+def interpreted_kernels(c: dict, cases: list[dict] | None = None, full: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The kernels a case runs on under the interpreter (CI's slowest part; on a GPU every case runs on every
+    kernel): every kernel for the cases named in ``full`` (or, without ``cases``, every non-random case of
+    ``CASES``), one each in turn for the rest of ``cases``."""
+    if cases is None:
+        if not c["name"].startswith("random-"):
+            return KERNELS
+        i = int(c["name"].split("-")[1])
+    else:
+        if c["name"] in full:
+            return KERNELS
+        i = next(j for j, x in enumerate(cases) if x is c)
+    return (KERNELS[i % len(KERNELS)],)
+
+
+#: Memory-destination and bound cases that run on every kernel under the interpreter (bf16 and bfloat8_b).
+_FULL_MEMORY = ("grid-bf16-bf16-NHD", "grid-bf16-bfp8_b-NHD")
 
 
 def interpreted_names() -> list[str]:
     names = [f"{c['name']}@{k}" for c in CASES for k in interpreted_kernels(c)]
     names += [f"odd-buffer@{k}" for k in KERNELS]
-    names += [f"{c['name']}@memory@{k}" for c in MEMORY_CASES for k in KERNELS]
-    names += [f"{c['name']}@bound@{k}" for c in BOUND_CASES for k in KERNELS]
+    names += [f"{c['name']}@memory@{k}" for c in MEMORY_CASES for k in interpreted_kernels(c, MEMORY_CASES, _FULL_MEMORY)]
+    names += [f"{c['name']}@bound@{k}" for c in BOUND_CASES for k in interpreted_kernels(c, BOUND_CASES, _FULL_MEMORY)]
     names += [f"edges-{g}-{n}@{k}" for g, n in EDGE_COMBOS for k in KERNELS]
     return names + ["bench-triton"]
 
@@ -369,10 +380,10 @@ def _run_all_interpreted() -> None:
     for k in KERNELS:
         _attempt(f"odd-buffer@{k}", run_odd_buffer, "cpu", k)
     for c in MEMORY_CASES:
-        for k in KERNELS:
+        for k in interpreted_kernels(c, MEMORY_CASES, _FULL_MEMORY):
             _attempt(f"{c['name']}@memory@{k}", run_memory_dest, c, "cpu", k)
     for c in BOUND_CASES:
-        for k in KERNELS:
+        for k in interpreted_kernels(c, BOUND_CASES, _FULL_MEMORY):
             _attempt(f"{c['name']}@bound@{k}", run_bound, c, "cpu", k)
     for g, n in EDGE_COMBOS:
         for k in KERNELS:
