@@ -607,7 +607,7 @@ def run_decode_group(ctx: Context, points: Sequence[tuple[str, str, int, int]]) 
     """Several decode points (the paths at one batch and context), timed in rounds (:func:`time_rounds`)
     when their caches fit side by side, so their ratios are like for like; else one after another.
 
-    Each record says ``interleaved``: how many points were timed in its rounds (1 = alone).
+    Records timed so carry ``interleaved``: how many points shared their rounds (absent when timed alone).
     """
     if len(points) < 2:
         return [run_decode_point(ctx, *p) for p in points]
