@@ -417,25 +417,11 @@ def make_step(runner: Any, n: int) -> tuple[str, Step]:
 
 
 def time_steps(step: Callable[[], object], device: torch.device, warmup: int, steps: int, budget_s: float) -> tuple[float, int]:
-    """Median ms of ``step`` after ``warmup`` calls, synchronized on both sides of each call.
-
-    Stops early once ``budget_s`` is spent (after at least 3 steps), so a slow point cannot eat
-    the run. Returns ``(median ms, steps timed)``.
+    """Median ms of ``step`` after ``warmup`` calls, synchronized on both sides of each call: one step
+    timed in rounds (:func:`time_rounds`). Stops early once ``budget_s`` is spent (after at least 3
+    steps), so a slow point cannot eat the run. Returns ``(median ms, steps timed)``.
     """
-    for _ in range(warmup):
-        step()
-    _sync(device)
-    times: list[float] = []
-    t_start = time.perf_counter()
-    while len(times) < steps:
-        _sync(device)
-        t0 = time.perf_counter()
-        step()
-        _sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-        if len(times) >= 3 and time.perf_counter() - t_start > budget_s:
-            break
-    return statistics.median(times), len(times)
+    return time_rounds([step], device, warmup, steps, budget_s)[0]
 
 
 def time_rounds(steps: Sequence[Callable[[], object]], device: torch.device, warmup: int, rounds: int,
@@ -570,6 +556,11 @@ class _Prepared:
     sampler: str
     note: str
 
+    def record(self, ctx: Context, point: tuple[str, str, int, int], ms: float, steps: int, **extra: Any) -> dict[str, Any]:
+        """The point's record, timed at ``ms`` per step over ``steps`` steps."""
+        return decode_record(ctx, *point, ms, steps=steps, graphs=self.graphs, sampler=self.sampler,
+                             cache_bytes=self.cache.nbytes, note=self.note, **extra)
+
 
 def _prepare_decode(ctx: Context, path: str, kv_dtype: str, batch: int, context: int) -> _Prepared:
     """Build a point's cache and runner (graphs captured); the caller closes the cache."""
@@ -599,8 +590,7 @@ def _measure_decode(ctx: Context, path: str, kv_dtype: str, batch: int, context:
         ms, n = time_steps(prep.step, ctx.device, ctx.spec.warmup or 0, ctx.spec.steps or 10, ctx.spec.point_budget_s or 10.0)
     finally:
         prep.cache.close()
-    return decode_record(ctx, path, kv_dtype, batch, context, ms, steps=n, graphs=prep.graphs, sampler=prep.sampler,
-                         cache_bytes=prep.cache.nbytes, note=prep.note)
+    return prep.record(ctx, (path, kv_dtype, batch, context), ms, n)
 
 
 def run_decode_group(ctx: Context, points: Sequence[tuple[str, str, int, int]]) -> list[dict[str, Any]]:
@@ -621,21 +611,16 @@ def run_decode_group(ctx: Context, points: Sequence[tuple[str, str, int, int]]) 
         spec = ctx.spec
         timed = time_rounds([x.step for x in preps], ctx.device, spec.warmup or 0, spec.steps or 10,
                             (spec.point_budget_s or 10.0) * len(points))
+        return [x.record(ctx, p, ms, n, interleaved=len(points)) for x, p, (ms, n) in zip(preps, points, timed)]
     except Exception as e:  # noqa: BLE001
         if not _is_oom(e):
             raise
-        timed = None
     finally:
         for x in preps:
             x.cache.close()
-        preps_meta = [(x.graphs, x.sampler, x.cache.nbytes, x.note) for x in preps]
-        del preps
+        preps.clear()  # the runners and their graphs go with them, before the next points
         _free(ctx.device)
-    if timed is None:  # out of memory side by side: one at a time
-        return [run_decode_point(ctx, *p) for p in points]
-    return [decode_record(ctx, path, kv, b, c, ms, steps=n, graphs=g, sampler=sn, cache_bytes=nb, note=note,
-                          interleaved=len(points))
-            for (path, kv, b, c), (ms, n), (g, sn, nb, note) in zip(points, timed, preps_meta)]
+    return [run_decode_point(ctx, *p) for p in points]  # out of memory side by side: one at a time
 
 
 def run_prefill_point(ctx: Context, tokens: int, kv_dtype: str = "bf16") -> dict[str, Any]:

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hawk.transform.triton_kernel import current_device_index, launch_hooks_idle
+from hawk.transform.triton_kernel import launch_hooks_idle, on_device
 
 
 # The offset tables are read one value each and their alignment varies per batch: no variant per alignment.
@@ -62,14 +62,13 @@ def _bind(words: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, lens: torch
     grid = (src.numel() if count is None else count, triton.cdiv(max_len, block))
     if not words.is_cuda:
         return lambda stream=None: _copy_words_kernel[grid](words, src, dst, lens, BLOCK=block, ALIGN=align, num_warps=num_warps)
-    idx = words.get_device()
+    dev = words.device
+    idx = dev.index
     key = (idx, block, align, num_warps, words.data_ptr() % 16 == 0)
     ptrs = tuple(t.data_ptr() for t in (words, src, dst, lens)) if by_address else (words, src, dst, lens)
 
     def run(stream: int | None = None) -> None:
-        # Triton launches on the current device: switch only when it is another one (torch's device guard
-        # costs more host time than the launch on the H200 host)
-        with torch.cuda.device(idx) if idx != current_device_index() else contextlib.nullcontext():
+        with on_device(dev):  # Triton launches on the current device
             _launch_on(idx, key, grid, words, src, dst, lens, block, align, num_warps, stream, ptrs)
 
     return run

@@ -1014,7 +1014,7 @@ def _bound(caches: Sequence[torch.Tensor], plan: KVTransferPlan, out: torch.Tens
     if reusable and any(u is not c for u, c in zip(used, caches)):  # copies of this call's caches: not to be kept
         return out, lambda: transform_triton(caches, plan, out, num_warps, kernel, tpp, None if to_send else dest)
 
-    with _on_device(device):  # tables are uploaded on the caches' GPU
+    with on_device(device):  # tables are uploaded on the caches' GPU
         deltas, tbase, groups, blk = launch.tables()
     layout, placed = launch.layout, launch.placed
     if which == "v1":
@@ -1036,16 +1036,17 @@ def _bound(caches: Sequence[torch.Tensor], plan: KVTransferPlan, out: torch.Tens
         """One launch on the caches' GPU, after the tables' uploads. ``args`` hold the tensors the kernel is
         given and ``reads`` every layer it reads through them (copies made above, in the rare case: they
         must outlive the launch's enqueueing)."""
-        with _on_device(device):
+        with on_device(device):
             launch.order_after_uploads()
             _launch(call, placed.groups, args, device, ptr % 16, fn, direct_args)
 
     return out, run
 
 
-def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
     """``device`` as the current CUDA device when it is not already (Triton launches on the current one);
-    nothing to do otherwise, or off CUDA."""
+    nothing to do otherwise, or off CUDA (torch's device guard costs more host time than a launch on the
+    H200 host)."""
     switch = device.type == "cuda" and device.index != current_device_index()
     return torch.cuda.device(device) if switch else contextlib.nullcontext()
 
