@@ -342,7 +342,7 @@ _VARIANT_BITWISE = {
 #: Probe variants the interpreter runs exactly as another case does (warps, stages and register caps are
 #: compiled out there, and its chunks are 16 tokens unless a variant sets ``tokens``): no case of their own.
 _SAME_UNDER_INTERPRETER = {"tok-w1-t16", "tok-w2-t64", "tok-w4-t32",  # = tok-pipe2-r128-fw, ditto, tok-w2-t32
-                           "regs-t16-fw", "regs-fw"}  # GPU-only kernel: the word kernel runs (regs-t32 and -fw check that)
+                           "regs-t16-fw", "regs-fw", "regs-fw-s16", "regs-fw-s8"}  # GPU-only kernel: the word kernel runs (regs-t32 and -fw check that)
 
 
 def _issue7_group(cfg) -> bool:

@@ -345,6 +345,21 @@ def test_prefill_refusal_releases_the_destination(lw, monkeypatch):
     assert lw.http.post("/v1/completions", json=GOOD).json()["usage"]["completion_tokens"] == 6
 
 
+def test_prefill_refusal_is_the_cause_when_the_decode_hears_first(lw, monkeypatch):
+    """The refusal discards the push destination; the decode's push fails and its stream may say so
+    before the prefill's 400 reaches the router. The client is told the cause (the refusal)."""
+    def discard_then_refuse(rid: str, *a: Any, **kw: Any) -> Any:
+        lw.prefill_inst.discard(rid)  # the decode hears of it now ...
+        time.sleep(0.3)  # ... and the prefill's answer comes later
+        raise BadRequest("injected late refusal")
+
+    monkeypatch.setattr(lw.prefill_inst.engine, "submit", discard_then_refuse)
+    _error(lw.http.post("/v1/completions", json=GOOD), 400, "injected late refusal")
+    wait_released(lw, RELEASE_S)
+    monkeypatch.undo()
+    assert lw.http.post("/v1/completions", json=GOOD).json()["usage"]["completion_tokens"] == 6
+
+
 def test_decode_failure_mid_push_frees_everything(lw, monkeypatch):
     landing = lw.decode_inst.receiver.landing
     real = landing.finish_layers

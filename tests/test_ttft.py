@@ -1,6 +1,7 @@
 """``hawk bench ttft``: the command is wired, a tiny run produces complete records whose host-side
 breakdown adds up to the transfer it describes."""
 
+import os
 import subprocess
 import sys
 
@@ -14,7 +15,9 @@ STEPS = ("send", "plan_overlap", "control", "sender_plan", "sender_reserve", "se
 
 
 def test_help_lists_the_benchmarks_and_the_serve_options():
-    out = subprocess.run([sys.executable, "-m", "hawk", "bench", "ttft", "--help"], capture_output=True, text=True, timeout=120)
+    # wide enough that rich does not shorten a long option name to fit 80 columns (what is tested is the list)
+    env = {**os.environ, "COLUMNS": "200"}
+    out = subprocess.run([sys.executable, "-m", "hawk", "bench", "ttft", "--help"], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     for flag in ("--prompts", "--configs", "--kv-flows", "--model", "--transport", "--max-prefill-chunk", "--kv-tokens"):
         assert flag in out.stdout, flag

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from hawk.engine.decode_engine import KVHandle, KVPush, TokenEvent
+from hawk.engine.gc_policy import freeze_startup_heap
 from hawk.config import TRANSFERS
 from hawk.engine.instances import ColocatedInstance, DecodeInstance, InstanceConfig, PrefillInstance, compute_dtype
 from hawk.engine.loader import load_model
@@ -132,6 +133,8 @@ def run(base: InstanceConfig, configs: Sequence[str], prompts: Sequence[str] = P
         cfg = config_for(base, name)
         p = PrefillInstance(cfg, loaded=oracle_model)
         d = DecodeInstance(cfg)
+        if base.gc_freeze:  # as each serving process does once it is up
+            freeze_startup_heap()
         try:
             run_disaggregated(p, d, ids[0], params, "warm")
             for i, x in enumerate(ids):

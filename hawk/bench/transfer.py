@@ -4,7 +4,8 @@ Two processes, as in serving: a prefill process holding a paged KV cache (Llama-
 shape: 80 layers, 2 KV heads, head_dim 128) and the decode process running this driver. Latency
 is measured as the paper does: from the decode side's request (D1) until the KV is stored in its
 KV-cache pool (after D7). Before each pull the driver tells the prefill process which blocks hold
-the request's KV, as a finished prefill would.
+the request's KV, as a finished prefill would. All configurations are set up at once and timed in
+rounds per size (one pull of each per round, the first rotating): their ratios compare like with like.
 
 Every record also carries a same-run reference: ``copy_ms``, the median time of one plain device copy
 of the same bytes from the prefill's memory device to the decode's (``copy_path``), measured in this
@@ -120,36 +121,36 @@ def _prefill_main(conn: Any, spec: BenchSpec) -> None:
         c = torch.empty(layout.layer_shape, dtype=torch.float32, device=dev).uniform_(-2, 2, generator=gen)
         caches.append(c.to(layout.torch_dtype))
     staging = spec.max_tokens * spec.shape.bytes_per_token() + 4 * MiB
-    sender = transport = npu_kv = None
+    senders: dict[str, tuple[Any, Any]] = {}  # configuration -> (sender, its transport)
+    npu_kv = None
     try:
         conn.send(("ready", None))
         while True:
             cmd, *args = conn.recv()
-            if cmd == "config":
-                if sender is not None:
-                    sender.close()
-                    transport.close()
-                transport = make_transport(spec.transport)
-                name = split_config(args[0])[0]
-                if get_config(name).prefill_on == "npu":
-                    npu_kv = npu_kv or _npu_source(spec, spec.prefill_device)
-                    sender = make_npu_sender(name, transport, npu_kv, staging)
-                else:
-                    sender = make_sender(name, transport, caches, layout, staging, spec.transform_impl)
-                conn.send(("ok", sender.address))
+            if cmd == "config":  # this configuration's sender (the benchmark holds every one at once)
+                name = args[0]
+                if name not in senders:
+                    transport = make_transport(spec.transport)
+                    config = split_config(name)[0]
+                    if get_config(config).prefill_on == "npu":
+                        npu_kv = npu_kv or _npu_source(spec, spec.prefill_device)
+                        senders[name] = (make_npu_sender(config, transport, npu_kv, staging), transport)
+                    else:
+                        senders[name] = (make_sender(config, transport, caches, layout, staging, spec.transform_impl), transport)
+                conn.send(("ok", senders[name][0].address))
             elif cmd == "add":
-                rid, ntok, blocks = args
-                sender.add(rid, ntok, blocks)
+                name, rid, ntok, blocks = args
+                senders[name][0].add(rid, ntok, blocks)
                 conn.send(("ok", None))
             elif cmd == "engines":  # batches this side posted, by engine (auto; push mode posts here)
-                conn.send(("ok", _engine_batches(transport)))
+                conn.send(("ok", _engine_batches(senders[args[0]][1])))
             elif cmd == "accounting":
-                a = sender.accounting()
+                a = senders[args[0]][0].accounting()
                 conn.send(("ok", {k: (len(v) if isinstance(v, list) else v) for k, v in a.items()}))
             elif cmd == "stop":
                 break
     finally:
-        if sender is not None:
+        for sender, transport in senders.values():
             sender.close()
             transport.close()
         conn.send(("bye", None))
@@ -282,8 +283,30 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[k]
 
 
+@dataclass
+class _Decode:
+    """One configuration's decode side in the benchmark: its receiver and what it receives into."""
+
+    name: str
+    cfg: Any
+    address: str
+    transport: Any
+    receiver: Any
+    kv: Any
+
+    def close(self) -> None:
+        self.receiver.close()
+        self.transport.close()
+        if self.kv is not None:
+            self.kv.close()
+
+
 def run_transfer_bench(spec: BenchSpec, progress: Any = None) -> list[dict[str, Any]]:
-    """Measure every (configuration, size); returns one record per pair."""
+    """Measure every (configuration, size); returns one record per pair.
+
+    Every configuration is set up at once and, per size, timed in rounds: one transfer of each per
+    round, the first rotating (as ``hawk bench engine`` times its paths), so that a drift of the
+    machine during the run reaches every configuration alike and their ratios compare like with like."""
     from hawk.connector.configs import get_config, make_receiver
     from hawk.transport.registry import make_transport
 
@@ -291,91 +314,109 @@ def run_transfer_bench(spec: BenchSpec, progress: Any = None) -> list[dict[str, 
     records: list[dict[str, Any]] = []
     copies: dict[tuple[int, str, str], float] = {}
     prefill = PrefillProcess(spec)
+    decodes: list[_Decode] = []
     try:
         for name in spec.configs:
             config, mode = split_config(name)
-            cfg = get_config(config)
             address = prefill.call("config", name)
             side, kv = _decode_side(spec, config, mode)
             transport = make_transport(spec.transport)
             receiver = make_receiver(config, transport, side, post=spec.post, timeout_s=120)
-            try:
-                for size in spec.sizes_mb:
-                    ntok = spec.tokens(size)
-                    sblock = spec.shape.npu_block if cfg.prefill_on == "npu" else spec.shape.gpu_block
-                    gblocks = _blocks(-(-ntok // sblock), spec.shuffle_blocks, size)
-                    nblock = spec.shape.npu_block if cfg.decode_on == "npu" else spec.shape.gpu_block
-                    dblocks = _blocks(-(-ntok // nblock), spec.shuffle_blocks, size + 1)
-                    lat, parts, last = [], [], None
-                    before = (_engine_batches(transport), prefill.call("engines"))
-                    for i in range(spec.warmup + spec.repeats):
-                        rid = f"{name}-{size}-{i}-{uuid.uuid4().hex[:6]}"
-                        prefill.call("add", rid, ntok, gblocks)
-                        t0 = time.perf_counter()
-                        last = receiver.pull(address, rid, dblocks, num_tokens=ntok if spec.plan_ahead else None)
-                        dt = time.perf_counter() - t0
-                        if i >= spec.warmup:
-                            lat.append(dt)
-                            parts.append(last.timings)
-                        if progress is not None:
-                            progress()
-                    used = {"decode": _delta(_engine_batches(transport), before[0]),
-                            "prefill": _delta(prefill.call("engines"), before[1])}  # fmt: skip
-                    src = spec.prefill_device
-                    dst = parse_device(spec.npu_device if cfg.decode_on == "npu" else spec.gpu_decode_device).torch_device
-                    key = (last.bytes, src, dst)
-                    if spec.copy_ref and key not in copies:
-                        copies[key] = device_copy_ms(last.bytes, src, dst, spec.repeats)
-                    copy_ms = copies.get(key)
-                    median_ms = statistics.median(lat) * 1e3
-                    transfer_ms = statistics.median(p["transfer_s"] for p in parts) * 1e3
-                    records.append(
-                        {
-                            "config": name,
-                            "transport": spec.transport,
-                            "engine": "+".join(sorted(set(used["decode"]) | set(used["prefill"]))) or spec.transport,
-                            "engine_batches": used,
-                            "size_mb": size,
-                            "tokens": ntok,
-                            "median_ms": median_ms,
-                            "p90_ms": _pct(lat, 0.9) * 1e3,
-                            "iqr_ms": [_pct(lat, 0.25) * 1e3, _pct(lat, 0.75) * 1e3],  # the spread issue 9 asks beside the median
-                            "min_ms": min(lat) * 1e3,
-                            "requests": last.requests,
-                            "bytes_moved": last.bytes,
-                            "mode": last.mode,
-                            "ready_ms": statistics.median(p["ready_s"] for p in parts) * 1e3,
-                            "pair_ms": statistics.median(p["pair_s"] for p in parts) * 1e3,
-                            "transfer_ms": transfer_ms,
-                            "copy_ms": copy_ms,
-                            "copy_path": f"{src} -> {dst}",
-                            "x_copy": median_ms / copy_ms if copy_ms else None,
-                            "transfer_x_copy": transfer_ms / copy_ms if copy_ms else None,
-                            "finish_ms": statistics.median(p["finish_s"] for p in parts) * 1e3,
-                            "host_breakdown_ms": host_breakdown(parts),
-                            "host_ms": host_ms(host_breakdown(parts)),
-                            "prefill_device": f"npu-emu:{spec.prefill_device}" if cfg.prefill_on == "npu" else spec.prefill_device,
-                            "decode_device": spec.npu_device if cfg.decode_on == "npu" else spec.gpu_decode_device,
-                            "npu": f"emulated {spec.arch}" if "npu" in (cfg.decode_on, cfg.prefill_on) else "",
-                            "kv_dtype": spec.kv_dtype if cfg.decode_on == "npu" else "bf16",
-                            "post": spec.post,
-                            "repeats": spec.repeats,
-                        }
-                    )
-                # Accounting after the config: nothing may be left reserved on either side.
-                time.sleep(0.05)
-                acct = receiver.accounting()
-                pre = prefill.call("accounting")
-                if acct["reservations"] or pre["staging"] or pre["in_flight"]:
-                    raise RuntimeError(f"{name}: reservations leaked: decode {acct}, prefill {pre}")
-            finally:
-                receiver.close()
-                transport.close()
-                if kv is not None:
-                    kv.close()
+            decodes.append(_Decode(name, get_config(config), address, transport, receiver, kv))
+        for size in spec.sizes_mb:
+            records += _time_size(spec, prefill, decodes, size, copies, progress)
+        time.sleep(0.05)  # accounting after the run: nothing may be left reserved on either side
+        for d in decodes:
+            acct = d.receiver.accounting()
+            pre = prefill.call("accounting", d.name)
+            if acct["reservations"] or pre["staging"] or pre["in_flight"]:
+                raise RuntimeError(f"{d.name}: reservations leaked: decode {acct}, prefill {pre}")
     finally:
+        for d in decodes:
+            d.close()
         prefill.close()
     return records
+
+
+def _time_size(spec: BenchSpec, prefill: PrefillProcess, decodes: list[_Decode], size: int,
+               copies: dict[tuple[int, str, str], float], progress: Any) -> list[dict[str, Any]]:
+    """Every configuration's transfers of ``size`` MiB, in rounds; one record each."""
+    ntok = spec.tokens(size)
+    blocks: dict[str, tuple[list[int], list[int]]] = {}
+    for d in decodes:
+        sblock = spec.shape.npu_block if d.cfg.prefill_on == "npu" else spec.shape.gpu_block
+        nblock = spec.shape.npu_block if d.cfg.decode_on == "npu" else spec.shape.gpu_block
+        blocks[d.name] = (_blocks(-(-ntok // sblock), spec.shuffle_blocks, size),
+                          _blocks(-(-ntok // nblock), spec.shuffle_blocks, size + 1))
+    lat: dict[str, list[float]] = {d.name: [] for d in decodes}
+    parts: dict[str, list[dict[str, float]]] = {d.name: [] for d in decodes}
+    last: dict[str, Any] = {}
+    before = {d.name: (_engine_batches(d.transport), prefill.call("engines", d.name)) for d in decodes}
+    for i in range(spec.warmup + spec.repeats):
+        for d in decodes[i % len(decodes):] + decodes[: i % len(decodes)]:
+            gblocks, dblocks = blocks[d.name]
+            rid = f"{d.name}-{size}-{i}-{uuid.uuid4().hex[:6]}"
+            prefill.call("add", d.name, rid, ntok, gblocks)
+            t0 = time.perf_counter()
+            last[d.name] = d.receiver.pull(d.address, rid, dblocks, num_tokens=ntok if spec.plan_ahead else None)
+            dt = time.perf_counter() - t0
+            if i >= spec.warmup:
+                lat[d.name].append(dt)
+                parts[d.name].append(last[d.name].timings)
+            if progress is not None:
+                progress()
+    out = []
+    for d in decodes:
+        used = {"decode": _delta(_engine_batches(d.transport), before[d.name][0]),
+                "prefill": _delta(prefill.call("engines", d.name), before[d.name][1])}  # fmt: skip
+        out.append(_record(spec, d, size, ntok, lat[d.name], parts[d.name], last[d.name], used, copies))
+    return out
+
+
+def _record(spec: BenchSpec, d: _Decode, size: int, ntok: int, lat: list[float], parts: list[dict[str, float]],
+            last: Any, used: dict[str, dict[str, int]], copies: dict[tuple[int, str, str], float]) -> dict[str, Any]:
+    """One (configuration, size) record: medians, spread, the host breakdown and a same-run device copy."""
+    cfg = d.cfg
+    src = spec.prefill_device
+    dst = parse_device(spec.npu_device if cfg.decode_on == "npu" else spec.gpu_decode_device).torch_device
+    key = (last.bytes, src, dst)
+    if spec.copy_ref and key not in copies:
+        copies[key] = device_copy_ms(last.bytes, src, dst, spec.repeats)
+    copy_ms = copies.get(key)
+    median_ms = statistics.median(lat) * 1e3
+    transfer_ms = statistics.median(p["transfer_s"] for p in parts) * 1e3
+    return {
+        "config": d.name,
+        "transport": spec.transport,
+        "engine": "+".join(sorted(set(used["decode"]) | set(used["prefill"]))) or spec.transport,
+        "engine_batches": used,
+        "size_mb": size,
+        "tokens": ntok,
+        "median_ms": median_ms,
+        "p90_ms": _pct(lat, 0.9) * 1e3,
+        "iqr_ms": [_pct(lat, 0.25) * 1e3, _pct(lat, 0.75) * 1e3],  # the spread issue 9 asks beside the median
+        "min_ms": min(lat) * 1e3,
+        "requests": last.requests,
+        "bytes_moved": last.bytes,
+        "mode": last.mode,
+        "ready_ms": statistics.median(p["ready_s"] for p in parts) * 1e3,
+        "pair_ms": statistics.median(p["pair_s"] for p in parts) * 1e3,
+        "transfer_ms": transfer_ms,
+        "copy_ms": copy_ms,
+        "copy_path": f"{src} -> {dst}",
+        "x_copy": median_ms / copy_ms if copy_ms else None,
+        "transfer_x_copy": transfer_ms / copy_ms if copy_ms else None,
+        "finish_ms": statistics.median(p["finish_s"] for p in parts) * 1e3,
+        "host_breakdown_ms": host_breakdown(parts),
+        "host_ms": host_ms(host_breakdown(parts)),
+        "prefill_device": f"npu-emu:{spec.prefill_device}" if cfg.prefill_on == "npu" else spec.prefill_device,
+        "decode_device": spec.npu_device if cfg.decode_on == "npu" else spec.gpu_decode_device,
+        "npu": f"emulated {spec.arch}" if "npu" in (cfg.decode_on, cfg.prefill_on) else "",
+        "kv_dtype": spec.kv_dtype if cfg.decode_on == "npu" else "bf16",
+        "post": spec.post,
+        "repeats": spec.repeats,
+        "interleaved": len(spec.configs),  # configurations timed in rounds (one transfer of each per round)
+    }
 
 
 #: Breakdown entries that are not host work: the bytes moving (on the wire, or through the transform

@@ -105,6 +105,7 @@ def run(
     """One record per (configuration, KV flow, prompt length): median TTFT against colocated, in one run.
     ``profile``: collects the layer-wise pushes' posts from the forward's thread (measured repeats only)."""
     from hawk.bench.equivalence import config_for, run_colocated, run_disaggregated
+    from hawk.engine.gc_policy import freeze_startup_heap
     from hawk.engine.instances import ColocatedInstance, DecodeInstance, PrefillInstance, compute_dtype
     from hawk.engine.loader import load_model
     from hawk.engine.sequence import SamplingParams
@@ -126,6 +127,8 @@ def run(
             pairs[key] = (p, DecodeInstance(cfg, loaded=loaded if same else None))  # one copy of the weights per device
             if profile is not None and flow == "layerwise":
                 _profile_posts(p.sender, profile, measured)
+        if base.gc_freeze:  # as each serving process does once it is up
+            freeze_startup_heap()
         records = []
         for n in prompts:
             ids = prompt_ids(n, vocab, seed=n)

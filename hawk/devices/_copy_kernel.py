@@ -8,7 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hawk.transform.triton_kernel import launch_hooks_idle, on_device
+from hawk.transform.triton_kernel import on_device
+from hawk.triton_launch import launch_hooks_idle
 
 
 # The offset tables are read one value each and their alignment varies per batch: no variant per alignment.

@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hawk.triton_launch import launch
+
 __all__ = [
     "cache_strides",
     "decode_block_n",
@@ -131,7 +133,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slot_mapping
     if k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError("k and v need a contiguous last dim")
     skv, sblk, sslot, shead = cache_strides(cache, order)
-    _write_kv_kernel[(t,)](
+    launch(
+        _write_kv_kernel, (t,),
         k, v, cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         skv, sblk, sslot, shead,
@@ -755,7 +758,8 @@ def paged_prefill(
         out = torch.empty_like(q)
     bn, nw, ns = prefill_config(q)
     skv, sblk, sslot, shead = cache_strides(cache, order)
-    _prefill_kernel[(prog_seq.shape[0], hq)](
+    launch(
+        _prefill_kernel, (prog_seq.shape[0], hq),
         q, cache, block_tables, seq_lens, q_start, prog_seq, prog_blk, out,
         _LOG2E / math.sqrt(d),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),

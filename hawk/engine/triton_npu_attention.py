@@ -156,7 +156,7 @@ def choose_splits(rows: int, num_kv_heads: int, device: torch.device, g: TileGeo
 
     sms = ta.decode_sm_count(device)
     if g is not None and uses_register_kernel(g, config, head_dim, group, device):
-        return gk.num_splits(rows, num_kv_heads, sms)
+        return gk.num_splits(rows, num_kv_heads, sms, max_splits=(config or default_config(g)).max_splits)
     return ta.decode_num_splits(rows, num_kv_heads, sms)
 
 
@@ -997,8 +997,9 @@ class DecodeConfig:
     that with ``num_stages`` > 1 every load of a chunk is pipelined (the row-tile loads issue a scalar
     block-id load and byte-wide exponent loads in the loop, which the pipeliner leaves synchronous).
     ``fused_write`` (word kernel, decode batches): the decode launch also writes the new K/V rows
-    (no separate ``write_rows`` launch; see ``_decode_bfp8_kernel``). All of these keep the paged
-    decode's bits except ``tokens`` and ``num_warps``.
+    (no separate ``write_rows`` launch; see ``_decode_bfp8_kernel``). ``max_splits`` (register kernel):
+    a cap on its splits per row (fewer partials to merge where a row's programs are few). All of these
+    keep the paged decode's bits except ``tokens`` and ``num_warps``.
     """
 
     num_warps: int = 4
@@ -1010,6 +1011,7 @@ class DecodeConfig:
     maxnreg: int | None = None
     token_loads: bool = False
     fused_write: bool = False
+    max_splits: int = 32
 
     @property
     def keeps_paged_bits(self) -> bool:
@@ -1064,6 +1066,11 @@ BFP8_VARIANTS: dict[str, DecodeConfig] = {
     "regs-t32-fw": DecodeConfig(bfp8="regs", num_warps=1, tokens=32, fused_write=True),
     "regs-t16-fw": DecodeConfig(bfp8="regs", num_warps=1, tokens=16, fused_write=True),
     "regs-fw": DecodeConfig(bfp8="regs", num_warps=1, fused_write=True),  # 32 or 16 tokens by batch (gk.auto_tokens)
+    # at most 16 / 8 splits per row (batch 1, 1k: 64 / 128 tokens a split, against 32). Fewer partials
+    # did not pay: 8B step / paged at batch 1, 1k on one H200 (three processes, 2026-12-01, raw/
+    # engine_h200_splits_s11/): regs-fw 0.999, -s16 1.014, -s8 1.027 (batch 64: 0.872, 0.869, 0.869).
+    "regs-fw-s16": DecodeConfig(bfp8="regs", num_warps=1, fused_write=True, max_splits=16),
+    "regs-fw-s8": DecodeConfig(bfp8="regs", num_warps=1, fused_write=True, max_splits=8),
 }
 #: The fastest bfloat8_b variant that keeps the paged decode's bits (`benchmarks/bfp8_kernel_probe.py
 #: --flush-mb 256` on an H200, 2026-11-30: write + attention vs paged bf16 at context 1k, 0.90x at batch 1,

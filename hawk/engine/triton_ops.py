@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from hawk.triton_launch import launch
+
 try:
     import triton
     import triton.language as tl
@@ -184,10 +186,9 @@ def add_rms_norm(
     if rows:
         block = triton.next_power_of_2(n)
         warps = min(16, max(1, block // 256))  # ~8 values per thread
-        _add_rms_norm_kernel[(rows,)](
-            x, x if residual is None else residual, weight, out, n, eps,
-            HAS_RES=residual is not None, BLOCK=block, num_warps=warps,
-        )
+        launch(_add_rms_norm_kernel, (rows,),
+               x, x if residual is None else residual, weight, out, n, eps,
+               HAS_RES=residual is not None, BLOCK=block, num_warps=warps)
     return out, (x if residual is None else residual)
 
 
@@ -208,9 +209,8 @@ def qkv_rope(
     _check_contiguous(qkv=qkv, positions=positions, cos=cos, sin_signed=sin_signed)
     out = torch.empty(t * (n_heads + 2 * n_kv_heads) * d, dtype=qkv.dtype, device=qkv.device)
     if t:
-        _qkv_rope_kernel[(t, n_heads + 2 * n_kv_heads)](
-            qkv, positions, cos, sin_signed, out, t, HQ=n_heads, HKV=n_kv_heads, D=d, num_warps=1,
-        )
+        launch(_qkv_rope_kernel, (t, n_heads + 2 * n_kv_heads),
+               qkv, positions, cos, sin_signed, out, t, HQ=n_heads, HKV=n_kv_heads, D=d, num_warps=1)
     q_end, k_end = t * n_heads * d, t * (n_heads + n_kv_heads) * d
     return (out[:q_end].view(t, n_heads, d), out[q_end:k_end].view(t, n_kv_heads, d),
             out[k_end:].view(t, n_kv_heads, d))
@@ -223,5 +223,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((t, inter), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     if t:
-        _silu_mul_kernel[(t, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4)
+        launch(_silu_mul_kernel, (t, triton.cdiv(inter, block)), gate_up, out, inter, BLOCK=block, num_warps=4)
     return out

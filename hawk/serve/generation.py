@@ -65,6 +65,10 @@ _Reply = TypeVar("_Reply")  # a contract reply model
 log = logging.getLogger(__name__)
 
 CLEANUP_TIMEOUT_S = 5.0
+#: a decode that fails before the prefill answers may be failing *because of* the prefill (a refused
+#: prompt discards the push destination, and the decode hears of it first): the prefill's own answer,
+#: if it comes within this, is the cause the client is told
+CAUSE_GRACE_S = 1.0
 _JSON = {"content-type": "application/json"}
 
 
@@ -239,14 +243,19 @@ class Generation:
     async def _prefill_watching_decode(self) -> None:
         """Run the prefill while reading ahead on the decode stream. Nothing but a failure can come
         there before the first token is delivered, so a line that does ends the request now (the
-        prefill is cancelled and aborted by ``aclose``) instead of after the whole prefill."""
+        prefill is cancelled and aborted by ``aclose``) instead of after the whole prefill, unless the
+        prefill refuses within ``CAUSE_GRACE_S``: its refusal is the cause, the decode's the effect."""
         prefill = asyncio.ensure_future(self._prefill())
         ahead = asyncio.ensure_future(self._read_event())
         keep_ahead = False
         try:
             await asyncio.wait({prefill, ahead}, return_when=asyncio.FIRST_COMPLETED)
             if not prefill.done():
-                raise self._decode_ended(ahead.result())
+                ended = self._decode_ended(ahead.result())
+                await asyncio.wait({prefill}, timeout=CAUSE_GRACE_S)
+                if prefill.done() and not prefill.cancelled() and isinstance(prefill.exception(), OpenAIError):
+                    raise prefill.exception()  # type: ignore[misc]
+                raise ended
             prefill.result()  # the prefill's own failure, if any
             self._check_same_prefill()
             self._pending, keep_ahead = ahead, True  # its line (the first token, or why not) comes next

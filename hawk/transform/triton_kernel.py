@@ -68,10 +68,10 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
-from triton import knobs as _knobs
 
 from hawk.layouts.tt import TILE
 from hawk.plan.kv_plan import KVTransferPlan, TileDest
+from hawk.triton_launch import launch_hooks_idle, raw_stream
 
 #: Attribute set on a plan holding its launch states (:class:`_Launch`), keyed by the caches.
 _CACHE_ATTR = "_triton_tables"
@@ -435,7 +435,7 @@ class _Table:
                     if flat.dtype == np.int32:
                         t = t.view(torch.int32)  # a reinterpretation on the device: no copy
                     if self.device.type == "cuda":
-                        self._stream = _raw_stream(self.device.index)
+                        self._stream = raw_stream(self.device.index)
                         self._event = torch.cuda.Event()
                         self._event.record(torch.cuda.current_stream(self.device))
                     self._dev = t
@@ -648,7 +648,7 @@ class _Launch:
     def order_after_uploads(self) -> None:
         """Make the current stream wait for uploads made on another stream that may not have run yet."""
         dev = self.layout.device
-        cur = _raw_stream(dev.index) if dev.type == "cuda" else None
+        cur = raw_stream(dev.index) if dev.type == "cuda" else None
         self.layout.table.order(cur)
         self.placed.table.order(cur)
         self.blocks.order(cur)
@@ -878,13 +878,6 @@ def _v1_call(layout: _Layout, ctp: int, bfp8: bool, num_warps: int, unit: int) -
     return hit
 
 
-def launch_hooks_idle() -> bool:
-    """Whether no Triton launch hook is installed, so a compiled kernel's launcher may be called
-    directly without skipping one. Triton up to 3.4 keeps None there; 3.5 on an empty HookChain."""
-    hooks = (_knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook)
-    return all(h is None or getattr(h, "calls", None) == [] for h in hooks)
-
-
 def _launch(call: _Call, groups: int, args: tuple, device: torch.device, align: int, kernel: object,
             direct_args: tuple | None = None) -> None:
     """Launch ``kernel`` on ``groups`` row groups. The first launch of a configuration goes through
@@ -897,7 +890,7 @@ def _launch(call: _Call, groups: int, args: tuple, device: torch.device, align: 
     compiled = call.compiled.get(align)
     if compiled is not None and launch_hooks_idle():
         try:
-            compiled.run(groups, call.grid_y, 1, _raw_stream(device.index), compiled.function, compiled.packed_metadata,
+            compiled.run(groups, call.grid_y, 1, raw_stream(device.index), compiled.function, compiled.packed_metadata,
                          None, None, None, *(args if direct_args is None else direct_args))
             return
         except Exception:  # noqa: BLE001 - a launcher this code does not know: use the dispatcher from now on
@@ -917,14 +910,6 @@ def _pointer_args(args: tuple) -> tuple:
     for a call that holds the tensors and launches on them again (:func:`bind_triton`): checked once, by
     the dispatcher's launch and the bind's own checks."""
     return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
-
-
-def _raw_stream(index: int) -> int:
-    """The current CUDA stream's handle on device ``index`` (what Triton's launcher takes)."""
-    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if get is not None:
-        return get(index)
-    return torch.cuda.current_stream(index).cuda_stream
 
 
 def _word_view(c: torch.Tensor) -> torch.Tensor:
