@@ -264,3 +264,46 @@ def test_fresh_requests_cuda(kernel: str, ndtype: str) -> None:
     layout = tk._prepare(plan, caches)[0].layout
     assert all(len(c.compiled) <= 1 for c in layout.calls.values())
     assert tk.launch_hooks_idle() and all(c.direct for c in layout.calls.values())  # no launch fell back to the dispatcher
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ndtype", ["bf16", "bfp8_b"])
+def test_layer_calls_move_the_first_layers_launch_cuda(ndtype: str, monkeypatch) -> None:
+    """A layer-wise push's per-layer transform (``bind_triton_layers``): every layer's bytes are the
+    reference's, in its own place; a layer after the first is layer 0's compiled launch with two
+    addresses moved (no transform from scratch), and a layer whose address that kernel does not fit (an
+    odd shift) is transformed from scratch, into its place and nowhere else."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import hawk.transform.triton_kernel as tk
+    from hawk.plan.plan_cache import PlanCache
+    from hawk.transform.reference import transform_reference
+    from tests.test_transform import assert_same_bytes
+
+    arch = get_arch("blackhole-p150a", 1 << 30)
+    g = GpuKVLayout(1, 64, 16, 2, 128, "bf16")
+    n = NpuKVLayout(arch, 1, 20, 2, 64, 128, ndtype)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    caches = [torch.randn(g.layer_shape, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(4)]
+    rng = np.random.default_rng(4)
+    plan = PlanCache().kv_plan(300, rng.permutation(g.num_blocks)[:19], rng.permutation(n.max_num_blocks)[:5], g, n, [0, 1 << 24])
+    total = plan.total_bytes
+    out = torch.full((4 * total + 64,), 0xCD, dtype=torch.uint8, device="cuda")
+    shifts = [0, total, 2 * total, 3 * total + 1]
+    fresh = []
+    real = tk.transform_triton
+    monkeypatch.setattr(tk, "transform_triton", lambda *a, **k: fresh.append(1) or real(*a, **k))
+    run = tk.bind_triton_layers(caches, plan, out, shifts)
+    assert bool((out == 0xCD).all()), "binding wrote"
+    run(0)
+    for layer in (2, 1):
+        run(layer)
+        assert fresh == [], f"layer {layer} was transformed from scratch"
+    run(3)
+    assert fresh, "the odd shift was not transformed from scratch"
+    torch.cuda.synchronize()
+    for layer, s in enumerate(shifts):
+        assert_same_bytes(out[s: s + total], transform_reference([caches[layer]], plan), plan)
+    assert int(out[3 * total]) == 0xCD and bool((out[3 * total + 1 + total:] == 0xCD).all())

@@ -33,7 +33,7 @@ from hawk.plan.block_plan import BlockCopyPlan, plan_block_copy
 from hawk.plan.kv_plan import KVTransferPlan, TileDest
 from hawk.plan.layer_plan import LayerwisePlan, plan_layerwise
 from hawk.plan.plan_cache import LRU, PLANS
-from hawk.transform import bind, transform
+from hawk.transform import bind, bind_layers, transform
 from hawk.transport.base import Desc, DescArray, byte_view, contiguous_span
 
 #: Transport region name of a sender's staging buffer.
@@ -247,6 +247,7 @@ class NpuTiles(_InStagingBuffer):
         self._plans: LRU[tuple] = LRU(64)  # whole plans by receiver layout and bases, tokens and both sides' block ids
         self._spans: LRU[tuple] = LRU(8)  # a receiver's channels as one tensor, by its list of them
         self._landings: LRU[tuple] = LRU(64)  # bound transforms into a receiver's DRAM, by plan and its channel list
+        self._layer_calls: LRU[tuple] = LRU(16)  # a layer-wise push's per-layer transform, by plan and destination
 
     def plan(self, num_tokens, block_ids, peer, dst_block_ids) -> KVTransferPlan:
         """The request's plan, kept whole like gg-direct's landing copies: a repeated request (the same
@@ -293,12 +294,21 @@ class NpuTiles(_InStagingBuffer):
 
     def produce_layer(self, plan: LayerwisePlan, layer: int, staged: Staged) -> None:
         n = plan.layer_bytes
-        out = self.staging.view(staged.held.reservations[0])[layer * n : (layer + 1) * n]
-        cache = [self.caches[layer]]
-        if out.device == cache[0].device:
-            transform(cache, plan.plan, out, self.impl)
+        out = self.staging.view(staged.held.reservations[0])
+        if out.device == self.caches[0].device:
+            self._layer_call(plan, staged, lambda: (out, [i * n for i in range(plan.num_layers)], None))(layer)
         else:
-            out.copy_(transform(cache, plan.plan, None, self.impl))
+            out[layer * n : (layer + 1) * n].copy_(transform([self.caches[layer]], plan.plan, None, self.impl))
+
+    def _layer_call(self, plan: LayerwisePlan, where: Any, args: Callable[[], tuple]) -> Callable[[int], None]:
+        """The push's transform of any layer (:func:`hawk.transform.bind_layers`), bound on its first
+        layer and kept per (plan, destination): a push calls it once per layer from the forward's thread.
+        The entry holds both, so their ids stay unique."""
+        def build() -> tuple:
+            out, shifts, dest = args()
+            return plan, where, bind_layers(self.caches, plan.plan, out, shifts, self.impl, dest)
+
+        return self._layer_calls.get_or_build((id(plan), id(where)), build)[2]
 
     def dest_regions(self, peer: dict[str, Any]) -> list[str]:
         return [channel_region(c) for c in range(peer["layout"].arch.num_channels)]
@@ -357,8 +367,7 @@ class NpuTiles(_InStagingBuffer):
         return DirectTarget(memory, dest, shifts)  # type: ignore[arg-type]
 
     def produce_layer_into(self, plan: LayerwisePlan, layer: int, target: DirectTarget) -> None:
-        shift = target.shifts[layer]
-        transform([self.caches[layer]], plan.plan, target.memory[shift:], self.impl, target.dest)
+        self._layer_call(plan, target, lambda: (target.memory, target.shifts, target.dest))(layer)
 
     def layer_descs(self, plan: LayerwisePlan, layer: int, staged: Staged) -> DescArray:
         base = staged.offset + layer * plan.layer_bytes

@@ -59,6 +59,25 @@ def bind(
     return functools.partial(transform_reference, caches, plan, out, dest)
 
 
+def bind_layers(
+    caches: Sequence[torch.Tensor], plan: KVTransferPlan, out: torch.Tensor, shifts: Sequence[int], impl: str = "auto",
+    dest: TileDest | None = None,
+) -> Callable[[int], None]:
+    """``transform([caches[l]], plan, out[shifts[l]:], impl, dest)`` for any layer ``l`` as one call to
+    repeat (``plan``: one layer's, the same for every layer, as a layer-wise push's is). Why: a push
+    transforms each layer on the forward's own thread, where every call's checks and setup cost more host
+    time than the launch (the fused kernel's later layers are layer 0's launch with two addresses moved).
+    Holds its arguments, as :func:`bind` does."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown transform impl {impl!r}; expected one of {IMPLS}")
+    use_triton = impl == "triton" or (impl == "auto" and caches[0].is_cuda and triton_available())
+    if use_triton:
+        from hawk.transform.triton_kernel import bind_triton_layers
+
+        return bind_triton_layers(caches, plan, out, shifts, dest)
+    return lambda layer: transform_reference([caches[layer]], plan, out[shifts[layer]:], dest)
+
+
 def untransform(send: torch.Tensor, plan: KVTransferPlan, caches: Sequence[torch.Tensor]) -> None:
     """Reverse direction: tiles in send-buffer order -> the request's rows of the paged caches.
 

@@ -1016,16 +1016,74 @@ def _bound(caches: Sequence[torch.Tensor], plan: KVTransferPlan, out: torch.Tens
         fn = _rows_kernel
 
     direct_args = _pointer_args(args) if reusable and device.type == "cuda" else None
+    dst_at = (4,) if fn is _transform_kernel else (4, 5)  # where the destination's address is passed
+    return out, _BoundLaunch(device, launch, call, placed.groups, args, fn, ptr % 16, direct_args, dst_at, used)
 
-    def run(reads: Sequence[torch.Tensor] = used) -> None:
-        """One launch on the caches' GPU, after the tables' uploads. ``args`` hold the tensors the kernel is
-        given and ``reads`` every layer it reads through them (copies made above, in the rare case: they
-        must outlive the launch's enqueueing)."""
-        with on_device(device):
-            launch.order_after_uploads()
-            _launch(call, placed.groups, args, device, ptr % 16, fn, direct_args)
 
-    return out, run
+@dataclass
+class _BoundLaunch:
+    """One prepared transform launch (:func:`_bound`): the kernel, its arguments and launch state.
+    ``reads`` every layer the kernel reads through ``args`` (copies made by ``_bound``, in the rare
+    case: they must outlive the launch's enqueueing)."""
+
+    device: torch.device
+    launch: _Launch
+    call: _Call
+    groups: int
+    args: tuple
+    fn: object
+    align: int
+    direct_args: tuple | None
+    dst_at: tuple[int, ...]
+    reads: Sequence[torch.Tensor]
+
+    def __call__(self) -> None:
+        """One launch on the caches' GPU, after the tables' uploads."""
+        with on_device(self.device):
+            self.launch.order_after_uploads()
+            _launch(self.call, self.groups, self.args, self.device, self.align, self.fn, self.direct_args)
+
+    def moved(self, src: int, dst: int) -> bool:
+        """Launch the kernel as compiled for this call on another layer: its source at ``src`` and its
+        destination at ``dst`` (addresses; the same cache layout and tiles, elsewhere). False, launching
+        nothing, where that kernel does not fit them (another alignment) or is not compiled yet."""
+        compiled = self.call.compiled.get(self.align)
+        if (self.direct_args is None or compiled is None or dst % 16 != self.align
+                or src % 16 != self.direct_args[0] % 16 or not launch_hooks_idle()):
+            return False
+        args = list(self.direct_args)
+        args[0] = src
+        for i in self.dst_at:
+            args[i] = dst
+        with on_device(self.device):
+            self.launch.order_after_uploads()
+            compiled.run(self.groups, self.call.grid_y, 1, raw_stream(self.device.index), compiled.function,
+                         compiled.packed_metadata, None, None, None, *args)
+        return True
+
+
+def bind_triton_layers(
+    caches: Sequence[torch.Tensor],
+    plan: KVTransferPlan,
+    out: torch.Tensor,
+    shifts: Sequence[int],
+    dest: TileDest | None = None,
+) -> Callable[[int], None]:
+    """``transform_triton([caches[l]], plan, out[shifts[l]:], dest=dest)`` for any layer ``l`` as one call
+    to repeat: layer ``l``'s launch is layer 0's with the two addresses moved (``plan`` is one layer's, as
+    a layer-wise push's is). Why: a push transforms every layer of a request on the forward's own thread,
+    and the checks and setup of each call cost that thread more host time than its launch. Layers whose
+    addresses the compiled kernel does not fit are transformed from scratch."""
+    bound = _bound([caches[0]], plan, out[shifts[0]:], 4, None, None, dest, reusable=True)[1]
+
+    def run(layer: int) -> None:
+        c, s = caches[layer], shifts[layer]
+        if layer == 0:
+            bound()
+        elif not (isinstance(bound, _BoundLaunch) and bound.moved(c.data_ptr(), out.data_ptr() + s)):
+            transform_triton([c], plan, out[s:], dest=dest)
+
+    return run
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:
