@@ -228,6 +228,26 @@ def test_launch_keys_do_not_depend_on_the_request(monkeypatch):
             assert len(keys) >= 6 and len(set(keys)) == 1, (kernel, ndtype, set(keys))
 
 
+def _cuda_or_skip() -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    return "cuda"
+
+
+def _layouts_and_caches(layers: int, gpu_blocks: int, npu_blocks: int, ndtype: str, seed: int, device: str):
+    """A 70B-at-TP4 rank's KV shape (2 KV heads of 128; 16- and 64-token blocks) on a p150a, and four
+    random bf16 layer caches of it (more than ``layers``: a layer-wise push reads one at a time)."""
+    import torch
+
+    arch = get_arch("blackhole-p150a", 1 << 30)
+    g = GpuKVLayout(layers, gpu_blocks, 16, 2, 128, "bf16")
+    n = NpuKVLayout(arch, layers, npu_blocks, 2, 64, 128, ndtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return g, n, [torch.randn(g.layer_shape, device=device, generator=gen).to(torch.bfloat16) for _ in range(4)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["v1", "v2"])
 @pytest.mark.parametrize("ndtype", ["bf16", "bfp8_b"])
@@ -237,18 +257,12 @@ def test_fresh_requests_cuda(kernel: str, ndtype: str) -> None:
     the reference's bytes every time."""
     import torch
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     import hawk.transform.triton_kernel as tk
     from hawk.plan.plan_cache import PlanCache
     from hawk.transform.reference import transform_reference
     from tests.test_transform import assert_same_bytes
 
-    arch = get_arch("blackhole-p150a", 1 << 30)
-    g = GpuKVLayout(4, 300, 16, 2, 128, "bf16")
-    n = NpuKVLayout(arch, 4, 80, 2, 64, 128, ndtype)
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    caches = [torch.randn(g.layer_shape, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(4)]
+    g, n, caches = _layouts_and_caches(4, 300, 80, ndtype, seed=5, device=_cuda_or_skip())
     cache = PlanCache()
     rng = np.random.default_rng(11)
     side = torch.cuda.Stream()
@@ -275,18 +289,12 @@ def test_layer_calls_move_the_first_layers_launch_cuda(ndtype: str, monkeypatch)
     odd shift) is transformed from scratch, into its place and nowhere else."""
     import torch
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     import hawk.transform.triton_kernel as tk
     from hawk.plan.plan_cache import PlanCache
     from hawk.transform.reference import transform_reference
     from tests.test_transform import assert_same_bytes
 
-    arch = get_arch("blackhole-p150a", 1 << 30)
-    g = GpuKVLayout(1, 64, 16, 2, 128, "bf16")
-    n = NpuKVLayout(arch, 1, 20, 2, 64, 128, ndtype)
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    caches = [torch.randn(g.layer_shape, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(4)]
+    g, n, caches = _layouts_and_caches(1, 64, 20, ndtype, seed=3, device=_cuda_or_skip())
     rng = np.random.default_rng(4)
     plan = PlanCache().kv_plan(300, rng.permutation(g.num_blocks)[:19], rng.permutation(n.max_num_blocks)[:5], g, n, [0, 1 << 24])
     total = plan.total_bytes
