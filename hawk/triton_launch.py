@@ -18,6 +18,7 @@ Knows only torch and Triton, so every layer that launches Triton kernels may use
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -28,7 +29,7 @@ try:
 except ImportError:  # CPU-only installs: nothing here is called without Triton
     _knobs = None  # type: ignore[assignment]
 
-__all__ = ["DIRECT", "launch", "launch_hooks_idle", "raw_stream"]
+__all__ = ["DIRECT", "current_device_index", "launch", "launch_hooks_idle", "on_device", "pointer_args", "raw_stream"]
 
 #: Whether :func:`launch` may call compiled kernels directly (``HAWK_TRITON_LAUNCH``: direct | jit):
 #: not under the interpreter, nor with a torch built without CUDA.
@@ -57,6 +58,31 @@ def raw_stream(index: int) -> int:
     return torch.cuda.current_stream(index).cuda_stream
 
 
+def pointer_args(args: tuple) -> tuple:
+    """``args`` with each tensor as its address, for a compiled kernel's launcher called directly: given an
+    int, Triton's launcher takes it as the pointer, where for a tensor it calls ``data_ptr()`` and asks the
+    driver whether the address is device memory (``cuPointerGetAttribute``), per pointer and launch. Only
+    where the dispatcher has checked them once: its first launch of the same call (the transform's bound
+    calls) or of the same specialization (:func:`launch`)."""
+    return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """``device`` as the current CUDA device when it is not already (Triton launches on the current one);
+    nothing to do otherwise, or off CUDA (torch's device guard costs more host time than a launch on the
+    H200 host)."""
+    switch = device.type == "cuda" and device.index != current_device_index()
+    return torch.cuda.device(device) if switch else contextlib.nullcontext()
+
+
+def current_device_index() -> int:
+    """This thread's current CUDA device, for a caller that already holds CUDA tensors: torch's raw getter
+    where it has one (``torch.cuda.current_device()`` checks CUDA's lazy initialization first, on every
+    launch), else that."""
+    get = getattr(torch._C, "_cuda_getDevice", None)
+    return int(get()) if get is not None else torch.cuda.current_device()
+
+
 def _fact(a: Any) -> Any:
     """What the dispatcher specializes a runtime argument on (its value for anything else)."""
     if isinstance(a, torch.Tensor):
@@ -79,7 +105,7 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
     if not DIRECT:
         kernel[grid](*args, **kwargs)
         return
-    dev = torch._C._cuda_getDevice()
+    dev = current_device_index()
     key = (dev, *map(_fact, args), *kwargs.items())
     table = _compiled.setdefault(kernel, {})
     try:
@@ -90,8 +116,7 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
     if compiled and launch_hooks_idle():
         g0, g1, g2 = (*grid, 1, 1)[:3]
         compiled.run(g0, g1, g2, raw_stream(dev), compiled.function, compiled.packed_metadata, None, None, None,
-                     *[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args],
-                     *[kwargs[n] for n in _rest(kernel, len(args))])
+                     *pointer_args(args), *[kwargs[n] for n in _rest(kernel, len(args))])
         return
     compiled = kernel[grid](*args, **kwargs)
     if key not in table:

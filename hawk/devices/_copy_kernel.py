@@ -8,8 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hawk.transform.triton_kernel import on_device
-from hawk.triton_launch import launch_hooks_idle
+from hawk.triton_launch import launch_hooks_idle, on_device
 
 
 # The offset tables are read one value each and their alignment varies per batch: no variant per alignment.

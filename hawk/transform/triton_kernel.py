@@ -55,7 +55,6 @@ small requests.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import threading
@@ -71,7 +70,7 @@ import triton.language as tl
 
 from hawk.layouts.tt import TILE
 from hawk.plan.kv_plan import KVTransferPlan, TileDest
-from hawk.triton_launch import launch_hooks_idle, raw_stream
+from hawk.triton_launch import launch_hooks_idle, on_device, pointer_args, raw_stream
 
 #: Attribute set on a plan holding its launch states (:class:`_Launch`), keyed by the caches.
 _CACHE_ATTR = "_triton_tables"
@@ -886,7 +885,7 @@ def _launch(call: _Call, groups: int, args: tuple, device: torch.device, align: 
     parameters in signature order, constexprs included, as the dispatcher passes them. Everything the
     JIT specializes on is fixed per cache layout except the send buffer's alignment, so compiled
     kernels are kept per ``align`` (its address mod 16). ``direct_args``: what the direct launch passes
-    instead of ``args`` (:func:`_pointer_args`)."""
+    instead of ``args`` (:func:`~hawk.triton_launch.pointer_args`)."""
     compiled = call.compiled.get(align)
     if compiled is not None and launch_hooks_idle():
         try:
@@ -901,15 +900,6 @@ def _launch(call: _Call, groups: int, args: tuple, device: torch.device, align: 
     if (call.direct and device.type == "cuda" and getattr(compiled, "function", None) is not None
             and hasattr(compiled, "packed_metadata")):
         call.compiled[align] = compiled
-
-
-def _pointer_args(args: tuple) -> tuple:
-    """``args`` with each tensor as its address, for a compiled kernel's launcher called directly: given an
-    int, Triton's launcher takes it as the pointer, where for a tensor it calls ``data_ptr()`` and asks the
-    driver whether the address is device memory (``cuPointerGetAttribute``), per pointer and launch. Only
-    for a call that holds the tensors and launches on them again (:func:`bind_triton`): checked once, by
-    the dispatcher's launch and the bind's own checks."""
-    return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def _word_view(c: torch.Tensor) -> torch.Tensor:
@@ -1015,7 +1005,7 @@ def _bound(caches: Sequence[torch.Tensor], plan: KVTransferPlan, out: torch.Tens
         args = (src, tbase, groups, blk, dst, dst16, *call.rest)
         fn = _rows_kernel
 
-    direct_args = _pointer_args(args) if reusable and device.type == "cuda" else None
+    direct_args = pointer_args(args) if reusable and device.type == "cuda" else None
     dst_at = (4,) if fn is _transform_kernel else (4, 5)  # where the destination's address is passed
     return out, _BoundLaunch(device, launch, call, placed.groups, args, fn, ptr % 16, direct_args, dst_at, used)
 
@@ -1084,19 +1074,3 @@ def bind_triton_layers(
             transform_triton([c], plan, out[s:], dest=dest)
 
     return run
-
-
-def on_device(device: torch.device) -> contextlib.AbstractContextManager:
-    """``device`` as the current CUDA device when it is not already (Triton launches on the current one);
-    nothing to do otherwise, or off CUDA (torch's device guard costs more host time than a launch on the
-    H200 host)."""
-    switch = device.type == "cuda" and device.index != current_device_index()
-    return torch.cuda.device(device) if switch else contextlib.nullcontext()
-
-
-def current_device_index() -> int:
-    """This thread's current CUDA device, for a caller that already holds CUDA tensors: torch's raw getter
-    where it has one (``torch.cuda.current_device()`` checks CUDA's lazy initialization first, on every
-    launch), else that."""
-    get = getattr(torch._C, "_cuda_getDevice", None)
-    return int(get()) if get is not None else torch.cuda.current_device()
