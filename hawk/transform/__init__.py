@@ -25,16 +25,20 @@ def triton_available() -> bool:
     return True
 
 
+def _uses_triton(impl: str, caches: Sequence[torch.Tensor]) -> bool:
+    """Whether ``impl`` means the fused Triton kernel for these caches (auto: on CUDA, where Triton is)."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown transform impl {impl!r}; expected one of {IMPLS}")
+    return impl == "triton" or (impl == "auto" and caches[0].is_cuda and triton_available())
+
+
 def transform(
     caches: Sequence[torch.Tensor], plan: KVTransferPlan, out: torch.Tensor | None = None, impl: str = "auto",
     dest: TileDest | None = None,
 ) -> torch.Tensor:
     """Write ``plan``'s tiles from the paged caches with the chosen implementation: into its send
     buffer, or where ``dest`` says (e.g. straight into the NPU's DRAM, :meth:`KVTransferPlan.memory_dest`)."""
-    if impl not in IMPLS:
-        raise ValueError(f"unknown transform impl {impl!r}; expected one of {IMPLS}")
-    use_triton = impl == "triton" or (impl == "auto" and caches[0].is_cuda and triton_available())
-    if use_triton:
+    if _uses_triton(impl, caches):
         from hawk.transform.triton_kernel import transform_triton
 
         return transform_triton(caches, plan, out, dest=dest)
@@ -49,10 +53,7 @@ def bind(
     kernel's checks and launch setup (done once here) cost more host time than its launch. The call holds
     its arguments: valid while they are the same objects over the same storage (a sender's caches, a
     receiver's mapped memory)."""
-    if impl not in IMPLS:
-        raise ValueError(f"unknown transform impl {impl!r}; expected one of {IMPLS}")
-    use_triton = impl == "triton" or (impl == "auto" and caches[0].is_cuda and triton_available())
-    if use_triton:
+    if _uses_triton(impl, caches):
         from hawk.transform.triton_kernel import bind_triton
 
         return bind_triton(caches, plan, out, dest)
@@ -68,10 +69,7 @@ def bind_layers(
     transforms each layer on the forward's own thread, where every call's checks and setup cost more host
     time than the launch (the fused kernel's later layers are layer 0's launch with two addresses moved).
     Holds its arguments, as :func:`bind` does."""
-    if impl not in IMPLS:
-        raise ValueError(f"unknown transform impl {impl!r}; expected one of {IMPLS}")
-    use_triton = impl == "triton" or (impl == "auto" and caches[0].is_cuda and triton_available())
-    if use_triton:
+    if _uses_triton(impl, caches):
         from hawk.transform.triton_kernel import bind_triton_layers
 
         return bind_triton_layers(caches, plan, out, shifts, dest)
