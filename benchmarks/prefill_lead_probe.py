@@ -188,6 +188,8 @@ def main() -> None:
     if prof is not None and a.profile:
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(45)
+        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(60)  # where the posts' time goes
+        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_callees("_push_layer_inline|_layer_call|_plan_inline")
         with open(a.profile, "w") as f:
             f.write(s.getvalue())
 

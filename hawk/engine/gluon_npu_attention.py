@@ -260,13 +260,36 @@ if HAVE_GLUON:
         gl.store(vptr, vals.to(gl.uint8), mask=ok)
 
     @gluon.jit
+    def _new_row(q, q_s0, q_s1, k_new, kn_s0, kn_s1, v_new, vn_s0, vn_s1, row, h, n, lo, hi, sp, num_splits, qk_scale,
+                 heads, G: gl.constexpr, TOKN: gl.constexpr, RL: gl.constexpr, EARLY: gl.constexpr):
+        """The fused row write's share of a split: whether it holds position ``n - 1`` (``is_new``), the
+        new K/V rows packed (``_pack_row``: exponents, value bytes; V's decoded values), their scores
+        (-1e30 where not ``is_new``), and ``hi_m``, the end of what is read from the cache."""
+        hi_m = gl.minimum(hi, n - 1)  # the cache's row n - 1 is attended from registers instead
+        if EARLY:
+            is_new = (n > 0) & (((n - 1) // TOKN) % num_splits == sp)
+        else:
+            is_new = (lo <= n - 1) & (n - 1 < hi)
+        c16 = gl.arange(0, 16, layout=gl.SliceLayout(1, RL))
+        r8 = gl.arange(0, 8, layout=gl.SliceLayout(0, RL))
+        dm = r8[None, :] * 16 + c16[:, None]  # [16 (column in run), 8 (run)]
+        ke8, kb8, kd = _pack_row(gl.load(k_new + row * kn_s0 + h * kn_s1 + dm).to(gl.float32))
+        ve8, vb8, vd = _pack_row(gl.load(v_new + row * vn_s0 + h * vn_s1 + dm).to(gl.float32))
+        s_new = gl.full([8], -1.0e30, gl.float32, layout=heads.type.layout)
+        for i in gl.static_range(G):
+            qi = gl.load(q + row * q_s0 + (h * G + i) * q_s1 + dm).to(gl.float32)
+            s_new = gl.where(heads == i, gl.sum(gl.sum(qi * kd, 1), 0) * qk_scale, s_new)
+        s_new = gl.where(is_new & (heads < G), s_new, -1.0e30)
+        return hi_m, is_new, ke8, kb8, ve8, vb8, vd, s_new
+
+    @gluon.jit
     def _decode_bfp8_regs_kernel(
         q, q_s0, q_s1, out, o_s0, o_s1, part_out, part_lse,
-        mem, k_base, v_base, meta, meta_s0, qk_scale, num_splits,
+        mem, k_base, v_base, meta, meta_s0, meta_w, qk_scale, num_splits,
         bank_stride, page_stride, s0, s1, s2, k_new, kn_s0, kn_s1, v_new, vn_s0, vn_s1,
         NB: gl.constexpr, SHARD: gl.constexpr, G: gl.constexpr, BS: gl.constexpr, TOKN: gl.constexpr,
         KW: gl.constexpr, VW: gl.constexpr, VT: gl.constexpr, MMA: gl.constexpr, RL: gl.constexpr,
-        DIRECT: gl.constexpr, PREFETCH: gl.constexpr, FUSED: gl.constexpr,
+        DIRECT: gl.constexpr, PREFETCH: gl.constexpr, FUSED: gl.constexpr, EARLY: gl.constexpr,
     ):
         """One (row, kv head, split), one warp: the split's TOKN-token chunks, online softmax, then
         the output (one split) or the split's normalized partial and log2-sum-exp (the paged reduce's format).
@@ -275,15 +298,29 @@ if HAVE_GLUON:
         new row (``k_new``, ``v_new [rows, Hkv, 128]``, where ``meta[:, 1]`` says) is packed here; the
         program whose split holds position ``n - 1`` attends it from registers (the cache's row there
         is masked: it may hold old bytes) and stores it after its own reads. No other program reads
-        that row (splits are whole chunks), so nothing orders programs."""
+        that row (splits are whole chunks), so nothing orders programs.
+
+        EARLY: the first chunk's loads go out as early as they can. Split ``sp`` takes chunks ``sp, sp + S,
+        sp + 2S, ...`` instead of a contiguous run, so where its first chunk is (its block-id load) does
+        not depend on the sequence length and is loaded beside it: one dependent memory round trip fewer
+        before the K/V loads. And the new row (FUSED) is packed after they are issued, not before. A
+        batch-1 split is one chunk: this chain is most of its time."""
         row = gl.program_id(0).to(gl.int64)
         h = gl.program_id(1)
         sp = gl.program_id(2)
         mrow = meta + row * meta_s0
         n = gl.load(mrow)
-        split_len = gl.cdiv(gl.cdiv(n, num_splits), TOKN) * TOKN
-        lo = sp * split_len
-        hi = gl.minimum(lo + split_len, n)
+        if EARLY:  # chunks sp, sp + S, ...: the first one's place is known before n is
+            lo = sp * TOKN
+            hi = n
+            step = num_splits * TOKN
+            first_ok = lo // BS < meta_w  # a block-table column: the load need not wait for n
+        else:
+            split_len = gl.cdiv(gl.cdiv(n, num_splits), TOKN) * TOKN
+            lo = sp * split_len
+            hi = gl.minimum(lo + split_len, n)
+            step = TOKN
+            first_ok = lo < hi
         kwp = (mem + k_base).to(gl.pointer_type(gl.int32))
         kep = mem + k_base
         vwp = (mem + v_base).to(gl.pointer_type(gl.int32))
@@ -309,26 +346,21 @@ if HAVE_GLUON:
         acc = gl.zeros([128, 8], gl.float32, layout=MMA)
         tok = gl.arange(0, TOKN, layout=gl.SliceLayout(1, MMA))
         hi_m = hi
-        if FUSED:  # before the chunks, so that its loads overlap theirs (at batch 1 a split is one chunk)
-            hi_m = gl.minimum(hi, n - 1)  # the cache's row n - 1 is attended from registers instead
-            is_new = (lo <= n - 1) & (n - 1 < hi)
-            c16 = gl.arange(0, 16, layout=gl.SliceLayout(1, RL))
-            r8 = gl.arange(0, 8, layout=gl.SliceLayout(0, RL))
-            dm = r8[None, :] * 16 + c16[:, None]  # [16 (column in run), 8 (run)]
-            ke8, kb8, kd = _pack_row(gl.load(k_new + row * kn_s0 + h * kn_s1 + dm).to(gl.float32))
-            ve8, vb8, vd = _pack_row(gl.load(v_new + row * vn_s0 + h * vn_s1 + dm).to(gl.float32))
-            s_new = gl.full([8], -1.0e30, gl.float32, layout=SL)
-            for i in gl.static_range(G):
-                qi = gl.load(q + row * q_s0 + (h * G + i) * q_s1 + dm).to(gl.float32)
-                s_new = gl.where(heads == i, gl.sum(gl.sum(qi * kd, 1), 0) * qk_scale, s_new)
-            s_new = gl.where(is_new & (heads < G), s_new, -1.0e30)
+        if FUSED and not EARLY:  # before the chunks, so that its loads overlap theirs (at batch 1 a split is one chunk)
+            hi_m, is_new, ke8, kb8, ve8, vb8, vd, s_new = _new_row(
+                q, q_s0, q_s1, k_new, kn_s0, kn_s1, v_new, vn_s0, vn_s1, row, h, n, lo, hi, sp, num_splits, qk_scale,
+                heads, G, TOKN, RL, EARLY)
         if PREFETCH:  # loads of a chunk past the split (or of an empty split) are masked off: no traffic
-            off = _chunk_offset(mrow, lo, h, s0, s1, s2, bank_stride, page_stride, NB, SHARD, BS, lo < hi)
+            off = _chunk_offset(mrow, lo, h, s0, s1, s2, bank_stride, page_stride, NB, SHARD, BS, first_ok)
             kw, ke = _k_load(kwp, kep, off, lo, kcol, TOKN, KW, lo < hi)
             vw, ve = _v_load(vwp, off, lo, vcol, TOKN, VW, lo < hi)
-        for start in range(lo, hi, TOKN):
+        if FUSED and EARLY:  # packed while the first chunk's loads are in flight
+            hi_m, is_new, ke8, kb8, ve8, vb8, vd, s_new = _new_row(
+                q, q_s0, q_s1, k_new, kn_s0, kn_s1, v_new, vn_s0, vn_s1, row, h, n, lo, hi, sp, num_splits, qk_scale,
+                heads, G, TOKN, RL, EARLY)
+        for start in range(lo, hi, step):
             if PREFETCH:
-                nxt = start + TOKN
+                nxt = start + step
                 noff = _chunk_offset(mrow, nxt, h, s0, s1, s2, bank_stride, page_stride, NB, SHARD, BS, nxt < hi)
                 nkw, nke = _k_load(kwp, kep, noff, nxt, kcol, TOKN, KW, nxt < hi)
                 nvw, nve = _v_load(vwp, noff, nxt, vcol, TOKN, VW, nxt < hi)
@@ -376,6 +408,7 @@ if HAVE_GLUON:
             gl.store(part_lse + prow, lse, mask=hmask)
         if FUSED:  # after this program's reads; pad rows (loc < 0, n = 0) write nothing
             loc = gl.load(mrow + 1)
+            r8 = gl.arange(0, 8, layout=gl.SliceLayout(0, RL))
             ok = is_new & (loc >= 0)
             loc = gl.maximum(loc, 0)
             rr = (loc % BS) % 32
@@ -420,7 +453,8 @@ def num_splits(rows: int, num_kv_heads: int, num_sms: int, programs_per_sm: int 
 
 def decode(g, layer: int, q: torch.Tensor, meta: torch.Tensor, rows: int, splits: int,
            partials: tuple[torch.Tensor, torch.Tensor] | None, tokens: int = 32, prefetch: bool = True,
-           new_kv: tuple[torch.Tensor, torch.Tensor] | None = None, maxnreg: int | None = None) -> torch.Tensor:
+           new_kv: tuple[torch.Tensor, torch.Tensor] | None = None, maxnreg: int | None = None,
+           early: bool = False) -> torch.Tensor:
     """``q [rows, Hq, 128]`` (bf16) over each row's bfloat8_b tiles (``g``: a ``TileGeometry`` with a
     separable map) -> ``[rows, Hq, 128]``.
 
@@ -429,6 +463,7 @@ def decode(g, layer: int, q: torch.Tensor, meta: torch.Tensor, rows: int, splits
     (``write_rows``). ``splits`` > 1 needs ``partials`` (the paged decode's ``[rows*Hq*splits*D]``,
     ``[rows*Hq*splits]`` fp32 scratch), merged by its reduce. No host sync; fixed grid for a given
     ``rows`` and ``splits``. ``maxnreg``: a per-thread register cap (more programs per SM).
+    ``early``: the first chunk's loads go out first (splits take every ``splits``-th chunk; the kernel's EARLY).
     """
     from hawk.engine import triton_attention as ta
 
@@ -453,11 +488,12 @@ def decode(g, layer: int, q: torch.Tensor, meta: torch.Tensor, rows: int, splits
     lay = layouts(tokens)
     _decode_bfp8_regs_kernel[(rows, g.num_kv_heads, splits)](
         q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), part_out, part_lse,
-        g.memory, g.bases[2 * layer], g.bases[2 * layer + 1], meta, meta.stride(0), ta.decode_qk_scale(d), splits,
+        g.memory, g.bases[2 * layer], g.bases[2 * layer + 1], meta, meta.stride(0), meta.shape[1] - 2,
+        ta.decode_qk_scale(d), splits,
         g.bank_stride, g.page_stride, g.s0, g.s1, g.s2, *new_args,
         NB=g.num_banks, SHARD=g.shard_pages, G=group, BS=g.block_size, TOKN=tokens,
         KW=lay["kw"], VW=lay["vw"], VT=lay["vt"], MMA=lay["mma"], RL=lay["rl"], DIRECT=splits == 1,
-        PREFETCH=prefetch, FUSED=new_kv is not None, num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}),
+        PREFETCH=prefetch, FUSED=new_kv is not None, EARLY=early, num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     if splits > 1:
         ta.decode_reduce(part_out, part_lse, out, splits)

@@ -998,8 +998,11 @@ class DecodeConfig:
     block-id load and byte-wide exponent loads in the loop, which the pipeliner leaves synchronous).
     ``fused_write`` (word kernel, decode batches): the decode launch also writes the new K/V rows
     (no separate ``write_rows`` launch; see ``_decode_bfp8_kernel``). ``max_splits`` (register kernel):
-    a cap on its splits per row (fewer partials to merge where a row's programs are few). All of these
-    keep the paged decode's bits except ``tokens`` and ``num_warps``.
+    a cap on its splits per row (fewer partials to merge where a row's programs are few). ``early``
+    (register kernel): the first chunk's loads go out first (split ``s`` takes chunks ``s, s + S, ...``,
+    so its first block-id load need not wait for the sequence length; the new row is packed after).
+    All of these keep the paged decode's bits except ``tokens`` and ``num_warps`` (and the register
+    kernel keeps none anyway).
     """
 
     num_warps: int = 4
@@ -1012,6 +1015,7 @@ class DecodeConfig:
     token_loads: bool = False
     fused_write: bool = False
     max_splits: int = 32
+    early: bool = False
 
     @property
     def keeps_paged_bits(self) -> bool:
@@ -1071,6 +1075,12 @@ BFP8_VARIANTS: dict[str, DecodeConfig] = {
     # engine_h200_splits_s11/): regs-fw 0.999, -s16 1.014, -s8 1.027 (batch 64: 0.872, 0.869, 0.869).
     "regs-fw-s16": DecodeConfig(bfp8="regs", num_warps=1, fused_write=True, max_splits=16),
     "regs-fw-s8": DecodeConfig(bfp8="regs", num_warps=1, fused_write=True, max_splits=8),
+    # the first chunk's loads first: chunks dealt to splits round-robin (a split's first block id is
+    # loaded beside the sequence length), the new row packed while they are in flight. One H200, 8B
+    # shape, context 1k (2026-12-02, raw/engine_h200_s12/): write + attention + merge against paged bf16
+    # (`bfp8_kernel_probe.py --flush-mb 256`) 0.969 / 0.811 / 0.648 at batch 1 / 8 / 64 (regs-fw 1.042 /
+    # 0.807 / 0.647); the batch-1 8B step (`decode_step_probe.py`, 300 rounds) 0.987 x paged (regs-fw 0.999).
+    "regs-fw-early": DecodeConfig(bfp8="regs", num_warps=1, fused_write=True, early=True),
 }
 #: The fastest bfloat8_b variant that keeps the paged decode's bits (`benchmarks/bfp8_kernel_probe.py
 #: --flush-mb 256` on an H200, 2026-11-30: write + attention vs paged bf16 at context 1k, 0.90x at batch 1,
@@ -1082,8 +1092,9 @@ PAGED_BITS_BFP8_VARIANT = "tok-pipe2-r128-fw"
 #: register kernel, its chunk size by batch, the row write fused. One H200, context 1k, write + attention
 #: + merge against the paged bf16 decode (`benchmarks/bfp8_kernel_probe.py --flush-mb 256`, 2026-12-01,
 #: benchmarks/results/raw/bfp8_kernel_probe_h200_regs_call4.json): 0.66x at batch 64 (16 tokens), 0.89x
-#: at batch 8 (16), 1.07x at batch 1 (32) (the bit-keeping word kernel: 1.14x, 1.32x, 1.15x).
-DEFAULT_BFP8_VARIANT = "regs-fw"
+#: at batch 8 (16), 1.07x at batch 1 (32) (the bit-keeping word kernel: 1.14x, 1.32x, 1.15x). Since
+#: 2026-12-02 its early-loads form (``regs-fw-early``, numbers above), which is what closed batch 1.
+DEFAULT_BFP8_VARIANT = "regs-fw-early"
 
 
 def fuses_row_write(g: TileGeometry, config: DecodeConfig | None, generic: bool = False) -> bool:
@@ -1167,7 +1178,8 @@ def decode_attention(
         if new_kv is not None and not cfg.fused_write:
             raise ValueError("new_kv given, but this config does not write the rows in the decode launch")
         tokens = cfg.tokens or gk.auto_tokens(rows, g.num_kv_heads)
-        return gk.decode(g, layer, q, meta, rows, num_splits, partials, tokens, cfg.prefetch, new_kv, cfg.maxnreg)
+        return gk.decode(g, layer, q, meta, rows, num_splits, partials, tokens, cfg.prefetch, new_kv, cfg.maxnreg,
+                         cfg.early)
     if g.separable and not generic:
         cfg = config or default_config(g)
         if cfg.bfp8 == "regs":  # not runnable here (device, shape or dtype): the word kernel, fused alike
