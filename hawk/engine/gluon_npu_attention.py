@@ -25,7 +25,8 @@ How the bytes meet the tensor cores (bf16 ``m16n8k16``; lane = 4*g + t):
 
 Not the paged decode's bits (other chunks, order and warps): bfloat8_b values need not keep them,
 they are checked against the reference within tolerance. Splits are this kernel's own (one warp
-per program: more programs than the paged decode's); partials merge in the paged decode's reduce.
+per program: more programs than the paged decode's); partials merge in the paged decode's reduce, or
+where the splits are few in the decode launch itself (the last split to finish merges them).
 Requires sm_80+ (``mma.sync``) and sm_90 for ``mul.bf16x2``; head_dim 128, separable page maps.
 """
 
@@ -283,13 +284,30 @@ if HAVE_GLUON:
         return hi_m, is_new, ke8, kb8, ve8, vb8, vd, s_new
 
     @gluon.jit
+    def _merge_splits(part_out, part_lse, out, o_s1, prow0, num_splits, G: gl.constexpr, SP: gl.constexpr):
+        """Heads ``0 .. G`` of ``out`` (stride ``o_s1``) from their split partials, rows ``prow0 + i *
+        num_splits + s`` of the paged reduce's layout, with its arithmetic (weights ``2^(lse - max)``)."""
+        ML: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0])  # [splits, 128]: a lane's 4 columns
+        si = gl.arange(0, SP, layout=gl.SliceLayout(1, ML))
+        di = gl.arange(0, 128, layout=gl.SliceLayout(0, ML))
+        smask = si < num_splits
+        for i in gl.static_range(G):
+            prow = prow0 + i * num_splits + si
+            lse = gl.load(part_lse + prow, mask=smask, other=float("-inf"), cache_modifier=".cg")
+            o = gl.load(part_out + prow[:, None] * 128 + di[None, :], mask=smask[:, None], other=0.0, cache_modifier=".cg")
+            w = gl.exp2(lse - gl.max(lse, 0))  # the largest weight is 1, so the sum is >= 1
+            res = gl.sum(o * w[:, None], 0) / gl.sum(w, 0)
+            gl.store(out + i * o_s1 + di, res.to(out.dtype.element_ty))
+
+    @gluon.jit
     def _decode_bfp8_regs_kernel(
         q, q_s0, q_s1, out, o_s0, o_s1, part_out, part_lse,
         mem, k_base, v_base, meta, meta_s0, meta_w, qk_scale, num_splits,
-        bank_stride, page_stride, s0, s1, s2, k_new, kn_s0, kn_s1, v_new, vn_s0, vn_s1,
+        bank_stride, page_stride, s0, s1, s2, k_new, kn_s0, kn_s1, v_new, vn_s0, vn_s1, counters,
         NB: gl.constexpr, SHARD: gl.constexpr, G: gl.constexpr, BS: gl.constexpr, TOKN: gl.constexpr,
         KW: gl.constexpr, VW: gl.constexpr, VT: gl.constexpr, MMA: gl.constexpr, RL: gl.constexpr,
         DIRECT: gl.constexpr, PREFETCH: gl.constexpr, FUSED: gl.constexpr, EARLY: gl.constexpr,
+        MERGE: gl.constexpr, SP: gl.constexpr,
     ):
         """One (row, kv head, split), one warp: the split's TOKN-token chunks, online softmax, then
         the output (one split) or the split's normalized partial and log2-sum-exp (the paged reduce's format).
@@ -304,7 +322,14 @@ if HAVE_GLUON:
         sp + 2S, ...`` instead of a contiguous run, so where its first chunk is (its block-id load) does
         not depend on the sequence length and is loaded beside it: one dependent memory round trip fewer
         before the K/V loads. And the new row (FUSED) is packed after they are issued, not before. A
-        batch-1 split is one chunk: this chain is most of its time."""
+        batch-1 split is one chunk: this chain is most of its time.
+
+        MERGE (several splits): the last split of a (row, KV head) to finish merges every split's
+        partials (``SP``: the split count rounded up to a power of two), as the paged decode's reduce
+        does, instead of a reduce launch after this one. The barrier puts the warp's partial stores
+        before its acq_rel atomic on ``counters[row, h]`` (release: the merger sees them; acquire: this
+        program sees the others'); partials are read past L1 (``.cg``), which is not coherent across
+        SMs; the merger zeroes the counter for the next launch or graph replay."""
         row = gl.program_id(0).to(gl.int64)
         h = gl.program_id(1)
         sp = gl.program_id(2)
@@ -417,6 +442,13 @@ if HAVE_GLUON:
                 + _page_offset(r8 // 2, bank_stride, page_stride, NB, SHARD)
             _store_row(mem + k_base, tile, face, rr % 16, ke8, kb8, ok, RL)
             _store_row(mem + v_base, tile, face, rr % 16, ve8, vb8, ok, RL)
+        if MERGE and not DIRECT:
+            gl.thread_barrier()
+            cnt = counters + row * gl.num_programs(1) + h
+            if gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                _merge_splits(part_out, part_lse, out + row * o_s0 + h * G * o_s1, o_s1,
+                              (row * gl.num_programs(1) + h) * G * num_splits, num_splits, G, SP)
+                gl.store(cnt, 0)
 
 
 def has_bf16x2_mul(device: torch.device) -> bool:
@@ -454,7 +486,7 @@ def num_splits(rows: int, num_kv_heads: int, num_sms: int, programs_per_sm: int 
 def decode(g, layer: int, q: torch.Tensor, meta: torch.Tensor, rows: int, splits: int,
            partials: tuple[torch.Tensor, torch.Tensor] | None, tokens: int = 32, prefetch: bool = True,
            new_kv: tuple[torch.Tensor, torch.Tensor] | None = None, maxnreg: int | None = None,
-           early: bool = False) -> torch.Tensor:
+           early: bool = False, counters: torch.Tensor | None = None) -> torch.Tensor:
     """``q [rows, Hq, 128]`` (bf16) over each row's bfloat8_b tiles (``g``: a ``TileGeometry`` with a
     separable map) -> ``[rows, Hq, 128]``.
 
@@ -464,6 +496,9 @@ def decode(g, layer: int, q: torch.Tensor, meta: torch.Tensor, rows: int, splits
     ``[rows*Hq*splits]`` fp32 scratch), merged by its reduce. No host sync; fixed grid for a given
     ``rows`` and ``splits``. ``maxnreg``: a per-thread register cap (more programs per SM).
     ``early``: the first chunk's loads go out first (splits take every ``splits``-th chunk; the kernel's EARLY).
+    ``counters``: int32 zeros, ``>= rows * Hkv`` (each launch leaves them zeroed: keep one buffer for a
+    captured graph): with several splits the last split merges them in this launch (the kernel's
+    MERGE), else a reduce launch follows.
     """
     from hawk.engine import triton_attention as ta
 
@@ -483,6 +518,9 @@ def decode(g, layer: int, q: torch.Tensor, meta: torch.Tensor, rows: int, splits
         new_args = (kn, kn.stride(0), kn.stride(1), vn, vn.stride(0), vn.stride(1))
     else:  # never read: any pointer, zero strides
         new_args = (q, 0, 0, q, 0, 0)
+    merge = splits > 1 and counters is not None
+    if merge and (counters.dtype != torch.int32 or counters.numel() < rows * g.num_kv_heads):
+        raise ValueError(f"counters must be int32 with >= {rows * g.num_kv_heads} elements")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     part_out, part_lse = partials if partials is not None else (out, out)
     lay = layouts(tokens)
@@ -490,11 +528,16 @@ def decode(g, layer: int, q: torch.Tensor, meta: torch.Tensor, rows: int, splits
         q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), part_out, part_lse,
         g.memory, g.bases[2 * layer], g.bases[2 * layer + 1], meta, meta.stride(0), meta.shape[1] - 2,
         ta.decode_qk_scale(d), splits,
-        g.bank_stride, g.page_stride, g.s0, g.s1, g.s2, *new_args,
+        g.bank_stride, g.page_stride, g.s0, g.s1, g.s2, *new_args, counters if merge else meta,
         NB=g.num_banks, SHARD=g.shard_pages, G=group, BS=g.block_size, TOKN=tokens,
         KW=lay["kw"], VW=lay["vw"], VT=lay["vt"], MMA=lay["mma"], RL=lay["rl"], DIRECT=splits == 1,
-        PREFETCH=prefetch, FUSED=new_kv is not None, EARLY=early, num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}),
+        PREFETCH=prefetch, FUSED=new_kv is not None, EARLY=early, MERGE=merge, SP=_next_pow2(splits) if merge else 1,
+        num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
-    if splits > 1:
+    if splits > 1 and not merge:
         ta.decode_reduce(part_out, part_lse, out, splits)
     return out
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()

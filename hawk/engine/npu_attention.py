@@ -260,16 +260,18 @@ class NpuTileAttention:
             tk.write_rows(g, layer, kd, vd, self._meta, rows)  # then read back, as the paged decode does
         splits = self.num_splits or tk.choose_splits(rows, g.num_kv_heads, dev, g, self.decode_config,
                                                      q.shape[2], q.shape[1] // g.num_kv_heads)
-        ws = None
+        ws = counters = None
         if splits > 1:
             key = (rows, q.shape[1], q.shape[2], splits)
             ws = self._ws.get(key)
             if ws is None:  # kept for reuse, so a captured graph keeps pointing at it
                 n = rows * q.shape[1] * splits
-                ws = (torch.empty(n * q.shape[2], dtype=torch.float32, device=dev), torch.empty(n, dtype=torch.float32, device=dev))
+                ws = (torch.empty(n * q.shape[2], dtype=torch.float32, device=dev), torch.empty(n, dtype=torch.float32, device=dev),
+                      torch.zeros(rows * g.num_kv_heads, dtype=torch.int32, device=dev))  # every merging launch leaves them 0
                 self._ws[key] = ws
+            ws, counters = ws[:2], ws[2]
         return tk.decode_attention(g, layer, qd, self._meta, rows, splits, ws, self.decode_config, self.generic,
-                                   new_kv=(kd, vd) if fused else None).to(q.device)
+                                   new_kv=(kd, vd) if fused else None, counters=counters).to(q.device)
 
     def _call_torch(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         tk_, tv = 2 * layer, 2 * layer + 1

@@ -1001,8 +1001,10 @@ class DecodeConfig:
     a cap on its splits per row (fewer partials to merge where a row's programs are few). ``early``
     (register kernel): the first chunk's loads go out first (split ``s`` takes chunks ``s, s + S, ...``,
     so its first block-id load need not wait for the sequence length; the new row is packed after).
-    All of these keep the paged decode's bits except ``tokens`` and ``num_warps`` (and the register
-    kernel keeps none anyway).
+    ``merge_splits`` (register kernel): with 2 to this many splits the last split of each (row, KV head)
+    merges them in the decode launch (needs the caller's ``counters``), no reduce launch after it; the
+    merge is one warp's serial work, so it pays only where the splits are few (0: never). All of these keep
+    the paged decode's bits except ``tokens`` and ``num_warps`` (and the register kernel keeps none anyway).
     """
 
     num_warps: int = 4
@@ -1016,6 +1018,7 @@ class DecodeConfig:
     fused_write: bool = False
     max_splits: int = 32
     early: bool = False
+    merge_splits: int = 0
 
     @property
     def keeps_paged_bits(self) -> bool:
@@ -1081,6 +1084,12 @@ BFP8_VARIANTS: dict[str, DecodeConfig] = {
     # (`bfp8_kernel_probe.py --flush-mb 256`) 0.969 / 0.811 / 0.648 at batch 1 / 8 / 64 (regs-fw 1.042 /
     # 0.807 / 0.647); the batch-1 8B step (`decode_step_probe.py`, 300 rounds) 0.987 x paged (regs-fw 0.999).
     "regs-fw-early": DecodeConfig(bfp8="regs", num_warps=1, fused_write=True, early=True),
+    # and the splits merged in the same launch by the last to finish: one launch per layer. One H200,
+    # context 1k (2026-12-02, raw/engine_h200_s12/, probe as above): -m merges always, 1.050 / 0.913 /
+    # 0.605 at batch 1 / 8 / 64 (32 / 17 / 3 splits; regs-fw-early 0.955 / 0.799 / 0.651 in that call),
+    # 8B step at batch 64 0.848 x paged (regs-fw-early 0.868); -m4 merges where there are at most 4.
+    "regs-fw-early-m": DecodeConfig(bfp8="regs", num_warps=1, fused_write=True, early=True, merge_splits=64),
+    "regs-fw-early-m4": DecodeConfig(bfp8="regs", num_warps=1, fused_write=True, early=True, merge_splits=4),
 }
 #: The fastest bfloat8_b variant that keeps the paged decode's bits (`benchmarks/bfp8_kernel_probe.py
 #: --flush-mb 256` on an H200, 2026-11-30: write + attention vs paged bf16 at context 1k, 0.90x at batch 1,
@@ -1093,8 +1102,9 @@ PAGED_BITS_BFP8_VARIANT = "tok-pipe2-r128-fw"
 #: + merge against the paged bf16 decode (`benchmarks/bfp8_kernel_probe.py --flush-mb 256`, 2026-12-01,
 #: benchmarks/results/raw/bfp8_kernel_probe_h200_regs_call4.json): 0.66x at batch 64 (16 tokens), 0.89x
 #: at batch 8 (16), 1.07x at batch 1 (32) (the bit-keeping word kernel: 1.14x, 1.32x, 1.15x). Since
-#: 2026-12-02 its early-loads form (``regs-fw-early``, numbers above), which is what closed batch 1.
-DEFAULT_BFP8_VARIANT = "regs-fw-early"
+#: 2026-12-02 its early-loads form, merging in the launch where the splits are few (``regs-fw-early-m4``,
+#: numbers above).
+DEFAULT_BFP8_VARIANT = "regs-fw-early-m4"
 
 
 def fuses_row_write(g: TileGeometry, config: DecodeConfig | None, generic: bool = False) -> bool:
@@ -1140,6 +1150,7 @@ def decode_attention(
     generic: bool = False,
     block_n: int | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q [rows, Hq, D]`` over each row's tiled context -> ``[rows, Hq, D]`` in q's dtype (no host sync).
 
@@ -1155,6 +1166,9 @@ def decode_attention(
     ``new_kv``: the new rows' ``k, v [rows, Hkv, D]`` (last dim contiguous) when the kernel writes them
     itself (:func:`fuses_row_write` must be True; only for decode batches: each row's new token is its
     sequence's only one); else the caller has written them (:func:`write_rows`).
+
+    ``counters``: int32 zeros, ``>= rows * Hkv``, left zeroed by every launch (keep one buffer per
+    captured graph); used where the config merges in the decode launch (``DecodeConfig.merge``).
     """
     from hawk.engine import triton_attention as ta
 
@@ -1179,7 +1193,7 @@ def decode_attention(
             raise ValueError("new_kv given, but this config does not write the rows in the decode launch")
         tokens = cfg.tokens or gk.auto_tokens(rows, g.num_kv_heads)
         return gk.decode(g, layer, q, meta, rows, num_splits, partials, tokens, cfg.prefetch, new_kv, cfg.maxnreg,
-                         cfg.early)
+                         cfg.early, counters if 1 < num_splits <= cfg.merge_splits else None)
     if g.separable and not generic:
         cfg = config or default_config(g)
         if cfg.bfp8 == "regs":  # not runnable here (device, shape or dtype): the word kernel, fused alike
