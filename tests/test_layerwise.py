@@ -44,14 +44,14 @@ class Faults:
     def __init__(self, pair, tp):
         self.tp, self.on = tp, False
         fmt = pair.sender.fmt
-        real = fmt.produce_layer_into
+        real = fmt.produce_layers_into
 
-        def produce(plan, layer, target):
-            if self.on and layer == L - 1:  # earlier layers are written: the failure comes mid-push
+        def produce(plan, layers, target):
+            if self.on and L - 1 in layers:  # earlier layers are written: the failure comes mid-push
                 raise RuntimeError("injected transform failure")
-            return real(plan, layer, target)
+            return real(plan, layers, target)
 
-        fmt.produce_layer_into = produce
+        fmt.produce_layers_into = produce
 
     def set(self, on: bool) -> None:
         self.on = self.tp.fault = on

@@ -401,16 +401,13 @@ class KVSender:
             if staged is None:
                 raise RuntimeError("layer pushed before its plan")
             t0 = time.perf_counter()
-            self._side.after_current()
-            with self._side.current():
+            with self._side.posting():
                 if push.direct is not None:
-                    for lyr in layers:
-                        self.fmt.produce_layer_into(push.plan, lyr, push.direct)
+                    self.fmt.produce_layers_into(push.plan, layers, push.direct)
                     t1 = time.perf_counter()
                     self._count_direct(push, layers)
                 else:
-                    for lyr in layers:
-                        self.fmt.produce_layer(push.plan, lyr, staged)
+                    self.fmt.produce_layers(push.plan, layers, staged)
                     t1 = time.perf_counter()
                     self._post_writes(push, layers, staged)
             t2 = time.perf_counter()
@@ -582,11 +579,11 @@ class KVSender:
             raise RuntimeError("layer pushed before its plan")
         t0 = time.perf_counter()
         if push.direct is not None:  # produced straight into the destination: done when run returns
-            self._side.run(marker, lambda: self.fmt.produce_layer_into(push.plan, layer, push.direct))
+            self._side.run(marker, lambda: self.fmt.produce_layers_into(push.plan, [layer], push.direct))
             t1 = time.perf_counter()
             self._count_direct(push, [layer])
         else:
-            self._side.run(marker, lambda: self.fmt.produce_layer(push.plan, layer, staged))
+            self._side.run(marker, lambda: self.fmt.produce_layers(push.plan, [layer], staged))
             t1 = time.perf_counter()
             with self._side.current():  # ordered after this layer's transform, not the rest of the forward
                 self._post_writes(push, [layer], staged)

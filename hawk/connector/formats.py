@@ -167,8 +167,9 @@ class SendFormat(ABC):
         """Reserve what the layers will be produced into (nothing for a format read in place)."""
         return Staged(Held("in-place"))
 
-    def produce_layer(self, plan: Any, layer: int, staged: Staged) -> None:
-        """Write layer ``layer``'s bytes into its slice of ``staged`` (nothing when read in place)."""
+    def produce_layers(self, plan: Any, layers: Sequence[int], staged: Staged) -> None:
+        """Write these layers' bytes into their slices of ``staged`` (nothing when read in place); a
+        group at once, as a push posts them, so per-call setup is paid once per group."""
 
     def dest_regions(self, peer: dict[str, Any]) -> list[str]:
         """The receiver's regions a layer-wise push (or a landed pull) of this format writes into, in
@@ -187,8 +188,8 @@ class SendFormat(ABC):
         (``dests``, as this process addresses them), or None: staging + WRITE."""
         return None
 
-    def produce_layer_into(self, plan: Any, layer: int, target: DirectTarget) -> None:
-        """Produce layer ``layer``'s bytes straight into the receiver's memory (:meth:`direct_target`)."""
+    def produce_layers_into(self, plan: Any, layers: Sequence[int], target: DirectTarget) -> None:
+        """Produce these layers' bytes straight into the receiver's memory (:meth:`direct_target`)."""
         raise NotImplementedError
 
     def layer_descs(self, plan: Any, layer: int, staged: Staged) -> Sequence[Desc]:
@@ -292,18 +293,19 @@ class NpuTiles(_InStagingBuffer):
         res = self.staging.reserve(plan.total_bytes, owner, ttl_s)
         return Staged(Held("layerwise", {0: res}), STAGING_REGION, res.offset)
 
-    def produce_layer(self, plan: LayerwisePlan, layer: int, staged: Staged) -> None:
+    def produce_layers(self, plan: LayerwisePlan, layers: Sequence[int], staged: Staged) -> None:
         n = plan.layer_bytes
         out = self.staging.view(staged.held.reservations[0])
         if out.device == self.caches[0].device:
-            self._layer_call(plan, staged, lambda: (out, [i * n for i in range(plan.num_layers)], None))(layer)
-        else:
+            self._layer_call(plan, staged, lambda: (out, [i * n for i in range(plan.num_layers)], None))(*layers)
+            return
+        for layer in layers:
             out[layer * n : (layer + 1) * n].copy_(transform([self.caches[layer]], plan.plan, None, self.impl))
 
-    def _layer_call(self, plan: LayerwisePlan, where: Any, args: Callable[[], tuple]) -> Callable[[int], None]:
-        """The push's transform of any layer (:func:`hawk.transform.bind_layers`), bound on its first
-        layer and kept per (plan, destination): a push calls it once per layer from the forward's thread.
-        The entry holds both, so their ids stay unique."""
+    def _layer_call(self, plan: LayerwisePlan, where: Any, args: Callable[[], tuple]) -> Callable[..., None]:
+        """The push's transform of any layers (:func:`hawk.transform.bind_layers`), bound on its first
+        layer and kept per (plan, destination): a push calls it once per group of layers from the
+        forward's thread. The entry holds both, so their ids stay unique."""
         def build() -> tuple:
             out, shifts, dest = args()
             return plan, where, bind_layers(self.caches, plan.plan, out, shifts, self.impl, dest)
@@ -366,8 +368,8 @@ class NpuTiles(_InStagingBuffer):
             return None
         return DirectTarget(memory, dest, shifts)  # type: ignore[arg-type]
 
-    def produce_layer_into(self, plan: LayerwisePlan, layer: int, target: DirectTarget) -> None:
-        self._layer_call(plan, target, lambda: (target.memory, target.shifts, target.dest))(layer)
+    def produce_layers_into(self, plan: LayerwisePlan, layers: Sequence[int], target: DirectTarget) -> None:
+        self._layer_call(plan, target, lambda: (target.memory, target.shifts, target.dest))(*layers)
 
     def layer_descs(self, plan: LayerwisePlan, layer: int, staged: Staged) -> DescArray:
         base = staged.offset + layer * plan.layer_bytes

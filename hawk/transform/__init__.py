@@ -63,17 +63,22 @@ def bind(
 def bind_layers(
     caches: Sequence[torch.Tensor], plan: KVTransferPlan, out: torch.Tensor, shifts: Sequence[int], impl: str = "auto",
     dest: TileDest | None = None,
-) -> Callable[[int], None]:
-    """``transform([caches[l]], plan, out[shifts[l]:], impl, dest)`` for any layer ``l`` as one call to
-    repeat (``plan``: one layer's, the same for every layer, as a layer-wise push's is). Why: a push
-    transforms each layer on the forward's own thread, where every call's checks and setup cost more host
-    time than the launch (the fused kernel's later layers are layer 0's launch with two addresses moved).
-    Holds its arguments, as :func:`bind` does."""
+) -> Callable[..., None]:
+    """``transform([caches[l]], plan, out[shifts[l]:], impl, dest)`` for any layers ``l`` (``run(*layers)``)
+    as one call to repeat (``plan``: one layer's, the same for every layer, as a layer-wise push's is).
+    Why: a push transforms its layers on the forward's own thread, a group at a time, where every call's
+    checks and setup cost more host time than the launch (the fused kernel's later layers are layer 0's
+    launch with two addresses moved). Holds its arguments, as :func:`bind` does."""
     if _uses_triton(impl, caches):
         from hawk.transform.triton_kernel import bind_triton_layers
 
         return bind_triton_layers(caches, plan, out, shifts, dest)
-    return lambda layer: transform_reference([caches[layer]], plan, out[shifts[layer]:], dest)
+
+    def run(*layers: int) -> None:
+        for layer in layers:
+            transform_reference([caches[layer]], plan, out[shifts[layer]:], dest)
+
+    return run
 
 
 def untransform(send: torch.Tensor, plan: KVTransferPlan, caches: Sequence[torch.Tensor]) -> None:

@@ -1033,23 +1033,28 @@ class _BoundLaunch:
             self.launch.order_after_uploads()
             _launch(self.call, self.groups, self.args, self.device, self.align, self.fn, self.direct_args)
 
-    def moved(self, src: int, dst: int) -> bool:
-        """Launch the kernel as compiled for this call on another layer: its source at ``src`` and its
-        destination at ``dst`` (addresses; the same cache layout and tiles, elsewhere). False, launching
-        nothing, where that kernel does not fit them (another alignment) or is not compiled yet."""
+    def moved(self, pairs: Sequence[tuple[int, int]]) -> list[int]:
+        """Launch the kernel as compiled for this call on other layers: per pair, its source at ``src``
+        and its destination at ``dst`` (addresses; the same cache layout and tiles, elsewhere), all under
+        one device guard and stream lookup. Returns the indices of the pairs it launched nothing for:
+        that kernel does not fit them (another alignment), or it is not compiled yet."""
         compiled = self.call.compiled.get(self.align)
-        if (self.direct_args is None or compiled is None or dst % 16 != self.align
-                or src % 16 != self.direct_args[0] % 16 or not launch_hooks_idle()):
-            return False
-        args = list(self.direct_args)
-        args[0] = src
-        for i in self.dst_at:
-            args[i] = dst
-        with on_device(self.device):
-            self.launch.order_after_uploads()
-            compiled.run(self.groups, self.call.grid_y, 1, raw_stream(self.device.index), compiled.function,
-                         compiled.packed_metadata, None, None, None, *args)
-        return True
+        if self.direct_args is None or compiled is None or not launch_hooks_idle():
+            return list(range(len(pairs)))
+        src_align = self.direct_args[0] % 16
+        fit = [i for i, (src, dst) in enumerate(pairs) if dst % 16 == self.align and src % 16 == src_align]
+        if fit:
+            args = list(self.direct_args)
+            with on_device(self.device):
+                self.launch.order_after_uploads()
+                stream = raw_stream(self.device.index)
+                for i in fit:
+                    args[0] = pairs[i][0]
+                    for j in self.dst_at:
+                        args[j] = pairs[i][1]
+                    compiled.run(self.groups, self.call.grid_y, 1, stream, compiled.function, compiled.packed_metadata,
+                                 None, None, None, *args)
+        return sorted(set(range(len(pairs))) - set(fit))
 
 
 def bind_triton_layers(
@@ -1058,19 +1063,26 @@ def bind_triton_layers(
     out: torch.Tensor,
     shifts: Sequence[int],
     dest: TileDest | None = None,
-) -> Callable[[int], None]:
-    """``transform_triton([caches[l]], plan, out[shifts[l]:], dest=dest)`` for any layer ``l`` as one call
-    to repeat: layer ``l``'s launch is layer 0's with the two addresses moved (``plan`` is one layer's, as
-    a layer-wise push's is). Why: a push transforms every layer of a request on the forward's own thread,
-    and the checks and setup of each call cost that thread more host time than its launch. Layers whose
-    addresses the compiled kernel does not fit are transformed from scratch."""
+) -> Callable[..., None]:
+    """``transform_triton([caches[l]], plan, out[shifts[l]:], dest=dest)`` for any layers ``l`` as one call
+    to repeat (``run(*layers)``): layer ``l``'s launch is layer 0's with the two addresses moved (``plan``
+    is one layer's, as a layer-wise push's is). Why: a push transforms every layer of a request on the
+    forward's own thread, a group at a time, and the checks and setup of each call cost that thread more
+    host time than its launch. Layers whose addresses the compiled kernel does not fit are transformed
+    from scratch."""
     bound = _bound([caches[0]], plan, out[shifts[0]:], 4, None, None, dest, reusable=True)[1]
+    base = out.data_ptr()
 
-    def run(layer: int) -> None:
-        c, s = caches[layer], shifts[layer]
-        if layer == 0:
+    def run(*layers: int) -> None:
+        later = [layer for layer in layers if layer != 0]
+        if len(later) < len(layers):
             bound()
-        elif not (isinstance(bound, _BoundLaunch) and bound.moved(c.data_ptr(), out.data_ptr() + s)):
-            transform_triton([c], plan, out[s:], dest=dest)
+        if not later:
+            return
+        pairs = [(caches[layer].data_ptr(), base + shifts[layer]) for layer in later]
+        misfits = bound.moved(pairs) if isinstance(bound, _BoundLaunch) else range(len(later))
+        for i in misfits:
+            layer = later[i]
+            transform_triton([caches[layer]], plan, out[shifts[layer]:], dest=dest)
 
     return run
