@@ -342,7 +342,19 @@ _VARIANT_BITWISE = {
 #: Probe variants the interpreter runs exactly as another case does (warps, stages and register caps are
 #: compiled out there, and its chunks are 16 tokens unless a variant sets ``tokens``): no case of their own.
 _SAME_UNDER_INTERPRETER = {"tok-w1-t16", "tok-w2-t64", "tok-w4-t32",  # = tok-pipe2-r128-fw, ditto, tok-w2-t32
-                           "regs-t16-fw", "regs-fw", "regs-fw-s16", "regs-fw-s8"}  # GPU-only kernel: the word kernel runs (regs-t32 and -fw check that)
+                           # GPU-only kernel: the word kernel runs (regs-t32 and -fw check that)
+                           "regs-t16-fw", "regs-fw", "regs-fw-s16", "regs-fw-s8", "regs-fw-early", "regs-fw-early-m",
+                           "regs-fw-early-m4"}
+
+
+#: Variants whose interpreter run is a ``_VARIANTS_FULL`` variant's, kernel arguments and all (register caps,
+#: warps, stages and the PTX/integer decode choice are compiled out there, and a ``"regs"`` config runs the
+#: word kernel: ``decode_attention``), but whose names and configs still pass through the launch: their one
+#: case checks that plumbing, so it is the cheapest (interleaved: two splits, merged); the kernel paths of
+#: pad5-gqa8-split4 run under the variant named here.
+_PLUMBING_ONLY = {"words-r168": "words", "words-r128": "words", "words-int": "words", "words-w8": "words",
+                  "words-pipe2-r128": "words-pipe2", "words-pipe3-r128": "words-pipe2", "regs-t32": "words-pipe2",
+                  "tok-pipe2-r128-fw": "tok-pipe3-r128-fw", "regs-t32-fw": "tok-pipe3-r128-fw"}
 
 
 def _issue7_group(cfg) -> bool:
@@ -373,7 +385,8 @@ def _variant_cases(group: str = "main") -> dict[str, tuple[str, str, dict]]:
                     if _VARIANTS_FULL[name] is None or f"bitwise-{cname}" in _VARIANTS_FULL[name]:
                         cases[f"{name}/bitwise-{cname}"] = ("bitwise", name, kw)
         else:
-            cases[f"{name}/pad5-gqa8-split4"] = ("compare", name, _VARIANT_COMPARE["pad5-gqa8-split4"])
+            cname = "interleaved" if name in _PLUMBING_ONLY else "pad5-gqa8-split4"
+            cases[f"{name}/{cname}"] = ("compare", name, _VARIANT_COMPARE[cname])
     return cases
 
 
@@ -498,7 +511,11 @@ def test_fused_row_write_launch_plumbing(monkeypatch: pytest.MonkeyPatch) -> Non
         calls: list[tuple] = []
         monkeypatch.setattr(tk, "write_rows", lambda *a, **k: calls.append(("write",)))
 
-        def fake_decode(g, layer, q, meta, rows, splits, ws, config=None, generic=False, block_n=None, new_kv=None):
+        def fake_decode(g, layer, q, meta, rows, splits, ws, config=None, generic=False, block_n=None, new_kv=None,
+                        counters=None):
+            # with splits, the merge counters come with the partials: int32 zeros, one per (row, KV head)
+            assert (counters is None) == (ws is None) and (counters is None or (
+                counters.dtype == torch.int32 and counters.numel() >= rows * g.num_kv_heads and not counters.any()))
             calls.append(("decode", new_kv is not None))
             return torch.zeros_like(q)
 
@@ -509,7 +526,7 @@ def test_fused_row_write_launch_plumbing(monkeypatch: pytest.MonkeyPatch) -> Non
             (tk.BFP8_VARIANTS["tok-pipe3-r128-fw"], BATCH, False, [("decode", True)]),
             (tk.BFP8_VARIANTS["words-pipe2-r128-fw"], BATCH_MULTI, False, [("write",), ("decode", False)]),
             (tk.BFP8_VARIANTS["words-pipe2-r128-fw"], BATCH, True, [("write",), ("decode", False)]),
-            (None, BATCH, False, [("decode", True)]),  # the default variant (regs-fw) fuses
+            (None, BATCH, False, [("decode", True)]),  # the default variant (regs-fw-early-m4) fuses
             (tk.BFP8_VARIANTS["regs-t32"], BATCH, False, [("write",), ("decode", False)]),  # this register one does not
             (tk.BFP8_VARIANTS["words-pipe2-r128"], BATCH, False, [("write",), ("decode", False)]),  # this one does not
         ]:
@@ -527,6 +544,42 @@ def test_fused_row_write_launch_plumbing(monkeypatch: pytest.MonkeyPatch) -> Non
         assert not tk.fuses_row_write(tk.tile_geometry(kv16), tk.BFP8_VARIANTS["words-pipe2-r128-fw"])
     finally:
         kv16.close()
+
+
+def test_plumbing_only_variants_launch_as_their_partner_under_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_PLUMBING_ONLY``'s premise (kernel stubbed out, the interpreter's branch taken): each such variant
+    launches the word kernel with its partner's grid and arguments, bar warps and stages, which the
+    interpreter ignores; so their interpreter runs on the cheapest case lose none of pad5-gqa8-split4's."""
+    from hawk.engine import triton_npu_attention as tk
+
+    pytest.importorskip("triton")
+    _, kv = _cache("bfp8_b", 1)
+    try:
+        g = tk.tile_geometry(kv)
+        q, k, v = _qkv(3, 4, 2, 64, 0, dtype=torch.bfloat16)
+        meta = torch.zeros(3, tk.META_BLOCKS + 4, dtype=torch.int32)
+        launches: list[tuple] = []
+
+        class Stub:
+            def __getitem__(self, grid):
+                return lambda *a, **kw: launches.append(
+                    (grid, a, {n: x for n, x in kw.items() if n not in ("num_warps", "num_stages")}))
+
+        monkeypatch.setattr(tk, "_decode_bfp8_kernel", Stub())
+        monkeypatch.setattr(tk, "interpreting", lambda: True)
+
+        def launch(name: str) -> tuple:
+            cfg = _variant_config(name)
+            launches.clear()
+            tk.decode_attention(g, 0, q, meta, 3, 1, None, cfg, new_kv=(k, v) if tk.fuses_row_write(g, cfg) else None)
+            (grid, args, kw), = launches
+            return grid, [(x.shape, x.dtype, x.stride()) if isinstance(x, torch.Tensor) else x for x in args], kw
+
+        for name, full in _PLUMBING_ONLY.items():
+            assert full in _VARIANTS_FULL, full
+            assert launch(name) == launch(full), (name, full)
+    finally:
+        kv.close()
 
 
 def _decode_steps():
@@ -695,7 +748,8 @@ def test_gpu_8b_shape_matches_codecs(dtype: str) -> None:
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("variant", ["default", "words", "words-pipe2-r128", "words-pipe2-r128-fw", "tok-pipe3-r128-fw", "regs-t32", "regs-t32-fw"])
+@pytest.mark.parametrize("variant", ["default", "words", "words-pipe2-r128", "words-pipe2-r128-fw", "tok-pipe3-r128-fw",
+                                     "regs-t32", "regs-t32-fw", "regs-fw-early", "regs-fw-early-m", "regs-fw-early-m4"])
 def test_gpu_cuda_graph_replays_a_new_batch_of_the_same_padded_size(variant: str) -> None:
     from hawk.engine.npu_attention import NpuTileAttention
     from hawk.engine.triton_npu_attention import BFP8_VARIANTS
@@ -778,14 +832,15 @@ def _variant_names(bitwise: bool | None = None) -> list[str]:
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("batch", [5, 64])
+@pytest.mark.parametrize("batch", [1, 5, 64])
 @pytest.mark.parametrize("variant", _variant_names())
 def test_gpu_bfp8_variant_matches_codecs(variant: str, batch: int) -> None:
     """Every bfloat8_b variant at the 8B shape, ~1k contexts over shuffled block-cyclic blocks: the
     codec oracle's outputs (bf16 tolerance) and its row writes byte for byte; pad rows give 0; and the
     bit-keeping reference variant's output on the same bytes (``PAGED_BITS_BFP8_VARIANT``): bit for bit
-    when the variant keeps the paged decode's bits, else within bf16 tolerance. Batch 5 (padded to 8)
-    runs split-K, batch 64 one split (the register kernel: its own splits)."""
+    when the variant keeps the paged decode's bits, else within bf16 tolerance. Batch 1 and 5 (padded
+    to 8) run split-K (the register kernel at batch 1: one chunk a split), batch 64 one split (the
+    register kernel: its own splits, several chunks each)."""
     from hawk.engine.npu_attention import NpuTileAttention
     from hawk.engine.triton_npu_attention import BFP8_VARIANTS, PAGED_BITS_BFP8_VARIANT
 

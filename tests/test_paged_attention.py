@@ -84,6 +84,22 @@ def run_case(c: dict, device: str, use_triton: bool | None, num_layers: int = 1,
     After every forward the fused decode's split counters must be back at zero (else the next
     launch, or graph replay, would merge too early or never).
     """
+    (res,) = run_case_paths(c, device, use_triton, [fused_decode], num_layers)
+    if isinstance(res, Exception):
+        raise res
+    return res
+
+
+def run_case_paths(c: dict, device: str, use_triton: bool | None, paths: list[bool | None],
+                   num_layers: int = 1) -> list[dict | Exception]:
+    """``run_case`` for each decode path (``fused_decode`` value) in ``paths``: its result, or what it raised.
+
+    The prefill and the mixed step take no decode path (the same launches and bytes whichever is set), so
+    they run once, on the first path's backend; each later path starts from their caches, references and
+    random state, on a new backend whose ``begin`` has seen the same batches (their forwards change no
+    other state of it), and replays the decode steps exactly as its own ``run_case`` would. Under the
+    interpreter the prefill is most of a case's time.
+    """
     kv_dt, q_dt = DTYPES[c["kv"]], DTYPES[c["qd"]]
     hq, hkv, d, bs = c["hq"], c["hkv"], c["d"], c["bs"]
     prompts = c["prompts"]
@@ -94,7 +110,7 @@ def run_case(c: dict, device: str, use_triton: bool | None, num_layers: int = 1,
     caches = layout.allocate(device)
     for cache in caches:
         cache.fill_(SENTINEL)
-    attn = PagedAttention(layout, caches, max_batch=8, use_triton=use_triton, fused_decode=fused_decode)
+    attn = PagedAttention(layout, caches, max_batch=8, use_triton=use_triton, fused_decode=paths[0])
     g = torch.Generator().manual_seed(zlib.crc32(c["name"].encode()))
     perm = torch.randperm(layout.num_blocks, generator=g).tolist()
     blocks = {s: perm[s * per_seq : (s + 1) * per_seq] for s in range(n_seq)}
@@ -127,15 +143,39 @@ def run_case(c: dict, device: str, use_triton: bool | None, num_layers: int = 1,
 
     # 1) ragged prefill, 2) chunked-prefill continuations (start > 0, q_len > 1) beside decodes,
     # 3) padded decode steps (the last one with a sequence left out).
-    forward([(s, p) for s, p in enumerate(prompts)])
-    forward([(s, c["chunk"] if s % 2 == 0 else 1) for s in range(n_seq)])
-    for step in range(c["decode_steps"]):
-        items = [(s, 1) for s in range(n_seq)]
-        if step == c["decode_steps"] - 1 and n_seq > 1:
-            items = items[1:][::-1]  # another order, one fewer
-        forward(items, pad_to=n_seq + c["pad"] if c["pad"] else None)
-    _check_cache(layout, caches, refs, blocks)
-    return {"worst": worst}
+    prefix = [[(s, p) for s, p in enumerate(prompts)], [(s, c["chunk"] if s % 2 == 0 else 1) for s in range(n_seq)]]
+    try:
+        for items in prefix:
+            forward(items)
+    except Exception as e:  # noqa: BLE001 - every path fails with it
+        return [e] * len(paths)
+    saved = ([x.clone() for x in caches], [(dict(r.k), dict(r.v)) for r in refs], g.get_state(), worst)
+    results: list[dict | Exception] = []
+    for i, fused in enumerate(paths):
+        try:
+            if i:
+                for x, x0 in zip(caches, saved[0]):
+                    x.copy_(x0)
+                for r, (k0, v0) in zip(refs, saved[1]):
+                    r.k, r.v = dict(k0), dict(v0)
+                g.set_state(saved[2])
+                worst = saved[3]
+                attn = PagedAttention(layout, caches, max_batch=8, use_triton=use_triton, fused_decode=fused)
+                lengths = [0] * n_seq
+                for items in prefix:
+                    attn.begin([SeqSlice(blocks[s], lengths[s], ql) for s, ql in items])
+                    for s, ql in items:
+                        lengths[s] += ql
+            for step in range(c["decode_steps"]):
+                items = [(s, 1) for s in range(n_seq)]
+                if step == c["decode_steps"] - 1 and n_seq > 1:
+                    items = items[1:][::-1]  # another order, one fewer
+                forward(items, pad_to=n_seq + c["pad"] if c["pad"] else None)
+            _check_cache(layout, caches, refs, blocks)
+            results.append({"worst": worst})
+        except Exception as e:  # noqa: BLE001 - reported per path
+            results.append(e)
+    return results
 
 
 def _check_cache(layout: GpuKVLayout, caches: list[torch.Tensor], refs: list[_Ref], blocks: dict[int, list[int]]) -> None:
@@ -262,14 +302,15 @@ def _run_all_interpreted() -> None:
     """Subprocess entry: every case through both Triton decode paths on CPU, one JSON line each."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before importing triton"
     for c in CASES:
-        for path, fused in DECODE_PATHS.items():
+        t0 = time.perf_counter()
+        outcomes = run_case_paths(c, "cpu", use_triton=True, paths=list(DECODE_PATHS.values()))
+        for path, r in zip(DECODE_PATHS, outcomes):
             name = f"{c['name']}/{path}"
-            t0 = time.perf_counter()
-            try:
-                res = {"name": name, "ok": True, **run_case(c, "cpu", use_triton=True, fused_decode=fused)}
-            except Exception as e:  # noqa: BLE001 - report every failure to the parent
-                res = {"name": name, "ok": False, "error": f"{type(e).__name__}: {e}"}
-            res["s"] = round(time.perf_counter() - t0, 2)
+            if isinstance(r, Exception):
+                res = {"name": name, "ok": False, "error": f"{type(r).__name__}: {r}"}
+            else:
+                res = {"name": name, "ok": True, **r}
+            res["s"] = round(time.perf_counter() - t0, 2)  # the whole case's (its paths share the prefill)
             emit(res)
     for path, fused in DECODE_PATHS.items():
         name = f"launches/{path}"

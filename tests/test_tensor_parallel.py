@@ -83,9 +83,36 @@ def test_heterogeneous_tp_matches_the_tp1_colocated_oracle_on_tiny(prefill_tp, d
         assert r["kv_bytes"] > 0 and r["tokens"] > 0
 
 
+@pytest.fixture(scope="module")
+def _loaded_models() -> dict:
+    return {}
+
+
+@pytest.fixture
+def smollm2_loads_once(_loaded_models: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``load_model`` in this process (each run's oracle, and rank 0's of each instance) memoized across the
+    SmolLM2 runs: each run's oracle and six instances read the same GGUF (about 10 s a time on CPU) into
+    the same weights. One instance is closed before the next takes a model, as ``equivalence.run`` already
+    does with the oracle's model for every TP1 prefill; the follower ranks are processes of their own and
+    still load their slices. Only these tests see it (the module's cache is dropped with the module)."""
+    import hawk.bench.equivalence as equivalence
+    import hawk.engine.instances as instances
+
+    real = instances.load_model
+
+    def load_once(spec, device="cpu", dtype=torch.float32, seed=0, shard=Shard()):
+        key = (spec, str(device), dtype, seed, shard)
+        if key not in _loaded_models:
+            _loaded_models[key] = real(spec, device, dtype, seed, shard=shard)
+        return _loaded_models[key]
+
+    monkeypatch.setattr(equivalence, "load_model", load_once)
+    monkeypatch.setattr(instances, "load_model", load_once)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(3, 1), (1, 3)])
-def test_heterogeneous_tp_matches_the_oracle_on_smollm2(prefill_tp: int, decode_tp: int):
+def test_heterogeneous_tp_matches_the_oracle_on_smollm2(prefill_tp: int, decode_tp: int, smollm2_loads_once):
     """SmolLM2 has 3 KV heads: its degrees are 1 and 3 (3 -> 3 passes from the command line too)."""
     base = InstanceConfig(transport="nixl", kv_tokens=1024, staging_mb=16, rx_mb=16, prefill_tp=prefill_tp, decode_tp=decode_tp)
     records = run(base, CONFIGS, prompts=PROMPTS[:1], max_tokens=8)
