@@ -6,8 +6,10 @@ work around them. For each path at one batch and context this probe builds the p
 does and, in rounds (each round one call of each, the first rotating):
 
 * ``step_ms``: the benchmark's step;
-* ``graph_ms``: the captured graph alone, replayed on the metadata of the last step (CUDA events);
-* ``host_ms``: ``step_ms - graph_ms``;
+* ``graph_ms``: the captured graph alone, replayed on the metadata of the last step, between CUDA events
+  recorded before and after the replay (the GPU is idle when it is launched, so the host's launch of
+  the graph is inside it);
+* ``host_ms``: ``step_ms - graph_ms``: metadata, upload, sampling, the token fetch;
 
 then, with ``--kernels``, a torch profiler trace of a few steps per path: GPU time per kernel name
 (summed per step), to tell which kernels the paths differ in.
