@@ -29,7 +29,8 @@ try:
 except ImportError:  # CPU-only installs: nothing here is called without Triton
     _knobs = None  # type: ignore[assignment]
 
-__all__ = ["DIRECT", "current_device_index", "launch", "launch_hooks_idle", "on_device", "pointer_args", "raw_stream"]
+__all__ = ["DIRECT", "current_device_index", "launch", "launch_hooks_idle", "launchable", "on_device", "pointer_args",
+           "raw_stream", "run_compiled"]
 
 #: Whether :func:`launch` may call compiled kernels directly (``HAWK_TRITON_LAUNCH``: direct | jit):
 #: not under the interpreter, nor with a torch built without CUDA.
@@ -56,6 +57,19 @@ def raw_stream(index: int) -> int:
     if get is not None:
         return get(index)
     return torch.cuda.current_stream(index).cuda_stream
+
+
+def run_compiled(compiled: Any, grid: tuple[int, ...], stream: int, args: tuple) -> None:
+    """Call a compiled kernel's launcher directly (Triton 3.x's calling convention, in one place): ``grid``
+    of up to three dimensions, the raw ``stream``, then every parameter in signature order, constexprs
+    included (tensors as addresses where :func:`pointer_args` applies)."""
+    g0, g1, g2 = (*grid, 1, 1)[:3]
+    compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+
+
+def launchable(compiled: Any) -> bool:
+    """Whether what the dispatcher returned can be launched by :func:`run_compiled` (a GPU-compiled kernel)."""
+    return getattr(compiled, "function", None) is not None and hasattr(compiled, "packed_metadata")
 
 
 def pointer_args(args: tuple) -> tuple:
@@ -114,9 +128,8 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
         kernel[grid](*args, **kwargs)
         return
     if compiled and launch_hooks_idle():
-        g0, g1, g2 = (*grid, 1, 1)[:3]
-        compiled.run(g0, g1, g2, raw_stream(dev), compiled.function, compiled.packed_metadata, None, None, None,
-                     *pointer_args(args), *[kwargs[n] for n in _rest(kernel, len(args))])
+        rest = [kwargs[n] for n in _rest(kernel, len(args))]
+        run_compiled(compiled, grid, raw_stream(dev), (*pointer_args(args), *rest))
         return
     compiled = kernel[grid](*args, **kwargs)
     if key not in table:
@@ -131,7 +144,7 @@ def _direct(kernel: Any, compiled: Any, n_args: int, kwargs: dict[str, Any]) -> 
     """``compiled`` if later launches may call it directly: a GPU-compiled kernel whose parameters
     after the positional ones are all given by name (the launcher takes every parameter, constexprs
     included, in signature order); else None, and this specialization keeps the dispatcher."""
-    if getattr(compiled, "function", None) is None or not hasattr(compiled, "packed_metadata"):
+    if not launchable(compiled):
         return None
     names = tuple(getattr(kernel, "arg_names", ()))[n_args:]
     if not names and n_args != len(getattr(kernel, "arg_names", ())):

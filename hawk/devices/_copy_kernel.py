@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hawk.triton_launch import launch_hooks_idle, on_device
+from hawk.triton_launch import launch_hooks_idle, launchable, on_device, raw_stream, run_compiled
 
 
 # The offset tables are read one value each and their alignment varies per batch: no variant per alignment.
@@ -82,9 +82,7 @@ def _launch_on(idx: int, key: tuple, grid: tuple[int, int], words: torch.Tensor,
     compiled = _COMPILED.get(key) if direct else None
     if compiled is not None and launch_hooks_idle():
         try:
-            raw = stream if stream is not None else torch._C._cuda_getCurrentRawStream(idx)
-            compiled.run(grid[0], grid[1], 1, raw, compiled.function,
-                         compiled.packed_metadata, None, None, None, *ptrs, block, align)
+            run_compiled(compiled, grid, stream if stream is not None else raw_stream(idx), (*ptrs, block, align))
             return
         except Exception:  # noqa: BLE001 - a launcher this code does not know: the dispatcher from now on
             _DIRECT["ok"] = False
@@ -93,5 +91,5 @@ def _launch_on(idx: int, key: tuple, grid: tuple[int, int], words: torch.Tensor,
     on = contextlib.nullcontext() if stream is None else torch.cuda.stream(torch.cuda.ExternalStream(stream, device=words.device))
     with on:
         compiled = _copy_words_kernel[grid](words, src, dst, lens, BLOCK=block, ALIGN=align, num_warps=num_warps)
-    if direct and getattr(compiled, "function", None) is not None and hasattr(compiled, "packed_metadata"):
+    if direct and launchable(compiled):
         _COMPILED[key] = compiled

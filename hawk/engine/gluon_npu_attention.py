@@ -500,6 +500,8 @@ def decode(g, layer: int, q: torch.Tensor, meta: torch.Tensor, rows: int, splits
     captured graph): with several splits the last split merges them in this launch (the kernel's
     MERGE), else a reduce launch follows.
     """
+    from triton import next_power_of_2
+
     from hawk.engine import triton_attention as ta
 
     hq, d = q.shape[1], q.shape[2]
@@ -531,13 +533,9 @@ def decode(g, layer: int, q: torch.Tensor, meta: torch.Tensor, rows: int, splits
         g.bank_stride, g.page_stride, g.s0, g.s1, g.s2, *new_args, counters if merge else meta,
         NB=g.num_banks, SHARD=g.shard_pages, G=group, BS=g.block_size, TOKN=tokens,
         KW=lay["kw"], VW=lay["vw"], VT=lay["vt"], MMA=lay["mma"], RL=lay["rl"], DIRECT=splits == 1,
-        PREFETCH=prefetch, FUSED=new_kv is not None, EARLY=early, MERGE=merge, SP=_next_pow2(splits) if merge else 1,
+        PREFETCH=prefetch, FUSED=new_kv is not None, EARLY=early, MERGE=merge, SP=next_power_of_2(splits) if merge else 1,
         num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     if splits > 1 and not merge:
         ta.decode_reduce(part_out, part_lse, out, splits)
     return out
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()

@@ -70,7 +70,7 @@ import triton.language as tl
 
 from hawk.layouts.tt import TILE
 from hawk.plan.kv_plan import KVTransferPlan, TileDest
-from hawk.triton_launch import launch_hooks_idle, on_device, pointer_args, raw_stream
+from hawk.triton_launch import launch_hooks_idle, launchable, on_device, pointer_args, raw_stream, run_compiled
 
 #: Attribute set on a plan holding its launch states (:class:`_Launch`), keyed by the caches.
 _CACHE_ATTR = "_triton_tables"
@@ -889,16 +889,15 @@ def _launch(call: _Call, groups: int, args: tuple, device: torch.device, align: 
     compiled = call.compiled.get(align)
     if compiled is not None and launch_hooks_idle():
         try:
-            compiled.run(groups, call.grid_y, 1, raw_stream(device.index), compiled.function, compiled.packed_metadata,
-                         None, None, None, *(args if direct_args is None else direct_args))
+            run_compiled(compiled, (groups, call.grid_y), raw_stream(device.index),
+                         args if direct_args is None else direct_args)
             return
         except Exception:  # noqa: BLE001 - a launcher this code does not know: use the dispatcher from now on
             call.compiled.clear()
             call.direct = False
     extra = {"maxnreg": call.maxnreg} if call.maxnreg else {}
     compiled = kernel[(groups, call.grid_y, 1)](*args, num_warps=call.num_warps, **extra)  # type: ignore[index]
-    if (call.direct and device.type == "cuda" and getattr(compiled, "function", None) is not None
-            and hasattr(compiled, "packed_metadata")):
+    if call.direct and device.type == "cuda" and launchable(compiled):
         call.compiled[align] = compiled
 
 
@@ -1042,19 +1041,19 @@ class _BoundLaunch:
         if self.direct_args is None or compiled is None or not launch_hooks_idle():
             return list(range(len(pairs)))
         src_align = self.direct_args[0] % 16
-        fit = [i for i, (src, dst) in enumerate(pairs) if dst % 16 == self.align and src % 16 == src_align]
-        if fit:
+        fits = [dst % 16 == self.align and src % 16 == src_align for src, dst in pairs]
+        if any(fits):
             args = list(self.direct_args)
             with on_device(self.device):
                 self.launch.order_after_uploads()
                 stream = raw_stream(self.device.index)
-                for i in fit:
-                    args[0] = pairs[i][0]
-                    for j in self.dst_at:
-                        args[j] = pairs[i][1]
-                    compiled.run(self.groups, self.call.grid_y, 1, stream, compiled.function, compiled.packed_metadata,
-                                 None, None, None, *args)
-        return sorted(set(range(len(pairs))) - set(fit))
+                for (src, dst), ok in zip(pairs, fits):
+                    if ok:
+                        args[0] = src
+                        for j in self.dst_at:
+                            args[j] = dst
+                        run_compiled(compiled, (self.groups, self.call.grid_y), stream, tuple(args))
+        return [i for i, ok in enumerate(fits) if not ok]
 
 
 def bind_triton_layers(
