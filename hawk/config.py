@@ -113,6 +113,7 @@ class ServeConfig:
     max_model_len: int = opt(0, "decode: longest prompt + output accepted; 0 = the model's context length", min=0)
     max_prefill_chunk: int = opt(2048, "prefill: most prompt tokens per engine iteration; a longer prompt is prefilled in chunks of this size, so decode steps sharing the device (colocated) interleave and activations stay bounded; 0 = whole prompts (vLLM: --max-num-batched-tokens)", min=0)
     graphs: bool | None = opt(None, "decode CUDA graphs (default: when the device and backend allow)", flags=("--graphs/--no-graphs",))
+    async_scheduling: bool | None = opt(None, "decode: launch each step before the previous step's tokens reach the host, its ids taken on the device, so the host's work between steps overlaps the GPU's (vLLM's async scheduling; default: on a GPU without --decode-tp > 1 or --npu-timing)", flags=("--async-scheduling/--no-async-scheduling",))
     gc_freeze: bool = opt(True, "once an engine process is up, freeze its startup heap (gc.collect + gc.freeze), so the garbage collector no longer walks it during requests (vLLM, SGLang and Ray Serve do the same; hawk/engine/gc_policy.py); the in-process benchmarks freeze once their instances are built", flags=("--gc-freeze/--no-gc-freeze",), commands=PROCESS | {"bench"})
     prefill_tp: int = opt(1, "tensor-parallel ranks (processes) of each prefill instance; must divide the KV heads", min=1)
     decode_tp: int = opt(1, "tensor-parallel ranks (processes) of each decode instance; must divide the KV heads", min=1)

@@ -37,14 +37,14 @@ class Collector:
 class Pair:
     """A prefill and a decode instance of one transfer configuration, or the colocated oracle."""
 
-    def __init__(self, transfer: str, decode_tokens: int = 512, ttl_s: float = 30.0, loaded=None):
+    def __init__(self, transfer: str, decode_tokens: int = 512, ttl_s: float = 30.0, loaded=None, base=BASE):
         self.transfer = transfer
         if transfer == "colocated":
-            self.c = ColocatedInstance(replace(BASE, transfer="colocated", kv_tokens=decode_tokens), loaded=loaded)
+            self.c = ColocatedInstance(replace(base, transfer="colocated", kv_tokens=decode_tokens), loaded=loaded)
             self.engine, self.blocks, self.loaded = self.c.decode, self.c.blocks, self.c.loaded
             return
         device = "npu-emu:cpu" if transfer.startswith("gn") else "cpu"
-        cfg = replace(BASE, transfer=transfer, decode_device=device, kv_tokens=decode_tokens, kv_ttl_s=ttl_s)
+        cfg = replace(base, transfer=transfer, decode_device=device, kv_tokens=decode_tokens, kv_ttl_s=ttl_s)
         self.p = PrefillInstance(replace(cfg, kv_tokens=4096), loaded=loaded)
         self.d = DecodeInstance(cfg, loaded=self.p.loaded)
         self.engine, self.blocks, self.loaded = self.d.engine, self.d.blocks, self.p.loaded
@@ -73,11 +73,15 @@ class Pair:
             self.d.close()
 
 
-@pytest.fixture(scope="module")
-def pairs():
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def pairs(request):
+    """``async``: the decode engines overlap their steps (a GPU's default) here too, so preemption,
+    swap and abort run beside a step in flight."""
     torch.set_num_threads(1)
-    gn = Pair("gn-hawk")  # 8 NPU blocks of 64 tokens
-    out = {"gn-hawk": gn, "gg-direct": Pair("gg-direct", loaded=gn.loaded), "colocated": Pair("colocated", decode_tokens=1024, loaded=gn.loaded)}
+    base = replace(BASE, async_scheduling=request.param)
+    gn = Pair("gn-hawk", base=base)  # 8 NPU blocks of 64 tokens
+    out = {"gn-hawk": gn, "gg-direct": Pair("gg-direct", loaded=gn.loaded, base=base),
+           "colocated": Pair("colocated", decode_tokens=1024, loaded=gn.loaded, base=base)}
     yield out
     for p in out.values():
         p.close()
@@ -118,8 +122,13 @@ def test_a_pool_filling_request_does_not_delay_short_ones(pairs):
 
 def _force_one_preemption(engine, blocks, at_step: int, squat: int):
     """Preempt the (only) running request after ``at_step`` steps, and squat on the blocks it frees so
-    that it resumes in other blocks: the swap must really move its KV. Returns the squatted blocks."""
-    real = engine._reserve_next_slots
+    that it resumes in other blocks: the swap must really move its KV. Returns the squatted blocks
+    and a function that puts the engine's own methods back.
+
+    Overlapped steps reserve their blocks in ``_reserve_ahead``; at ``at_step`` it reports a dry pool,
+    as it would when the next step needs a preemption, so the engine drains and preempts as a
+    synchronous loop does."""
+    real, real_ahead = engine._reserve_next_slots, engine._reserve_ahead
     state = {"steps": 0, "squatted": []}
 
     def hooked():
@@ -129,8 +138,17 @@ def _force_one_preemption(engine, blocks, at_step: int, squat: int):
             state["squatted"] = blocks.allocate(squat, "squatter")
         real()
 
-    engine._reserve_next_slots = hooked
-    return state, real
+    def hooked_ahead(batch):
+        if state["steps"] + 1 == at_step:
+            return False
+        state["steps"] += 1
+        return real_ahead(batch)
+
+    def restore():
+        engine._reserve_next_slots, engine._reserve_ahead = real, real_ahead
+
+    engine._reserve_next_slots, engine._reserve_ahead = hooked, hooked_ahead
+    return state, restore
 
 
 @pytest.mark.parametrize("transfer", ["gn-hawk", "gg-direct", "colocated"])
@@ -141,12 +159,12 @@ def test_preemption_by_swap_gives_the_same_tokens(pairs, transfer):
     ref = pr.submit("ref", prompt, params)
     assert ref.done.wait(60) and len(ref.tokens) == 40
     before = pr.engine.stats()["preemptions"]
-    state, real = _force_one_preemption(pr.engine, pr.blocks, at_step=17, squat=3)
+    state, restore = _force_one_preemption(pr.engine, pr.blocks, at_step=17, squat=3)
     try:
         col = pr.submit("swapped", prompt, params)
         assert col.done.wait(60), "the preempted request never finished"
     finally:
-        pr.engine._reserve_next_slots = real
+        restore()
     pr.blocks.free(state["squatted"])
     assert state["squatted"], "the preemption hook never ran"
     assert pr.engine.stats()["preemptions"] == before + 1 and col.info.get("preemptions") == 1
@@ -173,7 +191,7 @@ def test_pool_pressure_preempts_newest_and_every_request_finishes(pairs):
 def test_abort_while_swapped_or_waiting_frees_everything(pairs):
     pr = pairs["gn-hawk"]
     params = SamplingParams(max_tokens=400, ignore_eos=True)
-    state, real = _force_one_preemption(pr.engine, pr.blocks, at_step=5, squat=pr.blocks.num_blocks)
+    state, restore = _force_one_preemption(pr.engine, pr.blocks, at_step=5, squat=pr.blocks.num_blocks)
     try:
         col = pr.submit("to-swap", _prompt(1, 30), params)
         deadline = time.monotonic() + 30
@@ -186,7 +204,7 @@ def test_abort_while_swapped_or_waiting_frees_everything(pairs):
         assert waiter.done.wait(10) and waiter.info["finish_reason"] == "abort"
         assert pr.engine.stats()["swapped"] == 0 and pr.engine.stats()["waiting"] == 0
     finally:
-        pr.engine._reserve_next_slots = real
+        restore()
         pr.blocks.free(state["squatted"])
     assert pr.blocks_back() and not pr.engine._generators
 
@@ -214,12 +232,12 @@ def test_a_failing_swap_in_fails_that_request_and_frees_its_blocks(pairs, monkey
         raise RuntimeError("host copy lost")
 
     monkeypatch.setattr(pr.engine.swapper, "swap_in", broken)
-    state, real = _force_one_preemption(pr.engine, pr.blocks, at_step=5, squat=0)
+    state, restore = _force_one_preemption(pr.engine, pr.blocks, at_step=5, squat=0)
     try:
         col = pr.submit("doomed", _prompt(3, 30), params)
         assert col.done.wait(30) and col.info["finish_reason"] == "error" and "host copy lost" in col.info["error"]
     finally:
-        pr.engine._reserve_next_slots = real
+        restore()
     monkeypatch.undo()
     assert pr.blocks_back()
     ok = pr.submit("after-broken-swap", _prompt(3, 30), SamplingParams(max_tokens=5, ignore_eos=True))

@@ -6,8 +6,10 @@ spinning OpenMP threads make tiny matmuls slow), so the whole file takes a few s
 
 from __future__ import annotations
 
+import gc
 import json
 import math
+import weakref
 import time
 from collections.abc import Iterator
 
@@ -84,6 +86,7 @@ def test_records_have_the_fields_and_sane_values(tiny_model: LlamaModel) -> None
         assert r["path"] in ("gpu-paged", "npu-tile") and "note" in r
     for r in decode:
         assert r["interleaved"] == 3 and r["steps"] == 2  # the three paths of a batch, timed in rounds
+        assert r["overlap"] is False and "sync_ms" not in r  # a CPU engine's steps are synchronous
         assert r["floor_ms"] > 0 and r["read_gbps"] == CEILINGS["read_gbps"] and r["context"] == 40
         assert math.isclose(r["ratio"], r["ms"] / r["floor_ms"], rel_tol=1e-3)
         nbytes = eb.decode_floor_bytes(TINY, 4, r["path"], r["kv_dtype"], r["batch"], 40)
@@ -94,6 +97,46 @@ def test_records_have_the_fields_and_sane_values(tiny_model: LlamaModel) -> None
     assert p["tokens"] == 16 and p["flops"] == eb.prefill_flops(TINY, 16) and p["gemm_tflops"] == CEILINGS["gemm_tflops"]
     achieved = p["flops"] / (p["ms"] * 1e-3) / 1e12
     assert math.isclose(p["ratio"], achieved / CEILINGS["gemm_tflops"], rel_tol=1e-2)
+
+
+def test_overlapped_steps_chain_the_tokens_a_synchronous_loop_feeds_back(tiny_model: LlamaModel) -> None:
+    """The GPU's timed loop (each step launched on the previous step's device tokens) computes
+    what k synchronous steps compute; here on the CPU, where its fetches are immediate."""
+    cache = eb.build_paged(TINY, "bf16", 2, 41, torch.device("cpu"))
+    try:
+        runner, _, _ = eb.make_runner(tiny_model, cache.attn, 2, torch.device("cpu"))
+        _, step = eb.make_step(runner, 2)
+        slices = [eb.SeqSlice(b, 40, 1) for b in cache.blocks]
+        tokens = [[3], [7]]
+        for _ in range(5):
+            tokens = [[t] for t in step(tokens, slices)]
+        chained = eb.make_overlapped_steps(runner, 2, k=5)(([3], [7]), slices)
+    finally:
+        cache.close()
+    assert chained == [t for (t,) in tokens]
+
+
+def test_a_group_lets_go_of_its_runners_before_it_frees_memory(tiny_model: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runner kept alive past the group's memory release keeps its cache and graphs reserved, and the
+    next group's fit check then skips points that fit (it once did: 8B, batch 64 at 8k on an H200)."""
+    made: list[weakref.ref] = []
+    real = eb.make_runner
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        made.append(weakref.ref(out[0]))
+        return out
+
+    alive: list[int] = []
+
+    def free(device: torch.device) -> None:
+        gc.collect()
+        alive.append(sum(r() is not None for r in made))
+
+    monkeypatch.setattr(eb, "make_runner", spy)
+    monkeypatch.setattr(eb, "_free", free)
+    recs = eb.run_benchmark(_spec(batches=(1,), prefill_tokens=()), model=tiny_model, verbose=False)
+    assert len(recs) == 3 and len(made) == 3 and alive and alive[-1] == 0
 
 
 def test_rounds_rotate_the_first_step_and_keep_each_steps_own_times() -> None:

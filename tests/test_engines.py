@@ -14,13 +14,16 @@ from hawk.engine.sequence import SamplingParams
 from hawk.errors import BadRequest, DuplicateRequest, PromptTooLong
 
 
-@pytest.fixture(scope="module")
-def tiny():
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def tiny(request):
+    """``async``: the decode engines overlap their steps (the default on a GPU) on the CPU too."""
     torch.set_num_threads(1)
-    cfg = InstanceConfig(model="tiny", transfer="gn-hawk", transport="local", kv_tokens=512, staging_mb=8, rx_mb=8)
+    cfg = InstanceConfig(model="tiny", transfer="gn-hawk", transport="local", kv_tokens=512, staging_mb=8, rx_mb=8,
+                         async_scheduling=request.param)
     p = PrefillInstance(replace(cfg, kv_tokens=2048))  # room for every prompt's KV while it waits to be pulled
     d = DecodeInstance(cfg)  # 512 tokens = 8 NPU blocks of 64
-    c = ColocatedInstance(InstanceConfig(model="tiny", transfer="colocated", kv_tokens=2048), loaded=p.loaded)
+    c = ColocatedInstance(InstanceConfig(model="tiny", transfer="colocated", kv_tokens=2048, async_scheduling=request.param),
+                          loaded=p.loaded)
     yield p, d, c
     p.close()
     d.close()
@@ -181,8 +184,8 @@ def test_nan_logits_fail_only_that_request(tiny, monkeypatch):
     p, d, _ = tiny
     real = d.engine.runner.step
 
-    def nan_for_victim(tokens, slices):
-        out = real(tokens, slices)
+    def nan_for_victim(tokens, slices, **kw):
+        out = real(tokens, slices, **kw)
         victim = d.engine._entries.get("victim")
         logits = out.logits.clone()
         for i, s in enumerate(slices):

@@ -23,6 +23,7 @@ from hawk.engine.paged_attention import PagedAttention
 from hawk.engine.runner import GraphsUnavailable, ModelRunner, StepPath, _Graph, decode_buckets
 from hawk.engine.sampler import greedy_tokens, make_generator, sample_tokens
 from hawk.engine.sequence import SamplingParams
+from hawk.engine.token_fetch import TokenFetcher
 from hawk.layouts.gpu import GpuKVLayout
 
 CUDA = torch.cuda.is_available()
@@ -312,14 +313,19 @@ def test_cuda_graph_step_and_sampling_do_not_sync() -> None:
     for g in gens:  # per-device generators are made (and seeded) on first use, outside the check
         if g is not None:
             g.generator(torch.device("cuda", torch.cuda.current_device()))
+    fetcher = TokenFetcher(torch.device("cuda", torch.cuda.current_device()), 3)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         out = runner.step([[4], [5], [6]], [SeqSlice(b, 3, 1) for b in blocks])
         toks = sample_tokens(out.logits, params, gens, out.greedy)
+        first = fetcher.start(toks)  # the overlapped loop: the next step launches on these tokens
+        nxt = runner.step(None, [SeqSlice(b, 4, 1) for b in blocks], ids=first.device)
+        second = fetcher.start(sample_tokens(nxt.logits, params, gens, nxt.greedy))
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert out.path is StepPath.GRAPH and len(toks.tolist()) == 3
+    assert out.path is StepPath.GRAPH and nxt.path is StepPath.GRAPH
+    assert first.result() == toks.tolist() and len(second.result()) == 3
 
 
 @gpu

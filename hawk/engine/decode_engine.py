@@ -23,6 +23,15 @@ A request arrives with its first token (sampled by the prefill) and a handle to 
         | generating exactly the tokens it would have
     FINISHED      stop token, length, abort or error: every block is freed, the host copy dropped.
 
+Steps overlap (async scheduling, on by default on a GPU): while nothing joins or leaves the batch,
+step N+1 is launched with step N's tokens as its ids, on the device, before the host reads step
+N's tokens (hawk/engine/token_fetch.py), so the host's work between steps runs while the GPU
+computes. A sequence that finishes at step N (stop token or length) has ridden along in step N+1:
+that row is dropped and its blocks are freed only once step N+1 is done (the step may still write
+its KV row there). Any other change (a request joins, resumes or is aborted, or a step would need a
+preemption) first waits for the step in flight and emits its tokens, then runs as a synchronous
+loop would.
+
 Admission policy: first come, first served by *current* need, as vLLM does: a request needs only
 its prompt's blocks (+1 token) to start, so a request with a huge ``max_tokens`` does not hold
 blocks it has not used and the head of the queue rarely blocks. When the pool runs dry, the
@@ -53,9 +62,10 @@ from hawk.engine.attention import SeqSlice
 from hawk.engine.block_manager import BlockManager
 from hawk.engine.model import LlamaModel
 from hawk.engine.runner import ModelRunner, StepOutput
-from hawk.engine.sampler import NO_TOKEN, make_generator, sample, sample_batch
+from hawk.engine.sampler import NO_TOKEN, make_generator, sample, sample_tokens
 from hawk.engine.sequence import SamplingParams, Sequence, Status
 from hawk.engine.swap import BlockSwapper, SwappedKV, swapper_for
+from hawk.engine.token_fetch import TokenFetch, TokenFetcher
 from hawk.errors import BadRequest, DuplicateRequest, PromptTooLong
 
 log = logging.getLogger(__name__)
@@ -240,6 +250,25 @@ class _Entry:
     preemptions: int = 0
 
 
+@dataclass(eq=False)
+class _Launched:
+    """A decode step on the device whose tokens the host has not read yet."""
+
+    batch: list[_Entry]
+    tokens: TokenFetch
+    t0: float
+    members: set[int] = field(default_factory=set)  # id() of the batch's entries
+    #: Entries that finished while this step was in flight: its rows may still write their KV, so
+    #: their blocks are freed once it is done.
+    release_after: list[_Entry] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.members = {id(e) for e in self.batch}
+
+    def holds(self, e: _Entry) -> bool:
+        return id(e) in self.members
+
+
 class DecodeEngine:
     def __init__(
         self,
@@ -255,6 +284,7 @@ class DecodeEngine:
         swapper: BlockSwapper | None = None,
         keepalive_every_s: float = 0.25,
         step_time: Callable[[int, int], float] | None = None,
+        overlap: bool | None = None,
     ):
         """``graphs``: CUDA-graph decode steps (None = when the backend allows, see ModelRunner);
         ``max_model_len``: the longest prompt + output accepted (default: the model's context);
@@ -264,7 +294,9 @@ class DecodeEngine:
         from ``attn``'s cache); ``keepalive_every_s``: how often queued requests' KV is kept
         alive on the prefill (the receiver sends at most a few times per prefill TTL);
         ``step_time``: timing emulation (``--npu-timing``): modelled seconds of a step of (batch,
-        context tokens); a step that finishes sooner waits until then before its tokens go out."""
+        context tokens); a step that finishes sooner waits until then before its tokens go out;
+        ``overlap``: launch each step before reading the previous one's tokens (async scheduling;
+        None = on a GPU, without tensor parallelism and timing emulation, where it pays)."""
         self.max_len = min(max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings)
         self.runner = ModelRunner(model, attn, max_batch=max_batch, graphs=graphs, max_model_len=self.max_len)
         self.kv = kv
@@ -274,6 +306,11 @@ class DecodeEngine:
         self.watermark_blocks = max(1, int(watermark * kv.blocks.num_blocks)) if watermark > 0 else 0
         self.keepalive_every_s = keepalive_every_s
         self.step_time = step_time
+        if overlap is None:
+            overlap = self.runner.device.type == "cuda" and model.step_hook is None and step_time is None
+        self.overlap = overlap
+        self._fetcher = TokenFetcher(self.runner.device, max_batch)
+        self._inflight: _Launched | None = None  # engine thread only
         self.preemptions = 0
         self._lock = threading.Condition()
         self._waiting: deque[_Entry] = deque()
@@ -355,8 +392,10 @@ class DecodeEngine:
         return len(self._running) + len(self._transferring) + len(self._ready)
 
     def _shortfall(self, e: _Entry) -> int:
-        """Blocks a running sequence lacks for its next step (the token written is at total_len - 1)."""
-        return max(0, self.kv.blocks.blocks_for(e.seq.total_len) - len(e.seq.block_ids))
+        """Blocks a running sequence lacks for its next step (the token written is at total_len - 1,
+        or at total_len while a step holding its previous token is in flight)."""
+        ahead = 1 if self._inflight is not None and self._inflight.holds(e) else 0
+        return max(0, self.kv.blocks.blocks_for(e.seq.total_len + ahead) - len(e.seq.block_ids))
 
     def _admission_need(self, e: _Entry) -> int:
         if e.swapped is not None:  # everything it had, and the slot its next step writes
@@ -526,7 +565,7 @@ class DecodeEngine:
         """Admit, start the newly ready, run one step; False once the engine is stopping."""
         with self._lock:
             resumed = self._admit()
-            while not self._stop and not self._ready and not self._running and not resumed:
+            while not self._stop and not self._ready and not self._running and not resumed and self._inflight is None:
                 self._lock.wait(0.05)
                 resumed = self._admit()
             if self._stop:
@@ -539,9 +578,12 @@ class DecodeEngine:
                 gone = [e for e in self._running if e.aborted]
                 self._running = [e for e in self._running if not e.aborted]
         if self._stop:
+            self._drain(emit=False)
             for e in stopping:  # close() releases every entry's blocks
                 e.swapped = None
             return False
+        if self._inflight is not None and (gone or resumed or newly):
+            self._drain()  # the batch changes: the step in flight goes out first
         for e in gone:
             self._finish(e, "abort")
         for e in resumed:
@@ -554,6 +596,10 @@ class DecodeEngine:
                 self._emit(e, e.seq.output_ids[0], dict(e.info))
             except Exception as ex:  # noqa: BLE001
                 self._fail(e, f"starting the request failed: {ex}")
+        if self._running and self._inflight is not None and self._running == self._inflight.batch:
+            if self._step_ahead():
+                return True
+        self._drain()
         if self._running:
             self._reserve_next_slots()
         if self._running:
@@ -588,7 +634,7 @@ class DecodeEngine:
     def _finish(self, e: _Entry, reason: str | None) -> None:
         e.seq.status = Status.FINISHED
         try:
-            self.kv.release(e.seq)
+            self._release(e)
         finally:
             e.swapped = None
             self._generators.pop(e.seq.request_id, None)
@@ -596,6 +642,13 @@ class DecodeEngine:
                 self._entries.pop(e.seq.request_id, None)
         if reason is not None:
             self._notify(e, TokenEvent(e.seq.request_id, finish_reason=reason))
+
+    def _release(self, e: _Entry) -> None:
+        """Free ``e``'s blocks, or, while a step that holds its row is in flight, once it is done."""
+        if self._inflight is not None and self._inflight.holds(e):
+            self._inflight.release_after.append(e)
+        else:
+            self.kv.release(e.seq)
 
     def _fail(self, e: _Entry, error: str) -> None:
         """End one request with an error; the others carry on."""
@@ -611,20 +664,98 @@ class DecodeEngine:
         self._notify(e, TokenEvent(e.seq.request_id, finish_reason="error", error=error))
 
     def _step(self) -> None:
+        """Launch a step for the running batch; read its tokens now, or (overlap) on the next iteration."""
         batch = list(self._running)
-        slices = [SeqSlice(e.seq.block_ids, e.seq.total_len - 1, 1) for e in batch]
-        t0 = time.perf_counter()
         try:
-            out = self.runner.step([[e.seq.last_token] for e in batch], slices)
+            launched = self._launch(batch, None)
         except Exception as ex:  # noqa: BLE001
             log.exception("decode step failed")
             for e in batch:
                 self._fail(e, f"decode step failed: {ex}")
             return
-        toks = self._sample(batch, out)
+        if self.overlap and launched.tokens.device is not None:
+            self._inflight = launched
+        else:
+            self._collect(launched)
+
+    def _step_ahead(self) -> bool:
+        """The batch is the step in flight's: launch the next step on its device tokens, then read
+        them. False (nothing launched) where the next step must be a synchronous one: its blocks
+        need a preemption. A sequence whose last token is in flight rides along too (its position
+        is still below ``prompt + max_tokens``, whose blocks submit() checked exist)."""
+        prev = self._inflight
+        assert prev is not None
+        if prev.tokens.device is None or not self._reserve_ahead(prev.batch):
+            return False
+        try:
+            nxt = self._launch(prev.batch, prev.tokens.device)
+        except Exception as ex:  # noqa: BLE001
+            log.exception("decode step failed")
+            self._drain()
+            for e in list(prev.batch):
+                if e.seq.status is Status.RUNNING:
+                    self._fail(e, f"decode step failed: {ex}")
+            return True
+        self._inflight = nxt
+        self._collect(prev)
+        if nxt.tokens.device is None:  # sampled on the host: nothing left in flight to chain from
+            self._drain()
+        return True
+
+    def _reserve_ahead(self, batch: list[_Entry]) -> bool:
+        """The blocks a chained step writes to (each sequence's in-flight token's slot), without
+        preempting anyone: False when the pool cannot give them."""
+        short = [(e, self._shortfall(e)) for e in batch]
+        if sum(n for _, n in short) > self.kv.blocks.num_free:
+            return False
+        for e, n in short:
+            got = self.kv.blocks.try_allocate(n, e.seq.request_id) if n else []
+            if got is None:  # the colocated prefill took them meanwhile
+                return False
+            e.seq.block_ids.extend(got)  # append-only: backends may keep the list object
+        return True
+
+    def _launch(self, batch: list[_Entry], ids: torch.Tensor | None) -> _Launched:
+        """Run one step of ``batch`` (its ids from the host, or ``ids`` on the device: the tokens of
+        the step in flight, whose positions come one after each sequence's last known token) and
+        start sampling and fetching its tokens."""
+        ahead = 0 if ids is None else 1
+        slices = [SeqSlice(e.seq.block_ids, e.seq.total_len - 1 + ahead, 1) for e in batch]
+        t0 = time.perf_counter()
+        if ids is None:
+            out = self.runner.step([[e.seq.last_token] for e in batch], slices)
+        else:
+            out = self.runner.step(None, slices, ids=ids)
+        return _Launched(batch, self._sample(batch, out), t0)
+
+    def _drain(self, emit: bool = True) -> None:
+        """Wait for the step in flight, if any, and emit its tokens (or only free what it held)."""
+        launched, self._inflight = self._inflight, None
+        if launched is None:
+            return
+        if emit:
+            self._collect(launched)
+            return
+        try:
+            launched.tokens.result()
+        except Exception:  # noqa: BLE001 - stopping: its blocks come back all the same
+            log.exception("waiting for the last decode step failed")
+        for e in launched.release_after:
+            self.kv.release(e.seq)
+
+    def _collect(self, launched: _Launched) -> None:
+        """Emit a step's tokens to the sequences still running (one that finished or was aborted
+        since its launch rode along: its row is dropped), then free what waited for the step."""
+        try:
+            toks = launched.tokens.result()
+        except Exception as ex:  # noqa: BLE001 - the device failed this step: its rows fail
+            log.exception("reading a decode step's tokens failed")
+            toks = [ex] * len(launched.batch)
         if self.step_time is not None:
-            self._pace(t0, batch)
-        for e, tok in zip(batch, toks):
+            self._pace(launched.t0, launched.batch)
+        for e, tok in zip(launched.batch, toks):
+            if e.seq.status is not Status.RUNNING or e.aborted:
+                continue
             try:
                 if isinstance(tok, Exception):
                     raise tok
@@ -634,19 +765,22 @@ class DecodeEngine:
                 self._emit(e, tok)
             except Exception as ex:  # noqa: BLE001 - this request only
                 self._fail(e, f"sampling failed: {ex}")
+        for e in launched.release_after:
+            self.kv.release(e.seq)
 
     def _pace(self, t0: float, batch: list[_Entry]) -> None:
         """Timing emulation: hold the step's tokens until the modelled step time has passed."""
         modelled = self.step_time(len(batch), sum(e.seq.total_len for e in batch))  # type: ignore[misc]
         pace_until(t0, modelled)
 
-    def _sample(self, batch: list[_Entry], out: StepOutput) -> list[int | Exception]:
-        """The batch's tokens with one host sync; if batched sampling fails, row by row, so that
-        only the rows that fail again fail (their exception in place of the token)."""
+    def _sample(self, batch: list[_Entry], out: StepOutput) -> TokenFetch:
+        """The batch's tokens, sampled on the device and on their way to the host; if batched
+        sampling fails, row by row on the host, so that only the rows that fail again fail
+        (their exception in place of the token)."""
         params = [e.seq.params for e in batch]
         gens = [self._generators.get(e.seq.request_id) for e in batch]
         try:
-            return list(sample_batch(out.logits, params, gens, out.greedy))
+            return self._fetcher.start(sample_tokens(out.logits, params, gens, out.greedy))
         except Exception:  # noqa: BLE001
             log.exception("batched sampling failed; sampling row by row")
         toks: list[int | Exception] = []
@@ -655,7 +789,7 @@ class DecodeEngine:
                 toks.append(sample(out.logits[i], p, g))
             except Exception as ex:  # noqa: BLE001
                 toks.append(ex)
-        return toks
+        return TokenFetch.ready(toks)
 
     def warmup(self) -> list[int]:
         """Capture the decode CUDA graphs now (before traffic); the batch sizes captured."""

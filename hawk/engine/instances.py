@@ -461,7 +461,7 @@ class DecodeInstance(_FollowedRanks):
         self.engine = DecodeEngine(
             self.loaded.model, attn, RemoteKV(self.blocks, TPReceiver(r, self.followers)), eos, cfg.max_batch,
             graphs=False if tp > 1 else cfg.graphs, max_model_len=cfg.max_model_len or None,
-            step_time=_npu_step_time(cfg, self.loaded, self.npu is not None),
+            step_time=_npu_step_time(cfg, self.loaded, self.npu is not None), overlap=cfg.async_scheduling,
         )
         self.engine.warmup()  # capture the decode graphs before traffic (none on a CPU)
 
@@ -504,7 +504,7 @@ class ColocatedInstance:
         attn = PagedAttention(self.layout, self.caches, max_batch=cfg.max_batch, max_model_len=_decode_len(cfg, mc))
         self.decode = DecodeEngine(
             self.loaded.model, attn, LocalKV(self.blocks), tuple(mc.eos_token_ids), cfg.max_batch,
-            graphs=cfg.graphs, max_model_len=cfg.max_model_len or None,
+            graphs=cfg.graphs, max_model_len=cfg.max_model_len or None, overlap=cfg.async_scheduling,
         )
         self.decode.warmup()
 

@@ -7,7 +7,9 @@ batch is padded to a bucket size, its ids and positions are copied into static d
 the backend writes its metadata into its own static buffers (``begin(batch, pad_to=bucket)``),
 and one graph per bucket, captured on first use, runs the model, the final norm, the LM head for
 every row and the greedy argmax. Everything else (prefill, mixed batches, CPU, backends without
-``pad_to``) runs eagerly. Neither path reads a device value back to the host.
+``pad_to``) runs eagerly. Neither path reads a device value back to the host, and a decode step
+may take its ids from the device (the previous step's tokens), so it can be launched before the
+host has read them.
 """
 
 from __future__ import annotations
@@ -145,10 +147,21 @@ class ModelRunner:
         return out.logits.clone() if out.path is StepPath.GRAPH else out.logits
 
     @torch.inference_mode()
-    def step(self, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice]) -> StepOutput:
-        """:meth:`forward` without the copy, plus the greedy tokens when a graph computed them."""
-        if not slices or len(tokens) != len(slices):
-            raise ValueError(f"need one token list per sequence, got {len(tokens)} for {len(slices)}")
+    def step(self, tokens: Sequence[Sequence[int]] | None, slices: Sequence[SeqSlice], ids: torch.Tensor | None = None) -> StepOutput:
+        """:meth:`forward` without the copy, plus the greedy tokens when a graph computed them.
+
+        ``ids`` (a decode step only, ``tokens`` None): the batch's input ids as a device tensor
+        ``[n]``, typically the previous step's sampled tokens, so this step is launched before the
+        host has read them (async scheduling, see token_fetch.py). A row holding the sampler's
+        NO_TOKEN reads token 0 instead: its request fails when that token is read, and its row
+        here is never used.
+        """
+        if ids is not None:
+            if tokens is not None or ids.shape != (len(slices),) or any(s.q_len != 1 for s in slices):
+                raise ValueError("ids replace tokens, one per sequence of a decode step")
+            tokens = _DEVICE_IDS * len(slices)
+        if not slices or tokens is None or len(tokens) != len(slices):
+            raise ValueError(f"need one token list per sequence, got {len(tokens or ())} for {len(slices)}")
         with self._lock, self._on_device():
             starts = [s.start for s in slices]
             q_lens = [s.q_len for s in slices]
@@ -157,8 +170,8 @@ class ModelRunner:
                 self.model.reserve_positions(need)  # grows the table: graphs are recaptured
             decode = q_lens.count(1) == len(q_lens)
             if self.use_graphs and decode and len(slices) <= self.buckets[-1]:
-                return self._replay(tokens, slices, starts)
-            return self._eager(tokens, slices, decode)
+                return self._replay(tokens, slices, starts, ids)
+            return self._eager(tokens, slices, decode, ids)
 
     @torch.inference_mode()
     def warmup(self, buckets: Iterable[int] | None = None) -> list[int]:
@@ -181,7 +194,8 @@ class ModelRunner:
 
     # -- eager -------------------------------------------------------------------------------
 
-    def _eager(self, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice], decode: bool) -> StepOutput:
+    def _eager(self, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice], decode: bool,
+               device_ids: torch.Tensor | None = None) -> StepOutput:
         ids = [t for seq in tokens for t in seq]
         if decode:
             pos = [s.start for s in slices]
@@ -190,6 +204,8 @@ class ModelRunner:
         if len(ids) != len(pos):
             raise ValueError(f"{len(ids)} tokens given for {len(pos)} declared by the slices")
         io = _to_device(torch.tensor([ids, pos], dtype=torch.int64), self.device)
+        if device_ids is not None:
+            io[0].copy_(device_ids).clamp_(min=0)
         self.attn.begin(slices)
         hidden = self.model(io[0], io[1], self.attn)
         if not decode:  # only each sequence's last token goes through the LM head
@@ -208,7 +224,8 @@ class ModelRunner:
                 return b
         raise ValueError(f"batch of {n} exceeds the largest decode bucket {self.buckets[-1]}")
 
-    def _replay(self, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice], starts: list[int]) -> StepOutput:
+    def _replay(self, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice], starts: list[int],
+                device_ids: torch.Tensor | None = None) -> StepOutput:
         n = len(slices)
         b = self._bucket(n)
         try:
@@ -217,6 +234,9 @@ class ModelRunner:
             raise ValueError("a decode step takes exactly one token per sequence") from None
         self.attn.begin(slices, pad_to=b)
         self._write_io(ids, starts, b)
+        if device_ids is not None:  # behind the upload on the stream, so it overwrites the zeros
+            assert self._io is not None
+            self._io[:n].copy_(device_ids).clamp_(min=0)
         g = self._graph_for(b)
         g.graph.replay()
         outs = g.views.get(n)
@@ -283,6 +303,10 @@ class ModelRunner:
         with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
             logits, greedy = body()
         return _Graph(graph, logits, greedy)
+
+
+#: The placeholder token list of a step whose ids come as a device tensor (overwritten on the device).
+_DEVICE_IDS: list[list[int]] = [[0]]
 
 
 def finite_argmax(logits: torch.Tensor) -> torch.Tensor:
