@@ -167,11 +167,14 @@ def _same_tokens_and_late_frees(sync, overlap):
     stop = {"r3": ref["r3"].tokens[4], "r5": ref["r5"].tokens[10]}
     want = _run(sync, _requests(stop))
     assert want["r3"].reason == "stop" and want["r5"].reason == "stop"
-    spy = Spy(overlap.decode)
+    spy, before = Spy(overlap.decode), overlap.decode.stats()
     got = _run(overlap, _requests(stop))
     for rid, col in want.items():
         assert got[rid].tokens == col.tokens and got[rid].reason == col.reason, rid
     assert spy.chained > 0  # steps did launch on the previous step's device tokens
+    after = overlap.decode.stats()  # and the engine counts them (/metrics: hawk_decode_engine_steps_*)
+    assert after["steps_overlapped"] - before["steps_overlapped"] == spy.chained
+    assert after["steps_synchronous"] > before["steps_synchronous"] and sync.decode.stats()["steps_overlapped"] == 0
     assert spy.deferred > 0  # a sequence finished while the step after it was in flight ...
     assert spy.early == []  # ... and its blocks came back only after that step
     assert _blocks_back(overlap) and _blocks_back(sync)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 from dataclasses import replace
@@ -363,3 +364,6 @@ def test_metrics(system):
     inst = httpx.get(f"{system.decode.url}/metrics", trust_env=False).text
     assert "hawk_decode_rx_reservations 0.0" in inst and "hawk_decode_npu_channel_bytes" in inst
     assert "hawk_decode_aborted_on_disconnect_total " in inst
+    # the decode's steps by kind (a CPU decode does not overlap them)
+    assert "hawk_decode_engine_steps_overlapped 0.0" in inst
+    assert float(re.search(r"^hawk_decode_engine_steps_synchronous (\S+)$", inst, re.M).group(1)) >= 1

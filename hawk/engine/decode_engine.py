@@ -311,6 +311,9 @@ class DecodeEngine:
         self.overlap = overlap
         self._fetcher = TokenFetcher(self.runner.device, max_batch)
         self._inflight: _Launched | None = None  # engine thread only
+        #: steps launched on the previous step's device tokens / from host ids (the first of a batch,
+        #: after a change or a drain): how much of the decode the overlap covers
+        self.steps = {"overlapped": 0, "synchronous": 0}
         self.preemptions = 0
         self._lock = threading.Condition()
         self._waiting: deque[_Entry] = deque()
@@ -726,6 +729,7 @@ class DecodeEngine:
             out = self.runner.step([[e.seq.last_token] for e in batch], slices)
         else:
             out = self.runner.step(None, slices, ids=ids)
+        self.steps["synchronous" if ids is None else "overlapped"] += 1
         return _Launched(batch, self._sample(batch, out), t0)
 
     def _drain(self, emit: bool = True) -> None:
@@ -807,6 +811,8 @@ class DecodeEngine:
                 "running": len(self._running) + len(self._ready),
                 "free_blocks": self.kv.blocks.num_free,
                 "total_blocks": self.kv.blocks.num_blocks,
+                "steps_overlapped": self.steps["overlapped"],
+                "steps_synchronous": self.steps["synchronous"],
             }
 
     def close(self) -> None:
