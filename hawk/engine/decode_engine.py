@@ -257,7 +257,7 @@ class _Launched:
     batch: list[_Entry]
     tokens: TokenFetch
     t0: float
-    members: set[int] = field(default_factory=set)  # id() of the batch's entries
+    members: set[int] = field(init=False)  # id() of the batch's entries
     #: Entries that finished while this step was in flight: its rows may still write their KV, so
     #: their blocks are freed once it is done.
     release_after: list[_Entry] = field(default_factory=list)
