@@ -153,6 +153,12 @@ def test_chat_completion_answers_and_reports_timings(system):
     h = out["hawk"]
     assert h["kv_bytes"] > 0 and h["kv_transfer_s"] > 0 and h["kv_mode"]
     assert 0 < h["ttft_s"] < h["e2e_s"] and h["tpot_s"] > 0
+    # the server's TTFT, piece by piece: the router's own work, the prefill call (its engine's queue,
+    # forward and hand-off, plus the hop), the decode call (admission + KV + first emission, plus the hop)
+    assert h["decode_first_token_s"] >= h["kv_transfer_s"] and h["prefill_handoff_s"] >= 0
+    assert h["prefill_hop_s"] >= 0 and h["decode_hop_s"] >= 0 and h["router_before_prefill_s"] >= 0
+    pieces = h["router_before_prefill_s"] + h["prefill_call_s"] + h["decode_call_s"]
+    assert pieces <= h["ttft_s"] < pieces + 0.2  # only the router's own steps between the calls are not in a piece
     assert "emulated" in h["decode_device"] and h["transfer"] == "gn-hawk"
     u = out["usage"]
     assert u["completion_tokens"] == h["completion_tokens"] and u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]

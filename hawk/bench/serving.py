@@ -230,6 +230,13 @@ def _server_side(results: Sequence[RequestResult]) -> dict[str, Any]:
         "server_tpot_p50_ms": med("tpot_s"),
         "kv_transfer_p50_ms": med("kv_transfer_s"),
         "prefill_p50_ms": med("prefill_s"),
+        # where the rest of the server's TTFT went (hawk/serve/generation.py, Generation._hops)
+        "prefill_queue_p50_ms": med("prefill_queue_s"),
+        "prefill_handoff_p50_ms": med("prefill_handoff_s"),
+        "router_before_prefill_p50_ms": med("router_before_prefill_s"),
+        "prefill_hop_p50_ms": med("prefill_hop_s"),
+        "decode_first_token_p50_ms": med("decode_first_token_s"),
+        "decode_hop_p50_ms": med("decode_hop_s"),
         "kv_bytes_p50": (float(np.median([h["kv_bytes"] for h in hs if h.get("kv_bytes") is not None])) if any(h.get("kv_bytes") is not None for h in hs) else None),
         "transfer": next((h.get("transfer") for h in hs if h.get("transfer")), None),
         "decode_device": next((h.get("decode_device") for h in hs if h.get("decode_device")), None),

@@ -596,6 +596,7 @@ class DecodeEngine:
                 e.seq.status = Status.RUNNING
                 # stream 1: the prefill drew the first token from stream 0 of the same seed
                 self._generators[e.seq.request_id] = make_generator(e.seq.params, stream=1)
+                e.info["decode_first_token_s"] = time.monotonic() - e.seq.arrival  # admission + KV + pickup
                 self._emit(e, e.seq.output_ids[0], dict(e.info))
             except Exception as ex:  # noqa: BLE001
                 self._fail(e, f"starting the request failed: {ex}")

@@ -341,7 +341,9 @@ class PrefillEngine:
                     raise first
                 if first == NO_TOKEN:
                     raise NonFiniteLogits("the model produced no finite logit for the first token")
+                t_hand = time.monotonic()
                 self.handoff(j.request_id, len(j.prompt_ids), blocks, free)
+                t_hand = time.monotonic() - t_hand
             except Exception as e:  # noqa: BLE001 - this request only: its blocks come back
                 log.warning("prefill of %s failed: %s", j.request_id, e)
                 if feeds and j in feeds:
@@ -352,7 +354,8 @@ class PrefillEngine:
                 continue
             j.blocks = None  # the handoff owns them now
             started = j.started if j.started is not None else t1
-            timings = {"queue_s": started - j.arrival, "prefill_s": t1 - started, "prefill_chunks": float(j.chunks)}
+            timings = {"queue_s": started - j.arrival, "prefill_s": t1 - started, "prefill_chunks": float(j.chunks),
+                       "handoff_s": t_hand}  # the KV handed to the sender (or the colocated decode)
             j.future.set_result(PrefillResult(j.request_id, first, len(j.prompt_ids), blocks, timings))
 
     @staticmethod

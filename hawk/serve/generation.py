@@ -154,6 +154,8 @@ class Generation:
         self._closed = False
         self.prefill_reply: PrefillResponse | None = None
         self.kv_info: dict[str, Any] = {}
+        self.t_prefill_sent: float | None = None
+        self.t_decode_sent: float | None = None
         self.t_prefilled: float | None = None
         self.t_handed: float | None = None
         self.t_first: float | None = None
@@ -198,6 +200,7 @@ class Generation:
     async def _prefill(self) -> None:
         body = PrefillRequest.of(request_id=self.request_id, prompt_ids=self.prompt_ids, params=self.params.to_dict(), kv_flow=self.kv_flow)
         self._prefilled = True  # from here on the prefill may hold something for this request
+        self.t_prefill_sent = time.monotonic()
         self.prefill_reply = await self._call(self.prefill_url, "prefill", "/internal/prefill", body, PrefillResponse)
         self.t_prefilled = time.monotonic()
 
@@ -220,6 +223,7 @@ class Generation:
 
     async def _open_decode(self, body: DecodeRequest) -> None:
         req = self.client.build_request("POST", f"{self.decode_url}/internal/decode", content=body.model_dump_json(), headers=_JSON)
+        self.t_decode_sent = time.monotonic()
         try:
             resp = await self.client.send(req, stream=True)
         except httpx.HTTPError as e:
@@ -401,6 +405,7 @@ class Generation:
             "e2e_s": now - self.arrival,
             "prefill_queue_s": pre_t.get("queue_s"),
             "prefill_s": pre_t.get("prefill_s"),
+            "prefill_handoff_s": pre_t.get("handoff_s"),
             "kv_transfer_s": self.kv_info.get("kv_transfer_s"),
             "kv_bytes": self.kv_info.get("kv_bytes"),
             "kv_requests": self.kv_info.get("kv_requests"),
@@ -409,10 +414,31 @@ class Generation:
         }
         if self.t_prefilled is not None and self.t_first is not None:
             out["prefill_to_first_token_s"] = self.t_first - self.t_prefilled
+        out.update(self._hops(pre_t))
         if self.kv_flow == "layerwise":  # the part of the transfer the prefill's forward did not hide
             out["kv_flow"] = "layerwise"
             out["kv_exposed_s"] = self.kv_info.get("kv_exposed_s")
             out["decode_handed_s"] = None if self.t_handed is None else self.t_handed - self.arrival
+        return out
+
+
+    def _hops(self, pre_t: dict[str, Any]) -> dict[str, float]:
+        """Where the server's TTFT went outside the engines: the router's own work before the
+        prefill call, each instance call's round trip, and (pull) what the calls added to what the
+        engines report (HTTP, (de)serialization, the instances' handlers, thread hand-offs)."""
+        out: dict[str, float] = {}
+        if self.t_prefill_sent is not None and self.t_prefilled is not None:
+            out["router_before_prefill_s"] = self.t_prefill_sent - self.arrival
+            out["prefill_call_s"] = call = self.t_prefilled - self.t_prefill_sent
+            if pre_t.get("prefill_s") is not None:
+                out["prefill_hop_s"] = call - sum(pre_t.get(k) or 0.0 for k in ("queue_s", "prefill_s", "handoff_s"))
+        first = self.kv_info.get("decode_first_token_s")
+        if first is not None:
+            out["decode_first_token_s"] = first
+        if self.kv_flow == "pull" and self.t_decode_sent is not None and self.t_first is not None:
+            out["decode_call_s"] = call = self.t_first - self.t_decode_sent
+            if first is not None:
+                out["decode_hop_s"] = call - first
         return out
 
 
