@@ -421,7 +421,7 @@ def make_step(runner: Any, n: int) -> tuple[str, Step]:
 OVERLAP_RUN = 16
 
 
-def make_overlapped_steps(runner: ModelRunner, n: int, k: int = OVERLAP_RUN) -> Callable[[Sequence[Sequence[int]], Sequence[SeqSlice]], list[int]]:
+def make_overlapped_steps(runner: ModelRunner, n: int, k: int = OVERLAP_RUN) -> Step:
     """``k`` decode steps as the decode engine runs them on a GPU (async scheduling,
     hawk/engine/token_fetch.py): each step after the first launched on the previous step's
     tokens on the device, before the host reads those, so the host's work for the next step
@@ -618,20 +618,16 @@ def _prepare_decode(ctx: Context, path: str, kv_dtype: str, batch: int, context:
     slices = [SeqSlice(b, context, 1) for b in cache.blocks]
     tokens = [[1] for _ in range(batch)]
 
-    def step() -> None:
-        for row, t in zip(tokens, run(tokens, slices)):
-            row[0] = t
-
-    overlapped = None
-    if ctx.device.type == "cuda":
-        run_k = make_overlapped_steps(runner, batch)
-
-        def overlapped() -> None:
-            for row, t in zip(tokens, run_k(tokens, slices)):
+    def feeding(run: Step) -> Callable[[], None]:
+        """``run`` on the point's slices, its sampled tokens fed back as the next call's."""
+        def call() -> None:
+            for row, t in zip(tokens, run(tokens, slices)):
                 row[0] = t
+        return call
 
+    overlapped = feeding(make_overlapped_steps(runner, batch)) if ctx.device.type == "cuda" else None
     note = "; ".join(x for x in (_note(path, ctx.device), why, warn) if x)
-    return _Prepared(cache, step, graphs, sname, note, overlapped)
+    return _Prepared(cache, feeding(run), graphs, sname, note, overlapped)
 
 
 def _measure_decode(ctx: Context, path: str, kv_dtype: str, batch: int, context: int) -> dict[str, Any]:

@@ -736,29 +736,21 @@ class DecodeEngine:
     def _drain(self, emit: bool = True) -> None:
         """Wait for the step in flight, if any, and emit its tokens (or only free what it held)."""
         launched, self._inflight = self._inflight, None
-        if launched is None:
-            return
-        if emit:
-            self._collect(launched)
-            return
-        try:
-            launched.tokens.result()
-        except Exception:  # noqa: BLE001 - stopping: its blocks come back all the same
-            log.exception("waiting for the last decode step failed")
-        for e in launched.release_after:
-            self.kv.release(e.seq)
+        if launched is not None:
+            self._collect(launched, emit)
 
-    def _collect(self, launched: _Launched) -> None:
+    def _collect(self, launched: _Launched, emit: bool = True) -> None:
         """Emit a step's tokens to the sequences still running (one that finished or was aborted
-        since its launch rode along: its row is dropped), then free what waited for the step."""
+        since its launch rode along: its row is dropped), then free what waited for the step.
+        ``emit`` False (stopping): only wait for the step and free."""
         try:
             toks = launched.tokens.result()
         except Exception as ex:  # noqa: BLE001 - the device failed this step: its rows fail
             log.exception("reading a decode step's tokens failed")
             toks = [ex] * len(launched.batch)
-        if self.step_time is not None:
+        if emit and self.step_time is not None:
             self._pace(launched.t0, launched.batch)
-        for e, tok in zip(launched.batch, toks):
+        for e, tok in zip(launched.batch, toks) if emit else ():
             if e.seq.status is not Status.RUNNING or e.aborted:
                 continue
             try:
