@@ -84,9 +84,11 @@ def _clean(pair, timeout=3.0):
 
 
 def _hand_over(pair, rid, tokens, dst):
-    """Start the decode side (D1 and the wait for the push) in a thread; returns (thread, outcome)."""
+    """Start the decode side (D1 and the wait for the push) in a thread; returns (thread, outcome).
+    The prefill expects the destination first, as its callers arrange (``handed`` comes as D1 leaves)."""
     out: dict = {}
     handed = threading.Event()
+    pair.sender.expect(rid)
 
     def go():
         try:
@@ -98,6 +100,9 @@ def _hand_over(pair, rid, tokens, dst):
     t = threading.Thread(target=go)
     t.start()
     assert handed.wait(5)
+    deadline = time.monotonic() + 5  # until the prefill holds it (or the decode side is done)
+    while rid not in pair.sender.accounting()["pushes"] and t.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.001)
     return t, out
 
 
@@ -143,6 +148,58 @@ def test_late_destination_pushes_the_whole_request():
         t.join(10)
         assert "result" in out and pair.landed(100, [9, 3, 4, 5, 6, 7, 8], [1, 2])
         assert _clean(pair) and pair.freed == ["r"]
+    finally:
+        pair.close()
+
+
+def test_an_expected_destination_is_waited_for_and_pushed_layer_by_layer():
+    """The decode hands over while the prefill starts (``expect``): the prefill's first layer waits
+    for the PushTo that comes meanwhile, then pushes layer by layer as always."""
+    pair = make_pair("gn-hawk", LocalTransport(), LocalTransport())
+    pair.sender.destination_wait_s = 5.0
+    try:
+        pair.sender.expect("r")
+        assert pair.sender.accounting()["expected"] == ["r"]
+        started = threading.Timer(0.05, lambda: holder.append(_hand_over(pair, "r", 100, [1, 2])))
+        holder: list = []
+        started.start()
+        t0 = time.monotonic()
+        _prefill(pair, "r", 100, [9, 3, 4, 5, 6, 7, 8])  # begin_push waits for the PushTo
+        assert time.monotonic() - t0 >= 0.04
+        started.join(5)
+        t, out = holder[0]
+        t.join(10)
+        assert out["result"].mode == "layerwise" and pair.landed(100, [9, 3, 4, 5, 6, 7, 8], [1, 2])
+        assert pair.sender.accounting()["expected"] == []
+        assert _clean(pair) and pair.freed == ["r"]
+    finally:
+        pair.close()
+
+
+def test_an_expected_destination_that_comes_late_or_never_costs_the_prefill_only_the_wait():
+    """No PushTo within ``destination_wait_s``: the forward goes on without a push, its KV waits the
+    pull way and a later PushTo gets it whole; an expectation is dropped by ``discard`` (waking a
+    waiter) or after the TTL."""
+    pair = make_pair("gn-hawk", LocalTransport(), LocalTransport())
+    pair.sender.destination_wait_s = 0.05
+    try:
+        pair.sender.expect("late")
+        t0 = time.monotonic()
+        assert pair.sender.begin_push("late", 100, [9, 3, 4, 5, 6, 7, 8]) is None
+        assert 0.04 <= time.monotonic() - t0 < 2
+        pair.add("late", 100, [9, 3, 4, 5, 6, 7, 8])
+        t, out = _hand_over(pair, "late", 100, [1, 2])
+        t.join(10)
+        assert "result" in out and pair.landed(100, [9, 3, 4, 5, 6, 7, 8], [1, 2])
+        pair.sender.destination_wait_s = 5.0
+        pair.sender.expect("gone")
+        threading.Timer(0.05, pair.sender.discard, ["gone"]).start()
+        t0 = time.monotonic()
+        assert pair.sender.begin_push("gone", 10, [0]) is None and time.monotonic() - t0 < 2  # woken, not timed out
+        pair.sender.expect("stale")
+        pair.sender.reap(now=time.monotonic() + pair.sender.ttl_s + 1)
+        assert pair.sender.accounting()["expected"] == []
+        assert _clean(pair) and pair.freed == ["late"]
     finally:
         pair.close()
 

@@ -298,6 +298,35 @@ def decode_layer_launches(device: str, fused_decode: bool | None) -> list[str]:
     return log
 
 
+def padded_prefill_matches(device: str, t: int = 48) -> dict:
+    """A prefill batch (a fresh prompt, a continuation) padded to ``t`` tokens as a prefill graph pads
+    it gives the unpadded outputs bit for bit, zeros on the pad rows, and writes nothing for the pads
+    (a pad row longer than a key tile once read keys at negative positions on a GPU)."""
+    layout = GpuKVLayout(1, 12, 4, 2, 32, "fp32")
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(layout.allocate("cpu")[0].shape, generator=g)
+    batch = [SeqSlice([0, 1, 2], 0, 10), SeqSlice([5, 6, 7, 8], 6, 7)]  # the second: 6 tokens cached
+    t_real = 17
+    q = torch.randn(t, 4, 32, generator=g).to(device)
+    k, v = (torch.randn(t, 2, 32, generator=g).to(device) for _ in range(2))
+    outs, caches = [], []
+    for pad in (None, t):
+        cache = base.clone().to(device)
+        attn = PagedAttention(layout, [cache], max_batch=4, use_triton=True)
+        if pad is None:
+            attn.begin(batch)
+            outs.append(attn(0, q[:t_real], k[:t_real], v[:t_real]))
+        else:
+            attn.begin(batch, pad_to=4, pad_tokens=pad)
+            prog = attn._views["prog_seq"].tolist(), attn._views["prog_blk"].tolist()
+            outs.append(attn(0, q, k, v))
+        caches.append(cache)
+    assert torch.equal(outs[1][:t_real], outs[0]), "padded outputs differ"
+    assert not outs[1][t_real:].any(), "pad rows are not zero"
+    assert torch.equal(caches[0], caches[1]), "the pads wrote to the cache"
+    return {"programs": len(prog[0]), "prog_seq": prog[0], "prog_blk": prog[1]}
+
+
 def _run_all_interpreted() -> None:
     """Subprocess entry: every case through both Triton decode paths on CPU, one JSON line each."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before importing triton"
@@ -312,6 +341,10 @@ def _run_all_interpreted() -> None:
                 res = {"name": name, "ok": True, **r}
             res["s"] = round(time.perf_counter() - t0, 2)  # the whole case's (its paths share the prefill)
             emit(res)
+    try:
+        emit({"name": "padded_prefill", "ok": True, **padded_prefill_matches("cpu")})
+    except Exception as e:  # noqa: BLE001
+        emit({"name": "padded_prefill", "ok": False, "error": f"{type(e).__name__}: {e}"})
     for path, fused in DECODE_PATHS.items():
         name = f"launches/{path}"
         try:
@@ -350,6 +383,42 @@ def test_decode_layer_launches_interpreted(interpreted: dict[str, dict], path: s
     assert r["launches"] == _DECODE_LAUNCHES[path]
 
 
+def test_padded_prefill_matches_interpreted(interpreted: dict[str, dict]) -> None:
+    r = interpreted.get("padded_prefill")
+    assert r is not None and r["ok"], r and r.get("error")
+    # block_m 16 on CPU: 2 + 1 real programs (10 and 7 rows), 2 for the 31 pad rows, fillers to 3 + 4
+    assert r["programs"] == 7
+    assert sorted(zip(r["prog_seq"][:2], r["prog_blk"][:2])) == [(0, 0), (1, 0)]
+    assert list(zip(r["prog_seq"][2:], r["prog_blk"][2:])) == [(2, 0), (2, 1), (2, 2), (2, 2), (2, 2)]
+
+
+def test_padded_prefill_metadata() -> None:
+    """The rows and slots a padded prefill declares (the kernels' view of the pads)."""
+    pytest.importorskip("triton")
+    layout = GpuKVLayout(1, 12, 4, 2, 32, "fp32")
+    attn = PagedAttention(layout, layout.allocate(), max_batch=4, use_triton=True)
+    attn.begin([SeqSlice([0, 1, 2], 0, 10), SeqSlice([5, 6, 7, 8], 6, 7)], pad_to=4, pad_tokens=48)
+    vw = attn._views
+    assert vw["seq_lens"].tolist() == [10, 13, 0, 0]
+    assert vw["q_start"].tolist() == [0, 10, 17, 48, 48]
+    assert vw["slots"].shape == (48,) and (vw["slots"][17:] == -1).all() and (vw["slots"][:17] >= 0).all()
+    assert attn._tokens == 48
+    with pytest.raises(ValueError, match="pad_to >"):
+        attn.begin([SeqSlice([0, 1, 2], 0, 10)], pad_to=1, pad_tokens=16)
+    with pytest.raises(ValueError, match="smaller"):
+        attn.begin([SeqSlice([0, 1, 2], 0, 10)], pad_to=2, pad_tokens=8)
+    # the torch path pads the same way: zeros on the pad rows, the real rows as unpadded
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(16, 4, 32, generator=g), torch.randn(16, 2, 32, generator=g), torch.randn(16, 2, 32, generator=g)
+    outs = []
+    for pad in (None, 16):
+        torch_path = PagedAttention(layout, layout.allocate(), max_batch=4, use_triton=False)
+        torch_path.begin([SeqSlice([0, 1, 2], 0, 10)], pad_to=None if pad is None else 2, pad_tokens=pad)
+        n = 10 if pad is None else 16
+        outs.append(torch_path(0, q[:n], k[:n], v[:n]))
+    assert torch.equal(outs[1][:10], outs[0]) and not outs[1][10:].any()
+
+
 # ---- GPU ------------------------------------------------------------------------------------
 
 _8B = dict(hq=32, hkv=8, d=128, bs=16)
@@ -367,6 +436,13 @@ def _need_cuda() -> None:
 def test_triton_small_cases_cuda(case: dict, path: str) -> None:
     _need_cuda()
     run_case(case, "cuda", use_triton=True, num_layers=2, fused_decode=DECODE_PATHS[path])
+
+
+@pytest.mark.gpu
+def test_padded_prefill_matches_cuda() -> None:
+    _need_cuda()
+    for t in (48, 700):  # block_m 128 on a GPU
+        assert padded_prefill_matches("cuda", t)["programs"] == -(-t // 128) + 4
 
 
 @pytest.mark.gpu

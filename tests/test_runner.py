@@ -20,7 +20,16 @@ from hawk.engine.attention import ContiguousKVAttention, SeqSlice, attend
 from hawk.engine.config import ModelConfig, preset
 from hawk.engine.model import LlamaModel
 from hawk.engine.paged_attention import PagedAttention
-from hawk.engine.runner import GraphsUnavailable, ModelRunner, StepPath, _Graph, decode_buckets
+from hawk.engine.runner import (
+    GraphsUnavailable,
+    ModelRunner,
+    StepPath,
+    _Graph,
+    _PrefillGraph,
+    decode_buckets,
+    prefill_seq_buckets,
+    prefill_token_buckets,
+)
 from hawk.engine.sampler import greedy_tokens, make_generator, sample_tokens
 from hawk.engine.sequence import SamplingParams
 from hawk.engine.token_fetch import TokenFetcher
@@ -127,6 +136,41 @@ class CpuGraphRunner(ModelRunner):
         return _Graph(_ReplayEagerly(body, (logits, greedy)), logits, greedy)
 
 
+class _PrefillReplay:
+    """A prefill graph's stand-in: replay reruns the captured forward into the captured logits with
+    the layer hook off (a real replay calls no Python between layers)."""
+
+    def __init__(self, runner: ModelRunner, body: Callable[[], torch.Tensor], logits: torch.Tensor) -> None:
+        self.runner, self.body, self.logits, self.replays = runner, body, logits, 0
+
+    def replay(self) -> None:
+        attn = self.runner.attn
+        hook, attn.after_layer = attn.after_layer, None
+        try:
+            self.logits.copy_(self.body())
+        finally:
+            attn.after_layer = hook
+        self.replays += 1
+
+
+class CpuPrefillGraphRunner(ModelRunner):
+    """The runner's prefill-graph path with :class:`_PrefillReplay` in place of CUDA graphs; each
+    layer's "event" is a string naming it."""
+
+    def _why_no_graphs(self) -> str | None:
+        return None
+
+    def _capture_prefill(self, t: int, sb: int) -> _PrefillGraph:
+        body = self._prefill_body(t, sb)
+        hook, self.attn.after_layer = self.attn.after_layer, None
+        try:
+            logits = body()
+        finally:
+            self.attn.after_layer = hook
+        events = [f"layer {i}" for i in range(self.model.config.num_layers)]
+        return _PrefillGraph(_PrefillReplay(self, body, logits), logits, events, self.attn.generation)
+
+
 @pytest.fixture(scope="module")
 def tiny() -> LlamaModel:
     torch.set_num_threads(1)
@@ -143,6 +187,15 @@ def test_decode_buckets() -> None:
     assert decode_buckets(1) == [1] and decode_buckets(3) == [1, 2, 3]
     with pytest.raises(ValueError):
         decode_buckets(0)
+
+
+def test_prefill_buckets() -> None:
+    assert prefill_token_buckets(2048) == [16, 32, 64, *range(128, 2049, 128)]
+    assert prefill_token_buckets(300) == [16, 32, 64, 128, 256, 384]
+    assert prefill_token_buckets(40, step=16) == [16, 32, 48]
+    assert prefill_seq_buckets(16) == [1, 2, 4, 8, 16] and prefill_seq_buckets(5) == [1, 2, 4, 5]
+    with pytest.raises(ValueError):
+        prefill_token_buckets(0)
 
 
 def test_graphs_are_refused_where_they_cannot_run(tiny: LlamaModel) -> None:
@@ -275,6 +328,85 @@ def test_warmup_captures_every_bucket_with_padding_only(tiny: LlamaModel) -> Non
     assert ModelRunner(tiny, ContiguousKVAttention(2)).warmup() == []
 
 
+def _paged(model: LlamaModel, device: str = "cpu", blocks: int = 24) -> PagedAttention:
+    cfg = model.config
+    dt = "fp32" if model.dtype == torch.float32 else "bf16"
+    lay = GpuKVLayout(cfg.num_layers, blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim, dt)
+    return PagedAttention(lay, lay.allocate(device), max_batch=8)
+
+
+#: Prefill iterations: one prompt, two prompts, a chunk continuing the first beside a fresh prompt
+#: (a mixed batch), a batch past the graphs' token limit (eager), and one of 5 prompts (4 is the limit).
+_PREFILLS = [
+    [([0, 1], 0, 20)],
+    [([2, 3], 0, 9), ([4, 5], 0, 30)],
+    [([0, 1], 20, 12), ([6, 7], 0, 3)],
+    [([8, 9, 10, 11, 12], 0, 70)],
+    [([13 + i], 0, 2) for i in range(5)],
+]
+
+
+def _run_prefills(runner: ModelRunner, model: LlamaModel) -> tuple[list[torch.Tensor], list[StepPath], list[list]]:
+    """Each iteration of ``_PREFILLS`` through ``runner``; the logits, paths and layer-hook calls."""
+    g = torch.Generator().manual_seed(5)
+    logits, paths, calls = [], [], []
+    for batch in _PREFILLS:
+        slices = [SeqSlice(b, start, q) for b, start, q in batch]
+        toks = [torch.randint(0, model.config.vocab_size, (q,), generator=g).tolist() for _, _, q in batch]
+        seen: list = []
+        runner.attn.after_layer = lambda layer, marker, seen=seen: seen.append((layer, marker))
+        try:
+            out = runner.step(toks, slices)
+        finally:
+            runner.attn.after_layer = None
+        logits.append(out.logits.clone())
+        paths.append(out.path)
+        calls.append(seen)
+    return logits, paths, calls
+
+
+def test_prefill_graphs_match_eager_on_the_cpu(tiny: LlamaModel) -> None:
+    """Buckets, padding, the static ids / positions / last rows, the replay's logits and the layer
+    hook's calls (after the replay, one per layer with its event) against the eager runner."""
+    eager = ModelRunner(tiny, _paged(tiny), graphs=False)
+    graphed = CpuPrefillGraphRunner(tiny, _paged(tiny), graphs=False, prefill_graph_tokens=64, prefill_graph_seqs=4)
+    assert graphed.prefill_tokens == [16, 32, 64] and graphed.prefill_seqs == [1, 2, 4]
+    le, pe, ce = _run_prefills(eager, tiny)
+    lg, pg, cg = _run_prefills(graphed, tiny)
+    assert pe == [StepPath.EAGER] * 5
+    assert pg == [StepPath.GRAPH, StepPath.GRAPH, StepPath.GRAPH, StepPath.EAGER, StepPath.EAGER]
+    for a, b in zip(le, lg):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
+    assert sorted(graphed._prefill_graphs) == [(16, 2), (32, 1), (64, 2)]
+    n = tiny.config.num_layers
+    assert ce[0] == [(i, None) for i in range(n)]  # eager: called between layers, no marker
+    assert cg[0] == [(i, f"layer {i}") for i in range(n)]  # graph: after the replay, each layer's event
+    assert cg[3] == ce[3]
+    for a, b in zip(eager.attn.caches, graphed.attn.caches):
+        assert torch.allclose(a, b, atol=1e-5)  # the same K/V in the same slots, nothing for the pads
+
+
+def test_prefill_graph_warmup_writes_nothing_and_replays_after(tiny: LlamaModel) -> None:
+    runner = CpuPrefillGraphRunner(tiny, _paged(tiny), graphs=False, prefill_graph_tokens=32, prefill_graph_seqs=2)
+    assert runner.warmup_prefill() == [(32, 1), (16, 1)]
+    assert all(not c.any() for c in runner.attn.caches)
+    first = runner._prefill_graphs[(32, 1)]
+    out = runner.step([[3] * 20], [SeqSlice([0, 1], 0, 20)])
+    assert out.path is StepPath.GRAPH and runner._prefill_graphs[(32, 1)] is first and first.graph.replays == 1
+    assert runner.attn.caches[0].any()
+    # a regrown metadata buffer (a batch beyond max_batch) moves what the graphs read: recaptured
+    runner.attn.begin([SeqSlice([i], 0, 1) for i in range(9)])
+    runner.step([[3] * 20], [SeqSlice([0, 1], 0, 20)])
+    assert runner._prefill_graphs[(32, 1)] is not first
+    # no prefill graphs without a backend that pads a prefill, or with a step hook (tensor parallel)
+    assert CpuPrefillGraphRunner(tiny, SlotCacheAttention(tiny.config, 8, 2, 8, "cpu"), prefill_graph_tokens=32).prefill_tokens == []
+    tiny.step_hook = lambda ids, pos: None
+    try:
+        assert runner.step([[3] * 20], [SeqSlice([0, 1], 0, 20)]).path is StepPath.EAGER
+    finally:
+        tiny.step_hook = None
+
+
 # ---- the graph path, on a GPU ------------------------------------------------------------------
 
 
@@ -297,6 +429,62 @@ def test_cuda_graph_decode_matches_eager(dtype: torch.dtype) -> None:
         assert torch.allclose(le, lg, atol=tol)
     # Not bit-identical even when a batch fills its bucket: cuBLAS may pick another algorithm
     # under capture (measured on an H200), so tokens and a tolerance are what hold.
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_prefill_graphs_match_eager(dtype: torch.dtype) -> None:
+    """Real prefill graphs over the Triton paged attention against the eager runner: logits within
+    tolerance, the same greedy tokens, the same cache; the hook gets each layer's CUDA event."""
+    model = LlamaModel.from_config(preset("tiny"), seed=0, dtype=dtype, device="cuda")
+    eager = ModelRunner(model, _paged(model, "cuda"), graphs=False)
+    graphed = ModelRunner(model, _paged(model, "cuda"), graphs=False, prefill_graph_tokens=64, prefill_graph_seqs=4)
+    assert graphed.warmup_prefill() == [(64, 1), (32, 1), (16, 1)]
+    warm = ModelRunner(model, _paged(model, "cuda"), graphs=False, prefill_graph_tokens=1024)
+    assert len(warm.warmup_prefill()) == 11 and not any(c.any() for c in warm.attn.caches)  # all-pad, up to 1k
+    le, _, _ = _run_prefills(eager, model)
+    lg, pg, cg = _run_prefills(graphed, model)
+    assert pg == [StepPath.GRAPH, StepPath.GRAPH, StepPath.GRAPH, StepPath.EAGER, StepPath.EAGER]
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    for a, b in zip(le, lg):
+        assert torch.allclose(a, b, atol=tol) and torch.equal(greedy_tokens(a), greedy_tokens(b))
+    assert [layer for layer, _ in cg[0]] == list(range(model.config.num_layers))
+    assert all(isinstance(ev, torch.cuda.Event) for _, ev in cg[0])
+    for a, b in zip(eager.attn.caches, graphed.attn.caches):
+        assert torch.allclose(a.float(), b.float(), atol=tol)
+
+
+@gpu
+@needs_cuda
+def test_cuda_prefill_graph_layer_events_order_another_stream() -> None:
+    """A side stream that waits on a layer's event after the replay is launched reads that layer's
+    K/V as written, though the replay itself waits behind a long sleep on its stream: the events are
+    recorded inside the graph, not at launch."""
+    model = LlamaModel.from_config(preset("tiny"), seed=0, device="cuda")
+    runner = ModelRunner(model, _paged(model, "cuda"), graphs=False, prefill_graph_tokens=64)
+    slices = [SeqSlice([0, 1, 2, 3], 0, 60)]
+    runner.step([[7] * 60], slices)  # captures the bucket's graph
+    for c in runner.attn.caches:
+        c.zero_()
+    side = torch.cuda.Stream()
+    seen: list[torch.Tensor] = []
+
+    def copy_after(layer: int, event: torch.cuda.Event) -> None:
+        side.wait_event(event)
+        with torch.cuda.stream(side):
+            seen.append(runner.attn.caches[layer].clone())
+
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the replay on this stream
+    runner.attn.after_layer = copy_after
+    try:
+        runner.step([[9] * 60], slices)
+    finally:
+        runner.attn.after_layer = None
+    torch.cuda.synchronize()
+    assert len(seen) == model.config.num_layers
+    for layer, copy in enumerate(seen):
+        assert copy.any() and torch.equal(copy, runner.attn.caches[layer]), layer
 
 
 @gpu

@@ -48,6 +48,10 @@ def test_tiny_run_records_and_breakdown(tmp_path):
         # One repeat: the steps partition the pull exactly (up to rounding), and the pull fits in TTFT.
         assert sum(b[k] for k in STEPS) == pytest.approx(b["total"], rel=1e-6, abs=1e-3)
         assert b["total"] < r["ttft_ms"]
+        # where the TTFT went: before the prefill call, the call, after it (one repeat: they add up)
+        for pieces, ttft in ((r["pieces_ms"], r["ttft_ms"]), (r["colocated_pieces_ms"], r["colocated_ttft_ms"])):
+            assert sum(pieces[k] for k in ("before_prefill_ms", "prefill_call_ms", "after_prefill_ms")) == pytest.approx(ttft, rel=1e-6)
+            assert 0 < pieces["prefill_engine_ms"] < pieces["prefill_call_ms"]
     hawk = [r for r in records if r["config"] == "gn-hawk"]
     assert all(r["host_breakdown_ms"]["sender_transform"] > 0 for r in hawk)
 

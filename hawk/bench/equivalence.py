@@ -37,8 +37,9 @@ PROMPTS = (
 )
 
 
-def _collect(submit: Any, timeout: float = 300.0) -> tuple[list[int], dict[str, Any]]:
-    """Run one request to completion; returns its tokens and timing."""
+def _collect(submit: Any, timeout: float = 300.0, marks: dict[str, Any] | None = None) -> tuple[list[int], dict[str, Any]]:
+    """Run one request to completion; returns its tokens and timing. ``marks``: what ``submit``
+    recorded about the prefill (:func:`_prefilled`), turned into ``info["pieces_s"]``."""
     out: list[int] = []
     info: dict[str, Any] = {}
     times: list[float] = []
@@ -61,38 +62,60 @@ def _collect(submit: Any, timeout: float = 300.0) -> tuple[list[int], dict[str, 
         raise RuntimeError(info["error"])
     info["ttft_s"] = times[0] - t0 if times else float("nan")
     info["tpot_s"] = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan")
+    if marks and times:
+        sent, done = marks["prefill_sent"], marks["prefill_done"]
+        info["pieces_s"] = {
+            "before_prefill_s": sent - t0,  # layer-wise: the decode's admission and hand-over
+            "prefill_call_s": done - sent,  # submit to result, of which:
+            "prefill_queue_s": marks.get("queue_s", 0.0), "prefill_engine_s": marks.get("prefill_s", 0.0),
+            "after_prefill_s": times[0] - done,  # the first token through the decode
+        }
     return out, info
 
 
+def _prefilled(fut: Any, marks: dict[str, Any], sent: float) -> Any:
+    """A prefill future's result, with when it was submitted and answered (and the engine's timings) in ``marks``."""
+    r = fut.result(300)
+    marks.update(r.timings, prefill_sent=sent, prefill_done=time.perf_counter())
+    return r
+
+
 def run_colocated(inst: ColocatedInstance, ids: list[int], params: SamplingParams, rid: str) -> tuple[list[int], dict]:
+    marks: dict[str, Any] = {}
+
     def submit(on: Any) -> None:
-        r = inst.prefill.submit(rid, ids, params).result(300)
+        r = _prefilled(inst.prefill.submit(rid, ids, params), marks, time.perf_counter())
         inst.decode.submit(rid, r.num_prompt_tokens, r.first_token, params, inst.take_blocks(rid), on)
 
-    return _collect(submit)
+    return _collect(submit, marks=marks)
 
 
 def run_disaggregated(p: PrefillInstance, d: DecodeInstance, ids: list[int], params: SamplingParams, rid: str) -> tuple[list[int], dict]:
     """One request through a prefill and a decode instance: prefill then pull, or (kv_flow=layerwise)
     decode first: the decode hands its blocks to the prefill, then the prefill runs and pushes."""
+    marks: dict[str, Any] = {}
     if d.cfg.kv_flow == "layerwise":
-        return _collect(lambda on: submit_layerwise(p, d, ids, params, rid, on))
+        return _collect(lambda on: submit_layerwise(p, d, ids, params, rid, on, marks=marks), marks=marks)
 
     def submit(on: Any) -> None:
-        r = p.engine.submit(rid, ids, params).result(300)
+        r = _prefilled(p.engine.submit(rid, ids, params), marks, time.perf_counter())
         d.engine.submit(rid, r.num_prompt_tokens, r.first_token, params, KVHandle(p.kv_address, rid), on)
 
-    return _collect(submit)
+    return _collect(submit, marks=marks)
 
 
-def submit_layerwise(p: PrefillInstance, d: DecodeInstance, ids: list[int], params: SamplingParams, rid: str, on: Any, wait_s: float = 300.0) -> KVPush:
+def submit_layerwise(p: PrefillInstance, d: DecodeInstance, ids: list[int], params: SamplingParams, rid: str, on: Any, wait_s: float = 300.0,
+                     marks: dict[str, Any] | None = None) -> KVPush:
     """Decode first: admit at the decode (its blocks go to the prefill as the destination), then
-    prefill; the first token reaches the decode with the pushed KV. Returns the handle."""
+    prefill as the destination leaves (the prefill expects it); the first token reaches the decode
+    with the pushed KV. Returns the handle."""
     handle = KVPush(p.kv_address, rid)
+    p.sender.expect(rid)
     d.engine.submit(rid, len(ids), 0, params, handle, on)
-    handle.handed.wait(wait_s)
+    handle.handed.wait(wait_s)  # the decode has admitted it and its destination is on the way
     try:
-        r = p.engine.submit(rid, ids, params).result(wait_s)
+        sent = time.perf_counter()
+        r = _prefilled(p.engine.submit(rid, ids, params), marks if marks is not None else {}, sent)
     except BaseException as e:
         handle.first_token.set_exception(e)
         p.discard(rid)

@@ -64,6 +64,23 @@ def _median_timings(results: Sequence[Any]) -> dict[str, float]:
             for k in keys}  # counts (e.g. ``sender_posts``) stay counts
 
 
+def _settle(seconds: float) -> None:
+    """Wait for every CUDA device, then idle ``seconds``."""
+    import torch
+
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(i)
+    time.sleep(seconds)
+
+
+def _median_pieces(rows: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Where a request's TTFT went (``equivalence._collect``'s ``pieces_s``), median ms per piece:
+    before the prefill call, the call (its queue and engine time), after it to the first token."""
+    keys = sorted({k for r in rows for k in r})
+    return {k[:-2] + "_ms" if k.endswith("_s") else k: statistics.median(r.get(k, 0.0) for r in rows) * 1e3 for k in keys}
+
+
 def _pull_result(decode: Any, rid: str) -> Any:
     """The decode's record of request ``rid``'s pull (its rank-0 receiver keeps the last few hundred)."""
     receiver = getattr(getattr(decode, "rank", None), "receiver", None)
@@ -76,13 +93,13 @@ def _profile_posts(sender: Any, prof: cProfile.Profile, measured: list[bool]) ->
     warm-up's posts compile kernels: they would fill the profile)."""
     post = sender._push_layer_inline
 
-    def profiled(push: Any, layer: int) -> None:
+    def profiled(push: Any, layer: int, marker: Any = None) -> None:
         if not measured[0]:
-            post(push, layer)
+            post(push, layer, marker)
             return
         prof.enable()
         try:
-            post(push, layer)
+            post(push, layer, marker)
         finally:
             prof.disable()
 
@@ -100,10 +117,12 @@ def write_profile(prof: cProfile.Profile, path: str) -> None:
 
 def run(
     base: ServeConfig, prompts: Sequence[int], configs: Sequence[str], repeats: int = 3, warmup: int = 1, flows: Sequence[str] = ("pull",),
-    profile: cProfile.Profile | None = None,
+    profile: cProfile.Profile | None = None, settle_s: float = 0.05,
 ) -> list[dict[str, Any]]:
     """One record per (configuration, KV flow, prompt length): median TTFT against colocated, in one run.
-    ``profile``: collects the layer-wise pushes' posts from the forward's thread (measured repeats only)."""
+    ``profile``: collects the layer-wise pushes' posts from the forward's thread (measured repeats only).
+    ``settle_s``: idle time before each request, the devices synchronized first (what the one before
+    left running, its release and clean-up, is not charged to the next)."""
     from hawk.bench.equivalence import config_for, run_colocated, run_disaggregated
     from hawk.engine.gc_policy import freeze_startup_heap
     from hawk.engine.instances import ColocatedInstance, DecodeInstance, PrefillInstance, compute_dtype
@@ -137,17 +156,21 @@ def run(
             pulls: dict[str, list[Any]] = {k: [] for k in keys}
             moved: dict[str, list[float]] = {k: [] for k in keys}
             exposed: dict[str, list[float]] = {k: [] for k in keys}
+            pieces: dict[str, list[dict[str, float]]] = {k: [] for k in ttft}
             for i in range(warmup + repeats):
                 measured[0] = i >= warmup
                 runs = [("colocated", lambda rid: run_colocated(colocated, ids, params, rid))]
                 runs += [(k, lambda rid, k=k: run_disaggregated(*pairs[k], ids, params, rid)) for k in keys]
                 for key, go in runs:
+                    _settle(settle_s)
                     rid = f"ttft-{key.replace('/', '-')}-{n}-{i}-{time.monotonic_ns()}"
                     toks, info = go(rid)
                     if i < warmup:
                         continue
                     ttft[key].append(info["ttft_s"] * 1e3)
                     first[key].append(toks[0] if toks else -1)
+                    if "pieces_s" in info:
+                        pieces[key].append(info["pieces_s"])
                     if key in pulls:
                         pulls[key].append(_pull_result(pairs[key][1], rid))
                         moved[key].append(info.get("kv_transfer_s", 0.0) * 1e3)
@@ -173,9 +196,12 @@ def run(
                         "kv_transfer_ms": statistics.median(moved[key]),
                         "host_breakdown_ms": breakdown,
                         "push_timings_ms": _median_timings(pulls[key]) if flow == "layerwise" else None,
+                        "pieces_ms": _median_pieces(pieces[key]),
+                        "colocated_pieces_ms": _median_pieces(pieces["colocated"]),
                         "kv_bytes": getattr(pulls[key][-1], "bytes", 0) if pulls[key] else 0,
                         "kv_mode": getattr(pulls[key][-1], "mode", "") if pulls[key] else "",
                         "repeats": repeats,
+                        "settle_ms": settle_s * 1e3,
                         "model": base.model,
                         "dtype": base.dtype,
                         "prefill_device": cfg.prefill_device,
@@ -212,7 +238,7 @@ def print_table(records: list[dict[str, Any]]) -> None:
 
 def measure(
     cfg: ServeConfig, prompts: Sequence[int], configs: Sequence[str], flows: Sequence[str], repeats: int = 3, warmup: int = 1,
-    json_path: str | None = None, profile_path: str | None = None,
+    json_path: str | None = None, profile_path: str | None = None, settle_s: float = 0.05,
 ) -> list[dict[str, Any]]:
     """What the command does: check its lists, size the caches to the longest prompt, :func:`run`, print
     the table, write the JSON (and the posts' profile) when asked."""
@@ -222,7 +248,7 @@ def measure(
         raise ValueError(f"--kv-flows takes {', '.join(KV_FLOWS)}, got {','.join(flows)!r}")
     base = replace(cfg, kv_tokens=max(cfg.kv_tokens, max(prompts) + 256))  # buffers: auto, sized for the longest prompt
     prof = cProfile.Profile() if profile_path else None
-    records = run(base, prompts, configs, repeats, warmup, flows, prof)
+    records = run(base, prompts, configs, repeats, warmup, flows, prof, settle_s)
     if prof is not None and profile_path:
         write_profile(prof, profile_path)
     print_table(records)

@@ -20,12 +20,12 @@ TTFT_DEFAULTS: dict[str, Any] = {"kv_tokens": 256}
 
 
 def _run(cfg: ServeConfig, prompts: str, configs: str, kv_flows: Optional[str], repeats: int, warmup: int,
-         json_path: Optional[str], profile_posts: Optional[str]) -> list[dict[str, Any]]:  # fmt: skip
+         settle_ms: float, json_path: Optional[str], profile_posts: Optional[str]) -> list[dict[str, Any]]:  # fmt: skip
     """TTFT of disaggregated configurations against colocated, per prompt length, in one run."""
     from hawk.bench.ttft import measure
 
     return measure(cfg, _ints(prompts), _names(configs), _names(kv_flows) if kv_flows else [cfg.kv_flow], repeats, warmup,
-                   json_path, profile_posts)  # fmt: skip
+                   json_path, profile_posts, settle_ms / 1e3)  # fmt: skip
 
 
 def _ints(s: str) -> list[int]:
@@ -48,6 +48,8 @@ def _extra() -> list[inspect.Parameter]:
         inspect.Parameter("kv_flows", kw, default=opt(None, help="KV flows compared, comma-separated: pull, layerwise (default: --kv-flow)"), annotation=Optional[str]),
         inspect.Parameter("repeats", kw, default=opt(3, min=1, help="measured runs per (configuration, prompt)"), annotation=int),
         inspect.Parameter("warmup", kw, default=opt(1, min=0, help="unmeasured runs first"), annotation=int),
+        inspect.Parameter("settle_ms", kw, default=opt(50.0, min=0.0, help="idle time before each request (the devices synchronized), so none starts while the one before still releases and cleans up: concurrency 1 with think time"),
+                          annotation=float),  # fmt: skip
         inspect.Parameter("json_path", kw, default=opt(None, "--json", help="write the records here"), annotation=Optional[str]),
         inspect.Parameter("profile_posts", kw, default=opt(None, help="write a cProfile of the layer-wise posts made on the forward's thread here"),
                           annotation=Optional[str]),  # fmt: skip

@@ -44,7 +44,8 @@ blocks first and hands them over before the prefill runs.
 
     Decode side: KVReceiver.push_to()                Prefill side: KVSender
     D1  PushTo: request r lands in these blocks ───▶ P1  keep it as r's pending destination; Ack
-    (the caller now starts r's prefill)
+    (the caller starts r's prefill as D1 leaves, and the prefill ``expect``s it: P2 waits briefly
+    for P1, after its forward is launched on CUDA, so the Ack's way back is off the critical path)
                                                      P2  r's last forward begins (begin_push): plan
                                                          (P3's plan) and reserve staging (P4), on the
                                                          push worker, beside the forward
@@ -249,12 +250,13 @@ class LayerFeed:
     def __init__(self, sender: KVSender, push: _Push):
         self._sender, self._push = sender, push
 
-    def layer_written(self, layer: int) -> None:
-        """Layer ``layer``'s KV is written (enqueued, on CUDA): produce and send it beside the forward."""
+    def layer_written(self, layer: int, marker: Any = None) -> None:
+        """Layer ``layer``'s KV is written (enqueued on the current stream, on CUDA, or once ``marker``,
+        a CUDA event, completes): produce and send it beside the forward."""
         if self._push.inline:
-            self._sender._push_layer_inline(self._push, layer)
+            self._sender._push_layer_inline(self._push, layer, marker)
         else:
-            self._sender._enqueue(self._push, layer, mark(self._sender.device))
+            self._sender._enqueue(self._push, layer, marker if marker is not None else mark(self._sender.device))
 
     def failed(self, error: BaseException | str) -> None:
         """The forward (or the first token) failed: stop; the engine keeps and frees its blocks."""
@@ -274,10 +276,16 @@ class KVSender:
         ttl_s: float = 30.0,
         reap_every_s: float = 0.2,
         staging_wait_s: float = 5.0,
+        destination_wait_s: float = 0.05,
     ):
+        """``destination_wait_s``: how long ``begin_push`` waits for the destination of a request
+        announced with :meth:`expect` (its decode hands over while the prefill starts)."""
         self.transport, self.fmt, self.config = transport, fmt, config
-        self.ttl_s, self.staging_wait_s = ttl_s, staging_wait_s
+        self.ttl_s, self.staging_wait_s, self.destination_wait_s = ttl_s, staging_wait_s, destination_wait_s
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)  # a PushTo came (or an expectation ended)
+        self._expected: dict[str, float] = {}  # request id -> deadline: its PushTo is on its way
+        self._dropped: dict[str, float] = {}  # request id -> deadline: discarded before its forward began
         self._prefilled: dict[str, _Prefilled] = {}
         self._sent: dict[str, _Sent] = {}
         self._receivers: dict[str, _Receiver] = {}
@@ -304,25 +312,33 @@ class KVSender:
         """Called after prefill: the request's KV is in ``block_ids`` and may be pulled until the TTL.
 
         A request being pushed layer-wise hands its blocks to its push instead (freed when the push
-        ends); one whose destination came but whose push did not begin is pushed whole, now."""
+        ends); one whose destination came but whose push did not begin is pushed whole, now; one
+        discarded while its destination waited for its forward gets its blocks back at once."""
         job = _Prefilled(num_tokens, np.array(block_ids, dtype=np.int64), release_blocks, time.monotonic() + self.ttl_s)
         with self._lock:
+            self._expected.pop(request_id, None)  # its forward is over: a destination still to come is late
+            dropped = self._dropped.pop(request_id, None) is not None
             push = self._pushes.get(request_id)
-            if push is None and (request_id in self._prefilled or request_id in self._sent):
-                raise DuplicateRequest(f"request {request_id!r} already has KV waiting")
-            if push is None:
-                self._prefilled[request_id] = job
-                return
-            if push.blocks is not None:
-                raise DuplicateRequest(f"request {request_id!r} already handed its blocks to its push")
-            push.blocks, push.handoff_expected = job, False
-            whole = push.state is PushState.WAITING
-            over = push.state in (PushState.PUSHED, PushState.FAILED)
+            if dropped:  # nobody will pull it or push it
+                if push is not None:
+                    push.handoff_expected = False
+            else:
+                if push is None and (request_id in self._prefilled or request_id in self._sent):
+                    raise DuplicateRequest(f"request {request_id!r} already has KV waiting")
+                if push is None:
+                    self._prefilled[request_id] = job
+                    return
+                if push.blocks is not None:
+                    raise DuplicateRequest(f"request {request_id!r} already handed its blocks to its push")
+                push.blocks, push.handoff_expected = job, False
+            whole = not dropped and push.state is PushState.WAITING
+            over = dropped or push.state in (PushState.PUSHED, PushState.FAILED)
         if whole:
             self._start_push(push, job, mark(self.device))
         elif over:
             self._give_back_blocks(job)
-            self._settle(push)
+            if push is not None:
+                self._settle(push)
 
     def discard(self, request_id: str) -> bool:
         """Drop a request nobody will pull (e.g. its client went away); frees its blocks, and fails
@@ -330,11 +346,25 @@ class KVSender:
         with self._lock:
             job = self._prefilled.pop(request_id, None)
             push = self._pushes.get(request_id)
+            expected = self._expected.pop(request_id, None) is not None
+            if expected or (push is not None and push.state is PushState.WAITING):
+                # its forward may still come (a push begins at the forward's first layer): what it
+                # hands off then comes straight back instead of waiting for a pull until the TTL
+                self._dropped[request_id] = time.monotonic() + self.ttl_s
+            self._arrived.notify_all()
         if job is not None:
             self._give_back_blocks(job)
         if push is not None:
             self._fail_push(push, f"request {request_id} was discarded by the prefill")
-        return job is not None or push is not None
+        return job is not None or push is not None or expected
+
+    def expect(self, request_id: str) -> None:
+        """The request's destination (PushTo) is on its way: its decode hands over while the prefill
+        starts, so the hand-over's round trip is not on the request's critical path. ``begin_push``
+        waits up to ``destination_wait_s`` for it (on CUDA the forward is already launched then);
+        one that comes later gets the whole KV pushed after the forward, as any late destination."""
+        with self._lock:
+            self._expected[request_id] = time.monotonic() + self.ttl_s
 
     # -- the layer-wise flow (P1-P9 reordered; see the module docstring) -------------------------
 
@@ -343,6 +373,12 @@ class KVSender:
         waiting, returns the feed the engine reports each written layer to; else None (the KV goes
         the pull way, or is pushed whole if its destination comes later)."""
         with self._lock:
+            if request_id in self._dropped:
+                return None
+            if request_id not in self._pushes and request_id in self._expected:
+                self._arrived.wait_for(lambda: request_id in self._pushes or request_id not in self._expected,
+                                       timeout=self.destination_wait_s)
+            self._expected.pop(request_id, None)
             push = self._pushes.get(request_id)
             if push is None or push.state is not PushState.WAITING:
                 return None
@@ -381,7 +417,7 @@ class KVSender:
         push.inline = push.staged is not None
         return push.inline or push.state is not PushState.PUSHING
 
-    def _push_layer_inline(self, push: _Push, layer: int) -> None:
+    def _push_layer_inline(self, push: _Push, layer: int, marker: Any = None) -> None:
         """P3 + P5 on the forward's thread: layers are posted in groups (:func:`layer_group`), each
         group's transforms on the side stream after the group's kernels and one WRITE batch after
         them (the transport orders it on the device); nothing waits here. The worker waits for the
@@ -401,7 +437,7 @@ class KVSender:
             if staged is None:
                 raise RuntimeError("layer pushed before its plan")
             t0 = time.perf_counter()
-            with self._side.posting():
+            with self._side.posting(marker):  # a group's last layer: its marker covers the earlier ones
                 if push.direct is not None:
                     self.fmt.produce_layers_into(push.plan, layers, push.direct)
                     t1 = time.perf_counter()
@@ -433,6 +469,7 @@ class KVSender:
                 return Error(msg.request_id, f"request {msg.request_id!r} already has a destination")
             push = _Push(msg.request_id, receiver, [int(b) for b in msg.dst_block_ids], int(msg.num_tokens), time.monotonic() + self.ttl_s)
             self._pushes[msg.request_id] = push
+            self._arrived.notify_all()
             late = self._prefilled.pop(msg.request_id, None)
         if late is not None:
             push.num_tokens = late.num_tokens
@@ -865,6 +902,9 @@ class KVSender:
             ready = [r for t, r in self._drain if t <= now]
             self._drain = [(t, r) for t, r in self._drain if t > now]
             stale_pushes = [p for p in self._pushes.values() if p.deadline <= now]
+            for table in (self._expected, self._dropped):  # their prefill never began, or never ended
+                for rid in [r for r, t in table.items() if t <= now]:
+                    del table[rid]
             asked_again = []  # AwaitPushes that waited their wait_ms without an outcome
             for p in self._pushes.values():
                 if p.outcome is None and p.waiter is not None and p.waiter_until <= now:
@@ -903,6 +943,7 @@ class KVSender:
                 "in_flight": sorted(self._sent),
                 "draining": len(self._drain),
                 "pushes": sorted(self._pushes),
+                "expected": sorted(self._expected),
             }
 
     def close(self) -> None:
@@ -1042,6 +1083,7 @@ class KVReceiver:
         self._draining: list[tuple[float, Held]] = []
         self._history: dict[str, PullResult] = {}
         self._expecting: dict[str, float] = {}  # layer-wise destinations handed out, by request
+        self._cancelled: dict[str, str] = {}  # ... cancelled while their D1 was on its way: why
         self._events = EventWaiter()  # senders' CUDA IPC events (landed pulls answered early), opened once
 
     def connect(self, address: str) -> None:
@@ -1233,6 +1275,8 @@ class KVReceiver:
         with self._lock:
             s = self._senders.get(address)
             expecting = request_id in self._expecting
+            if expecting:  # its D1 may not have arrived yet (Done could overtake it): push_to checks after the Ack
+                self._cancelled[request_id] = why
         if s is None or not expecting:
             return False
         s.client.send(Done(request_id, False, why))
@@ -1248,8 +1292,11 @@ class KVReceiver:
         on_handed: Callable[[], None] | None = None,
     ) -> PullResult:
         """The layer-wise flow's decode side: hand ``dst_block_ids`` to the prefill at ``address``
-        (D1) before it prefills request ``request_id``, call ``on_handed`` (the caller starts the
-        prefill then), and return once every layer has been pushed (D2) and is visible (D7).
+        (D1) before it prefills request ``request_id``, and return once every layer has been pushed
+        (D2) and is visible (D7). ``on_handed`` is called as D1 leaves, not when its Ack comes back:
+        the caller starts the prefill then, which ``expect``s the destination (``KVSender.expect``),
+        so the Ack's way back is not on the request's critical path. A refused D1 fails the request
+        here (the caller hears it and aborts the prefill, whose wait for the destination then ends).
 
         ``timeout_s`` bounds each wait for the prefill: its Ack, and each ask for the push's outcome.
         The outcome may take as long as the prefill's queue: the prefill answers Pending after a
@@ -1268,6 +1315,8 @@ class KVReceiver:
             self._expecting[request_id] = time.monotonic()
         ok, error, handed = False, "", False
         try:
+            if on_handed is not None:
+                on_handed()
             try:
                 ack = s.client.call(PushTo(request_id, s.receiver, [int(b) for b in dst_block_ids], int(num_tokens)), timeout)  # D1
             except PeerUnreachable as e:
@@ -1281,8 +1330,14 @@ class KVReceiver:
                 raise KVTransferFailed(error)
             t.lap("send_s")
             handed = True
-            if on_handed is not None:
-                on_handed()
+            with self._lock:
+                why = self._cancelled.pop(request_id, None)
+            if why is not None:  # cancelled while D1 was on its way (cancel_push's D9 may have overtaken it)
+                error = f"request {request_id}: cancelled by the decode: {why}"
+                handed = False  # this D9 is answered, so the push is over when this returns
+                with contextlib.suppress(PeerUnreachable):
+                    s.client.call(Done(request_id, False, error), timeout)
+                raise PushFailed(error, self.transport.drain_s)
             # D2: the push's outcome. Asked again on each Pending, so the wait is as long as the
             # prefill's queue while each ask is bounded (and keeps the push alive on the prefill)
             wait_ms = int(1e3 * min(timeout / 2, float(s.info.get("ttl_s") or timeout) / 3))
@@ -1306,6 +1361,7 @@ class KVReceiver:
         finally:
             with self._lock:
                 self._expecting.pop(request_id, None)
+                self._cancelled.pop(request_id, None)
             if not ok and handed:  # D9: stop pushing; release what it holds
                 s.client.send(Done(request_id, False, error))
         timings = {**t.laps, "total_s": t.now - t.t0}

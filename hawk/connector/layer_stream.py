@@ -46,13 +46,14 @@ class SideStream:
             work()
         self.stream.synchronize()
 
-    def posting(self) -> contextlib.AbstractContextManager[Any]:
+    def posting(self, marker: Any = None) -> contextlib.AbstractContextManager[Any]:
         """This stream, ordered after everything enqueued so far on the calling thread's stream (the
-        forward's, when the forward's own thread posts a group of layers), as that thread's current
+        forward's, when the forward's own thread posts a group of layers) or after ``marker`` (a CUDA
+        event: a prefill graph's layer, whose replay is already launched), as that thread's current
         stream: what the forward's thread enters once per post, in one stream lookup and two switches
         (torch's stream context and a separate ``wait_stream`` took ~1.4x its host time on an H200 host:
         ``benchmarks/layer_post_probe.py``)."""
-        return _Posting(self) if self.stream is not None else contextlib.nullcontext()
+        return _Posting(self, marker) if self.stream is not None else contextlib.nullcontext()
 
     def written(self) -> DeviceWrite:
         """Completion of everything enqueued on this stream so far (writes a kernel made straight into a
@@ -74,15 +75,18 @@ class _Posting:
     """:meth:`SideStream.posting`'s context (CUDA). ``set_stream`` also makes the stream's device the
     current one, so a thread on another device is switched there and back with a device guard."""
 
-    __slots__ = ("side", "prev", "guard")
+    __slots__ = ("side", "marker", "prev", "guard")
 
-    def __init__(self, side: SideStream) -> None:
-        self.side = side
+    def __init__(self, side: SideStream, marker: Any = None) -> None:
+        self.side, self.marker = side, marker
 
     def __enter__(self) -> None:
         dev = self.side.device
         self.prev = torch.cuda.current_stream(dev)
-        self.side.stream.wait_stream(self.prev)
+        if self.marker is None:
+            self.side.stream.wait_stream(self.prev)
+        else:
+            self.side.stream.wait_event(self.marker)
         self.guard = torch.cuda.device(dev) if dev.index is not None and current_device_index() != dev.index else None
         if self.guard is not None:
             self.guard.__enter__()

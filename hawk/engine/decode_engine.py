@@ -88,8 +88,8 @@ class KVPush:
     """Decode first (kv_flow=layerwise): the prefill at ``address`` will push request ``request_id``'s
     KV into the blocks this engine allocates for it, layer by layer during its forward.
 
-    ``handed`` is set once the prefill holds the destination (or the attempt is over): the caller
-    starts the request's prefill then. ``first_token`` is the prefill's first token, which the caller
+    ``handed`` is set as the destination leaves for the prefill (or when the attempt is over): the
+    caller starts the request's prefill then, and the prefill expects it (``KVSender.expect``). ``first_token`` is the prefill's first token, which the caller
     sets (or fails) when its prefill returns; the engine emits it once the KV is here. The first
     token given to :meth:`DecodeEngine.submit` with this handle is a placeholder.
     """

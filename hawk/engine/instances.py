@@ -166,6 +166,12 @@ class _FollowedRanks:
         return self.followers.pids if self.followers is not None else {}
 
 
+def prefill_graph_tokens(cfg: InstanceConfig) -> int:
+    """The prefill engine's graph size limit: none under ``--no-graphs`` or prefill TP (rank 0's step
+    hook tells the followers each step, and the followers run eagerly)."""
+    return 0 if cfg.graphs is False or cfg.prefill_tp > 1 else cfg.prefill_graph_tokens
+
+
 class PrefillInstance(_FollowedRanks):
     """The GPU role: batched prefill into a vLLM-layout paged cache, KV offered through HAWK's sender.
 
@@ -196,7 +202,9 @@ class PrefillInstance(_FollowedRanks):
         layer_push = self.sender.begin_push if cfg.kv_flow == "layerwise" else None
         self.engine = PrefillEngine(
             self.loaded.model, self.layout, self.caches, self._handoff, max_prefill_chunk=cfg.max_prefill_chunk, layer_push=layer_push,
+            graph_tokens=prefill_graph_tokens(cfg),
         )
+        self.engine.runner.warmup_prefill()  # one-prompt prefill graphs before traffic (none on a CPU)
         # A prompt whose KV can never fit this rank's staging, or (by this config) the decode's receive
         # buffers, is refused before prefill (the engine's limit is also what the router checks against).
         mc = self.loaded.config
@@ -500,7 +508,9 @@ class ColocatedInstance:
         self._handed: dict[str, list[int]] = {}
         self.prefill = PrefillEngine(
             self.loaded.model, self.layout, self.caches, self._handoff, block_manager=self.blocks, max_prefill_chunk=cfg.max_prefill_chunk,
+            graph_tokens=prefill_graph_tokens(cfg),
         )
+        self.prefill.runner.warmup_prefill()
         attn = PagedAttention(self.layout, self.caches, max_batch=cfg.max_batch, max_model_len=_decode_len(cfg, mc))
         self.decode = DecodeEngine(
             self.loaded.model, attn, LocalKV(self.blocks), tuple(mc.eos_token_ids), cfg.max_batch,

@@ -52,8 +52,9 @@ class PrefillKVConnector(Protocol):
 class LayerFeed(Protocol):
     """One request's layer-wise push during its last forward (kv_flow=layerwise)."""
 
-    def layer_written(self, layer: int) -> None:
-        """Layer ``layer``'s KV is in the paged cache (enqueued, on CUDA): send it beside the forward."""
+    def layer_written(self, layer: int, marker: Any = None) -> None:
+        """Layer ``layer``'s KV is in the paged cache (enqueued on the caller's current stream, on
+        CUDA; or, when ``marker`` is a CUDA event, once it completes): send it beside the forward."""
         ...
 
     def failed(self, error: BaseException | str) -> None:

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from enum import Enum
 from itertools import chain, islice
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import torch
@@ -168,16 +169,20 @@ class PagedAttention:
 
     # ---- begin --------------------------------------------------------------------------------
 
-    def begin(self, batch: Sequence[SeqSlice], pad_to: int | None = None) -> None:
+    def begin(self, batch: Sequence[SeqSlice], pad_to: int | None = None, pad_tokens: int | None = None) -> None:
         """Declare the next forward's sequences, in the order their tokens are concatenated.
 
-        ``pad_to`` (decode batches only) appends dummy rows up to that many sequences: slot -1
-        (no write) and context length 0 (no read, output 0).
+        ``pad_to`` (a decode batch) appends dummy rows up to that many sequences: slot -1 (no write)
+        and context length 0 (no read, output 0). ``pad_tokens`` (a prefill batch; needs ``pad_to`` >
+        the batch): the batch is padded to that many tokens and ``pad_to`` rows, so a
+        prefill CUDA graph sees one metadata shape per bucket. Row ``len(batch)`` holds the pad tokens
+        (slot -1, no context: output 0), the rows after it are empty, and the attention's program map
+        is padded with programs that do nothing.
         """
         n_real = len(batch)
         if n_real == 0 and not pad_to:
             raise ValueError("begin() needs at least one sequence (or pad_to: a batch of pad rows, for graph capture)")
-        if self._ta is not None and self.fast_decode and all(s.q_len == 1 for s in batch):
+        if pad_tokens is None and self._ta is not None and self.fast_decode and all(s.q_len == 1 for s in batch):
             self._begin_decode(batch, n_real if pad_to is None else pad_to)
             return
         bs, w = self.layout.block_size, self.max_blocks_per_seq
@@ -185,11 +190,15 @@ class PagedAttention:
         starts = np.fromiter((s.start for s in batch), dtype=np.int64, count=n_real)
         if (q_lens <= 0).any() or (starts < 0).any():
             raise ValueError(f"every q_len must be > 0 and start >= 0, got {[(s.start, s.q_len) for s in batch]}")
-        decode = bool((q_lens == 1).all())
+        decode = pad_tokens is None and bool((q_lens == 1).all())
         n = n_real
-        if pad_to is not None:
+        if pad_tokens is not None:
+            if pad_to is None or pad_to <= n_real:
+                raise ValueError(f"pad_tokens needs pad_to > the batch ({n_real}): one row holds the pad tokens")
+            n = pad_to
+        elif pad_to is not None:
             if not decode:
-                raise ValueError("pad_to is for decode batches only (every q_len == 1)")
+                raise ValueError("pad_to without pad_tokens is for decode batches only (every q_len == 1)")
             if pad_to < n_real:
                 raise ValueError(f"pad_to={pad_to} is smaller than the batch ({n_real})")
             n = pad_to
@@ -204,8 +213,12 @@ class PagedAttention:
             raise ValueError(f"a sequence of {int(ctx.max())} tokens exceeds max_model_len={self.max_model_len}")
 
         t_real = int(q_lens.sum())
-        t = t_real + (n - n_real)
+        t = t_real + (n - n_real) if pad_tokens is None else pad_tokens
+        if t < t_real:
+            raise ValueError(f"pad_tokens={pad_tokens} is smaller than the batch's {t_real} tokens")
         progs = self._ta.prefill_programs(q_lens, starts, self._block_m) if (self._ta and not decode) else None
+        if progs is not None and pad_tokens is not None:
+            progs = _pad_programs(progs, n_real, t - t_real, -(-t // self._block_m) + n, self._block_m)
         p = 0 if progs is None else len(progs[0])
         meta_len = 2 * n + 1 + t + 2 * p
         if n > self._cap_batch or meta_len > self._cap_meta:
@@ -226,7 +239,10 @@ class PagedAttention:
         q_start = meta_np[n : 2 * n + 1]
         q_start[0] = 0
         q_start[1 : n_real + 1] = np.cumsum(q_lens)
-        q_start[n_real + 1 :] = t_real + np.arange(1, n - n_real + 1)
+        if pad_tokens is None:  # a decode pad row holds one token
+            q_start[n_real + 1 :] = t_real + np.arange(1, n - n_real + 1)
+        else:  # the first pad row holds every pad token, the rest none
+            q_start[n_real + 1 :] = t
         tok_row = np.repeat(np.arange(n_real), q_lens)
         tok_pos = np.repeat(starts, q_lens) + np.arange(t_real) - np.repeat(q_start[:n_real].astype(np.int64), q_lens)
         slots = meta_np[2 * n + 1 : 2 * n + 1 + t]
@@ -334,15 +350,17 @@ class PagedAttention:
 
     # ---- forward ------------------------------------------------------------------------------
 
-    #: Called with the layer index once a layer's K/V are written (enqueued, on CUDA): how a
-    #: layer-wise KV push (kv_flow=layerwise) learns that a layer is ready. The prefill engine sets
-    #: it around one forward; None otherwise (decode steps and graph captures never see it).
-    after_layer: Callable[[int], None] | None = None
+    #: Called as ``after_layer(layer, marker)`` once a layer's K/V are written: how a layer-wise KV
+    #: push (kv_flow=layerwise) learns that a layer is ready. ``marker`` None: enqueued on the calling
+    #: thread's current stream (an eager forward calls it here, as it passes the layer); else a CUDA
+    #: event that completes once they are written (a prefill graph's, called after its replay is
+    #: launched, see runner.py). The prefill engine sets it around one forward; None otherwise.
+    after_layer: Callable[[int, Any], None] | None = None
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = self._attend(layer_idx, q, k, v)
         if self.after_layer is not None:
-            self.after_layer(layer_idx)
+            self.after_layer(layer_idx, None)
         return out
 
     def _attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -433,4 +451,21 @@ class PagedAttention:
                 vc = self._context(cache, 1, row)[0, :ctx].to(q.dtype)
                 outs.append(attend(q[sl], kc, vc))
             off += ql
+        if off < q.shape[0]:  # a padded prefill's pad tokens
+            outs.append(q.new_zeros(q.shape[0] - off, *q.shape[1:]))
         return torch.cat(outs)
+
+
+def _pad_programs(progs: tuple[np.ndarray, np.ndarray], pad_row: int, pad_tokens: int, total: int,
+                  block_m: int) -> tuple[np.ndarray, np.ndarray]:
+    """A padded prefill's program map: the real programs, then ``pad_row``'s (its ``pad_tokens``
+    rows get output 0: no context), then fillers up to ``total`` that point past ``pad_row``'s
+    last query block (no row to compute, no key to read)."""
+    seq, blk = progs
+    pad_blocks = -(-pad_tokens // block_m)
+    fill = total - len(seq) - pad_blocks
+    if fill < 0:
+        raise ValueError(f"{len(seq) + pad_blocks} prefill programs exceed the padded map's {total}")
+    pad_seq = np.full(pad_blocks + fill, pad_row, dtype=np.int32)
+    pad_blk = np.concatenate([np.arange(pad_blocks, dtype=np.int32), np.full(fill, pad_blocks, dtype=np.int32)])
+    return np.concatenate([seq, pad_seq]), np.concatenate([blk, pad_blk])

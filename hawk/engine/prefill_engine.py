@@ -15,12 +15,14 @@ the last chunk. The request's future stays pending until its last chunk runs, so
 (the client's ``future.cancel()`` or :meth:`PrefillEngine.cancel`) works mid-way and the engine
 frees its blocks before the next iteration.
 
-Layer-wise push (``layer_push``, kv_flow=layerwise): before the forward that completes a prompt
-(its last chunk), the engine asks the connector whether a destination waits for it; if so, the
-attention backend reports each layer as its K/V are written, and the connector transforms and
-writes that layer beside the rest of the forward. Earlier chunks' KV is already in the cache, so
-pushing after the last chunk's layer l sends the whole prompt's layer l. (Pushing per chunk
-would start earlier on long prompts but cut NPU tiles at chunk boundaries; not done.)
+Layer-wise push (``layer_push``, kv_flow=layerwise): when the forward that completes a prompt (its
+last chunk) has written its first layer, the engine asks the connector whether a destination waits
+for it (or is on its way: the connector may wait a moment, while the GPU runs); if so, the attention
+backend reports each layer as its K/V are written (a prefill graph: after its launch, each layer
+with its event), and the connector transforms and writes that layer beside the rest of the forward.
+Earlier chunks' KV is already in the cache, so pushing after the last chunk's layer l sends the
+whole prompt's layer l. (Pushing per chunk would start earlier on long prompts but cut NPU tiles at
+chunk boundaries; not done.)
 """
 
 from __future__ import annotations
@@ -122,16 +124,18 @@ class PrefillEngine:
         block_manager: BlockManager | None = None,
         max_prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         layer_push: LayerPushConnector | None = None,
+        graph_tokens: int = 0,
     ):
         """``max_batch_tokens``: prompt tokens per iteration (a longer prompt still runs, alone,
         when chunking is off). ``max_prefill_chunk``: 0 = whole prompts only; N > 0 = at most N
-        prompt tokens per iteration, a longer prompt split over iterations."""
+        prompt tokens per iteration, a longer prompt split over iterations. ``graph_tokens`` > 0:
+        iterations of at most that many tokens replay CUDA graphs where the device allows (see
+        runner.py; the decode graphs a batch of one-token prompts would want are not kept)."""
         if max_prefill_chunk < 0:
             raise ValueError(f"max_prefill_chunk must be >= 0, got {max_prefill_chunk}")
         self.layout, self.caches = layout, list(caches)
         self.blocks = block_manager or BlockManager(layout.num_blocks, layout.block_size)
-        # Prefill batches are eager; a graph per batch of one-token prompts would be waste.
-        self.runner = ModelRunner(model, PagedAttention(layout, caches), graphs=False)
+        self.runner = ModelRunner(model, PagedAttention(layout, caches), graphs=False, prefill_graph_tokens=graph_tokens)
         self.handoff = handoff
         self.layer_push = layer_push
         self.max_batch_tokens = max_batch_tokens
@@ -296,10 +300,20 @@ class PrefillEngine:
         batch = self._runnable(batch)
         if not batch:
             return
-        feeds = self._feeds(batch)
+        feeds: dict[_Job, LayerFeed] = {}
         attn = self.runner.attn
-        if feeds:
-            attn.after_layer = lambda layer: [f.layer_written(layer) for f in feeds.values()]
+        pushing = self.layer_push is not None and any(p.last for p in batch)
+        if pushing:  # the pushes begin at the first layer written: a destination still on its way
+            started = []  # (``KVSender.expect``) may be waited for, after a graph's launch on CUDA
+
+            def after_layer(layer: int, marker: object) -> None:
+                if not started:
+                    started.append(True)
+                    feeds.update(self._feeds(batch))
+                for f in feeds.values():
+                    f.layer_written(layer, marker)
+
+            attn.after_layer = after_layer
         try:
             slices = [SeqSlice(p.job.blocks, p.start, p.q_len) for p in batch]  # type: ignore[arg-type]
             logits = self.runner.forward([p.tokens for p in batch], slices)
@@ -313,7 +327,7 @@ class PrefillEngine:
                 self._fail(p.job, e)
             return
         finally:
-            if feeds:
+            if pushing:
                 attn.after_layer = None
         t1 = time.monotonic()
         for p in batch:

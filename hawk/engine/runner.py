@@ -10,6 +10,14 @@ every row and the greedy argmax. Everything else (prefill, mixed batches, CPU, b
 ``pad_to``) runs eagerly. Neither path reads a device value back to the host, and a decode step
 may take its ids from the device (the previous step's tokens), so it can be launched before the
 host has read them.
+
+Short prefills are host-bound too: a 1k-token 8B forward costs ~10 ms of host time against ~24 ms
+on an H200, and a busy host stretches the forward to its own time. So a runner given
+``prefill_graph_tokens`` also replays prefill and mixed batches up to that size as graphs, one per
+(token, sequence) bucket: the backend pads the metadata (``begin(..., pad_tokens=)``; pad tokens
+write nothing and attend nothing), the LM head runs on each sequence's last row, and each layer
+records an external event in the graph, which a layer-wise KV push waits on after the replay is
+launched (``attn.after_layer(layer, event)``) instead of being called between layers.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import contextlib
 
 import enum
 import inspect
+import itertools
 import operator
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -57,6 +66,27 @@ class StepOutput:
     path: StepPath
 
 
+def prefill_token_buckets(max_tokens: int, step: int = 128) -> list[int]:
+    """Token counts a prefill graph is captured for: 16, 32, 64, then multiples of ``step`` (the
+    prefill attention's query block) up to ``max_tokens`` rounded up. Padding costs under ``step``
+    tokens, a few percent of a compute-bound forward that long."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+    top = -(-max_tokens // step) * step
+    sizes = [b for b in (16, 32, 64) if b < step] + list(range(step, top + 1, step))
+    return sizes[: next(i for i, b in enumerate(sizes) if b >= max_tokens) + 1]
+
+
+def prefill_seq_buckets(max_seqs: int) -> list[int]:
+    """Sequences per prefill graph: 1, 2, 4, ... up to ``max_seqs`` (the metadata holds one more
+    row, for the pad tokens)."""
+    out, b = [], 1
+    while b < max_seqs:
+        out.append(b)
+        b *= 2
+    return [*out, max_seqs]
+
+
 def decode_buckets(max_batch: int) -> list[int]:
     """Batch sizes a decode graph is captured for: 1, 2, 4, 8, then 2**k and 1.5 * 2**k
     (16, 24, 32, 48, 64, 96, ...) up to and including ``max_batch``. Padding costs at most a third."""
@@ -71,6 +101,16 @@ def decode_buckets(max_batch: int) -> list[int]:
     if out[-1] != max_batch:
         out.append(max_batch)
     return out
+
+
+@dataclass
+class _PrefillGraph:
+    graph: Any  # torch.cuda.CUDAGraph
+    logits: torch.Tensor  # [sequence bucket + 1, vocab], each row's last-token logits (pad rows: token 0's)
+    #: One external event per layer, recorded in the graph once that layer's K/V are written: what a
+    #: layer-wise push waits for (``attn.after_layer(layer, event)`` after the replay is launched).
+    layer_events: list[Any]
+    generation: int  # the backend's buffer generation it was captured against
 
 
 @dataclass
@@ -95,10 +135,16 @@ class ModelRunner:
         max_batch: int = 64,
         graphs: bool | None = None,
         max_model_len: int | None = None,
+        prefill_graph_tokens: int = 0,
+        prefill_graph_seqs: int = 16,
     ) -> None:
         """``graphs``: None = use CUDA graphs when possible, False = never, True = required
-        (raises :class:`GraphsUnavailable` otherwise). ``max_model_len`` (default: the model's
-        context length) sizes the RoPE table up front, so no step has to grow it."""
+        (raises :class:`GraphsUnavailable` otherwise); decode steps. ``max_model_len`` (default: the
+        model's context length) sizes the RoPE table up front, so no step has to grow it.
+        ``prefill_graph_tokens`` > 0: prefill and mixed batches of at most that many tokens and
+        ``prefill_graph_seqs`` sequences replay a CUDA graph per (token, sequence) bucket where the
+        backend can pad a prefill (``begin(..., pad_tokens=)``), one model without a step hook (not
+        tensor-parallel); captured on first use or by :meth:`warmup_prefill`."""
         self.model, self.attn = model.fuse_projections(), attn
         self.device = model.device
         self.max_batch = max_batch
@@ -119,6 +165,18 @@ class ModelRunner:
         if self.use_graphs:
             self._io = torch.zeros(2 * self.buckets[-1], dtype=torch.int64, device=self.device)
             self._io_stage = HostStaging([self._io])
+        self.prefill_tokens = prefill_token_buckets(prefill_graph_tokens) if prefill_graph_tokens > 0 else []
+        self.prefill_seqs = prefill_seq_buckets(prefill_graph_seqs) if self.prefill_tokens else []
+        if self.prefill_tokens and (why_not or "pad_tokens" not in inspect.signature(attn.begin).parameters):
+            self.prefill_tokens = self.prefill_seqs = []
+        self._prefill_graphs: dict[tuple[int, int], _PrefillGraph] = {}
+        self._prefill_pool: Any = None
+        self._prefill_rope_version = -1
+        self._pio: torch.Tensor | None = None  # ids [T] | positions [T] | last rows [S + 1], per bucket
+        self._pio_stage: HostStaging | None = None
+        if self.prefill_tokens:
+            self._pio = torch.zeros(2 * self.prefill_tokens[-1] + self.prefill_seqs[-1] + 1, dtype=torch.int64, device=self.device)
+            self._pio_stage = HostStaging([self._pio])
 
     def _on_device(self) -> contextlib.AbstractContextManager[Any]:
         """The model's GPU as the calling thread's current device: Triton launches, and graphs
@@ -171,6 +229,8 @@ class ModelRunner:
             decode = q_lens.count(1) == len(q_lens)
             if self.use_graphs and decode and len(slices) <= self.buckets[-1]:
                 return self._replay(tokens, slices, starts, ids)
+            if not decode and self._prefill_bucket(sum(q_lens), len(slices)) is not None:
+                return self._replay_prefill(tokens, slices, q_lens)
             return self._eager(tokens, slices, decode, ids)
 
     @torch.inference_mode()
@@ -191,6 +251,22 @@ class ModelRunner:
                 self._io[: 2 * b].zero_()
                 self._graph_for(b)
         return wanted
+
+    @torch.inference_mode()
+    def warmup_prefill(self, seqs: Iterable[int] = (1,)) -> list[tuple[int, int]]:
+        """Capture the prefill graphs of every token bucket for ``seqs`` sequences now (largest
+        first, all-padding batches: no KV is written) rather than on a request's first use.
+        Returns the (tokens, sequences) buckets captured (none when prefill graphs are off)."""
+        if not self.prefill_tokens:
+            return []
+        keys = sorted({(t, self._seq_bucket(s)) for t in self.prefill_tokens for s in seqs}, reverse=True)
+        with self._lock, self._on_device():
+            for t, sb in keys:
+                self.attn.begin([], pad_to=sb + 1, pad_tokens=t)
+                assert self._pio is not None
+                self._pio[: 2 * t + sb + 1].zero_()
+                self._prefill_graph_for(t, sb)
+        return keys
 
     # -- eager -------------------------------------------------------------------------------
 
@@ -286,7 +362,12 @@ class ModelRunner:
         The backend has been ``begin``-ed and the static ids/positions written, so the warm-up
         runs are a real (idempotent: the same K/V to the same slots) forward of the batch.
         """
-        body = self._graph_body(b)
+        graph, (logits, greedy), self._pool = self._warm_and_capture(self._graph_body(b), self._pool)
+        return _Graph(graph, logits, greedy)
+
+    def _warm_and_capture(self, body: Callable[[], Any], pool: Any, before_capture: Callable[[], None] | None = None) -> tuple[Any, Any, Any]:
+        """Run ``body`` ``WARMUP_RUNS`` times on a side stream, then capture it into ``pool`` (a new one
+        when None); returns the graph, what the captured ``body`` returned, and the pool."""
         dev = self.device
         side = torch.cuda.Stream(device=dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -294,15 +375,102 @@ class ModelRunner:
             for _ in range(self.WARMUP_RUNS):
                 body()
         torch.cuda.current_stream(dev).wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+        if pool is None:
+            pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
+        if before_capture is not None:
+            before_capture()
         # thread_local: other threads (KV transfers, a colocated prefill) keep using the GPU. The
         # stream is named: torch's default capture stream is made once per process, on whichever
         # GPU captured first, and a capture on another GPU's stream records nothing.
-        with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
-            logits, greedy = body()
-        return _Graph(graph, logits, greedy)
+        with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
+            out = body()
+        return graph, out, pool
+
+    # -- prefill graphs ----------------------------------------------------------------------
+
+    def _seq_bucket(self, n: int) -> int:
+        return next(b for b in self.prefill_seqs if b >= n)
+
+    def _prefill_bucket(self, t: int, n: int) -> tuple[int, int] | None:
+        """The (tokens, sequences) graph bucket of a prefill batch, or None: eager."""
+        if not self.prefill_tokens or t > self.prefill_tokens[-1] or n > self.prefill_seqs[-1] or self.model.step_hook is not None:
+            return None
+        return next(b for b in self.prefill_tokens if b >= t), self._seq_bucket(n)
+
+    def _replay_prefill(self, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice], q_lens: list[int]) -> StepOutput:
+        """A prefill batch through its bucket's graph: metadata and ids padded to the bucket, the
+        replay launched, then the layer-wise hook (if any) told where each layer's K/V is done."""
+        n = len(slices)
+        bucket = self._prefill_bucket(sum(q_lens), n)
+        assert bucket is not None
+        t, sb = bucket
+        self.attn.begin(slices, pad_to=sb + 1, pad_tokens=t)
+        assert self._pio_stage is not None
+        (io,) = self._pio_stage.next()
+        t_real = 0
+        for seq, s in zip(tokens, slices):
+            k = len(seq)
+            if k != s.q_len:
+                raise ValueError(f"{k} tokens given for a slice of {s.q_len}")
+            io[t_real : t_real + k] = seq
+            io[t + t_real : t + t_real + k] = range(s.start, s.start + k)
+            t_real += k
+        io[t_real:t] = 0
+        io[t + t_real : 2 * t] = 0
+        last = io[2 * t : 2 * t + sb + 1]
+        last[:n] = [x - 1 for x in itertools.accumulate(q_lens)]
+        last[n:] = 0
+        self._pio_stage.upload((2 * t + sb + 1,))
+        g = self._prefill_graph_for(t, sb)
+        g.graph.replay()
+        hook = getattr(self.attn, "after_layer", None)
+        if hook is not None:
+            for layer, event in enumerate(g.layer_events):
+                hook(layer, event)
+        return StepOutput(g.logits[:n], None, StepPath.GRAPH)
+
+    def _prefill_graph_for(self, t: int, sb: int) -> _PrefillGraph:
+        """The bucket's graph, captured now if missing or stale (the RoPE table grew, or the backend
+        reallocated the metadata buffers the graph reads)."""
+        version, generation = self.model.rope.version, getattr(self.attn, "generation", 0)
+        if version != self._prefill_rope_version or any(g.generation != generation for g in self._prefill_graphs.values()):
+            self._prefill_graphs.clear()
+            self._prefill_pool = None
+            self._prefill_rope_version = version
+        g = self._prefill_graphs.get((t, sb))
+        if g is None:
+            g = self._prefill_graphs[(t, sb)] = self._capture_prefill(t, sb)
+        return g
+
+    def _prefill_body(self, t: int, sb: int) -> Callable[[], torch.Tensor]:
+        """What a prefill bucket's graph runs: the model over the static ids/positions and the LM
+        head over the static last-token rows."""
+        assert self._pio is not None
+        ids, pos, last = self._pio[:t], self._pio[t : 2 * t], self._pio[2 * t : 2 * t + sb + 1]
+
+        def body() -> torch.Tensor:
+            hidden = self.model(ids, pos, self.attn)
+            return self.model.compute_logits(hidden.index_select(0, last))
+
+        return body
+
+    def _capture_prefill(self, t: int, sb: int) -> _PrefillGraph:
+        """As :meth:`_capture`, for a prefill bucket: the forward over the static ids/positions and the
+        LM head over each row's last token. The layer-wise hook is off during the warm-up runs and,
+        in the capture, records each layer's event instead of being called."""
+        events = [torch.cuda.Event(external=True) for _ in range(self.model.config.num_layers)]
+        hook = getattr(self.attn, "after_layer", None)
+
+        def record_layers() -> None:
+            self.attn.after_layer = lambda layer, _marker: events[layer].record()
+
+        try:
+            self.attn.after_layer = None
+            graph, logits, self._prefill_pool = self._warm_and_capture(self._prefill_body(t, sb), self._prefill_pool, record_layers)
+        finally:
+            self.attn.after_layer = hook
+        return _PrefillGraph(graph, logits, events, getattr(self.attn, "generation", 0))
 
 
 #: The placeholder token list of a step whose ids come as a device tensor (overwritten on the device).

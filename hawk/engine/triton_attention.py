@@ -687,9 +687,10 @@ def _prefill_kernel(
     k_base = cache_ptr + (h // G) * stride_chead
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
 
-    # Keys every row of this block sees need no mask; the diagonal band after them does.
-    full_hi = ((ctx0 + qb * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
-    hi = ctx0 + tl.minimum((qb + 1) * BLOCK_M, q_len)
+    # Keys every row of this block sees need no mask; the diagonal band after them does. A padded
+    # prefill's pad row has no context (seq_len 0, so ctx0 < 0): the clamps leave it nothing to read.
+    full_hi = tl.maximum(((ctx0 + qb * BLOCK_M + 1) // BLOCK_N) * BLOCK_N, 0)
+    hi = tl.maximum(ctx0 + tl.minimum((qb + 1) * BLOCK_M, q_len), 0)
     if INTERPRET:
         start = 0
         while start < hi:

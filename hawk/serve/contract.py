@@ -23,7 +23,7 @@ Two KV flows (``kv_flow``, hawk/config.py), one set of messages; hawk/serve/gene
 request's lifecycle in each. ``pull``: PrefillRequest, then a DecodeRequest carrying the prefill's
 first token and KV handle. ``layerwise`` (decode first): a DecodeRequest without a first token,
 naming the prefill that will push the KV; the decode's stream opens with a ``handed`` line once its
-blocks are that prefill's push destination; then the PrefillRequest; then FirstToken hands the
+blocks are reserved and sent to that prefill as the push destination; then the PrefillRequest; then FirstToken hands the
 prefill's first token to the decode, whose stream continues as in pull mode.
 
 Version history: 2 added ``kv_flow`` (PrefillRequest, DecodeRequest, InstanceInfo),
@@ -83,8 +83,9 @@ class KVRef(BaseModel):
 
 
 class PrefillRequest(Message):
-    """``kv_flow="layerwise"``: a decode already holds a push destination for this request at this
-    prefill, so a prefill that fails or is refused must release it (not leave it to the TTL)."""
+    """``kv_flow="layerwise"``: a decode has sent this prefill a push destination for this request
+    (held here, or about to arrive), so a prefill that fails or is refused must release it (not leave
+    it to the TTL)."""
 
     request_id: str = Field(min_length=1, max_length=256)
     prompt_ids: list[int] = Field(min_length=1)
@@ -124,7 +125,8 @@ class TokenLine(Message):
     """One line of the decode stream: a token, and on the last line why it finished. ``info``
     (on the first token's line) carries the KV transfer's time and bytes; ``error`` explains
     finish_reason "error". Layer-wise only, the stream opens with a line of just ``handed``: the
-    decode's blocks are the prefill's push destination now, so the prefill may start."""
+    decode's blocks are reserved and on their way to the prefill as its push destination, so the
+    prefill may start."""
 
     token: int | None = None
     finish_reason: str | None = None

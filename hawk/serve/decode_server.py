@@ -12,7 +12,8 @@ freed, wherever it was: queued for memory, transferring, or generating.
 Layer-wise (``kv_flow=layerwise``, decode first): the request comes before its prefill, with no first
 token and the address of the prefill that will push its KV. The engine admits it by memory as
 always and hands its blocks to that prefill as the push destination; the stream's first line,
-``{"handed": true}``, tells the router to start the prefill then. POST /internal/first_token later
+``{"handed": true}``, sent as the destination leaves for the prefill, tells the router to start the
+prefill then (the prefill waits a moment for a destination still on its way). POST /internal/first_token later
 brings the prefill's first token, which the engine emits once the last layer has landed. A reader
 that leaves also fails the first token it is waiting for, so the engine stops waiting at once.
 """
@@ -71,8 +72,8 @@ StreamItem = TokenEvent | Handed
 
 
 class _HandedSignal(threading.Event):
-    """``KVPush.handed`` that also tells the stream, once: the engine sets it when the prefill holds
-    the destination (or the attempt is over: then the failure follows as the next event)."""
+    """``KVPush.handed`` that also tells the stream, once: the engine sets it as the destination leaves
+    for the prefill (or when the attempt is over: then the failure follows as the next event)."""
 
     def __init__(self, on_first_set: Callable[[], None]):
         super().__init__()

@@ -12,7 +12,7 @@ hawk/engine/prefill_engine.py, hawk/engine/decode_engine.py):
   layer-wise (kv_flow=layerwise; decode first, so the transfer hides behind the prefill's forward)
     1 ADMIT    POST /internal/decode (no first token; ``kv`` names the prefill): the decode admits it
                by memory, reserves its blocks and hands them to that prefill (the KV connector) as the
-               push destination; its stream's first line is ``handed``
+               push destination; its stream's first line, ``handed``, comes as they leave
     2 PREFILL  POST /internal/prefill (kv_flow=layerwise): the forward writes each layer into those
                blocks as it finishes it. The decode stream is watched meanwhile: a decode failure
                cancels the prefill instead of waiting for it

@@ -5,8 +5,9 @@ token and a KV handle (the HAWK sender's control address + the request id) that 
 to a decode instance. POST /internal/abort undoes a request the client gave up on: it leaves the
 queue, or its finished KV is dropped so its paged blocks come back at once instead of at the TTL.
 
-Layer-wise (``kv_flow=layerwise``): a decode has already handed this prefill a push destination for
-the request (the connector holds it); the forward writes each layer there as it finishes it, and
+Layer-wise (``kv_flow=layerwise``): a decode has admitted the request and sent this prefill a push
+destination for it (the connector holds it, or waits a moment for it); the forward writes each layer
+there as it finishes it, and
 the answer's first token goes, through the router, to that decode. A request that fails or is
 refused here, or is aborted, has its destination released at once (the decode hears an Error and
 frees its blocks) rather than at the connector's TTL.
@@ -50,12 +51,15 @@ class PrefillService:
         unavailable: Callable[[], str | None] = lambda: None,
         check_prompt: Callable[[int], None] = lambda n: None,
         kv_flow: str = "pull",
+        expect: Callable[[str], None] = lambda rid: None,
     ):
         """``check_prompt(num_tokens)`` raises ``PromptTooLong`` for a prompt this instance can
         prefill but never transfer (its KV fits no empty transfer buffer): refused before prefill.
         ``kv_flow``: how this instance's engine was built (its sender pushes layer by layer only
-        when "layerwise"); requests of the other flow are refused."""
+        when "layerwise"); requests of the other flow are refused. ``expect(request_id)``: a layer-wise
+        request's push destination may still be on its way (``KVSender.expect``)."""
         self.engine, self.discard, self.kv_address, self.vocab_size = engine, discard, kv_address, vocab_size
+        self.expect = expect
         self.unavailable, self.check_prompt, self.kv_flow = unavailable, check_prompt, kv_flow
         self._running: set[str] = set()
         self._aborted: dict[str, float] = {}
@@ -108,6 +112,8 @@ class PrefillService:
         rid = req.request_id
         if rid in self._running:
             raise DuplicateRequest(f"request {rid!r} is already being prefilled")
+        if req.kv_flow == "layerwise":
+            self.expect(rid)
         try:
             fut = self.engine.submit(rid, req.prompt_ids, params)
         except ValueError as e:
@@ -177,7 +183,7 @@ def create_prefill_app(instance: PrefillInstance, close_on_shutdown: bool = True
     cfg, mc = instance.cfg, instance.loaded.config
     svc = PrefillService(
         instance.engine, instance.discard, instance.kv_address, mc.vocab_size, lambda: unavailable_reason("prefill", instance), instance.check_prompt,
-        cfg.kv_flow,
+        cfg.kv_flow, instance.sender.expect,
     )
     info = InstanceInfo.of(
         role="prefill", model=instance.loaded.name, transfer=cfg.transfer, transport=cfg.transport, device=cfg.prefill_device,
