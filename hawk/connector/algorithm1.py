@@ -406,7 +406,10 @@ class KVSender:
             with self._lock:
                 push.busy = True
             try:
-                self._plan_push(push, "", wait_s=0.0)
+                # on the side stream: what planning uploads (tables) must not queue behind the forward,
+                # which a prefill graph has enqueued whole by the time its layers are reported
+                with self._side.current():
+                    self._plan_push(push, "", wait_s=0.0)
             finally:
                 self._after_work(push)
         except BufferFull:
