@@ -174,10 +174,10 @@ class PagedAttention:
 
         ``pad_to`` (a decode batch) appends dummy rows up to that many sequences: slot -1 (no write)
         and context length 0 (no read, output 0). ``pad_tokens`` (a prefill batch; needs ``pad_to`` >
-        the batch): the batch is padded to that many tokens and ``pad_to`` rows, so a
-        prefill CUDA graph sees one metadata shape per bucket. Row ``len(batch)`` holds the pad tokens
-        (slot -1, no context: output 0), the rows after it are empty, and the attention's program map
-        is padded with programs that do nothing.
+        the batch): the batch is padded to that many tokens and ``pad_to`` rows, so a prefill CUDA
+        graph sees one metadata shape per bucket. Row ``len(batch)`` holds the pad tokens (slot -1,
+        no context: output 0), the rows after it are empty, and the attention's program map is
+        padded with programs that do nothing.
         """
         n_real = len(batch)
         if n_real == 0 and not pad_to:

@@ -23,8 +23,8 @@ Two KV flows (``kv_flow``, hawk/config.py), one set of messages; hawk/serve/gene
 request's lifecycle in each. ``pull``: PrefillRequest, then a DecodeRequest carrying the prefill's
 first token and KV handle. ``layerwise`` (decode first): a DecodeRequest without a first token,
 naming the prefill that will push the KV; the decode's stream opens with a ``handed`` line once its
-blocks are reserved and sent to that prefill as the push destination; then the PrefillRequest; then FirstToken hands the
-prefill's first token to the decode, whose stream continues as in pull mode.
+blocks are reserved and sent to that prefill as the push destination; then the PrefillRequest; then
+FirstToken hands the prefill's first token to the decode, whose stream continues as in pull mode.
 
 Version history: 2 added ``kv_flow`` (PrefillRequest, DecodeRequest, InstanceInfo),
 ``TokenLine.handed``, FirstToken/FirstTokenReply, and made ``DecodeRequest.first_token`` optional

@@ -13,9 +13,10 @@ Layer-wise (``kv_flow=layerwise``, decode first): the request comes before its p
 token and the address of the prefill that will push its KV. The engine admits it by memory as
 always and hands its blocks to that prefill as the push destination; the stream's first line,
 ``{"handed": true}``, sent as the destination leaves for the prefill, tells the router to start the
-prefill then (the prefill waits a moment for a destination still on its way). POST /internal/first_token later
-brings the prefill's first token, which the engine emits once the last layer has landed. A reader
-that leaves also fails the first token it is waiting for, so the engine stops waiting at once.
+prefill then (the prefill waits a moment for a destination still on its way). POST
+/internal/first_token later brings the prefill's first token, which the engine emits once the last
+layer has landed. A reader that leaves also fails the first token it is waiting for, so the engine
+stops waiting at once.
 """
 
 from __future__ import annotations
