@@ -168,7 +168,7 @@ class CpuPrefillGraphRunner(ModelRunner):
         finally:
             self.attn.after_layer = hook
         events = [f"layer {i}" for i in range(self.model.config.num_layers)]
-        return _PrefillGraph(_PrefillReplay(self, body, logits), logits, events, self.attn.generation)
+        return _PrefillGraph(_PrefillReplay(self, body, logits), logits, events)
 
 
 @pytest.fixture(scope="module")

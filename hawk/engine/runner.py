@@ -110,7 +110,6 @@ class _PrefillGraph:
     #: One external event per layer, recorded in the graph once that layer's K/V are written: what a
     #: layer-wise push waits for (``attn.after_layer(layer, event)`` after the replay is launched).
     layer_events: list[Any]
-    generation: int  # the backend's buffer generation it was captured against
 
 
 @dataclass
@@ -171,7 +170,7 @@ class ModelRunner:
             self.prefill_tokens = self.prefill_seqs = []
         self._prefill_graphs: dict[tuple[int, int], _PrefillGraph] = {}
         self._prefill_pool: Any = None
-        self._prefill_rope_version = -1
+        self._prefill_captured_for: tuple[int, int] = (-1, -1)  # (RoPE table version, backend buffer generation)
         self._pio: torch.Tensor | None = None  # ids [T] | positions [T] | last rows [S + 1], per bucket
         self._pio_stage: HostStaging | None = None
         if self.prefill_tokens:
@@ -229,8 +228,9 @@ class ModelRunner:
             decode = q_lens.count(1) == len(q_lens)
             if self.use_graphs and decode and len(slices) <= self.buckets[-1]:
                 return self._replay(tokens, slices, starts, ids)
-            if not decode and self._prefill_bucket(sum(q_lens), len(slices)) is not None:
-                return self._replay_prefill(tokens, slices, q_lens)
+            bucket = None if decode else self._prefill_bucket(sum(q_lens), len(slices))
+            if bucket is not None:
+                return self._replay_prefill(tokens, slices, q_lens, *bucket)
             return self._eager(tokens, slices, decode, ids)
 
     @torch.inference_mode()
@@ -398,13 +398,11 @@ class ModelRunner:
             return None
         return next(b for b in self.prefill_tokens if b >= t), self._seq_bucket(n)
 
-    def _replay_prefill(self, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice], q_lens: list[int]) -> StepOutput:
-        """A prefill batch through its bucket's graph: metadata and ids padded to the bucket, the
-        replay launched, then the layer-wise hook (if any) told where each layer's K/V is done."""
+    def _replay_prefill(self, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice], q_lens: list[int], t: int, sb: int) -> StepOutput:
+        """A prefill batch through its bucket's graph (``t`` tokens, ``sb`` sequences): metadata and ids
+        padded to the bucket, the replay launched, then the layer-wise hook (if any) told where each
+        layer's K/V is done."""
         n = len(slices)
-        bucket = self._prefill_bucket(sum(q_lens), n)
-        assert bucket is not None
-        t, sb = bucket
         self.attn.begin(slices, pad_to=sb + 1, pad_tokens=t)
         assert self._pio_stage is not None
         (io,) = self._pio_stage.next()
@@ -433,11 +431,11 @@ class ModelRunner:
     def _prefill_graph_for(self, t: int, sb: int) -> _PrefillGraph:
         """The bucket's graph, captured now if missing or stale (the RoPE table grew, or the backend
         reallocated the metadata buffers the graph reads)."""
-        version, generation = self.model.rope.version, getattr(self.attn, "generation", 0)
-        if version != self._prefill_rope_version or any(g.generation != generation for g in self._prefill_graphs.values()):
+        now = (self.model.rope.version, getattr(self.attn, "generation", 0))
+        if now != self._prefill_captured_for:
             self._prefill_graphs.clear()
             self._prefill_pool = None
-            self._prefill_rope_version = version
+            self._prefill_captured_for = now
         g = self._prefill_graphs.get((t, sb))
         if g is None:
             g = self._prefill_graphs[(t, sb)] = self._capture_prefill(t, sb)
@@ -470,7 +468,7 @@ class ModelRunner:
             graph, logits, self._prefill_pool = self._warm_and_capture(self._prefill_body(t, sb), self._prefill_pool, record_layers)
         finally:
             self.attn.after_layer = hook
-        return _PrefillGraph(graph, logits, events, getattr(self.attn, "generation", 0))
+        return _PrefillGraph(graph, logits, events)
 
 
 #: The placeholder token list of a step whose ids come as a device tensor (overwritten on the device).

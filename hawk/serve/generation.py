@@ -421,7 +421,6 @@ class Generation:
             out["decode_handed_s"] = None if self.t_handed is None else self.t_handed - self.arrival
         return out
 
-
     def _hops(self, pre_t: dict[str, Any]) -> dict[str, float]:
         """Where the server's TTFT went outside the engines: the router's own work before the
         prefill call, each instance call's round trip, and (pull) what the calls added to what the
