@@ -139,6 +139,43 @@ def test_layerwise_push_lands_the_kv_and_releases_everything(config, post_from):
         pair.close()
 
 
+@pytest.mark.parametrize("config", CONFIGS)
+def test_on_a_cpu_the_worker_takes_the_layers_after_the_forward(config, post_from):
+    """A CPU forward fills the cores: the push worker produces nothing until the last layer is written
+    (beside the forward it only oversubscribed them), then pushes every layer."""
+    if post_from != "worker":
+        pytest.skip("the forward's own thread posts inline: nothing runs beside the forward")
+    pair = make_pair(config, LocalTransport(), LocalTransport())
+    produced: list[list[int]] = []
+    fmt = pair.sender.fmt
+    for name in ("produce_layers", "produce_layers_into"):
+        real = getattr(fmt, name)
+
+        def spy(plan, layers, target, real=real):
+            produced.append(list(layers))
+            return real(plan, layers, target)
+
+        setattr(fmt, name, spy)
+    try:
+        tokens, blocks = 100, [9, 3, 4, 5, 6, 7, 8]
+        dst = dst_blocks_for(config, tokens, start=1)
+        t, out = _hand_over(pair, "r", tokens, dst)
+        feed = pair.sender.begin_push("r", tokens, blocks)
+        assert feed is not None
+        for layer in range(L - 1):
+            feed.layer_written(layer)
+        time.sleep(0.2)  # the worker would have taken them by now
+        assert produced == []
+        feed.layer_written(L - 1)
+        pair.add("r", tokens, blocks)
+        t.join(10)
+        assert "result" in out, out
+        assert sorted(x for p in produced for x in p) == list(range(L)) and pair.landed(tokens, blocks, dst)
+        assert _clean(pair) and pair.freed == ["r"]
+    finally:
+        pair.close()
+
+
 def test_late_destination_pushes_the_whole_request():
     """D1 after the prefill finished (a slow decode): the KV is pushed whole, same bytes."""
     pair = make_pair("gn-hawk", LocalTransport(), LocalTransport())

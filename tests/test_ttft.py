@@ -42,6 +42,7 @@ def test_tiny_run_records_and_breakdown(tmp_path):
             assert key in r
         assert r["identical"], r
         assert r["ratio"] == pytest.approx(r["ttft_ms"] / r["colocated_ttft_ms"])
+        assert r["ratio_paired"] == pytest.approx(r["ttft_ms_all"][0] / r["colocated_ttft_ms_all"][0])  # one repeat: one pair
         b = r["host_breakdown_ms"]
         assert set(STEPS) | {"release", "notify", "total"} <= set(b)
         assert all(v >= 0 for v in b.values())

@@ -5,6 +5,8 @@ small and the ratio says little about prompts of real length. Here every prompt 
 the colocated oracle and through each configuration in the same process, same model, same devices,
 interleaved repeat by repeat (so drift on a shared machine hits both sides alike), and every record
 carries the decode side's host-side breakdown of its transfer (hawk/connector/algorithm1.BREAKDOWN).
+``ratio`` is the ratio of the medians; ``ratio_paired`` the median of each repeat's ratio to the
+colocated run just before it, steadier where single runs swing (a 2-core CPU box: +-15 %).
 
     python -m hawk.bench.ttft --prompts 256,1024 --configs gn-hawk,gg-direct --json ttft.json
     python -m hawk.bench.ttft --configs gn-hawk --kv-flows pull,layerwise   # both KV flows, one run
@@ -191,6 +193,8 @@ def run(
                         "ttft_ms": t,
                         "colocated_ttft_ms": colo,
                         "ratio": t / colo,
+                        # each repeat's pair ran back to back: a slow spell of the host hits both
+                        "ratio_paired": statistics.median(a / b for a, b in zip(ttft[key], ttft["colocated"])),
                         "ttft_ms_all": ttft[key],
                         "colocated_ttft_ms_all": ttft["colocated"],
                         "kv_transfer_ms": statistics.median(moved[key]),

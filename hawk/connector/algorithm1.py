@@ -56,7 +56,9 @@ blocks first and hands them over before the prefill runs.
                                                          stream-ordered transport (same host, CUDA) the
                                                          forward's thread posts both as it passes the
                                                          layer, ordered after it on the device; else
-                                                         the push worker does, as the layer completes.
+                                                         the push worker does, as the layer completes
+                                                         (on a CPU: after the last one; the forward
+                                                         fills the cores).
                                                          Where this process can address r's pages (the
                                                          same GPU), the transform writes them itself:
                                                          P3 and P5 in one pass, no staging, no WRITE
@@ -245,16 +247,26 @@ class _Push:
 
 
 class LayerFeed:
-    """What the prefill engine calls during one request's last forward (``KVSender.begin_push``)."""
+    """What the prefill engine calls during one request's last forward (``KVSender.begin_push``).
+
+    On a CPU the push worker takes the layers only once the forward has written its last one: the
+    forward already runs on every core (torch's intra-op threads), so a layer transformed beside it
+    only oversubscribes them (SmolLM2, 256 tokens, 2 cores: TTFT +12 % against +1 % for a pull)."""
 
     def __init__(self, sender: KVSender, push: _Push):
         self._sender, self._push = sender, push
+        self._held: list[int] | None = [] if sender.device.type != "cuda" else None
 
     def layer_written(self, layer: int, marker: Any = None) -> None:
         """Layer ``layer``'s KV is written (enqueued on the current stream, on CUDA, or once ``marker``,
-        a CUDA event, completes): produce and send it beside the forward."""
+        a CUDA event, completes): produce and send it beside the forward (on a CPU: after it)."""
         if self._push.inline:
             self._sender._push_layer_inline(self._push, layer, marker)
+        elif self._held is not None:
+            self._held.append(layer)
+            if len(self._held) == self._sender.fmt.layout.num_layers:
+                for held in self._held:
+                    self._sender._enqueue(self._push, held, None)
         else:
             self._sender._enqueue(self._push, layer, marker if marker is not None else mark(self._sender.device))
 
