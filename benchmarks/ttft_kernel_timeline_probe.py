@@ -15,7 +15,10 @@ from the request's start (median): whether the host, not the GPU, is late.
         --prefill-device cuda:0 --decode-device npu-emu:cuda:0 --prompts 1024 --configs gn-hawk \\
         --kv-flows layerwise --repeats 5 --warmup 2
 
-On a CPU the profile has no kernels; the probe still runs (a check of its plumbing).
+``--switch-interval S``: the interpreter's switch interval for the run (is a thread waiting for the
+GIL?). ``--host-profile FILE``: a cProfile of the prefill engine's iterations (on Python >= 3.12 it
+sees every thread while enabled: read it for one-off costs, not per-thread times). On a CPU the
+profile has no kernels; the probe still runs (a check of its plumbing).
 """
 
 from __future__ import annotations
