@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
 import json
 import os
-import pstats
 import re
 import statistics
 import sys
@@ -60,8 +58,9 @@ def annotate() -> None:
 
 
 def profile_prefill_runs(prof: cProfile.Profile) -> None:
-    """cProfile every prefill engine iteration (its thread only): where the host time before the
-    forward's launch goes (the wait for the forward shows as the stream's synchronize)."""
+    """cProfile every prefill engine iteration: where the host time before the forward's launch goes
+    (the wait for the forward shows as the stream's synchronize; on Python >= 3.12 the other threads'
+    calls while it is enabled are in it too)."""
     from hawk.engine.prefill_engine import PrefillEngine
 
     run = PrefillEngine._run
@@ -84,32 +83,33 @@ def windows(trace: dict[str, Any], warmup: int) -> list[dict[str, Any]]:
         m = _RID.match(str(e.get("name", "")))
         if e.get("ph") == "X" and m and int(m["i"]) >= warmup:
             spans.append({"key": m["key"], "tokens": int(m["n"]), "t0": float(e["ts"]), "t1": float(e["ts"]) + float(e["dur"]), "kernels": []})
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    for k in kernels:
-        t = float(k["ts"])
-        for s in spans:
-            if s["t0"] <= t <= s["t1"]:
-                s["kernels"].append((t, float(k["dur"]), int((k.get("args") or {}).get("stream", -1)), str(k["name"])))
-                break
-    calls = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and e.get("name") in _CALLS]
-    for c in calls:
-        t = float(c["ts"])
-        for s in spans:
-            if s["t0"] <= t <= s["t1"]:
-                s.setdefault("calls", []).append((t, float(c["dur"]), str(c["name"])))
-                break
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            _place(spans, "kernels", (float(e["ts"]), float(e["dur"]), int((e.get("args") or {}).get("stream", -1)), str(e["name"])))
+        elif e.get("cat") == "cuda_runtime" and e.get("name") in _CALLS:
+            _place(spans, "calls", (float(e["ts"]), float(e["dur"]), str(e["name"])))
     return spans
+
+
+def _place(spans: list[dict[str, Any]], kind: str, event: tuple[Any, ...]) -> None:
+    """Append ``event`` (its start first) to the list ``kind`` of the window it started in, if any."""
+    for s in spans:
+        if s["t0"] <= event[0] <= s["t1"]:
+            s.setdefault(kind, []).append(event)
+            return
 
 
 #: Host calls placed on each request's timeline: the prefill graph's launch and the waits for the GPU.
 _CALLS = ("cudaGraphLaunch", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
 
 
-def host_marks(s: dict[str, Any], main: int) -> dict[str, float]:
+def host_marks(s: dict[str, Any], fwd: list[tuple[float, float, int, str]]) -> dict[str, float]:
     """One request's timeline, ms from its window's start: the forward's first kernel and its last
-    kernel's end, the graph's launch, the end of the first wait for the GPU that ends after the
-    forward's last kernel (when the host heard the forward was over), and the window's end."""
-    fwd = sorted(k for k in s["kernels"] if k[2] == main)
+    kernel's end (``fwd``: the forward stream's kernels, sorted), the graph's launch, the end of the
+    first wait for the GPU that ends after the forward's last kernel (when the host heard the forward
+    was over), and the window's end."""
     out: dict[str, float] = {"window_end": (s["t1"] - s["t0"]) / 1e3}
     if not fwd:
         return out
@@ -158,7 +158,7 @@ def summarize(spans: list[dict[str, Any]]) -> dict[str, Any]:
         fwd = [sorted(k for k in s["kernels"] if k[2] == main) for s in mine]
         gaps = [sum(max(0.0, b[0] - (a[0] + a[1])) for a, b in zip(ks, ks[1:])) / 1e3 for ks in fwd if ks]
         row["forward_gaps_ms"] = round(statistics.median(gaps), 4) if gaps else None
-        marks = [host_marks(s, main) for s in mine]
+        marks = [host_marks(s, ks) for s, ks in zip(mine, fwd)]
         row["timeline_ms"] = {k: round(statistics.median(m[k] for m in marks if k in m), 4) for k in sorted({k for m in marks for k in m})}
         out["configs"][key] = row
         per: dict[str, list[float]] = defaultdict(list)
@@ -219,11 +219,7 @@ def main() -> None:
         with open(a.json, "w") as f:
             json.dump({"summary": summary, "ttft": records}, f, indent=1)
     if host is not None:
-        out = io.StringIO()
-        pstats.Stats(host, stream=out).sort_stats("cumulative").print_stats(70)
-        pstats.Stats(host, stream=out).sort_stats("tottime").print_stats(40)
-        with open(a.host_profile, "w") as f:
-            f.write(out.getvalue())
+        ttft.write_profile(host, a.host_profile)
 
 
 if __name__ == "__main__":
