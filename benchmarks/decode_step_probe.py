@@ -10,6 +10,7 @@ does and, in rounds (each round one call of each, the first rotating):
   recorded before and after the replay (the GPU is idle when it is launched, so the host's launch of
   the graph is inside it);
 * ``host_ms``: ``step_ms - graph_ms``: metadata, upload, sampling, the token fetch;
+* ``step_paired``, ``graph_paired``: each over the first point's, round by round (``paired_ratio``);
 
 then, with ``--kernels``, a torch profiler trace of a few steps per path: GPU time per kernel name
 (summed per step), to tell which kernels the paths differ in.
@@ -33,9 +34,10 @@ from hawk.bench import engine as eb
 from hawk.engine.attention import SeqSlice
 
 
-def prepare(model: Any, spec: str, batch: int, context: int, device: torch.device) -> dict[str, Any]:
+def prepare(model: Any, spec: str, batch: int, context: int, device: torch.device, name: str = "") -> dict[str, Any]:
     """The benchmark's point (cache, runner with its graph, step) plus the graph to replay alone.
-    ``spec``: ``path:kv_dtype[:bfloat8_b variant]`` (the variant: a ``BFP8_VARIANTS`` name)."""
+    ``spec``: ``path:kv_dtype[:bfloat8_b variant]`` (the variant: a ``BFP8_VARIANTS`` name); ``name``:
+    what results are keyed by (default ``spec``; a spec given twice is two points, each its own cache and graph)."""
     path, kv, *variant = spec.split(":")
     build = eb.build_npu if path == "npu-tile" else eb.build_paged
     cache = build(model.config, kv, batch, context + 1, device)
@@ -57,7 +59,7 @@ def prepare(model: Any, spec: str, batch: int, context: int, device: torch.devic
 
     step()
     graph = runner._graph_for(runner._bucket(batch)).graph
-    return {"name": spec, "cache": cache, "step": step, "graph": graph}
+    return {"name": name or spec, "cache": cache, "step": step, "graph": graph}
 
 
 def time_rounds(points: list[dict[str, Any]], rounds: int, device: torch.device) -> dict[str, dict[str, float]]:
@@ -79,9 +81,12 @@ def time_rounds(points: list[dict[str, Any]], rounds: int, device: torch.device)
             torch.cuda.synchronize(device)
             graphs[p["name"]].append(ev0.elapsed_time(ev1))
     out = {}
+    first = points[0]["name"]
     for p in points:
         s, g = statistics.median(steps[p["name"]]), statistics.median(graphs[p["name"]])
-        out[p["name"]] = {"step_ms": round(s, 4), "graph_ms": round(g, 4), "host_ms": round(s - g, 4)}
+        out[p["name"]] = {"step_ms": round(s, 4), "graph_ms": round(g, 4), "host_ms": round(s - g, 4),
+                          "step_paired": eb.paired_ratio(steps[p["name"]], steps[first])["median"],
+                          "graph_paired": eb.paired_ratio(graphs[p["name"]], graphs[first])["median"]}
     return out
 
 
@@ -106,7 +111,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--points", default="gpu-paged:bf16,npu-tile:bfp8_b,npu-tile:bf16",
-                    help="comma-separated path:kv_dtype[:bfloat8_b variant]; ratios are to the first")
+                    help="comma-separated path:kv_dtype[:bfloat8_b variant]; ratios are to the first; a spec given "
+                         "again is another point (its own cache and graph, in other memory), named spec#2, #3, ...")
     ap.add_argument("--steps", type=int, default=200, help="rounds")
     ap.add_argument("--kernels", action="store_true", help="also a profiler trace of 5 steps per path")
     ap.add_argument("--json", default=None)
@@ -115,14 +121,17 @@ def main() -> None:
 
     dev = torch.device("cuda:0")
     model = load_model(a.model, dev, torch.bfloat16, 0).model
-    points = [prepare(model, pk, a.batch, a.context, dev) for pk in a.points.split(",")]
+    specs = a.points.split(",")
+    names = [s if specs[:i].count(s) == 0 else f"{s}#{specs[:i].count(s) + 1}" for i, s in enumerate(specs)]
+    points = [prepare(model, pk, a.batch, a.context, dev, name) for pk, name in zip(specs, names)]
     try:
         time_rounds(points, 20, dev)  # warm-up
         res = time_rounds(points, a.steps, dev)
         base = res[points[0]["name"]]
         for name, r in res.items():
             print(f"{name:18} step {r['step_ms']:.4f} ms  graph {r['graph_ms']:.4f} ms  host {r['host_ms']:.4f} ms  "
-                  f"step/first {r['step_ms'] / base['step_ms']:.4f}  graph/first {r['graph_ms'] / base['graph_ms']:.4f}")
+                  f"step/first {r['step_ms'] / base['step_ms']:.4f}  graph/first {r['graph_ms'] / base['graph_ms']:.4f}  "
+                  f"paired: step {r['step_paired']:.4f} graph {r['graph_paired']:.4f}")
         kernels = {}
         if a.kernels:
             for p in points:

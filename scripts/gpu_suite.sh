@@ -24,6 +24,9 @@
 #     sweeps    - serving sweeps (chatbot, summarization) of gn-hawk, gn-host, gg-direct, gg-host with and without
 #                 --npu-timing p150a --link-gbps 200 (eight servers: more than one call; SWEEP_CONFIGS/SWEEP_TIMING)
 #     tpserve   - one serving rate with prefill TP2 (GPU0+GPU1) and the decode on GPU1
+#     pairs     - issue 7's NPU-tile / paged decode ratios at 1k, each run pairing the steps round by round: ENGINE_RUNS
+#                 processes at batch 1 (ENGINE_REPLICAS builds of each point), one at batch 64, then
+#                 benchmarks/engine_runs_summary.py
 #     posts     - the host work of layer-wise posts on the forward's thread: `hawk bench ttft` at 1k (both roles on GPU0)
 #                 under cProfile (--profile-posts), the profile in $OUT/ttft_posts_profile.txt
 # LOGS=DIR keeps the per-step logs out of $OUT (the device tool returns at most 8 files); each step's tail still prints.
@@ -97,6 +100,18 @@ if want paced; then  # one system per configuration, each its own file, so a cal
       --decode-device npu-emu:cuda:0 --model llama-3.1-8b --dtype bf16 --workload "${PACED_WORKLOAD:-chatbot}" --rates 1,2 --num-requests "${PACED_REQUESTS:-20}" \
       --transfer "$t" --transport auto --json "$OUT/crossval_h200_${PACED_WORKLOAD:-chatbot}_$t.json"
   done
+fi
+if want pairs; then  # separate processes and replicas: where a point's memory lands moved the batch-1 ratio by +-0.4 %
+  for i in $(seq 1 "${ENGINE_RUNS:-2}"); do
+    step "engine_b1_run$i" 200 python3 -m hawk.bench.engine --device cuda:0 --model llama-3.1-8b --dtype bf16 --batches 1 \
+      --contexts 1024 --prefill-tokens '' --paths gpu-paged,npu-tile --kv-dtypes bf16,bfp8_b --steps 300 --point-budget-s 8 \
+      --replicas "${ENGINE_REPLICAS:-3}" --json "$LOGS/engine_b1_run$i.json"
+  done
+  step engine_b64 150 python3 -m hawk.bench.engine --device cuda:0 --model llama-3.1-8b --dtype bf16 --batches 64 \
+    --contexts 1024 --prefill-tokens '' --paths gpu-paged,npu-tile --kv-dtypes bf16,bfp8_b --steps 100 --point-budget-s 8 \
+    --replicas 2 --json "$LOGS/engine_b64.json"
+  step engine_pairs 30 python3 benchmarks/engine_runs_summary.py "$LOGS"/engine_b1_run*.json "$LOGS/engine_b64.json" \
+    --json "$OUT/engine_pairs_h200.json"
 fi
 want ttft && ttft_one_gpu ttft 240 nixl  # NIXL within one GPU: the slow path auto avoids
 want posts && \

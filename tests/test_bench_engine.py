@@ -93,6 +93,11 @@ def test_records_have_the_fields_and_sane_values(tiny_model: LlamaModel) -> None
         assert r["floor_bytes"] == nbytes
         assert math.isclose(r["floor_ms"], nbytes / 10e9 * 1e3, rel_tol=1e-3)
         assert ("emulated NPU: memory on cpu" in r["note"]) == (r["path"] == "npu-tile")
+        if r["path"] == "gpu-paged":
+            assert "vs_paged" not in r
+        else:  # paired with the paged step of its batch, round by round
+            v = r["vs_paged"]
+            assert v["rounds"] == 2 and v["q25"] <= v["median"] <= v["q75"] and v["median"] > 0
     (p,) = prefill
     assert p["tokens"] == 16 and p["flops"] == eb.prefill_flops(TINY, 16) and p["gemm_tflops"] == CEILINGS["gemm_tflops"]
     achieved = p["flops"] / (p["ms"] * 1e-3) / 1e12
@@ -157,6 +162,39 @@ def test_rounds_rotate_the_first_step_and_keep_each_steps_own_times() -> None:
     assert mb < mc < ma and ma >= 4.0
 
 
+def test_replicas_are_built_in_turns_and_paired_replica_by_replica(tiny_model: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    built: list[tuple[str, str]] = []
+    prepare = eb._prepare_decode
+
+    def spy(ctx, path, kv, batch, context):
+        built.append((path, kv))
+        return prepare(ctx, path, kv, batch, context)
+
+    monkeypatch.setattr(eb, "_prepare_decode", spy)
+    recs = eb.run_benchmark(_spec(batches=(1,), prefill_tokens=(), replicas=2), model=tiny_model, verbose=False)
+    one = [("gpu-paged", "bf16"), ("npu-tile", "bf16"), ("npu-tile", "bfp8_b")]
+    assert built == one + one  # replica 1 of each, then replica 2 of each
+    assert [(r["path"], r["kv_dtype"]) for r in recs] == one
+    for r in recs:
+        assert r["replicas"] == 2 and r["steps"] == 4  # two replicas' two rounds, pooled
+        if r["path"] == "npu-tile":
+            v = r["vs_paged"]
+            assert v["rounds"] == 4 and len(v["by_replica"]) == 2
+            assert min(v["by_replica"]) <= v["q75"] and max(v["by_replica"]) >= v["q25"]
+    with pytest.raises(ValueError, match="replicas"):
+        eb.resolve(_spec(replicas=0))
+
+
+def test_paired_ratio_is_taken_round_by_round() -> None:
+    # round 2 ran both twice as slow: each round's own ratio counts (0.9, 1.0, 0.95, 1.0)
+    a, b = [0.9, 2.0, 0.95, 1.0], [1.0, 2.0, 1.0, 1.0]
+    v = eb.paired_ratio(a, b)
+    assert v == {"median": 0.975, "q25": 0.9125, "q75": 1.0, "rounds": 4}
+    assert eb.paired_ratio([3.0], [2.0]) == {"median": 1.5, "q25": 1.5, "q75": 1.5, "rounds": 1}
+    with pytest.raises(ValueError, match="equal"):
+        eb.paired_ratio([1.0], [1.0, 2.0])
+
+
 def test_a_group_too_big_side_by_side_runs_its_points_one_at_a_time(tiny_model: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:
     one = eb.cache_bytes(TINY, "npu-tile", "bfp8_b", 1, 41)
     monkeypatch.setattr(eb, "free_bytes", lambda device: one * 2 + 512 * eb.MiB)  # room for one cache, not three
@@ -216,3 +254,19 @@ def test_bad_options_fail_clearly() -> None:
         eb.resolve(eb.EngineBenchSpec(paths=("tpu",), device="cpu"))
     with pytest.raises(ValueError, match="kv dtype"):
         eb.resolve(eb.EngineBenchSpec(kv_dtypes=("int4",), device="cpu"))
+
+
+def test_runs_summary_reads_each_runs_paired_ratio() -> None:
+    from benchmarks.engine_runs_summary import summarize
+
+    def run(paired: float, skip_paged: bool = False) -> list[dict]:
+        base = {"kind": "decode", "batch": 1, "context": 1024}
+        paged = {**base, "path": "gpu-paged", "kv_dtype": "bf16", "ms": 5.0}
+        npu = {**base, "path": "npu-tile", "kv_dtype": "bfp8_b", "ms": 4.9,
+               "vs_paged": {"median": paired, "q25": paired - 0.01, "q75": paired + 0.01, "rounds": 9}}
+        return [npu] if skip_paged else [paged, npu]
+
+    (row,) = summarize([run(0.99), run(1.01), run(0.98), run(0.5, skip_paged=True)], target=1.0)
+    assert (row["path"], row["kv_dtype"], row["batch"], row["n_runs"]) == ("npu-tile", "bfp8_b", 1, 3)
+    assert row["paired_median_of_runs"] == 0.99 and (row["paired_min"], row["paired_max"]) == (0.98, 1.01)
+    assert row["runs_at_or_below_target"] == 2 and row["runs"][0]["ratio_of_medians"] == 0.98

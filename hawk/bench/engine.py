@@ -80,6 +80,7 @@ class EngineBenchSpec:
     hf_new_tokens: int = 32
     seed: int = 0
     threads: int | None = None  # torch CPU threads (default: torch's choice)
+    replicas: int = 1  # builds of each decode point compared in rounds (run_decode_group)
     ceilings: dict[str, float] = field(default_factory=dict)  # preset ceilings (tests): skip measuring
 
 
@@ -110,6 +111,8 @@ def resolve(spec: EngineBenchSpec) -> EngineBenchSpec:
     for k in out.kv_dtypes:
         if k not in GPU_DTYPES and k not in NPU_DTYPES:
             raise ValueError(f"unknown kv dtype {k!r}; expected bf16, fp16, fp32 or bfp8_b")
+    if out.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {out.replicas}")
     if out.hf_baseline not in ("auto", "on", "off"):
         raise ValueError(f"--hf-baseline must be auto, on or off, got {out.hf_baseline!r}")
     return out
@@ -457,13 +460,19 @@ def time_steps(step: Callable[[], object], device: torch.device, warmup: int, st
 
 def time_rounds(steps: Sequence[Callable[[], object]], device: torch.device, warmup: int, rounds: int,
                 budget_s: float) -> list[tuple[float, int]]:
-    """Median ms of each of ``steps``, timed in rounds: one call of each per round, the round's
-    first step rotating (round r starts at step r mod n), each call synchronized on both sides.
+    """Median ms of each of ``steps`` and how many calls were timed (:func:`round_times`)."""
+    return [(statistics.median(t), len(t)) for t in round_times(steps, device, warmup, rounds, budget_s)]
+
+
+def round_times(steps: Sequence[Callable[[], object]], device: torch.device, warmup: int, rounds: int,
+                budget_s: float) -> list[list[float]]:
+    """Each of ``steps``' times (ms, one per round), timed in rounds: one call of each per round, the
+    round's first step rotating (round r starts at step r mod n), each call synchronized on both sides.
 
     Why rounds: on an H200 the same CUDA graph replayed ~5 % slower minutes into a process than at
     its start (benchmarks/graph_order_probe.py), as large as the differences the paths are compared
-    on; timed back to back in rounds, every path sees the same drift. Stops early once ``budget_s``
-    is spent (after at least 3 rounds). Returns ``(median ms, calls timed)`` per step.
+    on; timed back to back in rounds, every path sees the same drift (and :func:`paired_ratio` can
+    compare them round by round). Stops early once ``budget_s`` is spent (after at least 3 rounds).
     """
     for step in steps:
         for _ in range(warmup):
@@ -480,7 +489,22 @@ def time_rounds(steps: Sequence[Callable[[], object]], device: torch.device, war
             times[i].append((time.perf_counter() - t0) * 1e3)
         if r >= 2 and time.perf_counter() - t_start > budget_s:
             break
-    return [(statistics.median(t), len(t)) for t in times]
+    return times
+
+
+def paired_ratio(times: Sequence[float], base: Sequence[float]) -> dict[str, float | int]:
+    """``times[r] / base[r]`` for each round ``r`` of :func:`round_times`: median and quartiles.
+
+    Why paired: a ratio of two medians still carries whatever moved between the two medians' rounds;
+    a ratio taken within each round (the two calls back to back) cancels the drift both saw, so its
+    spread is the compared steps' own (on an H200 the GEMMs' clock drift moved whole-step medians by
+    0.5-2 % between points timed apart, more than the bfloat8_b and paged steps differ at batch 1).
+    """
+    if len(times) != len(base) or not times:
+        raise ValueError(f"paired times need equal, non-zero lengths, got {len(times)} and {len(base)}")
+    r = sorted(t / b for t, b in zip(times, base))
+    q25, q75 = (statistics.quantiles(r, n=4)[0::2] if len(r) > 1 else (r[0], r[0]))
+    return {"median": round(statistics.median(r), 4), "q25": round(q25, 4), "q75": round(q75, 4), "rounds": len(r)}
 
 
 # ---- the points ------------------------------------------------------------------------------------
@@ -640,25 +664,41 @@ def _measure_decode(ctx: Context, path: str, kv_dtype: str, batch: int, context:
 
 
 def run_decode_group(ctx: Context, points: Sequence[tuple[str, str, int, int]]) -> list[dict[str, Any]]:
-    """Several decode points (the paths at one batch and context), timed in rounds (:func:`time_rounds`)
+    """Several decode points (the paths at one batch and context), timed in rounds (:func:`round_times`)
     when their caches fit side by side, so their ratios are like for like; else one after another.
 
-    Records timed so carry ``interleaved``: how many points shared their rounds (absent when timed alone).
+    With ``replicas`` > 1 each point is built that many times (its own cache, runner and graphs, so in
+    other memory; built in turns, no path always first), all timed in the same rounds, and its times
+    pooled. Why: on an H200 two builds of the same paged point in one process differed by up to 0.4 %
+    (the same kernels, other addresses), as much as the bfloat8_b and paged steps differ at batch 1.
+
+    Records timed so carry ``interleaved``: how many points shared their rounds (absent when timed alone),
+    ``replicas``, and, beside a paged point, ``vs_paged``: their step over the paged step's, round by round,
+    replica ``k`` against the paged replica ``k`` (:func:`paired_ratio` of the step ``ms`` reports: the
+    overlapped one on a GPU; with replicas, ``by_replica``: each one's median).
     """
     if len(points) < 2:
         return [run_decode_point(ctx, *p) for p in points]
-    need = sum(cache_bytes(ctx.cfg, path, kv, b, c + 1) for path, kv, b, c in points)
+    reps = max(1, ctx.spec.replicas)
+    need = reps * sum(cache_bytes(ctx.cfg, path, kv, b, c + 1) for path, kv, b, c in points)
     if _skip_reason(ctx, need):
         return [run_decode_point(ctx, *p) for p in points]
-    preps: list[_Prepared] = []
+    preps: list[_Prepared] = []  # replica k of point i at k * len(points) + i
     try:
-        for p in points:
-            preps.append(_prepare_decode(ctx, *p))
+        for _ in range(reps):
+            for p in points:
+                preps.append(_prepare_decode(ctx, *p))
         spec = ctx.spec
         # temporaries and comprehensions only: no local may keep a runner (its graphs' memory) past the finally
-        timed = iter(time_rounds([fn for x in preps for fn in x.timed()], ctx.device, spec.warmup or 0,
-                                 spec.steps or 10, (spec.point_budget_s or 10.0) * len(points)))
-        return [x.record(ctx, p, [next(timed) for _ in x.timed()], interleaved=len(points)) for x, p in zip(preps, points)]
+        raw = iter(round_times([fn for x in preps for fn in x.timed()], ctx.device, spec.warmup or 0,
+                               spec.steps or 10, (spec.point_budget_s or 10.0) * len(preps)))
+        per_prep = [[next(raw) for _ in x.timed()] for x in preps]
+        n, base = len(points), _paged_base(points)
+        return [preps[i].record(ctx, p, _pooled([per_prep[k * n + i] for k in range(reps)]), interleaved=n, replicas=reps,
+                                **({} if base is None or i == base else
+                                   {"vs_paged": _paired_replicas([per_prep[k * n + i][-1] for k in range(reps)],
+                                                                 [per_prep[k * n + base][-1] for k in range(reps)])}))
+                for i, p in enumerate(points)]
     except Exception as e:  # noqa: BLE001
         if not _is_oom(e):
             raise
@@ -667,6 +707,28 @@ def run_decode_group(ctx: Context, points: Sequence[tuple[str, str, int, int]]) 
             preps.pop().cache.close()
         _free(ctx.device)
     return [run_decode_point(ctx, *p) for p in points]  # out of memory side by side: one at a time
+
+
+def _pooled(replicas: Sequence[Sequence[list[float]]]) -> list[tuple[float, int]]:
+    """Per timed call of a point, its replicas' round times pooled: (median ms, calls timed)."""
+    pooled = [[t for rep in replicas for t in rep[j]] for j in range(len(replicas[0]))]
+    return [(statistics.median(t), len(t)) for t in pooled]
+
+
+def _paired_replicas(times: Sequence[list[float]], base: Sequence[list[float]]) -> dict[str, Any]:
+    """:func:`paired_ratio` over every replica's rounds (replica k against base replica k), and each
+    replica's median where there are several."""
+    out: dict[str, Any] = paired_ratio([t for rep in times for t in rep], [b for rep in base for b in rep])
+    if len(times) > 1:
+        out["by_replica"] = [paired_ratio(t, b)["median"] for t, b in zip(times, base)]
+    return out
+
+
+def _paged_base(points: Sequence[tuple[str, str, int, int]]) -> int | None:
+    """Index of the point the others are paired with (:func:`paired_ratio`): the paged bf16 step,
+    else the first paged one; None without one."""
+    paged = [i for i, p in enumerate(points) if p[0] == "gpu-paged"]
+    return next((i for i in paged if points[i][1] == "bf16"), paged[0] if paged else None)
 
 
 def run_prefill_point(ctx: Context, tokens: int, kv_dtype: str = "bf16") -> dict[str, Any]:
@@ -877,7 +939,8 @@ def _line(r: dict[str, Any]) -> str:
     if r.get("skipped"):
         return f"{head}  {r['note']}"
     if r["kind"] == "decode":
-        return f"{head}  {r['ms']:9.3f} ms  floor {r['floor_ms']:8.3f} ms  ratio {r['ratio']:6.2f}"
+        pair = f"  / paged {r['vs_paged']['median']:.4f} (paired, {r['vs_paged']['rounds']} rounds)" if "vs_paged" in r else ""
+        return f"{head}  {r['ms']:9.3f} ms  floor {r['floor_ms']:8.3f} ms  ratio {r['ratio']:6.2f}{pair}"
     return f"{head}  {r['ms']:9.3f} ms  {r['tflops']:8.2f} TFLOP/s  of gemm {r['ratio']:5.2f}"
 
 
@@ -964,6 +1027,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-prompt-tokens", type=int, default=128, help="baseline prompt length")
     p.add_argument("--hf-new-tokens", type=int, default=32, help="baseline new tokens")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's; 1 on a shared box avoids spinning threads)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="build each decode point this many times (other memory each) and pool their rounds, "
+                        "for ratios between paths finer than placement's effect (~0.4 %% on an H200)")
     p.add_argument("--json", default=None, help="write the records here (a JSON list)")
     return p
 
@@ -973,7 +1039,7 @@ def spec_from_args(a: argparse.Namespace) -> EngineBenchSpec:
         model=a.model, device=a.device, dtype=a.dtype, batches=_ints(a.batches), contexts=_ints(a.contexts),
         prefill_tokens=_ints(a.prefill_tokens), paths=_strs(a.paths), kv_dtypes=_strs(a.kv_dtypes), steps=a.steps,
         warmup=a.warmup, point_budget_s=a.point_budget_s, time_budget_s=a.time_budget_s, hf_baseline=a.hf_baseline,
-        hf_prompt_tokens=a.hf_prompt_tokens, hf_new_tokens=a.hf_new_tokens, threads=a.threads,
+        hf_prompt_tokens=a.hf_prompt_tokens, hf_new_tokens=a.hf_new_tokens, threads=a.threads, replicas=a.replicas,
     )
 
 
