@@ -135,6 +135,7 @@ class ServeConfig:
     log_dir: str | None = opt(None, "keep the engine processes' logs here (default: they share this terminal)", commands=SERVE)
     log_level: str = opt("warning", "log level of the servers", choices=LOG_LEVELS, commands=PROCESS)
     startup_timeout_s: float = opt(300.0, "seconds the engines may take to become healthy", positive=True, commands=SERVE)
+    warmup: bool = opt(True, "before reporting ready, the router sends one 2-token greedy request through each prefill and decode instance, so no client pays the first transfer's one-time costs (plans, registrations, kernel compiles)", flags=("--warmup/--no-warmup",), commands=PROCESS)
     api_key: str | None = opt(None, "clients must send 'Authorization: Bearer <key>' (default: none, open)", envvar="HAWK_API_KEY", commands=SERVE)
     cluster_secret_file: str | None = opt(None, "roles run separately: file holding the shared cluster secret (or env HAWK_CLUSTER_SECRET); role 'all' makes its own", commands=SERVE)
     allow_remote: bool = opt(False, "allow --host/--kv-host beyond loopback (listens on the network; use --api-key)", flags=("--allow-remote",), commands=SERVE)

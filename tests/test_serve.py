@@ -373,3 +373,44 @@ def test_metrics(system):
     # the decode's steps by kind (a CPU decode does not overlap them)
     assert "hawk_decode_engine_steps_overlapped 0.0" in inst
     assert float(re.search(r"^hawk_decode_engine_steps_synchronous (\S+)$", inst, re.M).group(1)) >= 1
+
+
+# ============================================================================ warm-up
+
+
+def _decode_steps(system: System) -> float:
+    inst = httpx.get(f"{system.decode.url}/metrics", trust_env=False).text
+    return float(re.search(r"^hawk_decode_engine_steps_synchronous (\S+)$", inst, re.M).group(1))
+
+
+def test_warmup_runs_one_request_through_the_pair_before_ready(system):
+    before = _decode_steps(system)
+    with ThreadedServer(create_router_app(RouterConfig([system.prefill.url], [system.decode.url], warmup=True))) as r:
+        assert _decode_steps(system) > before  # its KV reached the decode, which generated
+        wait_released(system, 10.0)  # and gave back everything it held
+        text = httpx.get(f"{r.url}/metrics", trust_env=False).text
+        assert "hawk_request_finish_total{" not in text  # not a client's request: not in the router's figures
+        assert "hawk_time_to_first_token_seconds_count 0.0" in text
+        out = httpx.post(f"{r.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "temperature": 0}, trust_env=False, timeout=60)
+        assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_failed_warmup_stops_the_start(system, monkeypatch):
+    import asyncio
+
+    from hawk.serve import router as router_mod
+
+    async def fail(self) -> None:
+        raise RuntimeError("prefill refused")
+
+    monkeypatch.setattr(router_mod.Generation, "start", fail)
+    r = router_mod.Router(RouterConfig([system.prefill.url], [system.decode.url], warmup=True), None)
+
+    async def start_then_close() -> None:
+        try:
+            await r.startup()
+        finally:
+            await r.shutdown()
+
+    with pytest.raises(RuntimeError, match=r"warm-up request 1 \(.* -> .*\) failed: prefill refused"):
+        asyncio.run(start_then_close())
