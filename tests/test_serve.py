@@ -8,6 +8,7 @@ mid-stream or mid-prefill (everything they held is released on both instances), 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -396,8 +397,6 @@ def test_warmup_runs_one_request_through_the_pair_before_ready(system):
 
 
 def test_a_failed_warmup_stops_the_start(system, monkeypatch):
-    import asyncio
-
     from hawk.serve import router as router_mod
 
     async def fail(self) -> None:
@@ -405,12 +404,6 @@ def test_a_failed_warmup_stops_the_start(system, monkeypatch):
 
     monkeypatch.setattr(router_mod.Generation, "start", fail)
     r = router_mod.Router(RouterConfig([system.prefill.url], [system.decode.url], warmup=True), None)
-
-    async def start_then_close() -> None:
-        try:
-            await r.startup()
-        finally:
-            await r.shutdown()
-
     with pytest.raises(RuntimeError, match=r"warm-up request 1 \(.* -> .*\) failed: prefill refused"):
-        asyncio.run(start_then_close())
+        asyncio.run(r.startup())
+    assert r.client is not None and r.client.is_closed  # the failed start closed what it opened

@@ -227,16 +227,20 @@ class Router:
         self.max_body_bytes = cfg.body_limit(self.pool.max_model_len)
         self._monitor = asyncio.create_task(self._watch_instances(), name="hawk-health-monitor")
         if cfg.warmup:
-            await self.warm_up()
+            try:
+                await self.warm_up()
+            except BaseException:
+                await self.shutdown()  # the lifespan never reaches its own shutdown after a failed start
+                raise
         log.info("router ready: model %s, prefill %s, decode %s", self.names[0], cfg.prefill_urls, cfg.decode_urls)
 
     async def warm_up(self) -> None:
         """Before traffic, one tiny greedy request (2 tokens) through each prefill and each decode instance.
 
         Why: the first request through a pair pays one-time costs no later one does: the transfer's
-        first plan, buffer registrations and lazy imports (on the CPU box its KV transfer took 58 ms
-        against 11-26 ms for the next ones), and on a GPU the transform kernels' compile where the Triton
-        cache is cold. vLLM and SGLang run a dummy batch at start for the same reason. Not counted in
+        first plan, buffer registrations and lazy imports (on the CPU box its KV transfer took 66 ms
+        against 20 ms for the next ones: benchmarks/first_request_probe.py), and on a GPU the transform
+        kernels' compile where the Triton cache is cold. vLLM and SGLang run a dummy batch at start for the same reason. Not counted in
         the router's metrics (the instances count it: it is a request to them). A failure stops the
         start: a system that cannot serve two tokens should not report ready.
         """
