@@ -7,7 +7,8 @@ system ``--launches`` times each way, sends ``--requests`` one-token completions
 and records each one's server-side timings (the ``hawk`` object: TTFT, prefill, KV transfer).
 
     python benchmarks/first_request_probe.py --launches 3 --json first_request_cpu.json
-    python benchmarks/first_request_probe.py -- --prefill-device cuda:0 --decode-device npu-emu:cuda:0 --dtype bf16
+    python benchmarks/first_request_probe.py --launches 1 --fresh-triton-cache -- --model llama-3.1-8b --dtype bf16 \
+        --prefill-device cuda:0 --decode-device npu-emu:cuda:0 --transport auto
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -31,11 +33,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def one_launch(warmup: bool, requests: int, serve_args: list[str], timeout_s: float) -> dict[str, Any]:
-    """Start `hawk serve`, wait for /health, send the requests, stop it; the timings of each request."""
+def one_launch(warmup: bool, requests: int, serve_args: list[str], timeout_s: float, fresh_cache: bool = False) -> dict[str, Any]:
+    """Start `hawk serve`, wait for /health, send the requests, stop it; the timings of each request.
+    ``fresh_cache``: an empty Triton cache for this start, as on a new machine (else the first start's
+    compiles serve the later ones)."""
     port = free_port()
     cmd = [sys.executable, "-m", "hawk", "serve", "--port", str(port), "--warmup" if warmup else "--no-warmup", *serve_args]
     env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
+    if fresh_cache:
+        env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="hawk-triton-")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url, t0 = f"http://127.0.0.1:{port}", time.monotonic()
     try:
@@ -71,10 +77,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--launches", type=int, default=3, help="starts of the system each way (with and without warm-up)")
     p.add_argument("--requests", type=int, default=4, help="requests per start, one after another")
     p.add_argument("--timeout-s", type=float, default=300.0, help="how long a start may take")
+    p.add_argument("--fresh-triton-cache", action="store_true", help="each start with an empty Triton cache (a GPU's first start)")
     p.add_argument("--json", default=None)
     p.add_argument("serve_args", nargs="*", help="more `hawk serve` options (after --)")
     a = p.parse_args(argv)
-    launches = [one_launch(w, a.requests, a.serve_args, a.timeout_s) for _ in range(a.launches) for w in (True, False)]
+    launches: list[dict[str, Any]] = []
+    for _ in range(a.launches):
+        for w in (True, False):
+            launches.append(one_launch(w, a.requests, a.serve_args, a.timeout_s, a.fresh_triton_cache))
+            print(json.dumps(launches[-1]), flush=True)
+            if a.json:  # kept current: a run cut short keeps its launches
+                with open(a.json, "w") as f:
+                    json.dump({"command": " ".join(sys.argv), "serve_args": a.serve_args, "launches": launches}, f, indent=1)
     summary = {}
     for w in (True, False):
         runs = [r for r in launches if r["warmup"] is w]
