@@ -344,7 +344,7 @@ _VARIANT_BITWISE = {
 _SAME_UNDER_INTERPRETER = {"tok-w1-t16", "tok-w2-t64", "tok-w4-t32",  # = tok-pipe2-r128-fw, ditto, tok-w2-t32
                            # GPU-only kernel: the word kernel runs (regs-t32 and -fw check that)
                            "regs-t16-fw", "regs-fw", "regs-fw-s16", "regs-fw-s8", "regs-fw-early", "regs-fw-early-m",
-                           "regs-fw-early-m4"}
+                           "regs-fw-early-m4", "regs-fw-early-t16s64"}
 
 
 #: Variants whose interpreter run is a ``_VARIANTS_FULL`` variant's, kernel arguments and all (register caps,
@@ -749,7 +749,8 @@ def test_gpu_8b_shape_matches_codecs(dtype: str) -> None:
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("variant", ["default", "words", "words-pipe2-r128", "words-pipe2-r128-fw", "tok-pipe3-r128-fw",
-                                     "regs-t32", "regs-t32-fw", "regs-fw-early", "regs-fw-early-m", "regs-fw-early-m4"])
+                                     "regs-t32", "regs-t32-fw", "regs-fw-early", "regs-fw-early-m", "regs-fw-early-m4",
+                                     "regs-fw-early-t16s64"])
 def test_gpu_cuda_graph_replays_a_new_batch_of_the_same_padded_size(variant: str) -> None:
     from hawk.engine.npu_attention import NpuTileAttention
     from hawk.engine.triton_npu_attention import BFP8_VARIANTS

@@ -1090,6 +1090,12 @@ BFP8_VARIANTS: dict[str, DecodeConfig] = {
     # 8B step at batch 64 0.848 x paged (regs-fw-early 0.868); -m4 merges where there are at most 4.
     "regs-fw-early-m": DecodeConfig(bfp8="regs", num_warps=1, fused_write=True, early=True, merge_splits=64),
     "regs-fw-early-m4": DecodeConfig(bfp8="regs", num_warps=1, fused_write=True, early=True, merge_splits=4),
+    # 16 tokens per iteration and up to 64 splits: at batch 1 / 1k each program one 16-token chunk, a
+    # shorter chain than a 32-token one (offline sm_90: 1984 SASS instructions against 2592,
+    # benchmarks/regs_kernel_sass_probe.py), 64 partials to merge against 32. Added 2026-12-02 for the
+    # batch-1 step; not yet run on a GPU (its GPU tests and the probes are the next device call's).
+    "regs-fw-early-t16s64": DecodeConfig(bfp8="regs", num_warps=1, tokens=16, fused_write=True, early=True,
+                                         max_splits=64, merge_splits=4),
 }
 #: The fastest bfloat8_b variant that keeps the paged decode's bits (`benchmarks/bfp8_kernel_probe.py
 #: --flush-mb 256` on an H200, 2026-11-30: write + attention vs paged bf16 at context 1k, 0.90x at batch 1,
