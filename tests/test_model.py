@@ -398,3 +398,21 @@ def test_fusion_survives_moves_loads_and_saves() -> None:
     with torch.no_grad():  # in-place edits reach the fused matmul
         other.layers[0].attn.wv.weight.zero_()
     assert other.layers[0].attn.wqkv[-other.config.kv_size :].abs().sum() == 0
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 40])
+def test_linear_is_x_times_w_transposed_by_whichever_route(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hawk.engine import model as model_mod
+
+    g = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 96, generator=g), torch.randn(200, 96, generator=g)
+    want = x.double() @ w.double().t()
+    got = model_mod.linear(x, w)
+    assert got.shape == (rows, 200) and got.is_contiguous() and got.dtype == torch.float32
+    assert torch.allclose(got.double(), want, atol=1e-4)
+    detour = rows <= model_mod.CPU_FEW_ROWS
+    calls: list[int] = []
+    monkeypatch.setattr(model_mod.F, "linear", lambda a, b: calls.append(1) or a @ b.t())
+    model_mod.linear(x, w)
+    model_mod.linear(x.to(torch.bfloat16), w.to(torch.bfloat16))  # other dtypes: torch's own
+    assert len(calls) == (1 if detour else 2)

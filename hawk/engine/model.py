@@ -13,6 +13,7 @@ layer instead of ~31); elsewhere the same steps run as the torch ops those kerne
 from __future__ import annotations
 
 import math
+import os
 import zlib
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -26,6 +27,26 @@ from hawk.engine.attention import AttentionBackend, ContiguousKVAttention
 from hawk.engine.config import ModelConfig, RopeScaling
 from hawk.engine.tensor_parallel import Shard, shard_slice
 from hawk.engine.triton_ops import add_rms_norm_ref, rms_norm_ref, silu_mul_ref
+
+
+#: Rows up to which a CPU fp32 matmul runs as ``w @ x.T`` (:func:`linear`); 0 turns the detour off.
+CPU_FEW_ROWS = int(os.environ.get("HAWK_CPU_FEW_ROWS", "8"))
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` for ``x [T, in]``, ``w [out, in]`` (``F.linear`` without bias), with a detour for a few rows on a CPU.
+
+    Why: torch's CPU ``F.linear`` (MKL's ``x @ w.T`` with ``w`` transposed) is slow for 1-8 rows, where
+    ``w @ x.T`` (no transpose, the weight streamed once) is not: SmolLM2's weights at 2 rows took 95 ms as
+    ``F.linear`` against 19 ms so, and one row (as two: MKL's one-column product is the slow one again) 46
+    against 28 ms (the CPU box, fp32, two threads; the decode step in ``benchmarks/cpu_linear_probe.py``).
+    The same dot products; only MKL's summation order differs.
+    """
+    t = x.shape[0]
+    if t > CPU_FEW_ROWS or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
+        return F.linear(x, w)
+    rows = x if t > 1 else torch.cat([x, x])
+    return torch.mm(w, rows.t())[:, :t].t().contiguous()
 
 
 class RMSNorm(nn.Module):
@@ -278,20 +299,20 @@ class Attention(_Fusable):
         cos, sin_signed = rope.cos, rope.sin_signed
         if rope.kernels:  # one kernel: RoPE on q and k, and q/k/v out as contiguous tensors
             assert self.wqkv is not None and rope.positions is not None
-            qkv = F.linear(x, self.wqkv)
+            qkv = linear(x, self.wqkv)
             q, k, v = triton_ops.qkv_rope(qkv, rope.positions, cos, sin_signed, hq, hkv)
         elif self.wqkv is not None:
-            qkv = F.linear(x, self.wqkv).view(t, hq + 2 * hkv, d)
+            qkv = linear(x, self.wqkv).view(t, hq + 2 * hkv, d)
             qk = rope_rolled(qkv[:, : hq + hkv], cos, sin_signed)  # q and k heads in one pass
             # Contiguous, as the unfused path gives them (free for a single token).
             q, k = qk[:, :hq].contiguous(), qk[:, hq:].contiguous()
             v = qkv[:, hq + hkv :].contiguous()
         else:
-            q = rope_rolled(F.linear(x, self.wq.weight).view(t, hq, d), cos, sin_signed)
-            k = rope_rolled(F.linear(x, self.wk.weight).view(t, hkv, d), cos, sin_signed)
-            v = F.linear(x, self.wv.weight).view(t, hkv, d)
+            q = rope_rolled(linear(x, self.wq.weight).view(t, hq, d), cos, sin_signed)
+            k = rope_rolled(linear(x, self.wk.weight).view(t, hkv, d), cos, sin_signed)
+            v = linear(x, self.wv.weight).view(t, hkv, d)
         o = attn(self.layer_idx, q, k, v)
-        out = F.linear(o.reshape(t, hq * d), self.wo.weight)
+        out = linear(o.reshape(t, hq * d), self.wo.weight)
         return out if self.reduce is None else self.reduce(out)
 
 
@@ -312,11 +333,11 @@ class MLP(_Fusable):
 
     def forward(self, x: torch.Tensor, kernels: bool = False) -> torch.Tensor:
         if self.w_gate_up is not None:
-            gate_up = F.linear(x, self.w_gate_up)
+            gate_up = linear(x, self.w_gate_up)
             act = triton_ops.silu_mul(gate_up) if kernels else silu_mul_ref(gate_up)
         else:
-            act = F.silu(F.linear(x, self.gate.weight)) * F.linear(x, self.up.weight)
-        out = F.linear(act, self.down.weight)
+            act = F.silu(linear(x, self.gate.weight)) * linear(x, self.up.weight)
+        out = linear(act, self.down.weight)
         return out if self.reduce is None else self.reduce(out)
 
 
@@ -434,7 +455,7 @@ class LlamaModel(nn.Module):
 
         Separate from forward so an engine can project only each sequence's last token.
         """
-        return self.lm_head(hidden).float()
+        return linear(hidden, self.lm_head.weight).float()
 
     @classmethod
     def from_config(
