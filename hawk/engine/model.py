@@ -37,10 +37,10 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` for ``x [T, in]``, ``w [out, in]`` (``F.linear`` without bias), with a detour for a few rows on a CPU.
 
     Why: torch's CPU ``F.linear`` (MKL's ``x @ w.T`` with ``w`` transposed) is slow for 1-8 rows, where
-    ``w @ x.T`` (no transpose, the weight streamed once) is not: SmolLM2's weights at 2 rows took 95 ms as
-    ``F.linear`` against 19 ms so, and one row (as two: MKL's one-column product is the slow one again) 46
-    against 28 ms (the CPU box, fp32, two threads; the decode step in ``benchmarks/cpu_linear_probe.py``).
-    The same dot products; only MKL's summation order differs.
+    ``w @ x.T`` (no transpose, the weight streamed once) is not: all of SmolLM2's matmuls at 2 rows took 91 ms
+    as ``F.linear`` against 21 ms so, and at one row (as two: MKL's one-column product is the slow one again)
+    46 against 30 ms; its decode step 133 -> 57 and 70 -> 45 ms (the CPU box, fp32, two threads;
+    ``benchmarks/cpu_linear_probe.py``). The same dot products; only MKL's summation order differs.
     """
     t = x.shape[0]
     if t > CPU_FEW_ROWS or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
