@@ -8,6 +8,9 @@ streams the decode's tokens back as text (SSE when ``stream`` is set). Instances
 used round-robin. The router loads no weights: the tokenizer comes from a prefill instance. All
 instances must run the same KV flow; the router follows theirs and refuses to start on a mix.
 
+At start it reads the instances' limits and, with ``warmup`` (``hawk serve``'s default), sends one 2-token
+request through each prefill and decode instance before it reports ready (:meth:`Router.warm_up`).
+
 Every response carries a non-standard ``hawk`` object (in the last chunk when streaming) with the
 request's TTFT, TPOT and KV-transfer time and bytes, so a client can see what the transfer cost.
 
