@@ -27,6 +27,8 @@
 #     pairs     - issue 7's NPU-tile / paged decode ratios at 1k, each run pairing the steps round by round: ENGINE_RUNS
 #                 processes at batch 1 (ENGINE_REPLICAS builds of each point), one at batch 64, then
 #                 benchmarks/engine_runs_summary.py
+#     t16       - the 16-token, 64-split bfloat8_b variant (regs-fw-early-t16s64) against the default at batch 1 / 1k:
+#                 its GPU tests, the kernel probe, the 8B step (two builds of each point)
 #     posts     - the host work of layer-wise posts on the forward's thread: `hawk bench ttft` at 1k (both roles on GPU0)
 #                 under cProfile (--profile-posts), the profile in $OUT/ttft_posts_profile.txt
 # LOGS=DIR keeps the per-step logs out of $OUT (the device tool returns at most 8 files); each step's tail still prints.
@@ -112,6 +114,13 @@ if want pairs; then  # separate processes and replicas: where a point's memory l
     --replicas 2 --json "$LOGS/engine_b64.json"
   step engine_pairs 30 python3 benchmarks/engine_runs_summary.py "$LOGS"/engine_b1_run*.json "$LOGS/engine_b64.json" \
     --json "$OUT/engine_pairs_h200.json"
+fi
+if want t16; then
+  step t16_gpu_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_npu_attention.py -k t16s64
+  step t16_probe 90 python3 benchmarks/bfp8_kernel_probe.py --points 1x1024,8x1024 --variants regs-fw-early-m4,regs-fw-early-t16s64 \
+    --flush-mb 256 --json "$OUT/bfp8_probe_t16.json"
+  p=gpu-paged:bf16,npu-tile:bfp8_b:regs-fw-early-m4,npu-tile:bfp8_b:regs-fw-early-t16s64
+  step t16_step 150 python3 benchmarks/decode_step_probe.py --batch 1 --context 1024 --steps 100 --points "$p,$p" --json "$OUT/step_t16.json"
 fi
 want ttft && ttft_one_gpu ttft 240 nixl  # NIXL within one GPU: the slow path auto avoids
 want posts && \
