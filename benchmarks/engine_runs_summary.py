@@ -33,12 +33,12 @@ def summarize(runs: list[list[dict[str, Any]]], target: float = 1.0) -> list[dic
         decode = [r for r in recs if r.get("kind") == "decode" and not r.get("skipped")]
         paged = {(r["batch"], r["context"]): r for r in decode if r["path"] == "gpu-paged" and r["kv_dtype"] == "bf16"}
         for r in decode:
-            if "vs_paged" not in r or (r["batch"], r["context"]) not in paged:
+            base = paged.get((r["batch"], r["context"]))
+            if "vs_paged" not in r or base is None:
                 continue
             row = rows.setdefault(_key(r), {"path": r["path"], "kv_dtype": r["kv_dtype"], "batch": r["batch"],
                                             "context": r["context"], "runs": []})
-            row["runs"].append({"run": i, "ms": r["ms"], "paged_ms": paged[(r["batch"], r["context"])]["ms"],
-                                "ratio_of_medians": round(r["ms"] / paged[(r["batch"], r["context"])]["ms"], 4),
+            row["runs"].append({"run": i, "ms": r["ms"], "paged_ms": base["ms"], "ratio_of_medians": round(r["ms"] / base["ms"], 4),
                                 **{f"paired_{k}": v for k, v in r["vs_paged"].items()}})
     out = []
     for row in rows.values():

@@ -82,13 +82,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("serve_args", nargs="*", help="more `hawk serve` options (after --)")
     a = p.parse_args(argv)
     launches: list[dict[str, Any]] = []
+    result: dict[str, Any] = {"command": " ".join(sys.argv), "serve_args": a.serve_args, "launches": launches}
+
+    def save() -> None:
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(result, f, indent=1)
+
     for _ in range(a.launches):
         for w in (True, False):
             launches.append(one_launch(w, a.requests, a.serve_args, a.timeout_s, a.fresh_triton_cache))
             print(json.dumps(launches[-1]), flush=True)
-            if a.json:  # kept current: a run cut short keeps its launches
-                with open(a.json, "w") as f:
-                    json.dump({"command": " ".join(sys.argv), "serve_args": a.serve_args, "launches": launches}, f, indent=1)
+            save()  # kept current: a run cut short keeps its launches
     summary = {}
     for w in (True, False):
         runs = [r for r in launches if r["warmup"] is w]
@@ -101,10 +106,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, s in summary.items():
         line = "  ".join(f"{k} first {v['first_median']:.0f} / later {v['later_median']:.0f} ms" for k, v in s.items() if isinstance(v, dict))
         print(f"{name:10} up {s['up_s_median']:.1f} s  {line}")
-    result = {"command": " ".join(sys.argv), "serve_args": a.serve_args, "launches": launches, "summary": summary}
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=1)
+    result["summary"] = summary
+    save()
     return result
 
 

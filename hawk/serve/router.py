@@ -243,9 +243,9 @@ class Router:
         Why: the first request through a pair pays one-time costs no later one does: the transfer's
         first plan, buffer registrations and lazy imports (on the CPU box its KV transfer took 66 ms
         against 20 ms for the next ones: benchmarks/first_request_probe.py), and on a GPU the transform
-        kernels' compile where the Triton cache is cold. vLLM and SGLang run a dummy batch at start for the same reason. Not counted in
-        the router's metrics (the instances count it: it is a request to them). A failure stops the
-        start: a system that cannot serve two tokens should not report ready.
+        kernels' compile where the Triton cache is cold. vLLM and SGLang run a dummy batch at start for
+        the same reason. Not counted in the router's metrics (the instances count it: it is a request to
+        them). A failure stops the start: a system that cannot serve two tokens should not report ready.
         """
         assert self.pool is not None and self.tokenizer is not None
         ids = self.tokenizer.encode("Hello") or [0]
