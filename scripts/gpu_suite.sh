@@ -29,6 +29,9 @@
 #                 benchmarks/engine_runs_summary.py
 #     t16       - the 16-token, 64-split bfloat8_b variant (regs-fw-early-t16s64) against the default at batch 1 / 1k:
 #                 its GPU tests, the kernel probe, the 8B step (two builds of each point)
+#     newrow    - the bfloat8_b kernel's new-row program and RoPE in the launch (regs-fw-early-m4-nr, -rope, -nr-rope,
+#                 the default) against regs-fw-early-m4: their GPU tests, the kernel probe at 1 / 8 / 64 x 1k, the 8B
+#                 step at batch 1 (two builds of each point, per-kernel times) and 64
 #     posts     - the host work of layer-wise posts on the forward's thread: `hawk bench ttft` at 1k (both roles on GPU0)
 #                 under cProfile (--profile-posts), the profile in $OUT/ttft_posts_profile.txt
 # LOGS=DIR keeps the per-step logs out of $OUT (the device tool returns at most 8 files); each step's tail still prints.
@@ -121,6 +124,17 @@ if want t16; then
     --flush-mb 256 --json "$OUT/bfp8_probe_t16.json"
   p=gpu-paged:bf16,npu-tile:bfp8_b:regs-fw-early-m4,npu-tile:bfp8_b:regs-fw-early-t16s64
   step t16_step 150 python3 benchmarks/decode_step_probe.py --batch 1 --context 1024 --steps 100 --points "$p,$p" --json "$OUT/step_t16.json"
+fi
+if want newrow; then
+  step newrow_gpu_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_npu_attention.py -k "nr or rope or m4 or rotating"
+  step newrow_probe 90 python3 benchmarks/bfp8_kernel_probe.py --points 1x1024,8x1024,64x1024 \
+    --variants regs-fw-early-m4,regs-fw-early-m4-nr --flush-mb 256 --json "$OUT/bfp8_probe_newrow.json"
+  p=gpu-paged:bf16,npu-tile:bfp8_b:regs-fw-early-m4,npu-tile:bfp8_b:regs-fw-early-m4-rope
+  p=$p,npu-tile:bfp8_b:regs-fw-early-m4-nr,npu-tile:bfp8_b:regs-fw-early-m4-nr-rope
+  step newrow_step_b1 200 python3 benchmarks/decode_step_probe.py --batch 1 --context 1024 --steps 100 --kernels \
+    --points "$p,$p" --json "$OUT/step_newrow_b1.json"
+  step newrow_step_b64 110 python3 benchmarks/decode_step_probe.py --batch 64 --context 1024 --steps 40 --points "$p" \
+    --json "$OUT/step_newrow_b64.json"
 fi
 want ttft && ttft_one_gpu ttft 240 nixl  # NIXL within one GPU: the slow path auto avoids
 want posts && \

@@ -7,10 +7,11 @@ import math
 import pytest
 import torch
 
-from hawk.engine.attention import AttentionBackend, ContiguousKVAttention, attend
+from hawk.engine.attention import AttentionBackend, ContiguousKVAttention, RotatingBackend, attend
 from hawk.engine.config import HEAD_DIM_MULTIPLE, PRESETS, ModelConfig, RopeScaling, preset
 from hawk.engine.model import (
     LlamaModel,
+    RopeArgs,
     RotaryTable,
     apply_rope,
     greedy_generate,
@@ -241,6 +242,42 @@ def test_ragged_batch_equals_separate_runs(tiny: LlamaModel) -> None:
     k_sep, _ = sep_b.kv(1, 1)
     k_bat, _ = batch.kv(1, 1)
     assert torch.allclose(k_sep, k_bat, atol=1e-5)
+
+
+class _RotatingContiguous(ContiguousKVAttention):
+    """The reference cache behind the rotate-in-the-backend contract (``RotatingBackend``)."""
+
+    def __init__(self, num_layers: int) -> None:
+        super().__init__(num_layers)
+        self.unrotated_calls: list[int] = []
+
+    def fuses_rope(self, num_heads: int, dtype: torch.dtype, device: torch.device) -> bool:
+        return True
+
+    def attend_unrotated(self, layer_idx, q, k, v, positions, cos, sin_signed):  # noqa: ANN001, ANN201
+        self.unrotated_calls.append(layer_idx)
+        c, s = cos[positions], sin_signed[positions]
+        return self(layer_idx, rope_rolled(q, c, s), rope_rolled(k, c, s), v)
+
+
+def test_a_backend_that_rotates_gets_q_and_k_before_rope() -> None:
+    """With the fused projections and the kernels' RoPE form (whole tables + positions), a layer whose
+    backend says ``fuses_rope`` hands it q and k un-rotated with the tables and positions, and skips
+    its own RoPE: same output and same cached K as the layer rotating them itself."""
+    model = LlamaModel.from_config(preset("tiny"), seed=0).fuse_projections()
+    layer = model.layers[1].attn
+    assert isinstance(_RotatingContiguous(2), RotatingBackend)
+    assert not isinstance(ContiguousKVAttention(2), RotatingBackend)
+    pos = torch.tensor([3, 4, 5, 9])
+    x = torch.randn(4, preset("tiny").hidden_size, generator=torch.Generator().manual_seed(1))
+    ref_attn, rot_attn = ContiguousKVAttention(2), _RotatingContiguous(2)
+    ref_attn.begin([0, 1], [3, 1])
+    rot_attn.begin([0, 1], [3, 1])
+    want = layer(x, RopeArgs(*model.rope.lookup(pos, x.dtype)), ref_attn)
+    got = layer(x, RopeArgs(*model.rope.table(x.device, x.dtype), positions=pos), rot_attn)
+    assert rot_attn.unrotated_calls == [1]
+    assert torch.equal(got, want)
+    assert torch.equal(rot_attn.kv(1, 1)[0], ref_attn.kv(1, 1)[0])
 
 
 def test_chunked_prefill_equals_one_shot(tiny: LlamaModel) -> None:

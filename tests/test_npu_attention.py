@@ -344,7 +344,8 @@ _VARIANT_BITWISE = {
 _SAME_UNDER_INTERPRETER = {"tok-w1-t16", "tok-w2-t64", "tok-w4-t32",  # = tok-pipe2-r128-fw, ditto, tok-w2-t32
                            # GPU-only kernel: the word kernel runs (regs-t32 and -fw check that)
                            "regs-t16-fw", "regs-fw", "regs-fw-s16", "regs-fw-s8", "regs-fw-early", "regs-fw-early-m",
-                           "regs-fw-early-m4", "regs-fw-early-t16s64"}
+                           "regs-fw-early-m4", "regs-fw-early-t16s64", "regs-fw-early-m4-nr", "regs-fw-early-m4-rope",
+                           "regs-fw-early-m4-nr-rope"}
 
 
 #: Variants whose interpreter run is a ``_VARIANTS_FULL`` variant's, kernel arguments and all (register caps,
@@ -512,7 +513,8 @@ def test_fused_row_write_launch_plumbing(monkeypatch: pytest.MonkeyPatch) -> Non
         monkeypatch.setattr(tk, "write_rows", lambda *a, **k: calls.append(("write",)))
 
         def fake_decode(g, layer, q, meta, rows, splits, ws, config=None, generic=False, block_n=None, new_kv=None,
-                        counters=None):
+                        counters=None, rope=None):
+            assert rope is None  # __call__ never rotates
             # with splits, the merge counters come with the partials: int32 zeros, one per (row, KV head)
             assert (counters is None) == (ws is None) and (counters is None or (
                 counters.dtype == torch.int32 and counters.numel() >= rows * g.num_kv_heads and not counters.any()))
@@ -526,7 +528,7 @@ def test_fused_row_write_launch_plumbing(monkeypatch: pytest.MonkeyPatch) -> Non
             (tk.BFP8_VARIANTS["tok-pipe3-r128-fw"], BATCH, False, [("decode", True)]),
             (tk.BFP8_VARIANTS["words-pipe2-r128-fw"], BATCH_MULTI, False, [("write",), ("decode", False)]),
             (tk.BFP8_VARIANTS["words-pipe2-r128-fw"], BATCH, True, [("write",), ("decode", False)]),
-            (None, BATCH, False, [("decode", True)]),  # the default variant (regs-fw-early-m4) fuses
+            (None, BATCH, False, [("decode", True)]),  # the default variant (regs-fw-early-m4-nr-rope) fuses
             (tk.BFP8_VARIANTS["regs-t32"], BATCH, False, [("write",), ("decode", False)]),  # this register one does not
             (tk.BFP8_VARIANTS["words-pipe2-r128"], BATCH, False, [("write",), ("decode", False)]),  # this one does not
         ]:
@@ -750,7 +752,7 @@ def test_gpu_8b_shape_matches_codecs(dtype: str) -> None:
 @gpu
 @pytest.mark.parametrize("variant", ["default", "words", "words-pipe2-r128", "words-pipe2-r128-fw", "tok-pipe3-r128-fw",
                                      "regs-t32", "regs-t32-fw", "regs-fw-early", "regs-fw-early-m", "regs-fw-early-m4",
-                                     "regs-fw-early-t16s64"])
+                                     "regs-fw-early-t16s64", "regs-fw-early-m4-nr"])
 def test_gpu_cuda_graph_replays_a_new_batch_of_the_same_padded_size(variant: str) -> None:
     from hawk.engine.npu_attention import NpuTileAttention
     from hawk.engine.triton_npu_attention import BFP8_VARIANTS
@@ -892,6 +894,143 @@ def test_gpu_bfp8_variant_bitwise_equals_paged(variant: str, batch: int) -> None
     paths = ("auto", "3launch") + (("fused",) if batch == 64 else ())
     _bitwise_vs_paged("bfp8_b", 2, slices, hq=32, hkv=8, head_dim=128, pad_to=batch + (1 if batch == 8 else 0),
                       kernel=variant, device="cuda", blocks=blocks, bank_capacity=_bank_capacity(blocks), paths=paths)
+
+
+def _rope_case(rows: int, positions: list[int], device: str):
+    """Un-rotated ``qkv [rows, (32 + 2 * 8) * 128]`` (bf16), ``positions [rows]`` and the 8B model's
+    RoPE tables (Llama-3 theta) on ``device``."""
+    from hawk.engine.model import RotaryTable, rope_inv_freq
+
+    g = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, 48 * 128, generator=g).to(device, torch.bfloat16)
+    table = RotaryTable(rope_inv_freq(128, 500000.0, None))
+    table.reserve(max(positions) + 1)
+    cos, sin = table.table(torch.device(device), torch.bfloat16)
+    return qkv, torch.tensor(positions, dtype=torch.int64, device=device), cos, sin
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("batch", [1, 5, 64])
+@pytest.mark.parametrize("variant", ["regs-fw-early-m4-rope", "regs-fw-early-m4-nr-rope"])
+def test_gpu_rope_in_the_decode_launch_is_the_rope_kernel_bit_for_bit(variant: str, batch: int) -> None:
+    """A ``-rope`` variant given q and k before RoPE (``attend_unrotated``) gives the bits of the layer's
+    RoPE kernel followed by the same variant without it: the same output and the same row bytes, pad
+    rows included (batch 5 padded to 8; with ``-nr`` batch 1 and 5 put the new row in a program of its
+    own, batch 64 has too few splits); also under a CUDA graph replaying a new batch."""
+    from hawk.engine import triton_ops
+    from hawk.engine.npu_attention import NpuTileAttention
+    from hawk.engine.triton_npu_attention import BFP8_VARIANTS
+
+    slices, blocks = _gpu_batch(batch)
+    npu, kv = _cache("bfp8_b", 2, heads=8, head_dim=128, blocks=blocks, device="cuda", layers=1,
+                     bank_capacity=_bank_capacity(blocks))
+    try:
+        rows = 8 if batch == 5 else batch
+        qkv, pos, cos, sin = _rope_case(rows, [s.start for s in slices] + [0] * (rows - batch), "cuda")
+        mem0 = npu.memory.clone()
+        attn = NpuTileAttention(kv, max_batch=rows)
+        attn.decode_config = BFP8_VARIANTS[variant.removesuffix("-rope")]
+        attn.begin(slices, pad_to=rows)
+        assert not attn.fuses_rope(32, torch.bfloat16, qkv.device)
+        ref = attn(0, *triton_ops.qkv_rope(qkv, pos, cos, sin, 32, 8))
+        torch.cuda.synchronize()
+        mem_ref = npu.memory.clone()
+        assert not torch.equal(mem_ref, mem0)
+        npu.memory.copy_(mem0)
+        attn.decode_config = BFP8_VARIANTS[variant]
+        assert attn.fuses_rope(32, torch.bfloat16, qkv.device) and not attn.fuses_rope(32, torch.float16, qkv.device)
+        q, k, v = qkv.view(rows, 48, 128).split((32, 8, 8), dim=1)
+        got = attn.attend_unrotated(0, q, k, v, pos, cos, sin)
+        torch.cuda.synchronize()
+        assert torch.equal(npu.memory, mem_ref)
+        diff = float((got.float() - ref.float()).abs().max())
+        assert torch.equal(got, ref), f"max diff {diff:.3g}"
+
+        # a graph captured on a zero batch replays this one
+        npu.memory.copy_(mem0)
+        sqkv, spos = torch.zeros_like(qkv), torch.zeros_like(pos)
+        sq, sk, sv = sqkv.view(rows, 48, 128).split((32, 8, 8), dim=1)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            attn.attend_unrotated(0, sq, sk, sv, spos, cos, sin)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = attn.attend_unrotated(0, sq, sk, sv, spos, cos, sin)
+        npu.memory.copy_(mem0)
+        sqkv.copy_(qkv), spos.copy_(pos)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref) and torch.equal(npu.memory, mem_ref)
+    finally:
+        kv.close()
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_model_decode_rotating_in_the_launch_gives_the_rope_kernels_logits() -> None:
+    """Two layers of the 8B shape over random bfloat8_b tiles, a decode batch of 5 padded to 8: the model
+    on ``regs-fw-early-m4-nr-rope`` (each layer hands q and k un-rotated to the backend and runs no RoPE
+    kernel) gives the logits and cache bytes of the model on ``regs-fw-early-m4-nr`` (the RoPE kernel,
+    then the same decode), bit for bit."""
+    import dataclasses
+
+    from hawk.engine.config import preset
+    from hawk.engine.model import LlamaModel
+    from hawk.engine.npu_attention import NpuTileAttention
+    from hawk.engine.triton_npu_attention import BFP8_VARIANTS
+
+    pytest.importorskip("triton")
+    model = LlamaModel.from_config(dataclasses.replace(preset("llama-3.1-8b"), num_layers=2), seed=0,
+                                   dtype=torch.bfloat16, device="cuda")
+    slices, blocks = _gpu_batch(5)
+    npu, kv = _cache("bfp8_b", 2, heads=8, head_dim=128, blocks=blocks, device="cuda", layers=2,
+                     bank_capacity=2 * _bank_capacity(blocks))
+    try:
+        attn = NpuTileAttention(kv, max_batch=8)
+        ids = torch.tensor([11, 22, 33, 44, 55, 0, 0, 0], device="cuda")
+        pos = torch.tensor([s.start for s in slices] + [0, 0, 0], device="cuda")
+        model.reserve_positions(int(pos.max()) + 1)
+        mem0 = npu.memory.clone()
+        out = []
+        for name in ("regs-fw-early-m4-nr", "regs-fw-early-m4-nr-rope"):
+            npu.memory.copy_(mem0)
+            attn.decode_config = BFP8_VARIANTS[name]
+            attn.begin(slices, pad_to=8)
+            rotates = attn.fuses_rope(32, torch.bfloat16, ids.device)
+            logits = model.compute_logits(model(ids, pos, attn))
+            torch.cuda.synchronize()
+            out.append((rotates, logits, npu.memory.clone()))
+        (r0, l0, m0), (r1, l1, m1) = out
+        assert not r0 and r1
+        assert torch.equal(m0, m1) and not torch.equal(m0, mem0)
+        assert torch.isfinite(l0).all() and torch.equal(l0, l1)
+    finally:
+        kv.close()
+
+
+def test_rope_in_the_decode_launch_needs_the_register_kernel() -> None:
+    """Off the register kernel (here: no GPU, or the torch path) nothing rotates in the launch: the
+    backend says so, and a call that asks anyway is refused before anything is written."""
+    from hawk.engine.npu_attention import NpuTileAttention
+    from hawk.engine.triton_npu_attention import BFP8_VARIANTS
+
+    npu, kv = _cache("bfp8_b", 1, heads=2, head_dim=128, blocks=8)
+    try:
+        attn = NpuTileAttention(kv, max_batch=2, backend="torch")
+        attn.decode_config = BFP8_VARIANTS["regs-fw-early-m4-nr-rope"]
+        attn.begin([SeqSlice([0, 1], 70, 1)])
+        assert not attn.fuses_rope(4, torch.bfloat16, torch.device("cpu"))
+        qkv, pos, cos, sin = _rope_case(1, [70], "cpu")
+        q, k, v = qkv[:, : 8 * 128].view(1, 8, 128).split((4, 2, 2), dim=1)
+        mem0 = npu.memory.clone()
+        with pytest.raises(ValueError, match="fuses_rope"):
+            attn.attend_unrotated(0, q, k, v, pos, cos, sin)
+        assert torch.equal(npu.memory, mem0)
+    finally:
+        kv.close()
 
 
 if __name__ == "__main__":

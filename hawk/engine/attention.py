@@ -65,6 +65,24 @@ class PagedBackend(AttentionBackend, Protocol):
         ...
 
 
+@runtime_checkable
+class RotatingBackend(AttentionBackend, Protocol):
+    """A backend whose decode launch can apply RoPE itself, so the layer runs no RoPE kernel (one
+    launch fewer per layer). The model asks :meth:`fuses_rope` once per layer and forward (after
+    ``begin``), and where it says True calls :meth:`attend_unrotated` instead of ``__call__``."""
+
+    def fuses_rope(self, num_heads: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """True when the declared forward takes q and k before RoPE (``num_heads`` query heads of
+        ``dtype`` on ``device``)."""
+        ...
+
+    def attend_unrotated(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         positions: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """``__call__`` with q and k un-rotated: the backend rotates row ``i`` by position ``positions[i]``
+        with the model's tables ``cos, sin_signed [len, D]`` (as ``triton_ops.qkv_rope``, bit for bit)."""
+        ...
+
+
 def attend(
     q: torch.Tensor,
     k_ctx: torch.Tensor,

@@ -23,6 +23,9 @@ How the bytes meet the tensor cores (bf16 ``m16n8k16``; lane = 4*g + t):
   one ``mul.bf16x2`` by ``2^(E-64)`` makes it exact): K and V come out times ``2^-64``, which q and
   the output undo exactly (exponents 64..191, as the word kernel's FAST path).
 
+The launch may also rotate q and the new k (RoPE, bit for bit the layer's kernel), so the layer runs no
+RoPE kernel, and where the splits are many give the new row a split of its own (see the kernel).
+
 Not the paged decode's bits (other chunks, order and warps): bfloat8_b values need not keep them,
 they are checked against the reference within tolerance. Splits are this kernel's own (one warp
 per program: more programs than the paged decode's); partials merge in the paged decode's reduce, or
@@ -261,25 +264,38 @@ if HAVE_GLUON:
         gl.store(vptr, vals.to(gl.uint8), mask=ok)
 
     @gluon.jit
+    def _pack_new(q, q_s0, q_s1, k_new, kn_s0, kn_s1, v_new, vn_s0, vn_s1, row, h, pos, cos, sin, qk_scale, heads,
+                  G: gl.constexpr, RL: gl.constexpr, ROPE: gl.constexpr):
+        """The new row of (``row``, KV head ``h``): its K (rotated when ROPE) and V packed as the cache
+        will hold them (``_pack_row``: exponents, value bytes; V's decoded values) and each query head's
+        score of it, ``[8]`` in ``heads``' layout (-1e30 past ``G``)."""
+        c16 = gl.arange(0, 16, layout=gl.SliceLayout(1, RL))
+        r8 = gl.arange(0, 8, layout=gl.SliceLayout(0, RL))
+        dm = r8[None, :] * 16 + c16[:, None]  # [16 (column in run), 8 (run)]
+        dp = (r8 ^ 4)[None, :] * 16 + c16[:, None]  # RoPE's partners: column + 64
+        kx = _load_rotated(k_new + row * kn_s0 + h * kn_s1, dm, dp, pos, cos, sin, ROPE)
+        ke8, kb8, kd = _pack_row(kx.to(gl.float32))
+        ve8, vb8, vd = _pack_row(gl.load(v_new + row * vn_s0 + h * vn_s1 + dm).to(gl.float32))
+        s_new = gl.full([8], -1.0e30, gl.float32, layout=heads.type.layout)
+        for i in gl.static_range(G):
+            qi = _load_rotated(q + row * q_s0 + (h * G + i) * q_s1, dm, dp, pos, cos, sin, ROPE).to(gl.float32)
+            s_new = gl.where(heads == i, gl.sum(gl.sum(qi * kd, 1), 0) * qk_scale, s_new)
+        return ke8, kb8, ve8, vb8, vd, s_new
+
+    @gluon.jit
     def _new_row(q, q_s0, q_s1, k_new, kn_s0, kn_s1, v_new, vn_s0, vn_s1, row, h, n, lo, hi, sp, num_splits, qk_scale,
-                 heads, G: gl.constexpr, TOKN: gl.constexpr, RL: gl.constexpr, EARLY: gl.constexpr):
+                 heads, pos, cos, sin, G: gl.constexpr, TOKN: gl.constexpr, RL: gl.constexpr, EARLY: gl.constexpr,
+                 ROPE: gl.constexpr):
         """The fused row write's share of a split: whether it holds position ``n - 1`` (``is_new``), the
-        new K/V rows packed (``_pack_row``: exponents, value bytes; V's decoded values), their scores
-        (-1e30 where not ``is_new``), and ``hi_m``, the end of what is read from the cache."""
+        new row packed and scored (``_pack_new``; -1e30 where not ``is_new``), and ``hi_m``, the end of what
+        is read from the cache."""
         hi_m = gl.minimum(hi, n - 1)  # the cache's row n - 1 is attended from registers instead
         if EARLY:
             is_new = (n > 0) & (((n - 1) // TOKN) % num_splits == sp)
         else:
             is_new = (lo <= n - 1) & (n - 1 < hi)
-        c16 = gl.arange(0, 16, layout=gl.SliceLayout(1, RL))
-        r8 = gl.arange(0, 8, layout=gl.SliceLayout(0, RL))
-        dm = r8[None, :] * 16 + c16[:, None]  # [16 (column in run), 8 (run)]
-        ke8, kb8, kd = _pack_row(gl.load(k_new + row * kn_s0 + h * kn_s1 + dm).to(gl.float32))
-        ve8, vb8, vd = _pack_row(gl.load(v_new + row * vn_s0 + h * vn_s1 + dm).to(gl.float32))
-        s_new = gl.full([8], -1.0e30, gl.float32, layout=heads.type.layout)
-        for i in gl.static_range(G):
-            qi = gl.load(q + row * q_s0 + (h * G + i) * q_s1 + dm).to(gl.float32)
-            s_new = gl.where(heads == i, gl.sum(gl.sum(qi * kd, 1), 0) * qk_scale, s_new)
+        ke8, kb8, ve8, vb8, vd, s_new = _pack_new(q, q_s0, q_s1, k_new, kn_s0, kn_s1, v_new, vn_s0, vn_s1, row, h, pos,
+                                                  cos, sin, qk_scale, heads, G, RL, ROPE)
         s_new = gl.where(is_new & (heads < G), s_new, -1.0e30)
         return hi_m, is_new, ke8, kb8, ve8, vb8, vd, s_new
 
@@ -300,41 +316,64 @@ if HAVE_GLUON:
             gl.store(out + i * o_s1 + di, res.to(out.dtype.element_ty))
 
     @gluon.jit
-    def _decode_bfp8_regs_kernel(
-        q, q_s0, q_s1, out, o_s0, o_s1, part_out, part_lse,
-        mem, k_base, v_base, meta, meta_s0, meta_w, qk_scale, num_splits,
-        bank_stride, page_stride, s0, s1, s2, k_new, kn_s0, kn_s1, v_new, vn_s0, vn_s1, counters,
+    def _rope(x, xp, c, s):
+        """``x * cos + partner * sin_signed`` (partner: the column ``D/2`` away), each product and the sum
+        rounded to x's dtype as the layer's RoPE kernel (``triton_ops._qkv_rope_kernel``) rounds them."""
+        dt = x.dtype
+        return ((x.to(gl.float32) * c).to(dt).to(gl.float32) + (xp.to(gl.float32) * s).to(dt).to(gl.float32)).to(dt)
+
+    @gluon.jit
+    def _halves(x):
+        """``[128, 8]`` -> its rows ``j`` and ``j + 64`` (``[64, 8]`` each)."""
+        return gl.split(gl.permute(gl.reshape(x, [2, 64, 8]), [1, 2, 0]))
+
+    @gluon.jit
+    def _rope_q(qv, c, s, QL: gl.constexpr):
+        """q^T ``[128 (kernel order), 8]`` rotated (``c``, ``s``: the tables' rows at the kernel's columns).
+        A column's RoPE partner (memory column + 64) is kernel column + 64, held by the same lane, so
+        the halves are paired in registers instead of loaded again."""
+        a, b = _halves(qv)  # kernel columns j and j + 64
+        c0, c1 = _halves(gl.broadcast(c[:, None], qv)[0])
+        s0, s1 = _halves(gl.broadcast(s[:, None], qv)[0])
+        y = gl.join(_rope(a, b, c0, s0), _rope(b, a, c1, s1))
+        return gl.convert_layout(gl.reshape(gl.permute(y, [2, 0, 1]), [128, 8]), QL, assert_trivial=True)
+
+    @gluon.jit
+    def _load_rotated(ptr, d, dp, pos, cos, sin, ROPE: gl.constexpr):
+        """Head values at columns ``d`` of the head at ``ptr`` (memory order, ``D`` = 128), rotated for
+        position ``pos`` when ROPE (``dp``: the partners, ``d ^ 64``, written so the compiler sees
+        their runs; the tables' rows are ``[len, 128]``); ``d``'s layout is kept."""
+        x = gl.load(ptr + d)
+        if ROPE:
+            xp = gl.load(ptr + dp)
+            c = gl.load(cos + pos * 128 + d).to(gl.float32)
+            s = gl.load(sin + pos * 128 + d).to(gl.float32)
+            x = _rope(x, xp, c, s)
+        return x
+
+    @gluon.jit
+    def _row_tile(loc, h, s0, s1, s2, bank_stride, page_stride, r8,
+                  NB: gl.constexpr, SHARD: gl.constexpr, BS: gl.constexpr):
+        """Where cache row ``loc`` (``npu_block * BS + row``) of KV head ``h`` lives: each run's tile
+        offset ``[8]`` (``r8``: the runs), its face per run and its row within the face."""
+        rr = (loc % BS) % 32
+        face = (rr // 16) * 2 + r8 % 2
+        tile = _page_offset(loc // BS * s0 + h * s1 + ((loc % BS) // 32) * s2, bank_stride, page_stride, NB, SHARD) \
+            + _page_offset(r8 // 2, bank_stride, page_stride, NB, SHARD)
+        return tile, face, rr % 16
+
+    @gluon.jit
+    def _split_program(
+        q, q_s0, q_s1, out, o_s0, o_s1, part_out, part_lse, mem, k_base, v_base, mrow, meta_w, qk_scale,
+        num_splits, parts, row, h, sp, n, pos, cos, sin,
+        bank_stride, page_stride, s0, s1, s2, k_new, kn_s0, kn_s1, v_new, vn_s0, vn_s1,
         NB: gl.constexpr, SHARD: gl.constexpr, G: gl.constexpr, BS: gl.constexpr, TOKN: gl.constexpr,
         KW: gl.constexpr, VW: gl.constexpr, VT: gl.constexpr, MMA: gl.constexpr, RL: gl.constexpr,
-        DIRECT: gl.constexpr, PREFETCH: gl.constexpr, FUSED: gl.constexpr, EARLY: gl.constexpr,
-        MERGE: gl.constexpr, SP: gl.constexpr,
+        DIRECT: gl.constexpr, PREFETCH: gl.constexpr, FUSED: gl.constexpr, EARLY: gl.constexpr, ROPE: gl.constexpr,
     ):
-        """One (row, kv head, split), one warp: the split's TOKN-token chunks, online softmax, then
-        the output (one split) or the split's normalized partial and log2-sum-exp (the paged reduce's format).
-
-        PREFETCH: chunk c+1's loads are issued before chunk c is computed. FUSED (decode batches): the
-        new row (``k_new``, ``v_new [rows, Hkv, 128]``, where ``meta[:, 1]`` says) is packed here; the
-        program whose split holds position ``n - 1`` attends it from registers (the cache's row there
-        is masked: it may hold old bytes) and stores it after its own reads. No other program reads
-        that row (splits are whole chunks), so nothing orders programs.
-
-        EARLY: the first chunk's loads go out as early as they can. Split ``sp`` takes chunks ``sp, sp + S,
-        sp + 2S, ...`` instead of a contiguous run, so where its first chunk is (its block-id load) does
-        not depend on the sequence length and is loaded beside it: one dependent memory round trip fewer
-        before the K/V loads. And the new row (FUSED) is packed after they are issued, not before. A
-        batch-1 split is one chunk: this chain is most of its time.
-
-        MERGE (several splits): the last split of a (row, KV head) to finish merges every split's
-        partials (``SP``: the split count rounded up to a power of two), as the paged decode's reduce
-        does, instead of a reduce launch after this one. The barrier puts the warp's partial stores
-        before its acq_rel atomic on ``counters[row, h]`` (release: the merger sees them; acquire: this
-        program sees the others'); partials are read past L1 (``.cg``), which is not coherent across
-        SMs; the merger zeroes the counter for the next launch or graph replay."""
-        row = gl.program_id(0).to(gl.int64)
-        h = gl.program_id(1)
-        sp = gl.program_id(2)
-        mrow = meta + row * meta_s0
-        n = gl.load(mrow)
+        """Split ``sp`` of ``num_splits`` over the first ``n`` cache rows: its chunks, online softmax, then
+        the output (DIRECT) or its partial, row ``sp`` of the ``parts`` per (row, query head). FUSED: also
+        the new row at position ``n - 1``, where this split holds it (see the kernel)."""
         if EARLY:  # chunks sp, sp + S, ...: the first one's place is known before n is
             lo = sp * TOKN
             hi = n
@@ -358,6 +397,9 @@ if HAVE_GLUON:
         dmem = gl.max_contiguous(gl.multiple_of(dmem, 2), 2)  # columns 2t, 2t+1 are adjacent: 4-byte loads
         hh = gl.arange(0, 8, layout=gl.SliceLayout(0, QL))
         qv = gl.load(q + row * q_s0 + (h * G + hh)[None, :] * q_s1 + dmem[:, None], mask=(hh < G)[None, :], other=0.0)
+        if ROPE:
+            cq = gl.load(cos + pos * 128 + dmem).to(gl.float32)
+            qv = _rope_q(qv, cq, gl.load(sin + pos * 128 + dmem).to(gl.float32), QL)
         qv = (qv.to(gl.float32) * _TWO_64).to(gl.bfloat16)
         # the runs' column-tile offsets (separable map: a tile's offset = its row part + its column part)
         krun = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, KW)))
@@ -374,7 +416,7 @@ if HAVE_GLUON:
         if FUSED and not EARLY:  # before the chunks, so that its loads overlap theirs (at batch 1 a split is one chunk)
             hi_m, is_new, ke8, kb8, ve8, vb8, vd, s_new = _new_row(
                 q, q_s0, q_s1, k_new, kn_s0, kn_s1, v_new, vn_s0, vn_s1, row, h, n, lo, hi, sp, num_splits, qk_scale,
-                heads, G, TOKN, RL, EARLY)
+                heads, pos, cos, sin, G, TOKN, RL, EARLY, ROPE)
         if PREFETCH:  # loads of a chunk past the split (or of an empty split) are masked off: no traffic
             off = _chunk_offset(mrow, lo, h, s0, s1, s2, bank_stride, page_stride, NB, SHARD, BS, first_ok)
             kw, ke = _k_load(kwp, kep, off, lo, kcol, TOKN, KW, lo < hi)
@@ -382,7 +424,7 @@ if HAVE_GLUON:
         if FUSED and EARLY:  # packed while the first chunk's loads are in flight
             hi_m, is_new, ke8, kb8, ve8, vb8, vd, s_new = _new_row(
                 q, q_s0, q_s1, k_new, kn_s0, kn_s1, v_new, vn_s0, vn_s1, row, h, n, lo, hi, sp, num_splits, qk_scale,
-                heads, G, TOKN, RL, EARLY)
+                heads, pos, cos, sin, G, TOKN, RL, EARLY, ROPE)
         for start in range(lo, hi, step):
             if PREFETCH:
                 nxt = start + step
@@ -395,8 +437,8 @@ if HAVE_GLUON:
                 vw, ve = _v_load(vwp, off, start, vcol, TOKN, VW)
             k = _k_operand(kw, ke, TOKN, MMA)
             s = mma_v2(k, qv, gl.zeros([TOKN, 8], gl.float32, layout=MMA)) * qk_scale
-            pos = start + (tok // 16) * 16 + _rho(tok)
-            s = gl.where((pos < hi_m)[:, None], s, -1.0e30)
+            p_ = start + (tok // 16) * 16 + _rho(tok)
+            s = gl.where((p_ < hi_m)[:, None], s, -1.0e30)
             m_new = gl.maximum(m_i, gl.max(s, 0))
             alpha = gl.exp2(m_i - m_new)
             p = gl.exp2(s - m_new[None, :])
@@ -428,26 +470,115 @@ if HAVE_GLUON:
         else:
             hq = gl.num_programs(1) * G
             lse = gl.where(l_i > 0, m_i + gl.log2(l_safe), -1.0e30)
-            prow = (row * hq + h * G + heads) * num_splits + sp
+            prow = (row * hq + h * G + heads) * parts + sp
             gl.store(part_out + prow[None, :] * 128 + d_out[:, None], o, mask=omask)
             gl.store(part_lse + prow, lse, mask=hmask)
         if FUSED:  # after this program's reads; pad rows (loc < 0, n = 0) write nothing
             loc = gl.load(mrow + 1)
             r8 = gl.arange(0, 8, layout=gl.SliceLayout(0, RL))
             ok = is_new & (loc >= 0)
-            loc = gl.maximum(loc, 0)
-            rr = (loc % BS) % 32
-            face = (rr // 16) * 2 + r8 % 2
-            tile = _page_offset(loc // BS * s0 + h * s1 + ((loc % BS) // 32) * s2, bank_stride, page_stride, NB, SHARD) \
-                + _page_offset(r8 // 2, bank_stride, page_stride, NB, SHARD)
-            _store_row(mem + k_base, tile, face, rr % 16, ke8, kb8, ok, RL)
-            _store_row(mem + v_base, tile, face, rr % 16, ve8, vb8, ok, RL)
+            tile, face, ri = _row_tile(gl.maximum(loc, 0), h, s0, s1, s2, bank_stride, page_stride, r8, NB, SHARD, BS)
+            _store_row(mem + k_base, tile, face, ri, ke8, kb8, ok, RL)
+            _store_row(mem + v_base, tile, face, ri, ve8, vb8, ok, RL)
+
+    @gluon.jit
+    def _new_row_program(
+        q, q_s0, q_s1, part_out, part_lse, mem, k_base, v_base, mrow, qk_scale, parts, row, h, n, pos, cos, sin,
+        bank_stride, page_stride, s0, s1, s2, k_new, kn_s0, kn_s1, v_new, vn_s0, vn_s1,
+        NB: gl.constexpr, SHARD: gl.constexpr, G: gl.constexpr, BS: gl.constexpr, RL: gl.constexpr, ROPE: gl.constexpr,
+    ):
+        """The new token's own split (NEWP, the last of ``parts``): its K/V row packed and stored, and its
+        partial: each head's score of it (the lse of a one-token split) and V's decoded row (its output).
+        A pad row (``n`` = 0) stores nothing in the cache and a zero partial with lse -1e30, as the other
+        splits of a pad row do, so its merged output is 0."""
+        r8 = gl.arange(0, 8, layout=gl.SliceLayout(0, RL))  # the runs; also the query heads' scores
+        ke8, kb8, ve8, vb8, vd, s_new = _pack_new(q, q_s0, q_s1, k_new, kn_s0, kn_s1, v_new, vn_s0, vn_s1, row, h, pos,
+                                                  cos, sin, qk_scale, r8, G, RL, ROPE)
+        c16 = gl.arange(0, 16, layout=gl.SliceLayout(1, RL))
+        dm = r8[None, :] * 16 + c16[:, None]  # [16 (column in run), 8 (run)]
+        prow0 = (row * gl.num_programs(1) * G + h * G) * parts + parts - 1
+        o = gl.where(n > 0, vd, 0.0)
+        for i in gl.static_range(G):
+            gl.store(part_out + (prow0 + i * parts) * 128 + dm, o)
+        gl.store(part_lse + prow0 + r8 * parts, gl.where(n > 0, s_new, -1.0e30), mask=r8 < G)
+        loc = gl.load(mrow + 1)
+        ok = (n > 0) & (loc >= 0)
+        tile, face, ri = _row_tile(gl.maximum(loc, 0), h, s0, s1, s2, bank_stride, page_stride, r8, NB, SHARD, BS)
+        _store_row(mem + k_base, tile, face, ri, ke8, kb8, ok, RL)
+        _store_row(mem + v_base, tile, face, ri, ve8, vb8, ok, RL)
+
+    @gluon.jit
+    def _decode_bfp8_regs_kernel(
+        q, q_s0, q_s1, out, o_s0, o_s1, part_out, part_lse,
+        mem, k_base, v_base, meta, meta_s0, meta_w, qk_scale, num_splits,
+        bank_stride, page_stride, s0, s1, s2, k_new, kn_s0, kn_s1, v_new, vn_s0, vn_s1, counters, positions, cos, sin,
+        NB: gl.constexpr, SHARD: gl.constexpr, G: gl.constexpr, BS: gl.constexpr, TOKN: gl.constexpr,
+        KW: gl.constexpr, VW: gl.constexpr, VT: gl.constexpr, MMA: gl.constexpr, RL: gl.constexpr,
+        DIRECT: gl.constexpr, PREFETCH: gl.constexpr, FUSED: gl.constexpr, EARLY: gl.constexpr,
+        MERGE: gl.constexpr, SP: gl.constexpr, NEWP: gl.constexpr, ROPE: gl.constexpr,
+    ):
+        """One (row, kv head, split), one warp: the split's TOKN-token chunks, online softmax, then
+        the output (one split) or the split's normalized partial and log2-sum-exp (the paged reduce's format).
+
+        PREFETCH: chunk c+1's loads are issued before chunk c is computed. FUSED (decode batches): the
+        new row (``k_new``, ``v_new [rows, Hkv, 128]``, where ``meta[:, 1]`` says) is packed here; the
+        program whose split holds position ``n - 1`` attends it from registers (the cache's row there
+        is masked: it may hold old bytes) and stores it after its own reads. No other program reads
+        that row (splits are whole chunks), so nothing orders programs.
+
+        NEWP (decode batches; instead of FUSED): the new row has a program of its own, split index
+        ``num_splits`` (the grid has ``num_splits + 1``): it packs, stores and scores the row (a
+        one-token partial); the other splits read the ``n - 1`` rows before it and never the new one.
+        That takes the row's packing (~30 % of a split's code at batch 1, where a split is one chunk and
+        its chain of dependent instructions is the kernel's time) off the chunk programs.
+
+        ROPE (FUSED or NEWP): q and the new k come un-rotated and are rotated here (``positions [rows]``,
+        the tables ``cos``, ``sin`` (sin_signed) ``[len, 128]``), bit for bit as the layer's RoPE kernel,
+        which then does not run.
+
+        EARLY: the first chunk's loads go out as early as they can. Split ``sp`` takes chunks ``sp, sp + S,
+        sp + 2S, ...`` instead of a contiguous run, so where its first chunk is (its block-id load) does
+        not depend on the sequence length and is loaded beside it: one dependent memory round trip fewer
+        before the K/V loads. And the new row (FUSED) is packed after they are issued, not before. A
+        batch-1 split is one chunk: this chain is most of its time.
+
+        MERGE (several partials): the last program of a (row, KV head) to finish merges every one's
+        partials (``SP``: their count rounded up to a power of two), as the paged decode's reduce
+        does, instead of a reduce launch after this one. The barrier puts the warp's partial stores
+        before its acq_rel atomic on ``counters[row, h]`` (release: the merger sees them; acquire: this
+        program sees the others'); partials are read past L1 (``.cg``), which is not coherent across
+        SMs; the merger zeroes the counter for the next launch or graph replay."""
+        row = gl.program_id(0).to(gl.int64)
+        h = gl.program_id(1)
+        sp = gl.program_id(2)
+        mrow = meta + row * meta_s0
+        n = gl.load(mrow)
+        if ROPE:
+            pos = gl.load(positions + row).to(gl.int64)
+        else:
+            pos = 0
+        parts = num_splits + 1 if NEWP else num_splits  # partials per (row, query head)
+        if NEWP:
+            if sp == num_splits:
+                _new_row_program(q, q_s0, q_s1, part_out, part_lse, mem, k_base, v_base, mrow, qk_scale, parts, row, h,
+                                 n, pos, cos, sin, bank_stride, page_stride, s0, s1, s2, k_new, kn_s0, kn_s1, v_new,
+                                 vn_s0, vn_s1, NB, SHARD, G, BS, RL, ROPE)
+            else:  # the cache's rows before the new one
+                _split_program(q, q_s0, q_s1, out, o_s0, o_s1, part_out, part_lse, mem, k_base, v_base, mrow, meta_w,
+                               qk_scale, num_splits, parts, row, h, sp, n - 1, pos, cos, sin, bank_stride, page_stride,
+                               s0, s1, s2, k_new, kn_s0, kn_s1, v_new, vn_s0, vn_s1, NB, SHARD, G, BS, TOKN, KW, VW, VT,
+                               MMA, RL, False, PREFETCH, False, EARLY, ROPE)
+        else:
+            _split_program(q, q_s0, q_s1, out, o_s0, o_s1, part_out, part_lse, mem, k_base, v_base, mrow, meta_w,
+                           qk_scale, num_splits, parts, row, h, sp, n, pos, cos, sin, bank_stride, page_stride,
+                           s0, s1, s2, k_new, kn_s0, kn_s1, v_new, vn_s0, vn_s1, NB, SHARD, G, BS, TOKN, KW, VW, VT,
+                           MMA, RL, DIRECT, PREFETCH, FUSED, EARLY, ROPE)
         if MERGE and not DIRECT:
             gl.thread_barrier()
             cnt = counters + row * gl.num_programs(1) + h
-            if gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            if gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == parts - 1:
                 _merge_splits(part_out, part_lse, out + row * o_s0 + h * G * o_s1, o_s1,
-                              (row * gl.num_programs(1) + h) * G * num_splits, num_splits, G, SP)
+                              (row * gl.num_programs(1) + h) * G * parts, parts, G, SP)
                 gl.store(cnt, 0)
 
 
@@ -486,7 +617,8 @@ def num_splits(rows: int, num_kv_heads: int, num_sms: int, programs_per_sm: int 
 def decode(g, layer: int, q: torch.Tensor, meta: torch.Tensor, rows: int, splits: int,
            partials: tuple[torch.Tensor, torch.Tensor] | None, tokens: int = 32, prefetch: bool = True,
            new_kv: tuple[torch.Tensor, torch.Tensor] | None = None, maxnreg: int | None = None,
-           early: bool = False, counters: torch.Tensor | None = None) -> torch.Tensor:
+           early: bool = False, counters: torch.Tensor | None = None, new_row_program: bool = False,
+           rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``q [rows, Hq, 128]`` (bf16) over each row's bfloat8_b tiles (``g``: a ``TileGeometry`` with a
     separable map) -> ``[rows, Hq, 128]``.
 
@@ -497,8 +629,12 @@ def decode(g, layer: int, q: torch.Tensor, meta: torch.Tensor, rows: int, splits
     ``rows`` and ``splits``. ``maxnreg``: a per-thread register cap (more programs per SM).
     ``early``: the first chunk's loads go out first (splits take every ``splits``-th chunk; the kernel's EARLY).
     ``counters``: int32 zeros, ``>= rows * Hkv`` (each launch leaves them zeroed: keep one buffer for a
-    captured graph): with several splits the last split merges them in this launch (the kernel's
+    captured graph): with several partials the last program merges them in this launch (the kernel's
     MERGE), else a reduce launch follows.
+    ``new_row_program`` (with ``new_kv`` and ``splits`` >= 2): the new row gets one of the splits, a
+    program of its own (the kernel's NEWP); the cache's rows take the other ``splits - 1``.
+    ``rope`` (with ``new_kv``): ``positions [rows]`` and the ``cos, sin_signed [len, 128]`` tables: ``q``
+    and ``new_kv``'s k come un-rotated and are rotated here (the kernel's ROPE).
     """
     from triton import next_power_of_2
 
@@ -513,6 +649,18 @@ def decode(g, layer: int, q: torch.Tensor, meta: torch.Tensor, rows: int, splits
         raise ValueError("q's last dim must be contiguous")
     if splits > 1 and partials is None:
         raise ValueError("several splits need the partials scratch")
+    if new_row_program and (new_kv is None or splits < 2):
+        raise ValueError("new_row_program is for launches that write the new rows (new_kv), with >= 2 splits")
+    if rope is not None:
+        if new_kv is None:
+            raise ValueError("rope is for launches that write the new rows (new_kv): their k is rotated here")
+        positions, cos, sin = rope
+        if positions.shape[0] < rows or cos.shape[-1] != d or sin.shape != cos.shape \
+                or not (cos.is_contiguous() and sin.is_contiguous()):
+            raise ValueError(f"rope needs >= {rows} positions and two contiguous [len, {d}] tables")
+        rope_args = (positions, cos, sin)
+    else:
+        rope_args = (meta, meta, meta)  # never read
     if new_kv is not None:
         kn, vn = new_kv
         if kn.shape != (q.shape[0], g.num_kv_heads, d) or vn.shape != kn.shape or kn.stride(2) != 1 or vn.stride(2) != 1:
@@ -529,11 +677,12 @@ def decode(g, layer: int, q: torch.Tensor, meta: torch.Tensor, rows: int, splits
     _decode_bfp8_regs_kernel[(rows, g.num_kv_heads, splits)](
         q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), part_out, part_lse,
         g.memory, g.bases[2 * layer], g.bases[2 * layer + 1], meta, meta.stride(0), meta.shape[1] - 2,
-        ta.decode_qk_scale(d), splits,
-        g.bank_stride, g.page_stride, g.s0, g.s1, g.s2, *new_args, counters if merge else meta,
+        ta.decode_qk_scale(d), splits - 1 if new_row_program else splits,
+        g.bank_stride, g.page_stride, g.s0, g.s1, g.s2, *new_args, counters if merge else meta, *rope_args,
         NB=g.num_banks, SHARD=g.shard_pages, G=group, BS=g.block_size, TOKN=tokens,
         KW=lay["kw"], VW=lay["vw"], VT=lay["vt"], MMA=lay["mma"], RL=lay["rl"], DIRECT=splits == 1,
-        PREFETCH=prefetch, FUSED=new_kv is not None, EARLY=early, MERGE=merge, SP=next_power_of_2(splits) if merge else 1,
+        PREFETCH=prefetch, FUSED=new_kv is not None and not new_row_program, EARLY=early, MERGE=merge,
+        SP=next_power_of_2(splits) if merge else 1, NEWP=new_row_program, ROPE=rope is not None,
         num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     if splits > 1 and not merge:

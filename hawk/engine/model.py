@@ -300,6 +300,11 @@ class Attention(_Fusable):
         if rope.kernels:  # one kernel: RoPE on q and k, and q/k/v out as contiguous tensors
             assert self.wqkv is not None and rope.positions is not None
             qkv = linear(x, self.wqkv)
+            fuses = getattr(attn, "fuses_rope", None)  # attention.RotatingBackend
+            if fuses is not None and fuses(hq, qkv.dtype, qkv.device):  # the backend's launch rotates them
+                q, k, v = qkv.view(t, hq + 2 * hkv, d).split((hq, hkv, hkv), dim=1)
+                o = attn.attend_unrotated(self.layer_idx, q, k, v, rope.positions, cos, sin_signed)
+                return self._out(o, t)
             q, k, v = triton_ops.qkv_rope(qkv, rope.positions, cos, sin_signed, hq, hkv)
         elif self.wqkv is not None:
             qkv = linear(x, self.wqkv).view(t, hq + 2 * hkv, d)
@@ -311,8 +316,11 @@ class Attention(_Fusable):
             q = rope_rolled(linear(x, self.wq.weight).view(t, hq, d), cos, sin_signed)
             k = rope_rolled(linear(x, self.wk.weight).view(t, hkv, d), cos, sin_signed)
             v = linear(x, self.wv.weight).view(t, hkv, d)
-        o = attn(self.layer_idx, q, k, v)
-        out = linear(o.reshape(t, hq * d), self.wo.weight)
+        return self._out(attn(self.layer_idx, q, k, v), t)
+
+    def _out(self, o: torch.Tensor, t: int) -> torch.Tensor:
+        """The output projection of attention's ``o [t, Hq, D]`` (summed over the ranks under TP)."""
+        out = linear(o.reshape(t, self.n_heads * self.head_dim), self.wo.weight)
         return out if self.reduce is None else self.reduce(out)
 
 

@@ -243,7 +243,30 @@ class NpuTileAttention:
             return self._call_triton(layer_idx, q, k, v)
         return self._call_torch(layer_idx, q, k, v)
 
-    def _call_triton(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    # ---- RoPE in the decode launch (attention.RotatingBackend) ----------------------------------
+
+    def fuses_rope(self, num_heads: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """True when the forward ``begin`` declared rotates q and k in its decode launch (a decode
+        batch, the register kernel writing the rows, ``DecodeConfig.fused_rope``): the layer then calls
+        :meth:`attend_unrotated` and runs no RoPE kernel."""
+        g = self._geom
+        if g is None or not self._decode_only or dtype != torch.bfloat16 or torch.device(device) != self.device:
+            return False
+        return tk.fuses_rope(g, self.decode_config, self.generic, self.layout.head_dim, num_heads // g.num_kv_heads,
+                             self.device)
+
+    def attend_unrotated(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         positions: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """As ``__call__``, with q and k before RoPE (only where :meth:`fuses_rope` said so):
+        ``positions [rows]``, the tables ``cos, sin_signed [len, D]`` (the layer's)."""
+        if q.shape[0] != self._rows:
+            raise ValueError(f"batch has {q.shape[0]} rows but begin() declared {self._rows}")
+        if not self.fuses_rope(q.shape[1], q.dtype, q.device):
+            raise ValueError("this forward does not rotate in its decode launch (fuses_rope is False)")
+        return self._call_triton(layer_idx, q, k, v, rope=(positions, cos, sin_signed))
+
+    def _call_triton(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Two or three launches (one fewer when the decode config writes the rows itself: a decode
         batch with ``DecodeConfig.fused_write``), fixed grids for a given row count, no host sync."""
         g, rows = self._geom, self._rows
@@ -271,7 +294,7 @@ class NpuTileAttention:
                 self._ws[key] = ws
             ws, counters = ws[:2], ws[2]
         return tk.decode_attention(g, layer, qd, self._meta, rows, splits, ws, self.decode_config, self.generic,
-                                   new_kv=(kd, vd) if fused else None, counters=counters).to(q.device)
+                                   new_kv=(kd, vd) if fused else None, counters=counters, rope=rope).to(q.device)
 
     def _call_torch(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         tk_, tv = 2 * layer, 2 * layer + 1

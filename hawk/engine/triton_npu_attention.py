@@ -1003,8 +1003,13 @@ class DecodeConfig:
     so its first block-id load need not wait for the sequence length; the new row is packed after).
     ``merge_splits`` (register kernel): with 2 to this many splits the last split of each (row, KV head)
     merges them in the decode launch (needs the caller's ``counters``), no reduce launch after it; the
-    merge is one warp's serial work, so it pays only where the splits are few (0: never). All of these keep
-    the paged decode's bits except ``tokens`` and ``num_warps`` (and the register kernel keeps none anyway).
+    merge is one warp's serial work, so it pays only where the splits are few (0: never). ``new_row_program``
+    (register kernel, with ``fused_write``): from this many splits up (0: never) the new row gets one of
+    them, a program of its own, instead of the split holding it packing it on its chain (where splits are
+    many, each is short and that chain is the kernel's time). ``fused_rope`` (register kernel, with
+    ``fused_write``): the decode launch also rotates q and the new k (RoPE), so the layer runs no RoPE
+    kernel (:func:`fuses_rope`; the layer passes them un-rotated with the tables). All of these keep the
+    paged decode's bits except ``tokens`` and ``num_warps`` (and the register kernel keeps none anyway).
     """
 
     num_warps: int = 4
@@ -1019,6 +1024,8 @@ class DecodeConfig:
     max_splits: int = 32
     early: bool = False
     merge_splits: int = 0
+    new_row_program: int = 0
+    fused_rope: bool = False
 
     @property
     def keeps_paged_bits(self) -> bool:
@@ -1092,10 +1099,24 @@ BFP8_VARIANTS: dict[str, DecodeConfig] = {
     "regs-fw-early-m4": DecodeConfig(bfp8="regs", num_warps=1, fused_write=True, early=True, merge_splits=4),
     # 16 tokens per iteration and up to 64 splits: at batch 1 / 1k each program one 16-token chunk, a
     # shorter chain than a 32-token one (offline sm_90: 1984 SASS instructions against 2592,
-    # benchmarks/regs_kernel_sass_probe.py), 64 partials to merge against 32. Added 2026-12-02 for the
-    # batch-1 step; not yet run on a GPU (its GPU tests and the probes are the next device call's).
+    # benchmarks/regs_kernel_sass_probe.py), 64 partials to merge against 32. It lost (one H200, 2026-12-02,
+    # raw/engine_h200_s17/call0_t16_*): write + attention + merge 12.34 us against 10.45 at batch 1, and in
+    # the 8B step its kernel 226 us per step against 198, the reduce 115 against 71.
     "regs-fw-early-t16s64": DecodeConfig(bfp8="regs", num_warps=1, tokens=16, fused_write=True, early=True,
                                          max_splits=64, merge_splits=4),
+    # from 8 splits up the new row in a program of its own, one of the splits; "-rope": q and the new k
+    # rotated in the launch, no RoPE kernel before it. Offline sm_90 at batch 1 (`benchmarks/
+    # regs_kernel_sass_probe.py --program kernel|split|new-row [--rope]`): 2592 SASS instructions when the
+    # split holding the row packs it (2864 with -rope); a split program 1848 (2008), the row's 680 (816).
+    # One H200, 8B step at 1k against paged bf16 (`decode_step_probe.py`, two builds each, 2026-12-02,
+    # raw/engine_h200_s17/call2_*): batch 1 m4 0.9937 / 1.0045, -rope 0.9974 / 0.9968, -nr 0.9968 / 0.9948,
+    # -nr-rope 0.9926 / 0.9849; batch 64 0.845, 0.831, 0.845, 0.832 (-nr changes nothing there: 3 splits).
+    "regs-fw-early-m4-nr": DecodeConfig(bfp8="regs", num_warps=1, fused_write=True, early=True, merge_splits=4,
+                                        new_row_program=8),
+    "regs-fw-early-m4-rope": DecodeConfig(bfp8="regs", num_warps=1, fused_write=True, early=True, merge_splits=4,
+                                          fused_rope=True),
+    "regs-fw-early-m4-nr-rope": DecodeConfig(bfp8="regs", num_warps=1, fused_write=True, early=True, merge_splits=4,
+                                             new_row_program=8, fused_rope=True),
 }
 #: The fastest bfloat8_b variant that keeps the paged decode's bits (`benchmarks/bfp8_kernel_probe.py
 #: --flush-mb 256` on an H200, 2026-11-30: write + attention vs paged bf16 at context 1k, 0.90x at batch 1,
@@ -1109,8 +1130,11 @@ PAGED_BITS_BFP8_VARIANT = "tok-pipe2-r128-fw"
 #: benchmarks/results/raw/bfp8_kernel_probe_h200_regs_call4.json): 0.66x at batch 64 (16 tokens), 0.89x
 #: at batch 8 (16), 1.07x at batch 1 (32) (the bit-keeping word kernel: 1.14x, 1.32x, 1.15x). Since
 #: 2026-12-02 its early-loads form, merging in the launch where the splits are few (``regs-fw-early-m4``,
-#: numbers above).
-DEFAULT_BFP8_VARIANT = "regs-fw-early-m4"
+#: numbers above); since session 17 (2026-12-02) also rotating q and k (no RoPE kernel) and, from 8 splits
+#: up, packing the new row in a program of its own (``regs-fw-early-m4-nr-rope``; one H200, 8B step at
+#: context 1k against paged bf16, `benchmarks/decode_step_probe.py`, two builds of each point: batch 1
+#: 0.9926 / 0.9849 (regs-fw-early-m4 0.9937 / 1.0045), batch 64 0.832 (0.845); raw/engine_h200_s17/).
+DEFAULT_BFP8_VARIANT = "regs-fw-early-m4-nr-rope"
 
 
 def fuses_row_write(g: TileGeometry, config: DecodeConfig | None, generic: bool = False) -> bool:
@@ -1120,6 +1144,15 @@ def fuses_row_write(g: TileGeometry, config: DecodeConfig | None, generic: bool 
         return False
     cfg = config or default_config(g)
     return cfg.fused_write and cfg.bfp8 in ("words", "words-int", "regs")
+
+
+def fuses_rope(g: TileGeometry, config: DecodeConfig | None, generic: bool, head_dim: int, group: int,
+               device: torch.device) -> bool:
+    """True when a decode batch's :func:`decode_attention` with ``config`` takes q and the new k
+    un-rotated (``rope=``): the register kernel writing the rows, ``DecodeConfig.fused_rope``."""
+    if not fuses_row_write(g, config, generic) or not uses_register_kernel(g, config, head_dim, group, device):
+        return False
+    return (config or default_config(g)).fused_rope
 
 
 def uses_register_kernel(g: TileGeometry, config: DecodeConfig | None, head_dim: int, group: int,
@@ -1157,6 +1190,7 @@ def decode_attention(
     block_n: int | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     counters: torch.Tensor | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``q [rows, Hq, D]`` over each row's tiled context -> ``[rows, Hq, D]`` in q's dtype (no host sync).
 
@@ -1175,6 +1209,9 @@ def decode_attention(
 
     ``counters``: int32 zeros, ``>= rows * Hkv``, left zeroed by every launch (keep one buffer per
     captured graph); used where the config merges in the decode launch (``DecodeConfig.merge``).
+
+    ``rope``: ``positions [rows]`` and the ``cos, sin_signed [len, D]`` tables when q and ``new_kv``'s k
+    come un-rotated (:func:`fuses_rope` must be True).
     """
     from hawk.engine import triton_attention as ta
 
@@ -1198,8 +1235,13 @@ def decode_attention(
         if new_kv is not None and not cfg.fused_write:
             raise ValueError("new_kv given, but this config does not write the rows in the decode launch")
         tokens = cfg.tokens or gk.auto_tokens(rows, g.num_kv_heads)
+        if rope is not None and not (cfg.fused_rope and new_kv is not None):
+            raise ValueError("rope given, but this config does not rotate in the decode launch (fuses_rope)")
+        newp = new_kv is not None and 0 < cfg.new_row_program <= num_splits
         return gk.decode(g, layer, q, meta, rows, num_splits, partials, tokens, cfg.prefetch, new_kv, cfg.maxnreg,
-                         cfg.early, counters if 1 < num_splits <= cfg.merge_splits else None)
+                         cfg.early, counters if 1 < num_splits <= cfg.merge_splits else None, newp, rope)
+    if rope is not None:
+        raise ValueError("rope is for the register kernel (DecodeConfig.fused_rope)")
     if g.separable and not generic:
         cfg = config or default_config(g)
         if cfg.bfp8 == "regs":  # not runnable here (device, shape or dtype): the word kernel, fused alike
