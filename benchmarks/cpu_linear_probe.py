@@ -21,32 +21,25 @@ import torch.nn.functional as F
 
 from hawk.bench import engine as eb
 from hawk.engine import model as model_mod
-from hawk.engine.attention import SeqSlice
 from hawk.engine.loader import load_model
 
 
 def decode_steps(model: Any, batch: int, context: int, rounds: int) -> dict[str, float]:
     """Median ms of the engine benchmark's decode step, detour on and off alternately per round."""
-    cache = eb.build_paged(model.config, "bf16", batch, context + 1, torch.device("cpu"))
+    pt = eb.build_decode_point(model, "gpu-paged", "bf16", batch, context, torch.device("cpu"))
     try:
-        runner, _, _ = eb.make_runner(model, cache.attn, batch, torch.device("cpu"))
-        eb.warm_runner(runner, batch)
-        _, run = eb.make_step(runner, batch)
-        slices = [SeqSlice(b, context, 1) for b in cache.blocks]
-        tokens = [[1] for _ in range(batch)]
         times: dict[str, list[float]] = {"detour": [], "F.linear": []}
         few = model_mod.CPU_FEW_ROWS
         for r in range(rounds + 1):
             for name in (["detour", "F.linear"] if r % 2 == 0 else ["F.linear", "detour"]):
                 model_mod.CPU_FEW_ROWS = few if name == "detour" else 0
                 t0 = time.perf_counter()
-                for row, t in zip(tokens, run(tokens, slices)):
-                    row[0] = t
+                pt.step()
                 if r:  # round 0 warms both up
                     times[name].append((time.perf_counter() - t0) * 1e3)
         model_mod.CPU_FEW_ROWS = few
     finally:
-        cache.close()
+        pt.cache.close()
     return {k: round(statistics.median(v), 2) for k, v in times.items()}
 
 

@@ -31,7 +31,6 @@ from typing import Any
 import torch
 
 from hawk.bench import engine as eb
-from hawk.engine.attention import SeqSlice
 
 
 def prepare(model: Any, spec: str, batch: int, context: int, device: torch.device, name: str = "") -> dict[str, Any]:
@@ -39,27 +38,18 @@ def prepare(model: Any, spec: str, batch: int, context: int, device: torch.devic
     ``spec``: ``path:kv_dtype[:bfloat8_b variant]`` (the variant: a ``BFP8_VARIANTS`` name); ``name``:
     what results are keyed by (default ``spec``; a spec given twice is two points, each its own cache and graph)."""
     path, kv, *variant = spec.split(":")
-    build = eb.build_npu if path == "npu-tile" else eb.build_paged
-    cache = build(model.config, kv, batch, context + 1, device)
+    config = None
     if variant:
         from hawk.engine.triton_npu_attention import BFP8_VARIANTS
 
-        cache.attn.decode_config = BFP8_VARIANTS[variant[0]]
-    runner, graphs, why = eb.make_runner(model, cache.attn, batch, device)
-    if not graphs:
-        raise RuntimeError(f"{path}/{kv}: no CUDA graphs ({why})")
-    eb.warm_runner(runner, batch)
-    _, run = eb.make_step(runner, batch)
-    slices = [SeqSlice(b, context, 1) for b in cache.blocks]
-    tokens = [[1] for _ in range(batch)]
-
-    def step() -> None:
-        for row, t in zip(tokens, run(tokens, slices)):
-            row[0] = t
-
-    step()
-    graph = runner._graph_for(runner._bucket(batch)).graph
-    return {"name": name or spec, "cache": cache, "step": step, "graph": graph}
+        config = BFP8_VARIANTS[variant[0]]
+    pt = eb.build_decode_point(model, path, kv, batch, context, device, config)
+    if not pt.graphs:
+        pt.cache.close()
+        raise RuntimeError(f"{path}/{kv}: no CUDA graphs ({pt.why})")
+    pt.step()
+    graph = pt.runner._graph_for(pt.runner._bucket(batch)).graph
+    return {"name": name or spec, "cache": pt.cache, "step": pt.step, "graph": graph}
 
 
 def time_rounds(points: list[dict[str, Any]], rounds: int, device: torch.device) -> dict[str, dict[str, float]]:

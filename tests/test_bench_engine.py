@@ -270,3 +270,30 @@ def test_runs_summary_reads_each_runs_paired_ratio() -> None:
     assert (row["path"], row["kv_dtype"], row["batch"], row["n_runs"]) == ("npu-tile", "bfp8_b", 1, 3)
     assert row["paired_median_of_runs"] == 0.99 and (row["paired_min"], row["paired_max"]) == (0.98, 1.01)
     assert row["runs_at_or_below_target"] == 2 and row["runs"][0]["ratio_of_medians"] == 0.98
+
+
+def test_decode_point_feeds_its_tokens_back_and_takes_the_decode_config_before_capture(tiny_model: LlamaModel) -> None:
+    """``build_decode_point`` (the benchmark's and the probes' builder): each step's input is the previous
+    step's sampled tokens, and a given ``decode_config`` is on the backend before the runner is built."""
+    from hawk.engine.triton_npu_attention import DecodeConfig
+
+    cfg = DecodeConfig(num_warps=2)
+    pt = eb.build_decode_point(tiny_model, "npu-tile", "bfp8_b", 2, 40, torch.device("cpu"), cfg)
+    try:
+        assert pt.cache.attn.decode_config is cfg and pt.runner.attn is pt.cache.attn
+        inputs: list[list[int]] = []
+        outputs: list[list[int]] = []
+
+        def run(tokens, slices):  # noqa: ANN001, ANN202 - a Step
+            inputs.append([t[0] for t in tokens])
+            outputs.append([(t[0] * 7 + 3) % 50 for t in tokens])  # not the input: a fed-back token shows
+            return outputs[-1]
+
+        step = pt.feed(run)
+        step()
+        step()
+        step()
+        assert inputs == [[1, 1], outputs[0], outputs[1]] and outputs[0] == [10, 10]
+        pt.step()  # the point's own step: the engine's, on the same fed-back tokens
+    finally:
+        pt.cache.close()

@@ -628,12 +628,32 @@ class _Prepared:
                              cache_bytes=self.cache.nbytes, note=self.note, overlap=bool(rest), **extra)
 
 
-def _prepare_decode(ctx: Context, path: str, kv_dtype: str, batch: int, context: int) -> _Prepared:
-    """Build a point's cache and runner (graphs captured); the caller closes the cache."""
+@dataclass
+class DecodePoint:
+    """One decode point as the benchmark builds it (also what the probes in ``benchmarks/`` time): its
+    cache, its runner (CUDA graphs captured where it can) and ``step``, the engine's step on the point's
+    sequences with each sampled token fed back as the next input. The caller closes ``cache``."""
+
+    cache: Cache
+    runner: Any
+    graphs: bool
+    sampler: str
+    #: why there are no graphs, and the warm-up's warnings ("" when none)
+    why: str
+    step: Callable[[], None]
+    feed: Callable[[Step], Callable[[], None]]
+
+
+def build_decode_point(model: LlamaModel, path: str, kv_dtype: str, batch: int, context: int, device: torch.device,
+                       decode_config: Any = None) -> DecodePoint:
+    """Build a decode point: ``batch`` sequences of ``context`` cached tokens on ``path``'s cache;
+    ``decode_config`` (npu-tile: a ``DecodeConfig``) is set before the graphs are captured."""
     build = build_npu if path == "npu-tile" else build_paged
-    cache = build(ctx.cfg, kv_dtype, batch, context + 1, ctx.device)
+    cache = build(model.config, kv_dtype, batch, context + 1, device)
     try:
-        runner, graphs, why = make_runner(ctx.model, cache.attn, batch, ctx.device)
+        if decode_config is not None:
+            cache.attn.decode_config = decode_config
+        runner, graphs, why = make_runner(model, cache.attn, batch, device)
         warn = warm_runner(runner, batch)
         sname, run = make_step(runner, batch)
     except BaseException:
@@ -642,16 +662,22 @@ def _prepare_decode(ctx: Context, path: str, kv_dtype: str, batch: int, context:
     slices = [SeqSlice(b, context, 1) for b in cache.blocks]
     tokens = [[1] for _ in range(batch)]
 
-    def feeding(run: Step) -> Callable[[], None]:
+    def feed(run: Step) -> Callable[[], None]:
         """``run`` on the point's slices, its sampled tokens fed back as the next call's."""
         def call() -> None:
             for row, t in zip(tokens, run(tokens, slices)):
                 row[0] = t
         return call
 
-    overlapped = feeding(make_overlapped_steps(runner, batch)) if ctx.device.type == "cuda" else None
-    note = "; ".join(x for x in (_note(path, ctx.device), why, warn) if x)
-    return _Prepared(cache, feeding(run), graphs, sname, note, overlapped)
+    return DecodePoint(cache, runner, graphs, sname, "; ".join(x for x in (why, warn) if x), feed(run), feed)
+
+
+def _prepare_decode(ctx: Context, path: str, kv_dtype: str, batch: int, context: int) -> _Prepared:
+    """Build a point's cache and runner (graphs captured); the caller closes the cache."""
+    pt = build_decode_point(ctx.model, path, kv_dtype, batch, context, ctx.device)
+    overlapped = pt.feed(make_overlapped_steps(pt.runner, batch)) if ctx.device.type == "cuda" else None
+    note = "; ".join(x for x in (_note(path, ctx.device), pt.why) if x)
+    return _Prepared(pt.cache, pt.step, pt.graphs, pt.sampler, note, overlapped)
 
 
 def _measure_decode(ctx: Context, path: str, kv_dtype: str, batch: int, context: int) -> dict[str, Any]:
