@@ -214,12 +214,16 @@ def from_registered(
     return lay
 
 
-def allocate(layout: PagedKVLayout, kv_layout: str, device: torch.device | str = "cpu") -> list[torch.Tensor]:
-    """Per-layer views of one zeroed buffer, placed as vLLM places them (layer ``l`` at ``l`` times the
-    layer stride of ``kv_layout``): test and benchmark caches that are exactly what vLLM registers."""
+def allocate(layout: PagedKVLayout, kv_layout: str, device: torch.device | str = "cpu", buffer: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Per-layer views of one buffer (zeroed, or ``buffer``: 1-D, the layout's dtype), placed as vLLM
+    places them (layer ``l`` at ``l`` times the layer stride of ``kv_layout``): test and benchmark
+    caches that are exactly what vLLM registers."""
     full = vllm_strides(kv_layout, layout.num_layers, layout.num_blocks, layout.num_kv_heads, layout.block_size, 2 * layout.head_dim)
     if full[1:] != layout.tensor_strides:
         raise LayoutError(f"{layout.name}'s strides {layout.tensor_strides} are not {kv_layout}'s dense {full[1:]}")
     total = layout.num_layers * layout.num_blocks * layout.num_kv_heads * layout.block_size * 2 * layout.head_dim
-    buf = torch.zeros(total, dtype=layout.torch_dtype, device=device)
-    return [buf.as_strided(layout.tensor_shape, layout.tensor_strides, i * full[0]) for i in range(layout.num_layers)]
+    if buffer is None:
+        buffer = torch.zeros(total, dtype=layout.torch_dtype, device=device)
+    elif buffer.dim() != 1 or buffer.numel() != total or buffer.dtype != layout.torch_dtype:
+        raise LayoutError(f"buffer must be 1-D {layout.torch_dtype} of {total} elements, got {tuple(buffer.shape)} {buffer.dtype}")
+    return [buffer.as_strided(layout.tensor_shape, layout.tensor_strides, buffer.storage_offset() + i * full[0]) for i in range(layout.num_layers)]
