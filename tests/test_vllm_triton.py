@@ -104,13 +104,18 @@ def test_triton_reads_vllm_layouts_interpreted(interpreted: dict[str, dict], nam
     assert r["ok"], r.get("error")
 
 
+#: On a GPU: every fixture layout with each dtype's default kernel (v1 for bf16, v2 for bfloat8_b), and
+#: every kernel on vLLM's default FlashAttention layout at the 8B shape (each layout compiles its own kernels).
+GPU_RUNS = [(c, n, "auto") for c in CASES for n in NDTYPES] + [
+    (c, n, k) for c in CASES if c["shape"] == "llama8b" and c["kv_layout"] == V.DEFAULT_GPU_LAYOUT for n in NDTYPES for k in KERNELS]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("ndtype", NDTYPES)
-@pytest.mark.parametrize("case", CASES, ids=[f"{c['shape']}-{c['kv_layout']}" for c in CASES])
-def test_triton_reads_vllm_layouts_cuda(case: dict, ndtype: str, kernel: str) -> None:
+@pytest.mark.parametrize("run", GPU_RUNS, ids=[_name(*r) for r in GPU_RUNS])
+def test_triton_reads_vllm_layouts_cuda(run: tuple) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    case, ndtype, kernel = run
     run_case(case, ndtype, kernel, "cuda", tokens=1000)
 
 
