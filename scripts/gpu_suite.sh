@@ -64,9 +64,9 @@ step() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; lo
 want tests && \
   step gpu_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_transform.py tests/test_transport.py tests/test_devices.py
 if want vllm; then
-  step vllm_tests 130 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_vllm_triton.py
+  step vllm_tests 110 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_vllm_triton.py
   for src in LBNHC NHD; do
-    step "transform_$src" 70 python3 -m hawk.bench.transform --impls triton --sizes-mb 80,320,1280 --dtypes bf16 \
+    step "transform_$src" 60 python3 -m hawk.bench.transform --impls triton --sizes-mb 80,320,1280 --dtypes bf16 \
       --blocks shuffled --src-layout $src --json "$OUT/transform_${src}_h200.json"
   done
 fi
