@@ -191,7 +191,7 @@ class PagedKVLayout:
         flat = [m[0] if len(m) == 1 else None for m in k]
         if any(f is None for f in flat) or k != v or self.kv_base[0] != 0:
             raise NotStridedError(f"layout {self.name or '(unnamed)'} is not plain strides with K at 0: {self.modes}, bases {self.kv_base}")
-        return {"kv": self.kv_base[1], **{c: (d if s > 1 else 0) for c, (s, d) in zip(COORDS, flat)}}
+        return {"kv": self.kv_base[1], **{c: d for c, (_, d) in zip(COORDS, flat)}}
 
     def strides_of(self, tensor: torch.Tensor) -> dict[str, int]:
         """:meth:`strides` for a cache :meth:`check_cache` accepted (its strides are the layout's)."""
