@@ -34,6 +34,9 @@
 #                 step at batch 1 (two builds of each point, per-kernel times) and 64
 #     posts     - the host work of layer-wise posts on the forward's thread: `hawk bench ttft` at 1k (both roles on GPU0)
 #                 under cProfile (--profile-posts), the profile in $OUT/ttft_posts_profile.txt
+#     vllm      - issue 30: the fused transform reading vLLM 0.32's GPU layouts (views as vLLM's create_kv_cache_views makes
+#                 them, tests/data/vllm_kv_layouts.json): its GPU tests byte-exact on every KVCacheLayout, then throughput
+#                 from vLLM's default FlashAttention layout (LBNHC) and from HAWK's NHD, each against a same-run copy
 # LOGS=DIR keeps the per-step logs out of $OUT (the device tool returns at most 8 files); each step's tail still prints.
 # Wheels missing on the box (nixl, nixl_cu13, pyzmq for cp312) are carried in .whl/ (see docs/gpu.md).
 set -uo pipefail
@@ -60,6 +63,13 @@ step() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; lo
 
 want tests && \
   step gpu_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_transform.py tests/test_transport.py tests/test_devices.py
+if want vllm; then
+  step vllm_tests 110 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_vllm_triton.py
+  for src in LBNHC NHD; do
+    step "transform_$src" 60 python3 -m hawk.bench.transform --impls triton --sizes-mb 80,320,1280 --dtypes bf16 \
+      --blocks shuffled --src-layout $src --json "$OUT/transform_${src}_h200.json"
+  done
+fi
 want kernels && \
   step gpu_kernels 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_paged_attention.py tests/test_npu_attention.py tests/test_triton_ops.py
 want transform && \
