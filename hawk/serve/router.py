@@ -327,6 +327,23 @@ class Router:
             self.down[url] = down_reason
             self._down_events.setdefault(url, asyncio.Event()).set()
 
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """Healthy exactly when requests are routed: every instance is up in the monitor's view.
+
+        Why the monitor's view and not a live probe: a restarted instance answers its own /health
+        before the router has re-read its identity and routes to it again, and a load balancer told
+        200 in that gap sends requests that get a 503; a live probe of a restarting instance also
+        waits out ``health_timeout_s``, so this answers at once instead."""
+        assert self.pool is not None
+        insts = self.pool.all()
+        ok = not any(i.url in self.down for i in insts)
+        states = {f"{i.info.role} {i.url}": ("down" if i.url in self.down else "ok") for i in insts}
+        reasons = {f"{i.info.role} {i.url}": self.down[i.url] for i in insts if i.url in self.down}
+        body: dict[str, Any] = {"status": "ok" if ok else "degraded", "instances": states}
+        if reasons:
+            body["down"] = reasons
+        return ok, body
+
     async def wait_down(self, *urls: str) -> str:
         """Returns (why) when one of ``urls`` is marked down."""
         waits = [asyncio.ensure_future(self._down_events.setdefault(u, asyncio.Event()).wait()) for u in urls]
@@ -673,9 +690,7 @@ def create_router_app(cfg: RouterConfig, tokenizer: Tokenizer | None = None) -> 
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        res = await router.probe("/health")
-        ok = all(v is not None for v in res.values())
-        body = {"status": "ok" if ok else "degraded", "instances": {f"{role} {url}": ("ok" if v else "down") for (role, url), v in res.items()}}
+        ok, body = router.health()
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
