@@ -86,7 +86,7 @@ class RouterConfig:
     decode_urls: list[str]
     model: str | None = None  # the served model name; default: the name the prefill instance reports
     default_temperature: float = 1.0  # OpenAI's default; send temperature=0 for greedy
-    default_chat_max_tokens: int = 512  # chat requests without max_tokens (each reserves decode KV for it)
+    default_chat_max_tokens: int | None = None  # chat requests without max_tokens: None = the rest of the context (vLLM's and OpenAI's behaviour)
     request_timeout_s: float = 600.0
     startup_timeout_s: float = 120.0
     aliases: list[str] = field(default_factory=list)  # more names clients may use for the model
@@ -402,8 +402,12 @@ class Router:
             raise OpenAIError(400, f"messages: {e}", param="messages") from None
         return self.tokenizer.encode(text)
 
-    def sampling(self, req: CompletionRequest | ChatCompletionRequest, n_prompt: int, max_tokens: int | None, default_max: int) -> SamplingParams:
-        """Check lengths against the instances' limits and build the engine's parameters."""
+    def sampling(self, req: CompletionRequest | ChatCompletionRequest, n_prompt: int, max_tokens: int | None, default_max: int | None) -> SamplingParams:
+        """Check lengths against the instances' limits and build the engine's parameters.
+
+        Without ``max_tokens`` a request may run to the end of the context (``default_max`` None),
+        as vLLM and OpenAI let a chat do: the decode admits by the blocks a request needs now and
+        grows them per step, so a long limit reserves nothing up front."""
         assert self.pool is not None
         limit = self.pool.max_model_len
         if n_prompt > min(self.pool.max_prompt_tokens, limit - 1):
@@ -413,8 +417,9 @@ class Router:
                 f"your prompt has {n_prompt} tokens. Please shorten the prompt.",
                 code="context_length_exceeded", param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
             )
-        if max_tokens is None:  # as much as fits, up to the default (it reserves decode KV)
-            max_tokens = max(1, min(default_max, min(limit, self.pool.max_kv_tokens) - n_prompt))
+        if max_tokens is None:  # as much as fits (up to the default, where there is one)
+            room = min(limit, self.pool.max_kv_tokens) - n_prompt
+            max_tokens = max(1, room if default_max is None else min(default_max, room))
         if max_tokens > limit:
             raise OpenAIError(400, f"max_tokens={max_tokens} is larger than the model's context length ({limit} tokens)", param="max_tokens")
         if n_prompt + max_tokens > limit:
