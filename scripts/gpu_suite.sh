@@ -80,7 +80,7 @@ want transfer && \
     --configs gg-host,gn-host,gg-direct,gn-direct-single,gn-hawk,gn-hawk@staging,gn-hawk@direct \
     --json "$OUT/transfer_h200x2.json" --plot "$OUT/transfer_h200x2.png"
 want model && \
-  step model_8b 200 python3 -m hawk.bench.equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 \
+  step model_8b 200 python3 -m hawk bench equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 \
     --decode-device npu-emu:cuda:$dec --configs gn-hawk,gg-direct --max-tokens 32 --kv-tokens 8192 --json "$OUT/e2e_8b_h200x2.json"
 # One GPU, both roles: Fig. 9 sizes against a same-run device copy, and TTFT at 1k/4k/16k (parts sameg, quick, ttft).
 same_gpu_transfers() {  # same_gpu_transfers LIMIT
@@ -88,7 +88,7 @@ same_gpu_transfers() {  # same_gpu_transfers LIMIT
     --gpu-decode-device cuda:0 --sizes-mb 10,80,320,1280 --repeats 10 --configs gg-direct,gn-hawk --json "$OUT/transfer_h200x1.json"
 }
 ttft_one_gpu() {  # ttft_one_gpu NAME LIMIT TRANSPORT
-  step "$1" "$2" python3 -m hawk.bench.ttft --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device npu-emu:cuda:0 \
+  step "$1" "$2" python3 -m hawk bench ttft --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device npu-emu:cuda:0 \
     --transport "$3" --prompts 1024,4096,16384 --configs gn-hawk,gg-direct --kv-flows pull,layerwise --repeats 5 --warmup 1 --json "$OUT/ttft_h200.json"
 }
 
@@ -148,7 +148,7 @@ if want newrow; then
 fi
 want ttft && ttft_one_gpu ttft 240 nixl  # NIXL within one GPU: the slow path auto avoids
 want posts && \
-  step ttft_posts 150 python3 -m hawk.bench.ttft --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device npu-emu:cuda:0 \
+  step ttft_posts 150 python3 -m hawk bench ttft --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device npu-emu:cuda:0 \
     --transport auto --prompts 1024 --configs gn-hawk,gg-direct --kv-flows layerwise --repeats 5 --warmup 1 \
     --json "$OUT/ttft_posts_h200.json" --profile-posts "$OUT/ttft_posts_profile.txt"
 if want fig9 && [ "$ngpu" -ge 2 ]; then
@@ -160,15 +160,15 @@ if want fig9 && [ "$ngpu" -ge 2 ]; then
   done
 fi
 if want ttft2 && [ "$ngpu" -ge 2 ]; then
-  step ttft_h200x2 240 python3 -m hawk.bench.ttft --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device npu-emu:cuda:1 \
+  step ttft_h200x2 240 python3 -m hawk bench ttft --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device npu-emu:cuda:1 \
     --transport auto --prompts 1024,4096,16384 --configs gn-hawk,gg-direct --kv-flows pull,layerwise --repeats 3 --warmup 1 \
     --json "$OUT/ttft_h200x2.json"
 fi
 # A TP group takes consecutive GPUs from its instance's device (rank r on cuda:N+r), so TP2 needs two.
 if want tp && [ "$ngpu" -ge 2 ]; then
-  step tp_2to1 150 python3 -m hawk.bench.equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 \
+  step tp_2to1 150 python3 -m hawk bench equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 \
     --decode-device npu-emu:cuda:1 --prefill-tp 2 --decode-tp 1 --configs gn-hawk,gg-direct --max-tokens 32 --kv-tokens 8192 --json "$OUT/tp_8b_2to1.json"
-  step tp_1to2 200 python3 -m hawk.bench.equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:1 \
+  step tp_1to2 200 python3 -m hawk bench equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:1 \
     --decode-device npu-emu:cuda:0 --prefill-tp 1 --decode-tp 2 --configs gn-hawk,gg-direct --max-tokens 32 --kv-tokens 8192 --json "$OUT/tp_8b_1to2.json"
 fi
 want smoke && \
@@ -176,7 +176,7 @@ want smoke && \
     --gpu-decode-device cuda:$dec --sizes-mb 10,80 --repeats 2 --configs gn-host,gg-direct,gn-hawk --npu-shard-pages 2 \
     --json "$OUT/smoke_transfer.json"
 want smoke && \
-  step smoke_model 150 python3 -m hawk.bench.equivalence --model tiny --dtype bf16 --prefill-device cuda:0 \
+  step smoke_model 150 python3 -m hawk bench equivalence --model tiny --dtype bf16 --prefill-device cuda:0 \
     --decode-device npu-emu:cuda:$dec --configs gn-hawk,gn-host,gg-direct --max-tokens 16 --kv-tokens 2048 --json "$OUT/smoke_model.json"
 
 want reverse && \
