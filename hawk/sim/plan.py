@@ -34,7 +34,7 @@ from typing import Any
 from hawk.sim.cluster import SimConfig, simulate
 from hawk.sim.compute import DecodeModel, PrefillModel
 from hawk.sim.paper import TARGET, crossing
-from hawk.sim.testbeds import PaperAssumptions, PaperFacts, Testbed, a100_prefill, paper_testbed
+from hawk.sim.testbeds import PAPER_CALIBRATION, PaperAssumptions, PaperFacts, Testbed, a100_prefill, paper_testbed
 from hawk.sim.workload import RequestSource, Workload, get_workload
 
 TESTBED_KEY = {"a100": "a100-tp4", "h100": "h100-tp4", "p150a": "p150a-tp4"}
@@ -109,8 +109,9 @@ def _name(dev: str) -> str:
 
 def _gemm_fraction(tflops: float, f: PaperFacts, a: PaperAssumptions) -> tuple[float, float]:
     """(GEMM, all-reduce) seconds per prompt token at TP4, as ``testbeds.a100_prefill`` derives them."""
-    m = a100_prefill(replace(f, a100_bf16_tflops=tflops), a)
-    gemm = 2 * f.params / (4 * tflops * 1e12 * a.prefill_mfu)
+    mfu = PAPER_CALIBRATION.prefill_mfu
+    m = a100_prefill(replace(f, a100_bf16_tflops=tflops), a, mfu)
+    gemm = 2 * f.params / (4 * tflops * 1e12 * mfu)
     return gemm, m.per_token_s - gemm
 
 
@@ -118,7 +119,7 @@ def prefill_model(tb: Testbed, dev: str, tp: int, pa: PlanAssumptions = PlanAssu
                   f: PaperFacts = PaperFacts(), a: PaperAssumptions = PaperAssumptions()) -> PrefillModel:
     """A prefill instance of ``dev`` at TP ``tp`` (see the module docstring for the scaling)."""
     if dev == "h100":
-        base = a100_prefill(replace(f, a100_bf16_tflops=pa.h100_bf16_tflops), a)
+        base = a100_prefill(replace(f, a100_bf16_tflops=pa.h100_bf16_tflops), a, PAPER_CALIBRATION.prefill_mfu)
         gemm, comm = _gemm_fraction(pa.h100_bf16_tflops, f, a)
         src = f"planner: A100 derivation at {pa.h100_bf16_tflops:g} TFLOP/s (H100 PCIe dense bf16)"
     else:
