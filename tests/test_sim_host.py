@@ -95,3 +95,27 @@ def test_reproduce_rows_carry_roles_score_and_claims(tmp_path):
     assert doc["score"]["within"] == sum(bool(r["within"]) for r in preds)
     assert len(doc["claims"]) == 6 and all(isinstance(c["holds"], bool) for c in doc["claims"])
     assert doc["sources"]["host_staging"]["gn-host"]["decode_s_per_byte"] > doc["sources"]["host_staging"]["gg-host"]["decode_s_per_byte"]
+
+
+def test_pulls_beyond_the_pull_threads_wait_for_one():
+    """One pull thread: of two requests prefilled together, the second's pull starts when the first's ends."""
+    cfg = SimConfig("known", CURVE, PrefillModel(0.02, 3e-4, max_batch_tokens=1 << 20), DECODE, bytes_per_token=1000,
+                    contention="none", transfer_slots=1)
+    a, b = SimRequest(RequestSpec(0, 0.0, 1000, 2)), SimRequest(RequestSpec(1, 0.0, 1000, 2))
+    Cluster(cfg).run([a, b])
+    one = CURVE.latency(1000 * 1000)
+    assert a.t_kv_done == pytest.approx(a.t_admitted + one, abs=1e-12)
+    assert b.t_admitted == pytest.approx(a.t_kv_done, abs=1e-12)
+
+
+def test_crossval_models_the_engines_pull_threads_and_a_shared_host_for_staged_pulls():
+    import inspect
+
+    from hawk.engine.decode_engine import DecodeEngine
+    from hawk.sim.crossval import PULL_THREADS, Calibrated, calibrated_config
+
+    assert inspect.signature(DecodeEngine.__init__).parameters["transfer_threads"].default == PULL_THREADS
+    c = Calibrated(PREFILL, DECODE, CURVE, 1000, 0.0)
+    assert calibrated_config(c, "gn-host").contention == "decode"
+    assert calibrated_config(c, "gn-hawk").contention == "none"
+    assert calibrated_config(c, "gn-hawk").transfer_slots == PULL_THREADS

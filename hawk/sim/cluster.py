@@ -66,6 +66,8 @@ class SimConfig:
     admit_between_steps: bool = False
     #: host staging as worker time on both nodes (``host.py``); None: the transfer is only a delay
     host: HostStaging | None = None
+    #: KV pulls a decode instance runs at once (``DecodeEngine``'s pull threads); None: one per batch slot
+    transfer_slots: int | None = None
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -89,6 +91,7 @@ class SimConfig:
             "admit_between_steps": self.admit_between_steps,
             "prefill_chunk_tokens": self.prefill.chunk_tokens,
             "host_staging": None if self.host is None else self.host.source,
+            "transfer_slots": self.transfer_slots,
         }
 
 
@@ -167,7 +170,7 @@ class Cluster:
         self.prefills = [PrefillInstance(env, i, cfg.prefill, self._prefilled, h.prefill_s_per_byte * cfg.bytes_per_token)
                          for i in range(cfg.num_prefill)]
         self.decodes = [DecodeInstance(env, i, cfg.decode, self.transfer, self._kv_landed, self._finished, cfg.admit_between_steps,
-                                       h.decode_s_per_byte * cfg.bytes_per_token)
+                                       h.decode_s_per_byte * cfg.bytes_per_token, cfg.transfer_slots)
                         for i in range(cfg.num_decode)]
         self.router = Router(self.prefills, self.decodes, cfg.router_policy)
         self.requests: list[SimRequest] = []

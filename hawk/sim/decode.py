@@ -42,10 +42,12 @@ class DecodeInstance:
         on_finished: Callable[[SimRequest], None],
         admit_between_steps: bool = False,
         host_s_per_token: float = 0.0,
+        transfer_slots: int | None = None,
     ):
         self.env, self.index, self.model, self.transfer = env, index, model, transfer
         self.host_s_per_token = host_s_per_token  # worker time to land one token of staged KV
         self.landing: deque[SimRequest] = deque()  # staged KV waiting for the worker
+        self.transfer_slots = transfer_slots  # pulls at once (the engine's pull threads); None: no limit
         self.host_busy_s = 0.0
         self.admit_between_steps = admit_between_steps
         self.stepping = False  # a step is running (admission then waits for its end, if asked to)
@@ -81,6 +83,8 @@ class DecodeInstance:
 
     def _admit(self) -> None:
         while self.waiting and self._slots_used() < self.model.max_batch:
+            if self.transfer_slots is not None and self.transferring >= self.transfer_slots:
+                return  # every pull thread is busy: the next admission waits for one
             r = self.waiting[0]
             if self.kv_used + r.kv_reservation > self.model.kv_capacity_tokens:
                 return  # memory is short: wait, in order, for running requests to finish
@@ -100,6 +104,8 @@ class DecodeInstance:
         else:
             r.t_kv_done = self.env.now
             self.ready.append(r)
+        if self.transfer_slots is not None:
+            self._admit()  # a pull thread is free (its request still holds its batch slot)
         if not self._wake.triggered:
             self._wake.succeed()
 
