@@ -85,7 +85,7 @@ class PaperAssumptions:
     direct_link_efficiency: float = 1.0  # RDMA pulls at the IB line rate (the paper: GG-Direct ~ NIXL)
     a100_power_w: float = 300.0  # A100 PCIe TDP; only ratios matter (ASIC power is not published)
     #: what a serving framework adds to each NPU decode step (the vLLM plugin); none published, and
-    #: no row of the paper moves for values up to 110 ms (docs/reproduce.md), so it stays 0
+    #: values up to 110 ms do not produce the paper's Summarization gap (docs/reproduce.md), so it stays 0
     npu_framework_step_s: float = 0.0
     h100_price_usd: float = 25_000.0  # H100 PCIe market price (the paper's is not published)
     max_batch_gpu: int = 256  # vLLM max_num_seqs default
