@@ -131,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     if a.calibrate_paper:
         from dataclasses import asdict
 
-        from hawk.sim.protocol import calibrate
+        from hawk.sim.paper import calibrate
 
         n = 1000 if a.num_requests is None else a.num_requests
         return [asdict(calibrate(n, a.seed))]

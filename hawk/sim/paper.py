@@ -18,8 +18,8 @@ from typing import Any
 
 from hawk.sim.calibration import MiB
 from hawk.sim.cluster import SimConfig, make_config, simulate
-from hawk.sim.protocol import input_parameter, score, within
-from hawk.sim.testbeds import MEASURED_HERE, PAPER_CALIBRATION, PaperFacts, Testbed, paper_testbed
+from hawk.sim.protocol import INPUTS, input_parameter, score, within
+from hawk.sim.testbeds import MEASURED_HERE, PAPER_CALIBRATION, MeasuredHere, PaperCalibration, PaperFacts, Testbed, paper_testbed
 
 CONFIGS = ("gg-host", "gn-host", "gg-direct", "gn-hawk", "ggh-direct")
 WORKLOADS = ("chatbot", "summarization")
@@ -269,6 +269,49 @@ def claims(points: dict[str, Any]) -> list[dict[str, Any]]:
              "holds": hawk is not None and gg is not None and math.isfinite(gg) and abs(hawk / gg - 1) <= 0.05, "ours": [hawk, gg]},
         ]
     return out
+
+
+# ============================================================================ the calibration protocol (protocol.py)
+
+
+def _bisect(f: Callable[[float], float], target: float, lo: float, hi: float, steps: int, log: bool = False) -> float:
+    """x in [lo, hi] where the increasing ``f`` crosses ``target`` (geometric midpoints if ``log``)."""
+    for _ in range(steps):
+        mid = math.sqrt(lo * hi) if log else (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+    return math.sqrt(lo * hi) if log else (lo + hi) / 2
+
+
+def calibrate(num_requests: int = 1000, seed: int = 0, measured: MeasuredHere | None = None, steps: int = 10,
+              log: Callable[[str], None] = print) -> PaperCalibration:
+    """Solve the three parameters from their inputs, in the order ``protocol.py`` declares."""
+    c = PAPER_CALIBRATION
+
+    def rate90(cal: PaperCalibration, config: str, workload: str) -> float:
+        run = Runner(paper_testbed(c=cal, m=measured), num_requests, seed)
+        r = run.rate_where(config, workload, _slo)
+        return 0.0 if r is None else r
+
+    mfu = _bisect(lambda x: rate90(replace(c, prefill_mfu=x), "gg-direct", "summarization"), INPUTS[0].paper, 0.05, 0.6, steps)
+    c = replace(c, prefill_mfu=mfu)
+    log(f"prefill_mfu = {mfu:.4f} (GG-Direct Summarization 90 % at {INPUTS[0].paper} req/s)")
+    host = _bisect(lambda x: rate90(replace(c, host_copy_gb_s=x), "gg-host", "chatbot"), INPUTS[1].paper, 0.05, 50.0, steps, log=True)
+    c = replace(c, host_copy_gb_s=host)
+    log(f"host_copy_gb_s = {host:.4f} (GG-Host Chatbot 90 % at {INPUTS[1].paper} req/s)")
+    tb = paper_testbed(c=c, m=measured)
+    run = Runner(tb, num_requests, seed)
+    thr = {}
+    for cfg in ("gn-hawk", "ggh-direct"):
+        r = run.rate_where(cfg, "chatbot", _slo)
+        thr[cfg] = run.run(cfg, "chatbot", r)["output_throughput_tok_s"] if r and math.isfinite(r) else None
+    if thr["gn-hawk"] and thr["ggh-direct"]:
+        # power ratio = (thr_hawk / thr_ggh) x (4 A100 + 4 H100) / (4 A100 + 4 p150a): solve for the H100's watts
+        dev = tb.devices
+        pa, pn = dev["a100-tp4"].power_w, dev["p150a-tp4"].power_w
+        w = INPUTS[2].paper * (pa + pn) * thr["ggh-direct"] / thr["gn-hawk"] - pa
+        c = replace(c, h100_power_w=w)
+        log(f"h100_power_w = {w:.1f} (Table 9 Chatbot power efficiency {INPUTS[2].paper}x)")
+    return c
 
 
 # ============================================================================ output

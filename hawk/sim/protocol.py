@@ -2,7 +2,7 @@
 
 Three numbers from the paper's serving results set the three parameters of the ``paper`` testbed
 that no source gives (``testbeds.PaperCalibration``); they are solved in this order, each with the
-ones before it fixed:
+ones before it fixed (``paper.calibrate``):
 
 1. Fig. 12, Summarization, GG-Direct reaches 90 % SLO attainment at 0.65 req/s → the prefill
    instance's effective MFU. Summarization's 15 s TTFT SLO lets the prefill run close to
@@ -20,11 +20,8 @@ scored (``score``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
-
-from hawk.sim.testbeds import PAPER_CALIBRATION, MeasuredHere, PaperCalibration, paper_testbed
 
 #: within this much a prediction counts as reproduced: relative for rates and ratios, percentage
 #: points for rows that are themselves percentages
@@ -81,45 +78,3 @@ def score(rows: list[Any]) -> dict[str, Any]:
         "predictions": len(preds), "within": len(ok), "fraction": len(ok) / len(preds) if preds else None,
         "inputs": sum(r.role == "input" for r in rows), "tolerance": f"{REL_TOLERANCE:.0%} relative, {PP_TOLERANCE:g} pp for %",
     }
-
-
-def _bisect(f: Callable[[float], float], target: float, lo: float, hi: float, steps: int, log: bool = False) -> float:
-    """x in [lo, hi] where the increasing ``f`` crosses ``target`` (geometric midpoints if ``log``)."""
-    for _ in range(steps):
-        mid = math.sqrt(lo * hi) if log else (lo + hi) / 2
-        lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
-    return math.sqrt(lo * hi) if log else (lo + hi) / 2
-
-
-def calibrate(num_requests: int = 1000, seed: int = 0, measured: MeasuredHere | None = None, steps: int = 10,
-              log: Callable[[str], None] = print) -> PaperCalibration:
-    """Solve the three parameters from their inputs, in order (see the module docstring)."""
-    from hawk.sim.paper import Runner, _slo
-
-    c = PAPER_CALIBRATION
-
-    def rate90(cal: PaperCalibration, config: str, workload: str) -> float:
-        run = Runner(paper_testbed(c=cal, m=measured), num_requests, seed)
-        r = run.rate_where(config, workload, _slo)
-        return 0.0 if r is None else r
-
-    mfu = _bisect(lambda x: rate90(replace(c, prefill_mfu=x), "gg-direct", "summarization"), INPUTS[0].paper, 0.05, 0.6, steps)
-    c = replace(c, prefill_mfu=mfu)
-    log(f"prefill_mfu = {mfu:.4f} (GG-Direct Summarization 90 % at {INPUTS[0].paper} req/s)")
-    host = _bisect(lambda x: rate90(replace(c, host_copy_gb_s=x), "gg-host", "chatbot"), INPUTS[1].paper, 0.05, 50.0, steps, log=True)
-    c = replace(c, host_copy_gb_s=host)
-    log(f"host_copy_gb_s = {host:.4f} (GG-Host Chatbot 90 % at {INPUTS[1].paper} req/s)")
-    tb = paper_testbed(c=c, m=measured)
-    run = Runner(tb, num_requests, seed)
-    thr = {}
-    for cfg in ("gn-hawk", "ggh-direct"):
-        r = run.rate_where(cfg, "chatbot", _slo)
-        thr[cfg] = run.run(cfg, "chatbot", r)["output_throughput_tok_s"] if r and math.isfinite(r) else None
-    if thr["gn-hawk"] and thr["ggh-direct"]:
-        # power ratio = (thr_hawk / thr_ggh) x (4 A100 + 4 H100) / (4 A100 + 4 p150a): solve for the H100's watts
-        dev = tb.devices
-        pa, pn = dev["a100-tp4"].power_w, dev["p150a-tp4"].power_w
-        w = INPUTS[2].paper * (pa + pn) * thr["ggh-direct"] / thr["gn-hawk"] - pa
-        c = replace(c, h100_power_w=w)
-        log(f"h100_power_w = {w:.1f} (Table 9 Chatbot power efficiency {INPUTS[2].paper}x)")
-    return c
