@@ -15,7 +15,8 @@
 #     quick     - the acceptance points in one short call: transform v1/v2 vs copy, one-GPU transfers vs a device copy,
 #                 engine decode at batch 1/64 (1k) and prefill 2k
 #     paced     - issue 10: real serving with --npu-timing p150a --link-gbps 200 (gn-hawk, gg-direct, gn-host) beside the
-#                 simulator's `here` prediction calibrated from probes of the same system (benchmarks/cross_validate.py)
+#                 simulator's `here` prediction calibrated from probes of the same system (benchmarks/cross_validate.py);
+#                 PACED_WORKLOAD="chatbot summarization", PACED_RATES, PACED_REQUESTS, PACED_CONFIGS, PACED_LIMIT, PACED_KV_DTYPE, PACED_TILIZE=1
 #     kernels   - the CUDA tests of the attention kernels (paged, NPU-tile) and the fused ops
 #     tp        - 8B token equality across tensor-parallel degrees: prefill TP2 -> decode TP1, TP1 -> TP2 (two GPUs)
 #     fig9      - Fig. 9 on two GPUs with >= 10 repeats (median, IQR): every configuration, bf16 and bfloat8_b NPU KV
@@ -110,10 +111,17 @@ if want quick; then  # most important first: a call cut short keeps what ran
     --dtypes bf16,bfp8_b --blocks contiguous --json "$OUT/transform_h200.json"
 fi
 if want paced; then  # one system per configuration, each its own file, so a call cut short keeps what finished
-  for t in ${PACED_CONFIGS:-gn-hawk gg-direct gn-host}; do
-    step "paced_$t" 155 python3 benchmarks/cross_validate.py --scenarios paced --link-gbps 200 --prefill-device cuda:0 \
-      --decode-device npu-emu:cuda:0 --model llama-3.1-8b --dtype bf16 --workload "${PACED_WORKLOAD:-chatbot}" --rates 1,2 --num-requests "${PACED_REQUESTS:-20}" \
-      --transfer "$t" --transport auto --json "$OUT/crossval_h200_${PACED_WORKLOAD:-chatbot}_$t.json"
+  # PACED_WORKLOAD picks the workloads (space-separated), PACED_RATES the rates, PACED_LIMIT each system's seconds;
+  # PACED_TILIZE=1 first measures the host's tilize rate (gn-host's fix-up runs on the decode node's CPU)
+  [ "${PACED_TILIZE:-0}" = 1 ] && step cpu_tilize 60 python3 -m hawk.bench.transform --device cpu --shape llama70b-tp4 --sizes-mb 32 \
+    --dtypes bf16,bfp8_b --blocks contiguous --repeats 3 --warmup 1 --json "$OUT/transform_cpu_host.json"
+  for w in ${PACED_WORKLOAD:-chatbot}; do
+    for t in ${PACED_CONFIGS:-gn-hawk gg-direct gn-host}; do
+      step "paced_${w}_$t" "${PACED_LIMIT:-155}" python3 benchmarks/cross_validate.py --scenarios paced --link-gbps 200 --prefill-device cuda:0 \
+        --decode-device npu-emu:cuda:0 --model llama-3.1-8b --dtype bf16 --workload "$w" --rates "${PACED_RATES:-1,2}" \
+        --num-requests "${PACED_REQUESTS:-20}" --kv-dtype "${PACED_KV_DTYPE:-bf16}" --transfer "$t" --transport auto \
+        --json "$OUT/crossval_h200_${w}_$t.json"
+    done
   done
 fi
 if want pairs; then  # separate processes and replicas: where a point's memory lands moved the batch-1 ratio by +-0.4 %

@@ -284,7 +284,12 @@ class _HostLanding(Landing):
 
 
 class HostToNpuLanding(_HostLanding):
-    """gn-host: host staging, then the layout fix-up (tilize + channel placement) on the NPU side."""
+    """gn-host: host staging, then the layout fix-up (tilize + channel placement) on the NPU side.
+
+    The fix-up runs where the paper's baseline runs it: on the decode node's CPU, over the staged
+    host copy (a Tenstorrent host tilizes a tensor before writing it to the device), and only the
+    tiles cross to the NPU's DRAM. Tilizing on the NPU's backing GPU instead would hand the
+    baseline HAWK's own fast path."""
 
     def __init__(self, kv: NpuKVCacheMemory, rx: HostRx):
         super().__init__(rx)
@@ -301,10 +306,10 @@ class HostToNpuLanding(_HostLanding):
 
     def finish(self, plan, held) -> None:
         dev = self.npu.torch_device
-        tiles = transform(self._compact_on(held, plan, dev), plan.fixup)  # the NPU side's tilize
+        tiles = transform(self._compact_on(held, plan, torch.device("cpu")), plan.fixup)  # the host's tilize
         fx = plan.fixup
         pb = fx.page_bytes
-        pages = tiles.view(-1, pb)
+        pages = tiles.view(-1, pb).to(dev)  # the tiles' writes into the NPU's DRAM
         a, b = (torch.as_tensor(x, device=dev) for x in fx.offset_terms())
         page_ids = torch.as_tensor(fx.page, device=dev)
         for t in range(fx.num_tensors):
