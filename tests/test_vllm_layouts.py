@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from pathlib import Path
 
 import msgpack
@@ -381,3 +382,68 @@ def test_send_formats_read_vllm_registered_views() -> None:
         for sb, db in zip([3, 0, 4], [7, 1, 2]):
             landed = dst.layer_flat(dcaches[layer])[dst.element_offsets(kv, db, n, h, d)]
             assert torch.equal(landed, vals[layer, kv, sb])  # [N, H, D]: what was written by the hand formulas
+
+
+# -- Algorithm 1 end to end, vLLM's registered views on the prefill side (and on a GPU decode) ---------
+
+
+@pytest.mark.parametrize("config", ["gg-direct", "gg-host", "gn-hawk", "gn-host", "gn-direct-single"])
+@pytest.mark.parametrize("post", ["pull", "push"])
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_every_gpu_prefill_configuration_lands_kv_from_vllm_views(config: str, post: str, direct: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU_ATTN's cache (LBHNC, vec order) on the prefill side, written by the hand formulas; a GPU decode
+    holds the same vLLM form. Whatever the configuration, with the sender landing a pull itself or not
+    (``HAWK_DIRECT_WRITE``), the decode ends up with exactly the request's K/V."""
+    monkeypatch.setenv("HAWK_DIRECT_WRITE", direct)
+    from hawk.connector.configs import GpuSide, NpuSide, get_config, make_receiver, make_sender
+    from hawk.devices.emulated import open_npu
+    from hawk.memory.npu_kv_cache import NpuKVCacheMemory
+    from hawk.plan.cost_model import cost_model_for
+    from hawk.transport.local import LocalTransport
+
+    L, B, N, H, D, NBS = 2, 6, 32, 2, 64, 64
+    vals = random_vals(L, B, N, H, D, torch.bfloat16, seed=11)
+    src = V.cpu_layout("vec", L, B, N, H, D)
+    caches = vllm_cpu_caches(src)
+    fill_vllm_cpu(caches, vals, "vec")
+    src = V.from_registered({f"model.layers.{i}.self_attn.attn": c for i, c in enumerate(caches)}, "CPU_ATTN", "vec", D)
+    tp, td = LocalTransport(), LocalTransport()
+    freed: list[str] = []
+    sender = make_sender(config, tp, caches, src, 1 << 20, ttl_s=30.0, reap_every_s=0.02)
+    on_npu = get_config(config).decode_on == "npu"
+    if on_npu:
+        npu = open_npu("npu-emu:cpu", "blackhole-p150a", bank_capacity=4 << 20)
+        kv = NpuKVCacheMemory(npu, NpuKVLayout(npu.arch, L, 8, H, NBS, D))
+        side = NpuSide(npu, kv, 1 << 20, cost_model_for("local", "cpu"))
+    else:
+        dst = V.cpu_layout("vec", L, B + 2, N, H, D)
+        dcaches = vllm_cpu_caches(dst)
+        side = GpuSide(dcaches, dst, 1 << 20)
+    receiver = make_receiver(config, td, side, post=post, timeout_s=5.0)
+    try:
+        for i, (tokens, gblocks) in enumerate([(100, [5, 1, 3, 0]), (1, [2]), (64, [4, 0])]):
+            sender.add(f"r{i}", tokens, gblocks, lambda rid=f"r{i}": freed.append(rid))
+            size = NBS if on_npu else N
+            dblocks = list(range(1, 1 + -(-tokens // size)))
+            res = receiver.pull(sender.address, f"r{i}", dblocks)
+            assert res.num_tokens == tokens
+            want = torch.stack([vals[:, :, gblocks[t // N], t % N] for t in range(tokens)], dim=2)  # [L, 2, tokens, H, D]
+            for layer, k in itertools.product(range(L), range(2)):
+                if on_npu:
+                    got = kv.read_blocks(2 * layer + k, torch.tensor(dblocks)).permute(0, 2, 1, 3).reshape(-1, H, D)[:tokens]
+                else:
+                    t = torch.arange(tokens)
+                    blk = torch.tensor(dblocks)[t // N][:, None, None]
+                    hh, dd = torch.arange(H)[None, :, None], torch.arange(D)[None, None, :]
+                    got = dst.layer_flat(dcaches[layer])[dst.element_offsets(k, blk, (t % N)[:, None, None], hh, dd)]
+                assert torch.equal(got.float(), want[layer, k].float()), (config, i, layer, k)
+        deadline = time.monotonic() + 3
+        while sorted(freed) != ["r0", "r1", "r2"] and time.monotonic() < deadline:
+            sender.reap()
+            time.sleep(0.02)
+        assert sorted(freed) == ["r0", "r1", "r2"]  # every prefill's blocks went back exactly once
+    finally:
+        receiver.close()
+        sender.close()
+        td.close()
+        tp.close()
