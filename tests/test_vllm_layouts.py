@@ -85,6 +85,15 @@ def vllm_cpu_caches(layout: PagedKVLayout) -> list[torch.Tensor]:
     return [buf.as_strided(layout.tensor_shape, layout.tensor_strides, i * per) for i in range(layout.num_layers)]
 
 
+def registered_vec_cache(L: int, B: int, N: int, H: int, D: int, seed: int) -> tuple[torch.Tensor, list[torch.Tensor], PagedKVLayout]:
+    """Random K/V written into CPU_ATTN (vec) caches by the hand formulas, and the layout
+    ``from_registered`` reads from those views."""
+    vals = random_vals(L, B, N, H, D, torch.bfloat16, seed=seed)
+    caches = vllm_cpu_caches(V.cpu_layout("vec", L, B, N, H, D))
+    fill_vllm_cpu(caches, vals, "vec")
+    return vals, caches, V.from_registered({f"model.layers.{i}.self_attn.attn": c for i, c in enumerate(caches)}, "CPU_ATTN", "vec", D)
+
+
 def layouts_of(layers: int, blocks: int, n: int, h: int, d: int, dtype: str = "bf16") -> list[tuple[str, PagedKVLayout, list[torch.Tensor]]]:
     """Every vLLM form HAWK describes at these dims (CPU forms where the ISA allows them), with caches."""
     out = []
@@ -352,11 +361,7 @@ def test_send_formats_read_vllm_registered_views() -> None:
     from hawk.memory.buffers import StagingBuffer
 
     L, B, N, H, D, tokens = 2, 5, 32, 2, 64, 90
-    vals = random_vals(L, B, N, H, D, torch.bfloat16, seed=3)
-    lay = V.cpu_layout("vec", L, B, N, H, D)
-    caches = vllm_cpu_caches(lay)
-    fill_vllm_cpu(caches, vals, "vec")
-    reg = V.from_registered({f"model.layers.{i}.self_attn.attn": c for i, c in enumerate(caches)}, "CPU_ATTN", "vec", D)
+    vals, caches, reg = registered_vec_cache(L, B, N, H, D, seed=3)
     nhd = GpuKVLayout(L, B, N, H, D)
     ref_plan, plan = _plans([nhd, reg], tokens, "bfp8_b", seed=5)
     tiles = NpuTiles(caches, reg, StagingBuffer(1 << 20), impl="torch")
@@ -402,11 +407,7 @@ def test_every_gpu_prefill_configuration_lands_kv_from_vllm_views(config: str, p
     from hawk.transport.local import LocalTransport
 
     L, B, N, H, D, NBS = 2, 6, 32, 2, 64, 64
-    vals = random_vals(L, B, N, H, D, torch.bfloat16, seed=11)
-    src = V.cpu_layout("vec", L, B, N, H, D)
-    caches = vllm_cpu_caches(src)
-    fill_vllm_cpu(caches, vals, "vec")
-    src = V.from_registered({f"model.layers.{i}.self_attn.attn": c for i, c in enumerate(caches)}, "CPU_ATTN", "vec", D)
+    vals, caches, src = registered_vec_cache(L, B, N, H, D, seed=11)
     tp, td = LocalTransport(), LocalTransport()
     freed: list[str] = []
     sender = make_sender(config, tp, caches, src, 1 << 20, ttl_s=30.0, reap_every_s=0.02)
