@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from pathlib import Path
 
 import msgpack
@@ -82,6 +83,15 @@ def vllm_cpu_caches(layout: PagedKVLayout) -> list[torch.Tensor]:
     per = layout.num_blocks * layout.tensor_strides[0]
     buf = torch.zeros(layout.num_layers * per, dtype=layout.torch_dtype)
     return [buf.as_strided(layout.tensor_shape, layout.tensor_strides, i * per) for i in range(layout.num_layers)]
+
+
+def registered_vec_cache(L: int, B: int, N: int, H: int, D: int, seed: int) -> tuple[torch.Tensor, list[torch.Tensor], PagedKVLayout]:
+    """Random K/V written into CPU_ATTN (vec) caches by the hand formulas, and the layout
+    ``from_registered`` reads from those views."""
+    vals = random_vals(L, B, N, H, D, torch.bfloat16, seed=seed)
+    caches = vllm_cpu_caches(V.cpu_layout("vec", L, B, N, H, D))
+    fill_vllm_cpu(caches, vals, "vec")
+    return vals, caches, V.from_registered({f"model.layers.{i}.self_attn.attn": c for i, c in enumerate(caches)}, "CPU_ATTN", "vec", D)
 
 
 def layouts_of(layers: int, blocks: int, n: int, h: int, d: int, dtype: str = "bf16") -> list[tuple[str, PagedKVLayout, list[torch.Tensor]]]:
@@ -351,11 +361,7 @@ def test_send_formats_read_vllm_registered_views() -> None:
     from hawk.memory.buffers import StagingBuffer
 
     L, B, N, H, D, tokens = 2, 5, 32, 2, 64, 90
-    vals = random_vals(L, B, N, H, D, torch.bfloat16, seed=3)
-    lay = V.cpu_layout("vec", L, B, N, H, D)
-    caches = vllm_cpu_caches(lay)
-    fill_vllm_cpu(caches, vals, "vec")
-    reg = V.from_registered({f"model.layers.{i}.self_attn.attn": c for i, c in enumerate(caches)}, "CPU_ATTN", "vec", D)
+    vals, caches, reg = registered_vec_cache(L, B, N, H, D, seed=3)
     nhd = GpuKVLayout(L, B, N, H, D)
     ref_plan, plan = _plans([nhd, reg], tokens, "bfp8_b", seed=5)
     tiles = NpuTiles(caches, reg, StagingBuffer(1 << 20), impl="torch")
@@ -381,3 +387,64 @@ def test_send_formats_read_vllm_registered_views() -> None:
         for sb, db in zip([3, 0, 4], [7, 1, 2]):
             landed = dst.layer_flat(dcaches[layer])[dst.element_offsets(kv, db, n, h, d)]
             assert torch.equal(landed, vals[layer, kv, sb])  # [N, H, D]: what was written by the hand formulas
+
+
+# -- Algorithm 1 end to end, vLLM's registered views on the prefill side (and on a GPU decode) ---------
+
+
+@pytest.mark.parametrize("config", ["gg-direct", "gg-host", "gn-hawk", "gn-host", "gn-direct-single"])
+@pytest.mark.parametrize("post", ["pull", "push"])
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_every_gpu_prefill_configuration_lands_kv_from_vllm_views(config: str, post: str, direct: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU_ATTN's cache (LBHNC, vec order) on the prefill side, written by the hand formulas; a GPU decode
+    holds the same vLLM form. Whatever the configuration, with the sender landing a pull itself or not
+    (``HAWK_DIRECT_WRITE``), the decode ends up with exactly the request's K/V."""
+    monkeypatch.setenv("HAWK_DIRECT_WRITE", direct)
+    from hawk.connector.configs import GpuSide, NpuSide, get_config, make_receiver, make_sender
+    from hawk.devices.emulated import open_npu
+    from hawk.memory.npu_kv_cache import NpuKVCacheMemory
+    from hawk.plan.cost_model import cost_model_for
+    from hawk.transport.local import LocalTransport
+
+    L, B, N, H, D, NBS = 2, 6, 32, 2, 64, 64
+    vals, caches, src = registered_vec_cache(L, B, N, H, D, seed=11)
+    tp, td = LocalTransport(), LocalTransport()
+    freed: list[str] = []
+    sender = make_sender(config, tp, caches, src, 1 << 20, ttl_s=30.0, reap_every_s=0.02)
+    on_npu = get_config(config).decode_on == "npu"
+    if on_npu:
+        npu = open_npu("npu-emu:cpu", "blackhole-p150a", bank_capacity=4 << 20)
+        kv = NpuKVCacheMemory(npu, NpuKVLayout(npu.arch, L, 8, H, NBS, D))
+        side = NpuSide(npu, kv, 1 << 20, cost_model_for("local", "cpu"))
+    else:
+        dst = V.cpu_layout("vec", L, B + 2, N, H, D)
+        dcaches = vllm_cpu_caches(dst)
+        side = GpuSide(dcaches, dst, 1 << 20)
+    receiver = make_receiver(config, td, side, post=post, timeout_s=5.0)
+    try:
+        for i, (tokens, gblocks) in enumerate([(100, [5, 1, 3, 0]), (1, [2]), (64, [4, 0])]):
+            sender.add(f"r{i}", tokens, gblocks, lambda rid=f"r{i}": freed.append(rid))
+            size = NBS if on_npu else N
+            dblocks = list(range(1, 1 + -(-tokens // size)))
+            res = receiver.pull(sender.address, f"r{i}", dblocks)
+            assert res.num_tokens == tokens
+            want = torch.stack([vals[:, :, gblocks[t // N], t % N] for t in range(tokens)], dim=2)  # [L, 2, tokens, H, D]
+            for layer, k in itertools.product(range(L), range(2)):
+                if on_npu:
+                    got = kv.read_blocks(2 * layer + k, torch.tensor(dblocks)).permute(0, 2, 1, 3).reshape(-1, H, D)[:tokens]
+                else:
+                    t = torch.arange(tokens)
+                    blk = torch.tensor(dblocks)[t // N][:, None, None]
+                    hh, dd = torch.arange(H)[None, :, None], torch.arange(D)[None, None, :]
+                    got = dst.layer_flat(dcaches[layer])[dst.element_offsets(k, blk, (t % N)[:, None, None], hh, dd)]
+                assert torch.equal(got.float(), want[layer, k].float()), (config, i, layer, k)
+        deadline = time.monotonic() + 3
+        while sorted(freed) != ["r0", "r1", "r2"] and time.monotonic() < deadline:
+            sender.reap()
+            time.sleep(0.02)
+        assert sorted(freed) == ["r0", "r1", "r2"]  # every prefill's blocks went back exactly once
+    finally:
+        receiver.close()
+        sender.close()
+        td.close()
+        tp.close()

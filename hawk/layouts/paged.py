@@ -267,6 +267,7 @@ def _block_stride(layout: PagedKVLayout) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _pieces(layout: PagedKVLayout) -> tuple[int, tuple[int, ...], int]:
+    """Block 0's offsets as runs of consecutive elements (cached: asked on every block-copy plan)."""
     offs = np.unique(_cell(layout))
     if len(offs) != 2 * layout.block_size * layout.num_kv_heads * layout.head_dim:
         raise LayoutError(f"layout {layout.name} maps two elements of one block to one offset")
