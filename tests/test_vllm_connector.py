@@ -100,6 +100,9 @@ def test_consumer_loads_a_handle_once_and_recomputes_what_it_cannot_pull():
     s.allocated(r, [11], 3)
     (job,) = s.take_plan().recvs
     assert (job.request_id, job.block_ids, job.handle.request_id) == ("d", (11,), "r-1")
+    assert s.matched_tokens(r, 0) == (0, False)  # its load failed and vLLM rescheduled it: recompute, no second pull
+    s.finished(Req("d", [1, 2, 3], params), [11])
+    assert s.matched_tokens(r, 0) == (3, True)  # an id seen again after its request ended is a new request
     assert s.matched_tokens(Req("p", [1, 2, 3]), 0) == (0, False)  # a plain request
     assert s.matched_tokens(Req("hit", [1, 2, 3], params), 2) == (0, False)  # local prefix-cache hits: recompute
     assert s.matched_tokens(Req("len", [1, 2], params), 0) == (0, False)  # the handle's length disagrees

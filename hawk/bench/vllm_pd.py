@@ -156,7 +156,8 @@ class Launcher:
         port = free_port()
         with open(self.logs / f"{name}.log", "wb") as f:
             self.procs.append(subprocess.Popen([exe, "--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode,
-                                                "--host", "127.0.0.1", "--port", str(port)], stdout=f, stderr=subprocess.STDOUT,
+                                                "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port())],
+                                               stdout=f, stderr=subprocess.STDOUT,
                                                start_new_session=True))
         return f"http://127.0.0.1:{port}"
 

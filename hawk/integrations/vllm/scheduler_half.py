@@ -16,7 +16,7 @@ The request lifecycle, once (the worker half, worker_half.py, does the moving):
     2 ``update_state_after_alloc``: vLLM allocated the blocks; the next step's plan carries a RecvJob
     3 the worker pulls into them (D1..D9) and reports the request as finished receiving (a failed pull
       reports its blocks as load errors: vLLM recomputes or fails the request, per its
-      ``kv_load_failure_policy``); vLLM then schedules the request
+      ``kv_load_failure_policy``; a request it reschedules is not pulled again); vLLM then schedules it
   A decode with local prefix-cache hits for the prompt loads nothing and recomputes (the pull is whole).
 """
 
@@ -42,6 +42,8 @@ class SchedulerHalf:
         self.address: str | None = None  # the worker's KV control socket (from vLLM's handshake metadata)
         self._plan = StepPlan()
         self._loading: dict[str, KVHandle] = {}  # request id -> its handle, from matched to allocated
+        self._tried: set[str] = set()  # requests whose handle was loaded once: a failed load is rescheduled
+        # by vLLM and must then recompute, not pull again (until the request finishes)
 
     def set_worker_address(self, addresses: dict[int, str]) -> None:
         """vLLM's handshake metadata, by tensor-parallel rank. HAWK's handle names one socket."""
@@ -55,7 +57,7 @@ class SchedulerHalf:
         if not self.consumer:
             return 0, False
         handle = read_handle(request.kv_transfer_params)
-        if handle is None or request.request_id in self._loading:
+        if handle is None or request.request_id in self._loading or request.request_id in self._tried:
             return 0, False
         if CONFIGS[handle.transfer].decode_on != "gpu":
             log.warning("request %s: its prefill sent in %s, which decodes on an NPU; recomputing", request.request_id, handle.transfer)
@@ -69,6 +71,7 @@ class SchedulerHalf:
                         handle.num_tokens, len(request.prompt_token_ids))
             return 0, False
         self._loading[request.request_id] = handle
+        self._tried.add(request.request_id)
         return handle.num_tokens, True
 
     def allocated(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
@@ -81,6 +84,7 @@ class SchedulerHalf:
 
     def finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._loading.pop(request.request_id, None)
+        self._tried.discard(request.request_id)
         params = request.kv_transfer_params
         if not self.producer or not wants_remote_decode(params):
             return False, None
