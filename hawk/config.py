@@ -111,7 +111,9 @@ class ServeConfig:
     kv_ttl_s: float = opt(30.0, "seconds prefilled KV waits to be pulled before it is freed", positive=True)
     max_batch: int = opt(64, "decode: sequences per step (and the largest CUDA-graph bucket)", flags=("--max-num-seqs", "--max-batch"), min=1)
     max_model_len: int = opt(0, "decode: longest prompt + output accepted; 0 = the model's context length", min=0)
-    max_prefill_chunk: int = opt(2048, "prefill: most prompt tokens per engine iteration; a longer prompt is prefilled in chunks of this size, so decode steps sharing the device (colocated) interleave and activations stay bounded; 0 = whole prompts (vLLM: --max-num-batched-tokens)", min=0)
+    max_prefill_chunk: int = opt(2048, "prefill: most prompt tokens per engine iteration; a longer prompt is prefilled in chunks of this size, so decode steps sharing the device (colocated) interleave and activations stay bounded; 0 = whole prompts", min=0)
+    mixed_steps: bool = opt(True, "colocated: decode tokens and prefill chunks run in one forward under --max-num-batched-tokens (vLLM's chunked-prefill scheduler); --no-mixed-steps runs prefill and decode as separate forwards from two threads", flags=("--mixed-steps/--no-mixed-steps",))
+    max_num_batched_tokens: int = opt(2048, "colocated mixed steps: most tokens one forward carries, one per running sequence first, prefill chunks in the rest (vLLM's name); must exceed --max-num-seqs", min=2)
     graphs: bool | None = opt(None, "decode CUDA graphs (default: when the device and backend allow)", flags=("--graphs/--no-graphs",))
     prefill_graph_tokens: int = opt(2048, "prefill: iterations of at most this many tokens replay a CUDA graph per (tokens, sequences) bucket, padded to a multiple of 128 tokens (on CUDA, prefill TP 1, unless --no-graphs); 0 = eager prefill", min=0)
     async_scheduling: bool | None = opt(None, "decode: launch each step before the previous step's tokens reach the host, its ids taken on the device, so the host's work between steps overlaps the GPU's (vLLM's async scheduling; default: on a GPU without --decode-tp > 1 or --npu-timing)", flags=("--async-scheduling/--no-async-scheduling",))
@@ -163,6 +165,9 @@ class ServeConfig:
             if on_npu != parse_device(self.decode_device).is_npu:
                 want = "npu-emu:cpu or npu-emu:cuda:N" if on_npu else "cpu or cuda:N"
                 raise ConfigError(f"{self.transfer} decodes on {'an NPU' if on_npu else 'a GPU'}: --decode-device must be {want}, not {self.decode_device!r}")
+        if self.transfer == "colocated" and self.mixed_steps and self.max_num_batched_tokens <= self.max_batch:
+            raise ConfigError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must exceed --max-num-seqs ({self.max_batch}): "
+                              "each running sequence's token comes first, prefill chunks take what is left")
         if self.kv_flow == "layerwise" and self.transfer != "colocated":  # colocated moves nothing
             if self.transfer not in LAYERWISE_TRANSFERS:
                 raise ConfigError(f"--kv-flow layerwise supports {', '.join(LAYERWISE_TRANSFERS)}, not {self.transfer}")

@@ -19,7 +19,7 @@ from hawk.connector.configs import GpuSide, NpuSide, get_config, make_receiver, 
 from hawk.devices.emulated import open_npu
 from hawk.devices.timing import copy_model_for, engine_step_model, timing_label
 from hawk.engine.block_manager import BlockManager
-from hawk.engine.decode_engine import DecodeEngine, LocalKV, RemoteKV
+from hawk.engine.decode_engine import MIXED_PREFILL_SEQS, DecodeEngine, LocalKV, RemoteKV
 from hawk.engine.loader import LoadedModel, load_model
 from hawk.engine.npu_attention import NpuTileAttention
 from hawk.engine.paged_attention import PagedAttention
@@ -506,17 +506,24 @@ class ColocatedInstance:
         self.caches = self.layout.allocate(cfg.prefill_device)
         self.blocks = BlockManager(self.layout.num_blocks, self.layout.block_size)
         self._handed: dict[str, list[int]] = {}
+        mixed = cfg.mixed_steps
         self.prefill = PrefillEngine(
             self.loaded.model, self.layout, self.caches, self._handoff, block_manager=self.blocks, max_prefill_chunk=cfg.max_prefill_chunk,
-            graph_tokens=prefill_graph_tokens(cfg),
+            graph_tokens=prefill_graph_tokens(cfg), threaded=not mixed,
         )
-        self.prefill.runner.warmup_prefill()
-        attn = PagedAttention(self.layout, self.caches, max_batch=cfg.max_batch, max_model_len=_decode_len(cfg, mc))
+        if self.prefill.runner is not None:
+            self.prefill.runner.warmup_prefill()
+        rows = cfg.max_batch + MIXED_PREFILL_SEQS + 1 if mixed else cfg.max_batch  # a mixed step's prompts ride beside the decode rows
+        attn = PagedAttention(self.layout, self.caches, max_batch=rows, max_model_len=_decode_len(cfg, mc))
         self.decode = DecodeEngine(
             self.loaded.model, attn, LocalKV(self.blocks), tuple(mc.eos_token_ids), cfg.max_batch,
             graphs=cfg.graphs, max_model_len=cfg.max_model_len or None, overlap=cfg.async_scheduling,
+            prefill=self.prefill if mixed else None, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            mixed_graph_tokens=min(prefill_graph_tokens(cfg), cfg.max_num_batched_tokens),
         )
         self.decode.warmup()
+        if mixed:
+            self.decode.runner.warmup_prefill()
 
     def _handoff(self, request_id: str, num_tokens: int, blocks: list[int], free: Any) -> None:
         self._handed[request_id] = blocks  # the decode engine takes these blocks over as they are
@@ -535,8 +542,12 @@ class ColocatedInstance:
         return {"kv_blocks_used": self.blocks.num_blocks - self.blocks.num_free, "kv_blocks_total": self.blocks.num_blocks, "handed_over": len(self._handed)}
 
     def close(self) -> None:
-        self.prefill.close()
-        self.decode.close()
+        if self.cfg.mixed_steps:  # the decode loop steps the prefill: stop it first
+            self.decode.close()
+            self.prefill.close()
+        else:
+            self.prefill.close()
+            self.decode.close()
         for b in self._handed.values():
             self.blocks.free(b)
         self._handed.clear()
