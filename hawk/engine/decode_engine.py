@@ -832,7 +832,7 @@ class DecodeEngine:
         except Exception as ex:  # noqa: BLE001 - the device failed this step: its rows fail
             log.exception("reading a decode step's tokens failed")
             toks = [ex] * len(launched.batch)
-        if emit and self.step_time is not None:
+        if emit and self.step_time is not None and launched.batch:  # a prefill-only step is no decode step
             self._pace(launched.t0, launched.batch)
         for e, tok in zip(launched.batch, toks) if emit else ():
             if e.seq.status is not Status.RUNNING or e.aborted:

@@ -6,6 +6,7 @@ These are what the servers wrap and what tests and benchmarks drive directly.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -18,6 +19,7 @@ from hawk.connector.algorithm1 import KVTransferFailed, PullResult
 from hawk.connector.configs import GpuSide, NpuSide, get_config, make_receiver, make_sender
 from hawk.devices.emulated import open_npu
 from hawk.devices.timing import copy_model_for, engine_step_model, timing_label
+from hawk.engine import capacity
 from hawk.engine.block_manager import BlockManager
 from hawk.engine.decode_engine import MIXED_PREFILL_SEQS, DecodeEngine, LocalKV, RemoteKV
 from hawk.engine.loader import LoadedModel, load_model
@@ -90,10 +92,11 @@ class PrefillRank:
     own transport and HAWK sender (own staging buffer, own control socket)."""
 
     def __init__(self, cfg: InstanceConfig, shard: Shard = Shard(), loaded: LoadedModel | None = None):
-        self.cfg, self.shard = cfg, shard
         self.loaded = loaded or load_model(cfg.model, cfg.prefill_device, compute_dtype(cfg), cfg.seed, shard=shard)
         mc = self.loaded.config
-        self.layout = _gpu_layout(cfg, mc, cfg.kv_tokens, shard)
+        self.capacity = capacity.resolve(cfg, mc, "prefill", capacity.weight_bytes(self.loaded.model))
+        self.cfg, self.shard = cfg, shard  # unresolved: the transfer buffers are sized from what the user gave
+        self.layout = _gpu_layout(cfg, mc, self.capacity.kv_tokens, shard)
         self.caches = self.layout.allocate(cfg.prefill_device)
         self.transport = make_transport(cfg.transport)
         self.staging_bytes = buffer_mb(cfg, mc, "staging") * MiB
@@ -197,6 +200,7 @@ class PrefillInstance(_FollowedRanks):
             if self.followers is not None:
                 self.followers.close()
             raise
+        self.capacity = self.rank.capacity
         self.loaded, self.layout, self.caches = self.rank.loaded, self.rank.layout, self.rank.caches
         self.transport, self.sender = self.rank.transport, self.rank.sender
         layer_push = self.sender.begin_push if cfg.kv_flow == "layerwise" else None
@@ -309,17 +313,19 @@ class DecodeRank:
     tiles or a paged cache), the attention over it, its own transport and HAWK receiver."""
 
     def __init__(self, cfg: InstanceConfig, shard: Shard = Shard(), loaded: LoadedModel | None = None):
-        self.cfg, self.shard = cfg, shard
         tc = get_config(cfg.transfer)
         compute = cfg.decode_compute_device
         self.loaded = loaded or load_model(cfg.model, compute, compute_dtype(cfg), cfg.seed, shard=shard)
         mc = self.loaded.config
         heads = shard.kv_heads(mc.num_kv_heads)
         self.heads = heads
-        self.transport = make_transport(cfg.transport)
-        rx = self.rx_bytes = buffer_mb(cfg, mc, "rx") * MiB
+        rx = self.rx_bytes = buffer_mb(cfg, mc, "rx") * MiB  # from the config as given, as the prefill sizes its staging
         if cfg.rx_mb is None:
             log.info("receive buffers: auto, %d MiB (the KV of %d tokens)", rx // MiB, max_request_tokens(cfg, mc))
+        self.capacity = capacity.resolve(cfg, mc, "decode", capacity.weight_bytes(self.loaded.model), len(heads), rx)
+        cfg = dataclasses.replace(cfg, kv_tokens=self.capacity.kv_tokens, max_batch=self.capacity.max_num_seqs)
+        self.cfg, self.shard = cfg, shard
+        self.transport = make_transport(cfg.transport)
         self.npu = None
         if tc.decode_on == "npu":
             arch0 = get_arch(cfg.arch)
@@ -448,6 +454,8 @@ class DecodeInstance(_FollowedRanks):
                 self.followers.close()
             raise
         r = self.rank
+        self.capacity = r.capacity
+        cfg = self.cfg = r.cfg  # the cache and batch as resolved (capacity.py)
         try:  # a prompt whose KV can never land in the receive buffers is refused before its pull
             self.kv_limits = kv_limits(cfg, r.loaded.config, {"rx": r.rx_bytes}, r.blocks.num_blocks * r.blocks.block_size)
         except BaseException:
@@ -499,9 +507,10 @@ class ColocatedInstance:
     """The oracle: one model prefilling and decoding over one paged cache, with no transfer."""
 
     def __init__(self, cfg: InstanceConfig, loaded: LoadedModel | None = None):
-        self.cfg = cfg
         self.loaded = loaded or load_model(cfg.model, cfg.prefill_device, compute_dtype(cfg), cfg.seed)
         mc = self.loaded.config
+        self.capacity = capacity.resolve(cfg, mc, "colocated", capacity.weight_bytes(self.loaded.model))
+        cfg = self.cfg = dataclasses.replace(cfg, kv_tokens=self.capacity.kv_tokens, max_batch=self.capacity.max_num_seqs)
         self.layout = _gpu_layout(cfg, mc, cfg.kv_tokens)
         self.caches = self.layout.allocate(cfg.prefill_device)
         self.blocks = BlockManager(self.layout.num_blocks, self.layout.block_size)
