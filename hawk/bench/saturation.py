@@ -1,0 +1,254 @@
+"""``hawk bench serving --saturation``: where a server's throughput stops growing, against a bound
+measured on the same server in the same run.
+
+The ramp: rates ``r0, r0·f, r0·f², ...`` (open loop, ``hawk bench serving``'s Poisson arrivals),
+until the request throughput grows by less than ``min_growth`` over the best so far (or
+``max_steps`` rates). Saturation throughput is the best rate's; the rate at 90 % SLO attainment is
+interpolated between the last rate that met it and the first that did not. One more run at 80 % of
+the saturation throughput gives the latencies a loaded server shows short of saturation.
+
+The bound is what the server's own steps allow for this workload's token counts, with prefill and
+decode taking turns on the device (no overlap credited):
+
+    bound_rps = 1 / (mean_i T_prefill(P_i) + mean_i (O_i - 1) · T_step(B) / B)
+
+``T_prefill`` is a line fitted to the prefill times of lone requests at three prompt lengths of
+the workload (10th, 50th, 90th percentile; three each, medians): the server's own ``prefill_s``
+where it reports one (HAWK), else the client's TTFT (vLLM: HTTP and tokenization included, so that
+bound is a little low). ``T_step(B)`` is the decode step at batch ``B``: ``B`` requests of the
+median prompt sent at once, with outputs long enough that all of them are decoding before the first
+ends; the median gap between tokens in that window (every request in the batch, no prefill in the
+steps) is the step. ``B`` is ``bound_batch`` (the server's ``--max-num-seqs``). Both are measured
+through the HTTP API on the server under test, so the bound and the ramp share the machine's state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+
+from hawk.bench.serving import _bench, _server_info, completion_body, prompt_ids, run_rate
+from hawk.sim.metrics import RequestResult
+from hawk.sim.workload import RequestSpec, Workload, generate_requests, get_workload
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The same-run bound and what it was computed from."""
+
+    bound_rps: float
+    prefill_ms_mean: float  # mean over the workload's prompts of the fitted prefill time
+    prefill_fit_ms: tuple[float, float]  # a + b * tokens: (a ms, b ms per token)
+    prefill_source: str  # "server prefill_s" or "client TTFT"
+    decode_step_ms: float  # T_step(B)
+    batch: int  # B
+    decode_ms_per_request: float  # mean (O - 1) * T_step / B
+    input_len_mean: float
+    output_len_mean: float
+
+
+@dataclass(frozen=True)
+class SaturationOptions:
+    start_rate: float = 1.0
+    factor: float = 1.5
+    min_growth: float = 0.05
+    max_steps: int = 8
+    num_requests: int = 200
+    bound_batch: int = 256
+    seed: int = 0
+    prefill_reps: int = 3
+
+
+def _percentile_lengths(specs: Sequence[RequestSpec]) -> list[int]:
+    lens = np.array([s.input_len for s in specs])
+    return sorted({max(1, int(np.percentile(lens, q))) for q in (10, 50, 90)})
+
+
+async def _lone(client: httpx.AsyncClient, url: str, model: str | None, n_in: int, n_out: int, index: int, seed: int) -> RequestResult:
+    spec = RequestSpec(index, 0.0, n_in, n_out)
+    body = completion_body(spec, prompt_ids(spec, seed, (1000, 10000)), model)
+    res = await run_rate(client, url, [spec], [body])
+    return res[0]
+
+
+async def measure_prefill(client: httpx.AsyncClient, url: str, model: str | None, lengths: Sequence[int], reps: int, seed: int) -> tuple[list[tuple[int, float]], str]:
+    """(prompt tokens, seconds) per length: the median of ``reps`` lone requests of 2 output tokens."""
+    out, source = [], "server prefill_s"
+    for n in lengths:
+        times = []
+        for r in range(reps):
+            res = await _lone(client, url, model, n, 2, 10_000 + 100 * n + r, seed)
+            if not res.ok:
+                raise RuntimeError(f"prefill probe of {n} tokens failed: {res.error}")
+            hawk = (res.extra or {}).get("hawk") or {}
+            if hawk.get("prefill_s") is not None:
+                times.append(float(hawk["prefill_s"]))
+            else:
+                source = "client TTFT"
+                times.append(float(res.ttft_s or 0.0))
+        out.append((n, float(np.median(times))))
+    return out, source
+
+
+def step_window(results: Sequence[RequestResult]) -> list[float]:
+    """Token gaps while every request of a batch was decoding: from the last first token to the
+    first end (no request joins or leaves, so no prefill rides in those steps)."""
+    ok = [r for r in results if r.ok and r.first_s is not None and r.itl_s]
+    if len(ok) < len(results):
+        raise RuntimeError(f"{len(results) - len(ok)} of the decode probe's requests failed")
+    start = max(r.first_s for r in ok)  # type: ignore[type-var]
+    end = min(r.last_s for r in ok if r.last_s is not None)
+    gaps = []
+    for r in ok:
+        t = r.first_s + np.concatenate([[0.0], np.cumsum(r.itl_s)])  # type: ignore[operator]
+        for a, b in zip(t, t[1:]):
+            if a >= start and b <= end:
+                gaps.append(b - a)
+    return gaps
+
+
+async def measure_decode_step(client: httpx.AsyncClient, url: str, model: str | None, batch: int, n_in: int, n_out: int, seed: int) -> float:
+    """Seconds of one decode step at ``batch``: ``batch`` requests at once, gaps in the full window."""
+    specs = [RequestSpec(20_000 + i, 0.0, n_in, n_out) for i in range(batch)]
+    bodies = [completion_body(s, prompt_ids(s, seed, (1000, 10000)), model) for s in specs]
+    gaps = step_window(await run_rate(client, url, specs, bodies))
+    if len(gaps) < batch:
+        raise RuntimeError(f"the decode probe at batch {batch} saw {len(gaps)} steps with the whole batch decoding: raise its output length")
+    return float(np.median(gaps))
+
+
+def fit_line(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """Least squares a + b n (b = 0, a = the mean, from one point)."""
+    ns = np.array([p[0] for p in points], dtype=float)
+    ts = np.array([p[1] for p in points], dtype=float)
+    if len(points) < 2 or np.ptp(ns) == 0:
+        return float(ts.mean()), 0.0
+    b, a = np.polyfit(ns, ts, 1)
+    return float(a), float(b)
+
+
+def bound_from(specs: Sequence[RequestSpec], fit: tuple[float, float], step_s: float, batch: int, source: str) -> Bound:
+    """The formula in the module docstring, over the workload's own requests."""
+    a, b = fit
+    prefill = float(np.mean([max(0.0, a + b * s.input_len) for s in specs]))
+    decode = float(np.mean([(s.output_len - 1) * step_s / batch for s in specs]))
+    return Bound(1.0 / (prefill + decode), prefill * 1e3, (a * 1e3, b * 1e3), source, step_s * 1e3, batch, decode * 1e3,
+                 float(np.mean([s.input_len for s in specs])), float(np.mean([s.output_len for s in specs])))
+
+
+def probe_output_len(batch: int, n_in: int, n_out: int, budget_guess: int = 2048) -> int:
+    """Long enough that the whole batch is decoding a while before its first request ends: the
+    batch's prompts take about batch * n_in / budget steps to prefill."""
+    return max(2 * n_out, -(-batch * n_in // max(1, budget_guess - batch)) + 2 * batch // 4 + 64)
+
+
+async def measure_bound(base_url: str, wl: Workload, opts: SaturationOptions, model: str | None, timeout_s: float = 900.0,
+                        batch: int | None = None) -> Bound:
+    """Measure ``T_prefill`` and ``T_step(batch)`` on the server and return the bound."""
+    base_url = base_url.rstrip("/")
+    url = f"{base_url}/v1/completions"
+    specs = generate_requests(wl, opts.num_requests, 1.0, opts.seed)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits, trust_env=False) as client:
+        model = model or (await _server_info(client, base_url)).get("id")
+        points, source = await measure_prefill(client, url, model, _percentile_lengths(specs), opts.prefill_reps, opts.seed)
+        b = batch or opts.bound_batch
+        n_in = int(np.median([s.input_len for s in specs]))
+        n_out = int(np.mean([s.output_len for s in specs]))
+        step = await measure_decode_step(client, url, model, b, n_in, probe_output_len(b, n_in, n_out), opts.seed)
+    return bound_from(specs, fit_line(points), step, b, source)
+
+
+def slo90_rate(records: Sequence[dict[str, Any]], target: float = 0.9) -> float | None:
+    """The offered rate where SLO attainment crosses ``target``, linear between the ramp's last rate
+    that met it and the next; the highest rate if all met it; None if none did."""
+    ok = None
+    for r in sorted(records, key=lambda x: x["rate"]):
+        att = r.get("slo_attainment") or 0.0
+        if att >= target:
+            ok = r
+            continue
+        if ok is None:
+            return None
+        a0, a1 = ok["slo_attainment"], att
+        return float(ok["rate"] + (r["rate"] - ok["rate"]) * (a0 - target) / (a0 - a1))
+    return None if ok is None else float(ok["rate"])
+
+
+def with_aliases(rec: dict[str, Any], bound_rps: float | None) -> dict[str, Any]:
+    """The fields the results files name (p50 = the median), beside ``hawk bench serving``'s own."""
+    return {**rec, "ttft_p50_ms": rec.get("ttft_median_ms"), "tpot_p50_ms": rec.get("tpot_median_ms"),
+            "itl_p50_ms": rec.get("itl_median_ms"), "bound_rps": bound_rps}
+
+
+def ramp(bench_rate: Callable[[float], dict[str, Any]], opts: SaturationOptions, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Run rates ``start, start·f, ...`` until throughput grows by less than ``min_growth``."""
+    records: list[dict[str, Any]] = []
+    best = 0.0
+    rate = opts.start_rate
+    for _ in range(opts.max_steps):
+        rec = bench_rate(rate)
+        records.append(rec)
+        tput = rec.get("request_throughput_rps") or 0.0
+        log(f"rate {rate:.3g} req/s: {tput:.3g} req/s done, SLO attainment {rec.get('slo_attainment') or 0:.0%}")
+        if records[:-1] and tput < best * (1 + opts.min_growth):
+            break
+        best = max(best, tput)
+        rate *= opts.factor
+    return records
+
+
+def run_saturation(base_url: str, workload: str | Workload, opts: SaturationOptions, *, model: str | None = None,
+                   config: str | None = None, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
+                   timeout_s: float = 900.0, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Bound, ramp, and the 80 %-of-saturation run; one JSON-ready record of all of it."""
+    wl = get_workload(workload)
+    t0 = time.time()
+    bound = asyncio.run(measure_bound(base_url, wl, opts, model, timeout_s))
+    log(f"bound: {bound.bound_rps:.3g} req/s (prefill {bound.prefill_ms_mean:.1f} ms/request [{bound.prefill_source}], "
+        f"decode step {bound.decode_step_ms:.2f} ms at batch {bound.batch})")
+
+    def bench_rate(rate: float) -> dict[str, Any]:
+        recs = asyncio.run(_bench(
+            base_url, [rate], wl, opts.num_requests, opts.seed,
+            wl.slo_ttft_ms if slo_ttft_ms is None else slo_ttft_ms, wl.slo_tpot_ms if slo_tpot_ms is None else slo_tpot_ms,
+            model, config, None, timeout_s, 1, (1000, 10000), True, 0.0, 0.0, False, None, None,
+        ))
+        return with_aliases(recs[0], bound.bound_rps)
+
+    records = ramp(bench_rate, opts, log)
+    best = max(records, key=lambda r: r.get("request_throughput_rps") or 0.0)
+    sat = best.get("request_throughput_rps") or 0.0
+    at80 = bench_rate(0.8 * sat) if sat > 0 else None
+    extra: dict[str, Any] = {}
+    if at80 is not None:
+        # Little's law: requests in the system at 80 % = rate x mean time in it; that batch's step
+        batch80 = max(1, min(opts.bound_batch, round(at80["request_throughput_rps"] * (at80.get("e2e_mean_ms") or 0.0) / 1e3)))
+        step80 = asyncio.run(_step_at(base_url, wl, opts, model, timeout_s, batch80))
+        extra = {"batch_at_80": batch80, "decode_step_ms_at_80": step80 * 1e3,
+                 "tpot_p50_over_step_at_80": (at80.get("tpot_median_ms") or math.nan) / (step80 * 1e3),
+                 "itl_p99_over_tpot_p50_at_80": (at80.get("itl_p99_ms") or math.nan) / (at80.get("tpot_median_ms") or math.nan)}
+    return {
+        "workload": wl.name, "config": config or best.get("config"), "base_url": base_url, "started_at": t0,
+        "options": asdict(opts), "bound": asdict(bound),
+        "saturation_rps": sat, "saturation_rate": best["rate"], "saturation_over_bound": sat / bound.bound_rps,
+        "slo90_rate_rps": slo90_rate(records), "ramp": records, "at_80": at80, **extra,
+    }
+
+
+async def _step_at(base_url: str, wl: Workload, opts: SaturationOptions, model: str | None, timeout_s: float, batch: int) -> float:
+    base_url = base_url.rstrip("/")
+    specs = generate_requests(wl, opts.num_requests, 1.0, opts.seed)
+    n_in = int(np.median([s.input_len for s in specs]))
+    n_out = int(np.mean([s.output_len for s in specs]))
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits, trust_env=False) as client:
+        model = model or (await _server_info(client, base_url)).get("id")
+        return await measure_decode_step(client, f"{base_url}/v1/completions", model, batch, n_in, probe_output_len(batch, n_in, n_out), opts.seed)
