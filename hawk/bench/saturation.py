@@ -252,3 +252,72 @@ async def _step_at(base_url: str, wl: Workload, opts: SaturationOptions, model: 
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits, trust_env=False) as client:
         model = model or (await _server_info(client, base_url)).get("id")
         return await measure_decode_step(client, f"{base_url}/v1/completions", model, batch, n_in, probe_output_len(batch, n_in, n_out), opts.seed)
+
+
+ROW_FIELDS = ("config", "rate", "request_throughput_rps", "bound_rps", "ttft_p50_ms", "tpot_p50_ms", "itl_p99_ms", "slo_attainment")
+
+
+def rows_of(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per rate of a saturation run (the ramp, then the 80 % run), in the results files' fields."""
+    recs = [*run["ramp"], *([run["at_80"]] if run.get("at_80") else [])]
+    return [{**{k: r.get(k) for k in ROW_FIELDS}, "config": run["config"], "at_80": r is run.get("at_80")} for r in recs]
+
+
+def summarize(runs: Sequence[dict[str, Any]], device: str, command: str) -> dict[str, Any]:
+    """The runs side by side with the acceptance ratios of issue 31: the first run is colocated, the
+    second (if any) a disaggregated one on the same GPU."""
+    first = runs[0]
+    checks: dict[str, Any] = {
+        "colocated_saturation_over_bound": first["saturation_over_bound"],
+        "tpot_p50_over_step_at_80": first.get("tpot_p50_over_step_at_80"),
+        "itl_p99_over_tpot_p50_at_80": first.get("itl_p99_over_tpot_p50_at_80"),
+    }
+    if len(runs) > 1:
+        checks["disaggregated_over_colocated"] = runs[1]["saturation_rps"] / first["saturation_rps"]
+    limits = {"colocated_saturation_over_bound": (">=", 0.8), "disaggregated_over_colocated": (">=", 0.9),
+              "tpot_p50_over_step_at_80": ("<=", 1.5), "itl_p99_over_tpot_p50_at_80": ("<=", 3.0)}
+    holds = {k: (v is not None and (v >= limits[k][1] if limits[k][0] == ">=" else v <= limits[k][1])) for k, v in checks.items()}
+    return {
+        "command": command, "device": device,
+        "summary": [{k: r.get(k) for k in ("config", "saturation_rps", "saturation_rate", "saturation_over_bound", "slo90_rate_rps",
+                                           "batch_at_80", "decode_step_ms_at_80", "tpot_p50_over_step_at_80", "itl_p99_over_tpot_p50_at_80")}
+                    | {"bound": r["bound"]} for r in runs],
+        "acceptance": {k: {"value": v, "limit": " ".join(map(str, limits[k])), "holds": holds[k]} for k, v in checks.items()},
+        "records": [row for r in runs for row in rows_of(r)],
+        "runs": list(runs),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """``python -m hawk.bench.saturation summarize A.json [B.json] --out X.json``: saturation runs
+    (``hawk bench serving --saturation --json``) side by side, with issue 31's ratios."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m hawk.bench.saturation", description=main.__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("summarize")
+    s.add_argument("runs", nargs="+", help="saturation JSON files, colocated first")
+    s.add_argument("--device", default="", help="what ran them, in words")
+    s.add_argument("--command", default="", help="the command that produced them")
+    s.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    runs = []
+    for path in a.runs:
+        try:
+            with open(path) as f:
+                runs.append(json.load(f))
+        except (OSError, ValueError) as e:
+            print(f"skipping {path}: {e}")
+    if not runs:
+        p.error("no saturation run could be read")
+    out = summarize(runs, a.device, a.command)
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=1, default=float)
+    for k, v in out["acceptance"].items():
+        print(f"{k}: {v['value']} ({v['limit']}): {'holds' if v['holds'] else 'does not hold'}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
