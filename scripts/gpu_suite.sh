@@ -204,8 +204,8 @@ if want serving; then
 fi
 # Issue 31: saturation at the default capacity (no --kv-tokens, --max-num-seqs: the memory rule and 256 sequences),
 # colocated (mixed steps) and gn-hawk with both roles on GPU0 (its KV moved by device copy: --transport auto).
-sat_bench() {  # sat_bench NAME TRANSFER DECODE_DEVICE [hawk serve args...]: one server, its saturation ramp, clean stop
-  local name=$1 cfg=$2 dev=$3 port=8100; shift 3
+sat_bench() {  # sat_bench NAME TRANSFER DECODE_DEVICE BOUND_BATCH [hawk serve args...]: one server, its ramp, clean stop
+  local name=$1 cfg=$2 dev=$3 bound=$4 port=8100; shift 4
   python3 -c 'import fastapi, uvicorn, httpx, zmq' || { echo "serving needs fastapi/uvicorn/pydantic wheels (docs/gpu.md)"; return 1; }
   python3 -m hawk serve --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device "$dev" \
     --transfer "$cfg" --port $port "$@" > "$LOGS/serve_sat_$name.log" 2>&1 &
@@ -213,12 +213,12 @@ sat_bench() {  # sat_bench NAME TRANSFER DECODE_DEVICE [hawk serve args...]: one
   for _ in $(seq 1 300); do curl -sf 127.0.0.1:$port/health > /dev/null && break; kill -0 $spid 2> /dev/null || break; sleep 1; done
   grep "KV cache" "$LOGS/serve_sat_$name.log"
   step "saturation_$name" "${SAT_LIMIT:-260}" python3 -m hawk.bench.serving --url http://127.0.0.1:$port --workload chatbot --saturation \
-    --rates "${SAT_START:-8}" --num-requests "${SAT_REQUESTS:-150}" --bound-batch 256 --config "$name" --json "$OUT/saturation_$name.json"
+    --rates "${SAT_START:-8}" --num-requests "${SAT_REQUESTS:-150}" --bound-batch "$bound" --config "$name" --json "$OUT/saturation_$name.json"
   kill -INT $spid; wait $spid
 }
 if want saturation; then
-  sat_bench colocated colocated cuda:0
-  sat_bench gn-hawk_gpu0 gn-hawk npu-emu:cuda:0 --transport auto
+  sat_bench colocated colocated cuda:0 256
+  sat_bench gn-hawk_gpu0 gn-hawk npu-emu:cuda:0 0 --transport auto  # no bound: measured against colocated
   python3 -m hawk.bench.saturation summarize "$OUT/saturation_colocated.json" "$OUT/saturation_gn-hawk_gpu0.json" \
     --device "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), one GPU, both roles on GPU0 (emulated NPU)" \
     --command "bash scripts/gpu_suite.sh saturation" --out "$OUT/saturation_h200.json"

@@ -15,9 +15,10 @@ decode taking turns on the device (no overlap credited):
 ``T_prefill`` is a line fitted to the prefill times of lone requests at three prompt lengths of
 the workload (10th, 50th, 90th percentile; three each, medians): the server's own ``prefill_s``
 where it reports one (HAWK), else the client's TTFT (vLLM: HTTP and tokenization included, so that
-bound is a little low). ``T_step(B)`` is the decode step at batch ``B``: ``B`` requests of the
-median prompt sent at once, with outputs long enough that all of them are decoding before the first
-ends; the median gap between tokens in that window (every request in the batch, no prefill in the
+bound is a little low). ``T_step(B)`` is the decode step at batch ``B``: ``B`` requests sent at once,
+with outputs long enough that all of them are decoding a while before the first ends, and lengths
+that centre that window's contexts on the workload's mean context; the window's length over the
+median number of tokens a request received in it (every request in the batch, no prefill in the
 steps) is the step. ``B`` is ``bound_batch`` (the server's ``--max-num-seqs``). Both are measured
 through the HTTP API on the server under test, so the bound and the ramp share the machine's state.
 """
@@ -52,6 +53,7 @@ class Bound:
     decode_ms_per_request: float  # mean (O - 1) * T_step / B
     input_len_mean: float
     output_len_mean: float
+    decode_probe_context: float  # the decode probe's mean context in its window (about the workload's mean)
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class SaturationOptions:
     bound_batch: int = 256
     seed: int = 0
     prefill_reps: int = 3
+    budget_guess: int = 640  # the server's --max-num-batched-tokens, for the decode probe's length (retried if wrong)
 
 
 def _percentile_lengths(specs: Sequence[RequestSpec]) -> list[int]:
@@ -97,31 +100,40 @@ async def measure_prefill(client: httpx.AsyncClient, url: str, model: str | None
     return out, source
 
 
-def step_window(results: Sequence[RequestResult]) -> list[float]:
-    """Token gaps while every request of a batch was decoding: from the last first token to the
-    first end (no request joins or leaves, so no prefill rides in those steps)."""
+def step_window(results: Sequence[RequestResult]) -> tuple[float, list[int]]:
+    """The window in which every request of a batch was decoding (from the last first token to the
+    first end: nobody joins or leaves, so no prefill rides in those steps), and how many tokens
+    each request received in it. Counting tokens over the window, rather than taking the gaps
+    between them, is robust to a client that reads a busy server's chunks in bursts."""
     ok = [r for r in results if r.ok and r.first_s is not None and r.itl_s]
     if len(ok) < len(results):
         raise RuntimeError(f"{len(results) - len(ok)} of the decode probe's requests failed")
     start = max(r.first_s for r in ok)  # type: ignore[type-var]
     end = min(r.last_s for r in ok if r.last_s is not None)
-    gaps = []
+    counts = []
     for r in ok:
         t = r.first_s + np.concatenate([[0.0], np.cumsum(r.itl_s)])  # type: ignore[operator]
-        for a, b in zip(t, t[1:]):
-            if a >= start and b <= end:
-                gaps.append(b - a)
-    return gaps
+        counts.append(int(((t > start) & (t <= end)).sum()))
+    return max(0.0, end - start), counts
+
+
+#: Tokens every request must receive inside the window for the step time to count.
+MIN_WINDOW_STEPS = 24
 
 
 async def measure_decode_step(client: httpx.AsyncClient, url: str, model: str | None, batch: int, n_in: int, n_out: int, seed: int) -> float:
-    """Seconds of one decode step at ``batch``: ``batch`` requests at once, gaps in the full window."""
-    specs = [RequestSpec(20_000 + i, 0.0, n_in, n_out) for i in range(batch)]
-    bodies = [completion_body(s, prompt_ids(s, seed, (1000, 10000)), model) for s in specs]
-    gaps = step_window(await run_rate(client, url, specs, bodies))
-    if len(gaps) < batch:
-        raise RuntimeError(f"the decode probe at batch {batch} saw {len(gaps)} steps with the whole batch decoding: raise its output length")
-    return float(np.median(gaps))
+    """Seconds of one decode step at ``batch``: ``batch`` requests at once; the window's length over
+    the median tokens a request got in it. A window too short (the batch's prefill outlasted the
+    first request's decode) is retried with outputs twice as long, twice."""
+    for attempt in range(3):
+        specs = [RequestSpec(20_000 + i, 0.0, n_in, n_out) for i in range(batch)]
+        bodies = [completion_body(s, prompt_ids(s, seed + attempt, (1000, 10000)), model) for s in specs]
+        span, counts = step_window(await run_rate(client, url, specs, bodies))
+        steps = float(np.median(counts)) if counts else 0.0
+        if steps >= MIN_WINDOW_STEPS:
+            return span / steps
+        n_out *= 2
+    raise RuntimeError(f"the decode probe at batch {batch} never had the whole batch decoding for {MIN_WINDOW_STEPS} steps")
 
 
 def fit_line(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
@@ -134,19 +146,25 @@ def fit_line(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
     return float(a), float(b)
 
 
-def bound_from(specs: Sequence[RequestSpec], fit: tuple[float, float], step_s: float, batch: int, source: str) -> Bound:
+def bound_from(specs: Sequence[RequestSpec], fit: tuple[float, float], step_s: float, batch: int, source: str, context: float = math.nan) -> Bound:
     """The formula in the module docstring, over the workload's own requests."""
     a, b = fit
     prefill = float(np.mean([max(0.0, a + b * s.input_len) for s in specs]))
     decode = float(np.mean([(s.output_len - 1) * step_s / batch for s in specs]))
     return Bound(1.0 / (prefill + decode), prefill * 1e3, (a * 1e3, b * 1e3), source, step_s * 1e3, batch, decode * 1e3,
-                 float(np.mean([s.input_len for s in specs])), float(np.mean([s.output_len for s in specs])))
+                 float(np.mean([s.input_len for s in specs])), float(np.mean([s.output_len for s in specs])), context)
 
 
-def probe_output_len(batch: int, n_in: int, n_out: int, budget_guess: int = 2048) -> int:
-    """Long enough that the whole batch is decoding a while before its first request ends: the
-    batch's prompts take about batch * n_in / budget steps to prefill."""
-    return max(2 * n_out, -(-batch * n_in // max(1, budget_guess - batch)) + 2 * batch // 4 + 64)
+def decode_probe(batch: int, specs: Sequence[RequestSpec], budget: int) -> tuple[int, int, float]:
+    """(prompt tokens, output tokens, mean context in the window) of the decode probe at ``batch``:
+    the window's contexts centred on the workload's mean context (prompt + half the output), and
+    outputs long enough that the whole batch decodes a while before its first request ends (its
+    prompts take about ``batch * prompt / (budget - batch)`` steps to prefill)."""
+    target = float(np.mean([s.input_len + s.output_len / 2 for s in specs]))
+    n_in = max(16, round(target / 3))
+    pre = -(-batch * n_in // max(1, budget - batch)) + 8
+    n_out = max(pre + 2 * MIN_WINDOW_STEPS, round(2 * (target - n_in)) - pre)
+    return n_in, n_out, n_in + (pre + n_out) / 2
 
 
 async def measure_bound(base_url: str, wl: Workload, opts: SaturationOptions, model: str | None, timeout_s: float = 900.0,
@@ -160,10 +178,9 @@ async def measure_bound(base_url: str, wl: Workload, opts: SaturationOptions, mo
         model = model or (await _server_info(client, base_url)).get("id")
         points, source = await measure_prefill(client, url, model, _percentile_lengths(specs), opts.prefill_reps, opts.seed)
         b = batch or opts.bound_batch
-        n_in = int(np.median([s.input_len for s in specs]))
-        n_out = int(np.mean([s.output_len for s in specs]))
-        step = await measure_decode_step(client, url, model, b, n_in, probe_output_len(b, n_in, n_out), opts.seed)
-    return bound_from(specs, fit_line(points), step, b, source)
+        n_in, n_out, ctx = decode_probe(b, specs, opts.budget_guess)
+        step = await measure_decode_step(client, url, model, b, n_in, n_out, opts.seed)
+    return bound_from(specs, fit_line(points), step, b, source, ctx)
 
 
 def slo90_rate(records: Sequence[dict[str, Any]], target: float = 0.9) -> float | None:
@@ -211,9 +228,11 @@ def run_saturation(base_url: str, workload: str | Workload, opts: SaturationOpti
     """Bound, ramp, and the 80 %-of-saturation run; one JSON-ready record of all of it."""
     wl = get_workload(workload)
     t0 = time.time()
-    bound = asyncio.run(measure_bound(base_url, wl, opts, model, timeout_s))
-    log(f"bound: {bound.bound_rps:.3g} req/s (prefill {bound.prefill_ms_mean:.1f} ms/request [{bound.prefill_source}], "
-        f"decode step {bound.decode_step_ms:.2f} ms at batch {bound.batch})")
+    bound = asyncio.run(measure_bound(base_url, wl, opts, model, timeout_s)) if opts.bound_batch > 0 else None
+    if bound is not None:
+        log(f"bound: {bound.bound_rps:.3g} req/s (prefill {bound.prefill_ms_mean:.1f} ms/request [{bound.prefill_source}], "
+            f"decode step {bound.decode_step_ms:.2f} ms at batch {bound.batch})")
+    bound_rps = bound.bound_rps if bound is not None else None
 
     def bench_rate(rate: float) -> dict[str, Any]:
         recs = asyncio.run(_bench(
@@ -221,14 +240,14 @@ def run_saturation(base_url: str, workload: str | Workload, opts: SaturationOpti
             wl.slo_ttft_ms if slo_ttft_ms is None else slo_ttft_ms, wl.slo_tpot_ms if slo_tpot_ms is None else slo_tpot_ms,
             model, config, None, timeout_s, 1, (1000, 10000), True, 0.0, 0.0, False, None, None,
         ))
-        return with_aliases(recs[0], bound.bound_rps)
+        return with_aliases(recs[0], bound_rps)
 
     records = ramp(bench_rate, opts, log)
     best = max(records, key=lambda r: r.get("request_throughput_rps") or 0.0)
     sat = best.get("request_throughput_rps") or 0.0
     at80 = bench_rate(0.8 * sat) if sat > 0 else None
     extra: dict[str, Any] = {}
-    if at80 is not None:
+    if at80 is not None and opts.bound_batch > 0:
         # Little's law: requests in the system at 80 % = rate x mean time in it; that batch's step
         batch80 = max(1, min(opts.bound_batch, round(at80["request_throughput_rps"] * (at80.get("e2e_mean_ms") or 0.0) / 1e3)))
         step80 = asyncio.run(_step_at(base_url, wl, opts, model, timeout_s, batch80))
@@ -237,8 +256,8 @@ def run_saturation(base_url: str, workload: str | Workload, opts: SaturationOpti
                  "itl_p99_over_tpot_p50_at_80": (at80.get("itl_p99_ms") or math.nan) / (at80.get("tpot_median_ms") or math.nan)}
     return {
         "workload": wl.name, "config": config or best.get("config"), "base_url": base_url, "started_at": t0,
-        "options": asdict(opts), "bound": asdict(bound),
-        "saturation_rps": sat, "saturation_rate": best["rate"], "saturation_over_bound": sat / bound.bound_rps,
+        "options": asdict(opts), "bound": asdict(bound) if bound is not None else None,
+        "saturation_rps": sat, "saturation_rate": best["rate"], "saturation_over_bound": sat / bound_rps if bound_rps else None,
         "slo90_rate_rps": slo90_rate(records), "ramp": records, "at_80": at80, **extra,
     }
 
@@ -246,12 +265,11 @@ def run_saturation(base_url: str, workload: str | Workload, opts: SaturationOpti
 async def _step_at(base_url: str, wl: Workload, opts: SaturationOptions, model: str | None, timeout_s: float, batch: int) -> float:
     base_url = base_url.rstrip("/")
     specs = generate_requests(wl, opts.num_requests, 1.0, opts.seed)
-    n_in = int(np.median([s.input_len for s in specs]))
-    n_out = int(np.mean([s.output_len for s in specs]))
+    n_in, n_out, _ = decode_probe(batch, specs, opts.budget_guess)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits, trust_env=False) as client:
         model = model or (await _server_info(client, base_url)).get("id")
-        return await measure_decode_step(client, f"{base_url}/v1/completions", model, batch, n_in, probe_output_len(batch, n_in, n_out), opts.seed)
+        return await measure_decode_step(client, f"{base_url}/v1/completions", model, batch, n_in, n_out, opts.seed)
 
 
 ROW_FIELDS = ("config", "rate", "request_throughput_rps", "bound_rps", "ttft_p50_ms", "tpot_p50_ms", "itl_p99_ms", "slo_attainment")

@@ -471,7 +471,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--ramp-factor", type=float, default=1.5, help="--saturation: each rate is the previous one times this")
     p.add_argument("--min-growth", type=float, default=0.05, help="--saturation: stop once throughput grows by less than this fraction")
     p.add_argument("--max-steps", type=int, default=8, help="--saturation: most rates in the ramp")
-    p.add_argument("--bound-batch", type=int, default=256, help="--saturation: the decode batch of the bound (the server's --max-num-seqs)")
+    p.add_argument("--bound-batch", type=int, default=256, help="--saturation: the decode batch of the bound (the server's --max-num-seqs); 0 = no bound (nor the step at 80%%)")
     add_trace_options(p)
     p.add_argument("--trace-tokenizer", default=None, help="ShareGPT: count tokens with this model's tokenizer (a spec as for serve --model); default: 4 chars/token")
     a = p.parse_args(argv)
@@ -503,8 +503,8 @@ def _saturation(a: argparse.Namespace) -> dict[str, Any]:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rec, f, indent=1, default=float)
-    b = rec["bound"]
-    print(f"saturation {rec['saturation_rps']:.3g} req/s at rate {rec['saturation_rate']:.3g} = {rec['saturation_over_bound']:.2f} of the "
+    b = rec["bound"] or {"bound_rps": math.nan}
+    print(f"saturation {rec['saturation_rps']:.3g} req/s at rate {rec['saturation_rate']:.3g} = {rec['saturation_over_bound'] or math.nan:.2f} of the "
           f"bound {b['bound_rps']:.3g} req/s; 90% SLO attainment up to {rec['slo90_rate_rps']} req/s", flush=True)
     return rec
 

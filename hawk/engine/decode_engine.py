@@ -305,7 +305,7 @@ class DecodeEngine:
         step_time: Callable[[int, int], float] | None = None,
         overlap: bool | None = None,
         prefill: PrefillSteps | None = None,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int = 640,
         mixed_graph_tokens: int = 0,
     ):
         """``graphs``: CUDA-graph decode steps (None = when the backend allows, see ModelRunner);
@@ -330,9 +330,11 @@ class DecodeEngine:
         self.max_len = min(max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings)
         self.prefill = prefill
         self.max_num_batched_tokens = max_num_batched_tokens
-        mixed_seqs = max_batch + MIXED_PREFILL_SEQS
+        # Mixed and prefill-only steps of up to MIXED_PREFILL_SEQS sequences replay graphs; larger mixed
+        # batches run eagerly: their forwards are long enough to hide the launches, and a graph per
+        # (tokens, sequences) bucket of a 256-sequence batch would be captured mid-serving, stalling it.
         self.runner = ModelRunner(model, attn, max_batch=max_batch, graphs=graphs, max_model_len=self.max_len,
-                                  prefill_graph_tokens=mixed_graph_tokens if prefill is not None else 0, prefill_graph_seqs=mixed_seqs)
+                                  prefill_graph_tokens=mixed_graph_tokens if prefill is not None else 0, prefill_graph_seqs=MIXED_PREFILL_SEQS)
         self.kv = kv
         self.swapper = swapper if swapper is not None else swapper_for(attn)
         self.eos = set(eos_token_ids)

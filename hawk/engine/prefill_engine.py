@@ -275,6 +275,8 @@ class PrefillEngine:
     def complete_step(self, batch: list[_Piece], logits: torch.Tensor) -> None:
         """The forward of ``batch`` ran; ``logits[i]`` is piece i's last-token logits (the caller's
         to keep until this returns). Prompts it completed get their first token and hand off."""
+        if logits.is_cuda and any(p.last for p in batch):  # their prefill time ends with the forward, not its launch
+            torch.cuda.current_stream(logits.device).synchronize()
         t1 = time.monotonic()
         for p in batch:
             p.job.done, p.job.chunks = p.start + p.q_len, p.job.chunks + 1
