@@ -168,6 +168,17 @@ def bench_serving(ctx: typer.Context) -> None:
     main(ctx.args)
 
 
+@bench_app.command("vllm-pd", context_settings=PASS_THROUGH)
+def bench_vllm_pd(ctx: typer.Context) -> None:
+    """vLLM's own P/D (NixlConnector) beside HawkConnector in vLLM, vLLM -> HAWK NPU decode, one vLLM and HAWK colocated.
+
+    Needs vLLM (``bash scripts/install.sh --with-vllm``). Options pass to ``python -m hawk.bench.vllm_pd``.
+    """
+    from hawk.bench.vllm_pd import main
+
+    main(ctx.args)
+
+
 @bench_app.command("efficiency", context_settings=PASS_THROUGH)
 def bench_efficiency(ctx: typer.Context) -> None:
     """Power and cost efficiency at 90 % SLO attainment from serving or simulation records (paper Tables 8-9)."""
@@ -190,6 +201,29 @@ def report(ctx: typer.Context) -> None:
     from hawk.bench.report import main
 
     main(ctx.args)
+
+
+@app.command("export-hf")
+def export_hf(
+    out: str = typer.Argument(..., help="Directory to write (config.json, model.safetensors, tokenizer files)."),
+    model: str = typer.Option("smollm2-135m", help="Model spec: the embedded default, a .gguf path or a preset."),
+    dtype: str = typer.Option("bf16", help="Weight dtype written: bf16, fp16 or fp32."),
+) -> None:
+    """Write a model as a Hugging Face checkpoint folder, e.g. the embedded SmolLM2 for a vLLM server.
+
+    HAWK's loader reads the same folder, so vLLM and HAWK serve the same weights bit for bit."""
+    import torch
+
+    from hawk.engine.loader import load_model, save_hf_dir
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    if dtype not in dtypes:
+        _fail(ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(dtypes)}"))
+    try:
+        save_hf_dir(load_model(model, dtype=dtypes[dtype]), out)
+    except (ValueError, OSError) as e:
+        _fail(e)
+    typer.echo(out)
 
 
 def main() -> None:

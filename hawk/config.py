@@ -135,6 +135,7 @@ class ServeConfig:
     served_model_name: list[str] = opt([], "names clients use for the model, the first reported (repeatable; default: the model's)", commands=SERVE)
     prefill_urls: list[str] = opt([], "role=router: a prefill instance URL (repeatable)", flags=("--prefill-url",), commands=SERVE)
     decode_urls: list[str] = opt([], "role=router: a decode instance URL (repeatable)", flags=("--decode-url",), commands=SERVE)
+    prefill_api: str = opt("hawk", "role=router: what the prefill URLs are: HAWK prefill instances, or stock vLLM servers running HawkConnector (docs/vllm.md)", choices=("hawk", "vllm"), commands=SERVE)
     num_prefill: int = opt(1, "prefill instances (role=all)", min=1, commands=SERVE)
     num_decode: int = opt(1, "decode instances (role=all)", min=1, commands=SERVE)
     default_temperature: float = opt(1.0, "temperature of requests that omit it (OpenAI's default is 1.0)", min=0, commands=SERVE)
@@ -177,6 +178,8 @@ class ServeConfig:
                 raise ConfigError(f"--kv-flow layerwise supports {', '.join(LAYERWISE_TRANSFERS)}, not {self.transfer}")
             if self.prefill_tp > 1 or self.decode_tp > 1:
                 raise ConfigError("--kv-flow layerwise needs --prefill-tp 1 and --decode-tp 1 (tensor-parallel layer-wise push is not built yet)")
+        if self.prefill_api == "vllm" and (self.role != "router" or self.kv_flow != "pull"):
+            raise ConfigError("--prefill-api vllm fronts vLLM servers: it needs --role router and --kv-flow pull (vLLM hands KV over after prefill)")
         return self
 
     # -- the wire form (the launcher's child spec) -------------------------------------------

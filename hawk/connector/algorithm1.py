@@ -102,6 +102,8 @@ from hawk.connector.messages import (
     Done,
     Error,
     Hello,
+    Holdings,
+    Inspect,
     KeepAlive,
     KVReady,
     Message,
@@ -289,9 +291,12 @@ class KVSender:
         reap_every_s: float = 0.2,
         staging_wait_s: float = 5.0,
         destination_wait_s: float = 0.05,
+        ledger: Callable[[], dict[str, Any]] | None = None,
     ):
         """``destination_wait_s``: how long ``begin_push`` waits for the destination of a request
-        announced with :meth:`expect` (its decode hands over while the prefill starts)."""
+        announced with :meth:`expect` (its decode hands over while the prefill starts). ``ledger``:
+        what an Inspect is answered with (default: :meth:`ledger`), for owners that hold more."""
+        self._ledger = ledger or self.ledger
         self.transport, self.fmt, self.config = transport, fmt, config
         self.ttl_s, self.staging_wait_s, self.destination_wait_s = ttl_s, staging_wait_s, destination_wait_s
         self._lock = threading.Lock()
@@ -759,6 +764,8 @@ class KVSender:
         if isinstance(msg, KeepAlive):
             self._keep_alive(msg)
             return None  # fire and forget
+        if isinstance(msg, Inspect):
+            return Holdings(self._ledger())
         return Error(getattr(msg, "request_id", ""), f"prefill does not handle {msg.TYPE!r} messages")
 
     def _hello(self, msg: Hello) -> Message:
@@ -960,6 +967,11 @@ class KVSender:
                 "pushes": sorted(self._pushes),
                 "expected": sorted(self._expected),
             }
+
+    def ledger(self) -> dict[str, Any]:
+        """:meth:`accounting` as plain data (what travels in Holdings): counts and request ids."""
+        a = self.accounting()
+        return {**a, "staging": len(a["staging"]), "staging_bytes": sum(r.size for r in a["staging"])}
 
     def close(self) -> None:
         self._stop.set()

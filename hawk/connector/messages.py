@@ -231,8 +231,26 @@ class Error(Message):
     message: str
 
 
+@dataclass(frozen=True)
+class Inspect(Message):
+    """Anyone with the cluster secret -> a KV control socket: what do you hold now? (operators, tests).
+    Only a peer that knows this type is asked (a test, an operator's tool): no version bump."""
+
+    TYPE: ClassVar[str] = "inspect"
+
+
+@dataclass(frozen=True)
+class Holdings(Message):
+    """The answer to Inspect: the side's ledger as plain numbers, lists and strings."""
+
+    TYPE: ClassVar[str] = "holdings"
+    ledger: dict
+
+
 MESSAGES: dict[str, type[Message]] = {
-    m.TYPE: m for m in (Hello, PullRequest, KVReady, PushRequest, PushTo, AwaitPush, Pending, Pushed, Done, KeepAlive, Ack, Error)
+    m.TYPE: m
+    for m in (Hello, PullRequest, KVReady, PushRequest, PushTo, AwaitPush, Pending, Pushed, Done, KeepAlive, Ack, Error,
+              Inspect, Holdings)
 }
 _PY_TYPES = {str: str, int: int, bool: bool, bytes: bytes, list: list, dict: dict}
 

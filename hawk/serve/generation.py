@@ -60,6 +60,7 @@ from hawk.serve.contract import (
     receive,
 )
 from hawk.serve.protocol import InstanceDown, OpenAIError
+from hawk.serve.vllm_prefill import EndedAtPrefill, prefill_body, prefill_response
 
 _Reply = TypeVar("_Reply")  # a contract reply model
 log = logging.getLogger(__name__)
@@ -136,11 +137,18 @@ class Generation:
         extra_info: dict[str, Any] | None = None,
         kv_flow: str = "pull",
         kv_address: str | None = None,
+        prefill_api: str = "hawk",
+        prefill_model: str = "",
     ):
         """``kv_flow="layerwise"`` needs ``kv_address``: the chosen prefill's KV control address,
-        which the decode hands its blocks to before the prefill runs."""
+        which the decode hands its blocks to before the prefill runs. ``prefill_api="vllm"``: the prefill
+        is a vLLM server with HawkConnector serving ``prefill_model`` (vllm_prefill.py; pull only)."""
         if kv_flow == "layerwise" and not kv_address:
             raise ValueError("a layer-wise generation needs the prefill's KV address")
+        if prefill_api == "vllm" and kv_flow != "pull":
+            raise ValueError("a vLLM prefill hands its KV over after prefill: kv_flow must be 'pull'")
+        self.prefill_api, self.prefill_model = prefill_api, prefill_model
+        self.ended_at_prefill: int | None = None  # a vLLM prefill's first token that ended the request
         self.client, self.prefill_url, self.decode_url = client, prefill_url, decode_url
         self.request_id, self.prompt_ids, self.params = request_id, prompt_ids, params
         self.tokenizer, self.stop, self.arrival = tokenizer, stop, arrival
@@ -172,8 +180,10 @@ class Generation:
             if self.kv_flow == "layerwise":
                 await self._start_layerwise()
             else:
-                await self._prefill()
-                await self._open_decode(self._pull_decode_request())
+                if self.prefill_reply is None:  # else prefilled elsewhere: its handle came with the request
+                    await self._prefill()
+                if self.ended_at_prefill is None:
+                    await self._open_decode(self._pull_decode_request())
         except BaseException:
             await self.aclose()
             raise
@@ -198,11 +208,42 @@ class Generation:
         return receive(reply, r.content, f"{role} at {base}")
 
     async def _prefill(self) -> None:
+        if self.prefill_api == "vllm":
+            return await self._prefill_vllm()
         body = PrefillRequest.of(request_id=self.request_id, prompt_ids=self.prompt_ids, params=self.params.to_dict(), kv_flow=self.kv_flow)
         self._prefilled = True  # from here on the prefill may hold something for this request
         self.t_prefill_sent = time.monotonic()
         self.prefill_reply = await self._call(self.prefill_url, "prefill", "/internal/prefill", body, PrefillResponse)
         self.t_prefilled = time.monotonic()
+
+    async def _prefill_vllm(self) -> None:
+        """vLLM's P/D prefill call (vllm_prefill.py): the same PrefillResponse, from its KV handle."""
+        url, who = self.prefill_url, f"prefill at {self.prefill_url}"
+        body = prefill_body(self.prefill_model, self.prompt_ids, self.params)
+        self._prefilled = True
+        self.t_prefill_sent = time.monotonic()
+        try:
+            r = await self.client.post(f"{url}/v1/completions", json=body)
+        except httpx.HTTPError as e:
+            raise InstanceDown(f"prefill instance {url} unreachable: {e!r}") from None
+        self.t_prefilled = time.monotonic()
+        if r.status_code != 200:
+            raise upstream_error(r.status_code, r.content, who)
+        try:
+            answer = r.json()
+        except ValueError:
+            raise BadUpstream(f"{who} answered non-JSON") from None
+        try:
+            self.prefill_reply = prefill_response(self.request_id, answer, who, self.t_prefilled - self.t_prefill_sent)
+        except EndedAtPrefill as e:
+            self.ended_at_prefill = e.token
+
+    def prefilled_elsewhere(self, first_token: int, num_tokens: int, address: str, kv_request_id: str) -> None:
+        """The prompt was prefilled before this router saw it (a P/D router ran it on a vLLM server with
+        HawkConnector): go straight to the decode with that KV. Nothing here to abort on the prefill
+        side: un-pulled KV goes back at HawkConnector's TTL."""
+        self.prefill_reply = PrefillResponse.of(request_id=self.request_id, first_token=first_token, num_prompt_tokens=num_tokens,
+                                                kv=KVRef(address=address, request_id=kv_request_id))
 
     def _pull_decode_request(self) -> DecodeRequest:
         """Pull: the prefill's first token and where its KV waits."""
@@ -303,6 +344,12 @@ class Generation:
 
     async def deltas(self) -> AsyncIterator[TextDelta]:
         """Text as it is generated; the last delta carries the finish reason."""
+        if self.ended_at_prefill is not None:  # nothing went to a decode: the prefill's token is all
+            self.t_first = self.t_last = time.monotonic()
+            self.num_tokens, self._got_token, self.finish_reason = 1, True, "stop"
+            decoder = self.tokenizer.incremental_decoder()
+            yield TextDelta(StopMatcher(self.stop).feed(decoder.step(self.ended_at_prefill) + decoder.flush())[0], "stop")
+            return
         assert self._resp is not None, "start() first"
         decoder = self.tokenizer.incremental_decoder()
         stopper = StopMatcher(self.stop)
@@ -377,10 +424,12 @@ class Generation:
                 self._pending = None
             if self._resp is not None:
                 await self._resp.aclose()  # a decode still running sees its reader leave and aborts
-            if self._prefilled and not self._got_token and self.finish_reason is None:
+            if self._prefilled and self.prefill_url and not self._got_token and self.finish_reason is None:
                 await self._abort_prefill()
 
     async def _abort_prefill(self) -> None:
+        if self.prefill_api == "vllm":  # vLLM aborts a prefill whose call was cancelled; KV it kept waits for its TTL
+            return
         try:
             body = AbortRequest.of(request_id=self.request_id)
             await self.client.post(f"{self.prefill_url}/internal/abort", content=body.model_dump_json(), headers=_JSON)

