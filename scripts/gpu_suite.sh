@@ -34,7 +34,8 @@
 #                 step at batch 1 (two builds of each point, per-kernel times) and 64
 #     saturation - issue 31: `hawk bench serving --saturation` (chatbot, 8B shape, bf16, default capacity) against colocated
 #                 and gn-hawk with both roles on GPU0 (transport auto), each beside its same-run bound; then
-#                 `python -m hawk.bench.saturation summarize` -> $OUT/saturation_h200.json (SAT_REQUESTS per rate, SAT_START rate)
+#                 `python -m hawk.bench.saturation summarize` -> $OUT/saturation_h200.json (SAT_START rate, SAT_DURATION s or
+#                 SAT_REQUESTS per rate, SAT_CONFIGS: one server per call at 30 s a rate)
 #     posts     - the host work of layer-wise posts on the forward's thread: `hawk bench ttft` at 1k (both roles on GPU0)
 #                 under cProfile (--profile-posts), the profile in $OUT/ttft_posts_profile.txt
 # LOGS=DIR keeps the per-step logs out of $OUT (the device tool returns at most 8 files); each step's tail still prints.
@@ -212,13 +213,20 @@ sat_bench() {  # sat_bench NAME TRANSFER DECODE_DEVICE BOUND_BATCH [hawk serve a
   local spid=$!
   for _ in $(seq 1 300); do curl -sf 127.0.0.1:$port/health > /dev/null && break; kill -0 $spid 2> /dev/null || break; sleep 1; done
   grep "KV cache" "$LOGS/serve_sat_$name.log"
-  step "saturation_$name" "${SAT_LIMIT:-260}" python3 -m hawk.bench.serving --url http://127.0.0.1:$port --workload chatbot --saturation \
-    --rates "${SAT_START:-8}" --num-requests "${SAT_REQUESTS:-150}" --bound-batch "$bound" --config "$name" --json "$OUT/saturation_$name.json"
+  step "saturation_$name" "${SAT_LIMIT:-480}" python3 -m hawk.bench.serving --url http://127.0.0.1:$port --workload chatbot --saturation \
+    --rates "${SAT_START:-8}" --num-requests "${SAT_REQUESTS:-150}" --rate-duration-s "${SAT_DURATION:-30}" --bound-batch "$bound" \
+    --config "$name" --json "$OUT/saturation_$name.json"
   kill -INT $spid; wait $spid
 }
+# A rate runs at least SAT_DURATION seconds (a steady state at 40 req/s needs many 4-s requests), so one server's
+# ramp takes minutes: SAT_CONFIGS="colocated" and SAT_CONFIGS="gn-hawk_gpu0" in two calls, then summarize both here.
 if want saturation; then
-  sat_bench colocated colocated cuda:0 256
-  sat_bench gn-hawk_gpu0 gn-hawk npu-emu:cuda:0 0 --transport auto  # no bound: measured against colocated
+  for c in ${SAT_CONFIGS:-colocated gn-hawk_gpu0}; do
+    case $c in
+      colocated) sat_bench colocated colocated cuda:0 256 ;;
+      gn-hawk_gpu0) sat_bench gn-hawk_gpu0 gn-hawk npu-emu:cuda:0 0 --transport auto ;;  # no bound: measured against colocated
+    esac
+  done
   python3 -m hawk.bench.saturation summarize "$OUT/saturation_colocated.json" "$OUT/saturation_gn-hawk_gpu0.json" \
     --device "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), one GPU, both roles on GPU0 (emulated NPU)" \
     --command "bash scripts/gpu_suite.sh saturation" --out "$OUT/saturation_h200.json"

@@ -78,3 +78,13 @@ def test_summary_rows_and_acceptance():
     worse = summarize([run("colocated", 10.0, 24.0)], "H200", "cmd")["acceptance"]
     assert not worse["colocated_saturation_over_bound"]["holds"] and "disaggregated_over_colocated" not in worse
     assert math.isclose(worse["colocated_saturation_over_bound"]["value"], 10 / 24)
+
+
+def test_steady_throughput_ignores_the_drain():
+    """30 requests at 10 req/s, served at 4 req/s: completions / duration mixes in the drain, the
+    steady state counts completions while arrivals last."""
+    reqs = [{"sent_s": i / 10, "ok": True, "last_s": 0.5 + i / 4} for i in range(30)]
+    from hawk.bench.saturation import steady_throughput
+
+    assert steady_throughput(reqs) == pytest.approx(4.0, rel=0.2)
+    assert steady_throughput(reqs[:3]) is None

@@ -3,7 +3,10 @@ measured on the same server in the same run.
 
 The ramp: rates ``r0, r0·f, r0·f², ...`` (open loop, ``hawk bench serving``'s Poisson arrivals),
 until the request throughput grows by less than ``min_growth`` over the best so far (or
-``max_steps`` rates). Saturation throughput is the best rate's; the rate at 90 % SLO attainment is
+``max_steps`` rates). A rate's throughput is the steady state's (:func:`steady_throughput`:
+completions while requests still arrive), not completed / duration, which a short run at a high
+rate mostly fills with its drain; ``duration_s`` makes each rate long enough to have one.
+Saturation throughput is the best rate's; the rate at 90 % SLO attainment is
 interpolated between the last rate that met it and the first that did not. One more run at 80 % of
 the saturation throughput gives the latencies a loaded server shows short of saturation.
 
@@ -67,6 +70,7 @@ class SaturationOptions:
     seed: int = 0
     prefill_reps: int = 3
     budget_guess: int = 640  # the server's --max-num-batched-tokens, for the decode probe's length (retried if wrong)
+    duration_s: float = 0.0  # each rate sends at least rate x this many requests (a steady state needs many E2E times)
 
 
 def _percentile_lengths(specs: Sequence[RequestSpec]) -> list[int]:
@@ -199,6 +203,21 @@ def slo90_rate(records: Sequence[dict[str, Any]], target: float = 0.9) -> float 
     return None if ok is None else float(ok["rate"])
 
 
+def steady_throughput(requests: Sequence[dict[str, Any]], skip: float = 1 / 3) -> float | None:
+    """Requests finished per second while requests kept arriving: from the arrival of the first
+    ``skip`` of them (the server has filled up) to the last arrival. ``completed / duration``
+    counts the drain after the last arrival too, which a short run at a high rate is mostly made
+    of (120 requests at 40 req/s arrive in 3 s and take seconds more to finish)."""
+    sent = sorted(r["sent_s"] for r in requests)
+    if len(sent) < 6:
+        return None
+    t0, t1 = sent[int(len(sent) * skip)], sent[-1]
+    if t1 - t0 <= 0:
+        return None
+    done = sum(1 for r in requests if r.get("ok") and r.get("last_s") is not None and t0 < r["last_s"] <= t1)
+    return done / (t1 - t0)
+
+
 def with_aliases(rec: dict[str, Any], bound_rps: float | None) -> dict[str, Any]:
     """The fields the results files name (p50 = the median), beside ``hawk bench serving``'s own."""
     return {**rec, "ttft_p50_ms": rec.get("ttft_median_ms"), "tpot_p50_ms": rec.get("tpot_median_ms"),
@@ -213,13 +232,18 @@ def ramp(bench_rate: Callable[[float], dict[str, Any]], opts: SaturationOptions,
     for _ in range(opts.max_steps):
         rec = bench_rate(rate)
         records.append(rec)
-        tput = rec.get("request_throughput_rps") or 0.0
+        tput = _tput(rec)
         log(f"rate {rate:.3g} req/s: {tput:.3g} req/s done, SLO attainment {rec.get('slo_attainment') or 0:.0%}")
         if records[:-1] and tput < best * (1 + opts.min_growth):
             break
         best = max(best, tput)
         rate *= opts.factor
     return records
+
+
+def _tput(rec: dict[str, Any]) -> float:
+    """The throughput a rate is judged by: steady-state where measured, else completed / duration."""
+    return rec.get("steady_throughput_rps") or rec.get("request_throughput_rps") or 0.0
 
 
 def run_saturation(base_url: str, workload: str | Workload, opts: SaturationOptions, *, model: str | None = None,
@@ -235,21 +259,24 @@ def run_saturation(base_url: str, workload: str | Workload, opts: SaturationOpti
     bound_rps = bound.bound_rps if bound is not None else None
 
     def bench_rate(rate: float) -> dict[str, Any]:
+        n = max(opts.num_requests, math.ceil(rate * opts.duration_s))
         recs = asyncio.run(_bench(
-            base_url, [rate], wl, opts.num_requests, opts.seed,
+            base_url, [rate], wl, n, opts.seed,
             wl.slo_ttft_ms if slo_ttft_ms is None else slo_ttft_ms, wl.slo_tpot_ms if slo_tpot_ms is None else slo_tpot_ms,
-            model, config, None, timeout_s, 1, (1000, 10000), True, 0.0, 0.0, False, None, None,
+            model, config, None, timeout_s, 1, (1000, 10000), True, 0.0, 0.0, True, None, None,
         ))
-        return with_aliases(recs[0], bound_rps)
+        rec = recs[0]
+        rec["steady_throughput_rps"] = steady_throughput(rec.pop("requests"))
+        return with_aliases(rec, bound_rps)
 
     records = ramp(bench_rate, opts, log)
-    best = max(records, key=lambda r: r.get("request_throughput_rps") or 0.0)
-    sat = best.get("request_throughput_rps") or 0.0
+    best = max(records, key=_tput)
+    sat = _tput(best)
     at80 = bench_rate(0.8 * sat) if sat > 0 else None
     extra: dict[str, Any] = {}
     if at80 is not None and opts.bound_batch > 0:
         # Little's law: requests in the system at 80 % = rate x mean time in it; that batch's step
-        batch80 = max(1, min(opts.bound_batch, round(at80["request_throughput_rps"] * (at80.get("e2e_mean_ms") or 0.0) / 1e3)))
+        batch80 = max(1, min(opts.bound_batch, round(_tput(at80) * (at80.get("e2e_mean_ms") or 0.0) / 1e3)))
         step80 = asyncio.run(_step_at(base_url, wl, opts, model, timeout_s, batch80))
         extra = {"batch_at_80": batch80, "decode_step_ms_at_80": step80 * 1e3,
                  "tpot_p50_over_step_at_80": (at80.get("tpot_median_ms") or math.nan) / (step80 * 1e3),
@@ -272,7 +299,7 @@ async def _step_at(base_url: str, wl: Workload, opts: SaturationOptions, model: 
         return await measure_decode_step(client, f"{base_url}/v1/completions", model, batch, n_in, n_out, opts.seed)
 
 
-ROW_FIELDS = ("config", "rate", "request_throughput_rps", "bound_rps", "ttft_p50_ms", "tpot_p50_ms", "itl_p99_ms", "slo_attainment")
+ROW_FIELDS = ("config", "rate", "request_throughput_rps", "steady_throughput_rps", "bound_rps", "ttft_p50_ms", "tpot_p50_ms", "itl_p99_ms", "slo_attainment")
 
 
 def rows_of(run: dict[str, Any]) -> list[dict[str, Any]]:

@@ -471,6 +471,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--ramp-factor", type=float, default=1.5, help="--saturation: each rate is the previous one times this")
     p.add_argument("--min-growth", type=float, default=0.05, help="--saturation: stop once throughput grows by less than this fraction")
     p.add_argument("--max-steps", type=int, default=8, help="--saturation: most rates in the ramp")
+    p.add_argument("--rate-duration-s", type=float, default=0.0, help="--saturation: each rate sends at least rate x this many requests (default: --num-requests only)")
     p.add_argument("--bound-batch", type=int, default=256, help="--saturation: the decode batch of the bound (the server's --max-num-seqs); 0 = no bound (nor the step at 80%%)")
     add_trace_options(p)
     p.add_argument("--trace-tokenizer", default=None, help="ShareGPT: count tokens with this model's tokenizer (a spec as for serve --model); default: 4 chars/token")
@@ -495,7 +496,7 @@ def _saturation(a: argparse.Namespace) -> dict[str, Any]:
     from hawk.bench.saturation import SaturationOptions, run_saturation
 
     start = _floats(a.rates)[0] if a.rates else 1.0
-    opts = SaturationOptions(start, a.ramp_factor, a.min_growth, a.max_steps, a.num_requests, a.bound_batch, a.seed)
+    opts = SaturationOptions(start, a.ramp_factor, a.min_growth, a.max_steps, a.num_requests, a.bound_batch, a.seed, duration_s=a.rate_duration_s)
     wl = get_workload(a.workload)
     if a.input_scale != 1.0 or a.output_scale != 1.0:
         wl = wl.scaled(a.input_scale, a.output_scale)
