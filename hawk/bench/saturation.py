@@ -333,6 +333,29 @@ def summarize(runs: Sequence[dict[str, Any]], device: str, command: str) -> dict
     }
 
 
+def compare(ours: dict[str, Any], theirs: dict[str, Any], ours_half: dict[str, Any], theirs_half: dict[str, Any], device: str, command: str) -> dict[str, Any]:
+    """HAWK against another server (vLLM) on the same workload: saturation throughput, and the
+    latencies of both at half the other server's saturation rate (``*_half``: ``hawk bench serving
+    --json`` records at that rate)."""
+    def lat(rec: dict[str, Any]) -> dict[str, Any]:
+        return {k: rec.get(k) for k in ("rate", "request_throughput_rps", "ttft_median_ms", "ttft_p99_ms", "tpot_median_ms", "tpot_p99_ms",
+                                        "itl_p99_ms", "slo_attainment")}
+
+    ratio = ours["saturation_rps"] / theirs["saturation_rps"] if theirs["saturation_rps"] else None
+    ttft = (ours_half.get("ttft_median_ms"), theirs_half.get("ttft_median_ms"))
+    return {
+        "command": command, "device": device,
+        "saturation": {ours["config"]: ours["saturation_rps"], theirs["config"]: theirs["saturation_rps"]},
+        "at_half_of_theirs": {ours["config"]: lat(ours_half), theirs["config"]: lat(theirs_half)},
+        "acceptance": {
+            "saturation_ours_over_theirs": {"value": ratio, "limit": ">= 1", "holds": ratio is not None and ratio >= 1},
+            "ttft_p50_ours_over_theirs_at_half": {"value": ttft[0] / ttft[1] if None not in ttft else None, "limit": "<= 1",
+                                                  "holds": None not in ttft and ttft[0] <= ttft[1]},
+        },
+        "runs": [ours, theirs], "half_rate_runs": [ours_half, theirs_half],
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """``python -m hawk.bench.saturation summarize A.json [B.json] --out X.json``: saturation runs
     (``hawk bench serving --saturation --json``) side by side, with issue 31's ratios."""
@@ -346,7 +369,27 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     s.add_argument("--device", default="", help="what ran them, in words")
     s.add_argument("--command", default="", help="the command that produced them")
     s.add_argument("--out", required=True)
+    c = sub.add_parser("compare", help="HAWK's saturation run against another server's, with both at half the other's saturation rate")
+    c.add_argument("ours")
+    c.add_argument("theirs")
+    c.add_argument("ours_half", help="hawk bench serving --json at half their saturation rate (first record)")
+    c.add_argument("theirs_half")
+    c.add_argument("--device", default="")
+    c.add_argument("--command", default="")
+    c.add_argument("--out", required=True)
     a = p.parse_args(argv)
+    if a.cmd == "compare":
+        loaded = []
+        for path in (a.ours, a.theirs, a.ours_half, a.theirs_half):
+            with open(path) as f:
+                d = json.load(f)
+            loaded.append(d[0] if isinstance(d, list) else d.get("records", [d])[0] if "records" in d else d)
+        out = compare(*loaded, a.device, a.command)
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1, default=float)
+        for k, v in out["acceptance"].items():
+            print(f"{k}: {v['value']} ({v['limit']}): {'holds' if v['holds'] else 'does not hold'}")
+        return out
     runs = []
     for path in a.runs:
         try:
