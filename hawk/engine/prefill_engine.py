@@ -255,9 +255,16 @@ class PrefillEngine:
     # -- stepped by another engine's loop ----------------------------------------------------
 
     def has_work(self) -> bool:
-        """A prompt is queued or part-prefilled (read without the lock: a hint to the stepping loop,
-        which then asks :meth:`plan_step`)."""
-        return bool(self._queue or self._active)
+        """A prompt is part-prefilled, or the first queued one's blocks are free (read without the
+        lock: a hint to the stepping loop, which then asks :meth:`plan_step`). A queue whose head
+        waits for blocks is no work: the loop keeps its overlapped decode steps meanwhile."""
+        if self._active:
+            return True
+        try:
+            head = self._queue[0]
+        except IndexError:  # empty (or emptied by another thread just now)
+            return False
+        return (head.future.cancelled() or self.blocks.num_free >= self.blocks.blocks_for(len(head.prompt_ids)))
 
     def plan_step(self, budget: int, max_pieces: int = 1 << 30) -> list[_Piece]:
         """This step's pieces, at most ``budget`` prompt tokens and ``max_pieces`` prompts in all
