@@ -78,6 +78,14 @@ class Client:
         return self.tokens
 
 
+def _decoding(inst: ColocatedInstance, max_tokens: int, tokens: int) -> Client:
+    """A request already decoding (``tokens`` out) when the test's own prompt arrives."""
+    running = Client(inst, "dec", _prompt(20, 9), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    while len(running.tokens) < tokens:
+        assert not running.done.wait(0.005)
+    return running
+
+
 def _serve(inst: ColocatedInstance, n: int, max_tokens: int = 24) -> dict[str, list[int]]:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     clients = [Client(inst, f"r{i}", _prompt(30 + 41 * i, i), params) for i in range(n)]
@@ -105,10 +113,7 @@ def test_a_long_prompt_delays_a_running_decode_by_one_bounded_step_per_token(loa
     decode rows."""
     inst = _instance(loaded)
     try:
-        params = SamplingParams(max_tokens=400, ignore_eos=True)
-        running = Client(inst, "dec", _prompt(20, 9), params)
-        while len(running.tokens) < 3:
-            assert not running.done.wait(0.005)
+        running = _decoding(inst, 400, 3)
         log = _record(monkeypatch, inst)
         res = inst.prefill.submit("long", _prompt(700, 3), SamplingParams(max_tokens=1)).result(120)
         steps = list(log)
@@ -148,10 +153,7 @@ def test_preemption_in_mixed_steps_gives_the_tokens_of_separate_forwards(loaded)
 def test_a_failing_mixed_forward_fails_its_requests_frees_their_blocks_and_serves_on(loaded, monkeypatch):
     inst = _instance(loaded)
     try:
-        params = SamplingParams(max_tokens=200, ignore_eos=True)
-        running = Client(inst, "dec", _prompt(20, 9), params)
-        while len(running.tokens) < 2:
-            assert not running.done.wait(0.005)
+        running = _decoding(inst, 200, 2)
         real = inst.decode.runner.step
 
         def step(tokens, slices, ids=None):
