@@ -80,11 +80,14 @@ def test_summary_rows_and_acceptance():
     assert math.isclose(worse["colocated_saturation_over_bound"]["value"], 10 / 24)
 
 
-def test_steady_throughput_ignores_the_drain():
-    """30 requests at 10 req/s, served at 4 req/s: completions / duration mixes in the drain, the
-    steady state counts completions while arrivals last."""
-    reqs = [{"sent_s": i / 10, "ok": True, "last_s": 0.5 + i / 4} for i in range(30)]
+def test_steady_throughput_ignores_the_ramp_up_and_the_drain():
+    """40 requests at 10 req/s into a server that finishes one every 0.25 s once full (4 req/s),
+    after a 2-s ramp-up: completed / duration says 40 / 12 = 3.3; the middle of the completions says 4.
+    Below saturation completions follow arrivals: 2 req/s."""
     from hawk.bench.saturation import steady_throughput
 
-    assert steady_throughput(reqs) == pytest.approx(4.0, rel=0.2)
-    assert steady_throughput(reqs[:3]) is None
+    over = [{"sent_s": i / 10, "ok": True, "last_s": 2.0 + i / 4} for i in range(40)]
+    assert steady_throughput(over) == pytest.approx(4.0)
+    under = [{"sent_s": i / 2, "ok": True, "last_s": 1.0 + i / 2} for i in range(40)]
+    assert steady_throughput(under) == pytest.approx(2.0)
+    assert steady_throughput(over[:3]) is None

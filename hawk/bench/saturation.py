@@ -4,7 +4,7 @@ measured on the same server in the same run.
 The ramp: rates ``r0, r0·f, r0·f², ...`` (open loop, ``hawk bench serving``'s Poisson arrivals),
 until the request throughput grows by less than ``min_growth`` over the best so far (or
 ``max_steps`` rates). A rate's throughput is the steady state's (:func:`steady_throughput`:
-completions while requests still arrive), not completed / duration, which a short run at a high
+the middle 80 % of the completions over their time span), not completed / duration, which a short run at a high
 rate mostly fills with its drain; ``duration_s`` makes each rate long enough to have one.
 Saturation throughput is the best rate's; the rate at 90 % SLO attainment is
 interpolated between the last rate that met it and the first that did not. One more run at 80 % of
@@ -203,19 +203,19 @@ def slo90_rate(records: Sequence[dict[str, Any]], target: float = 0.9) -> float 
     return None if ok is None else float(ok["rate"])
 
 
-def steady_throughput(requests: Sequence[dict[str, Any]], skip: float = 1 / 3) -> float | None:
-    """Requests finished per second while requests kept arriving: from the arrival of the first
-    ``skip`` of them (the server has filled up) to the last arrival. ``completed / duration``
-    counts the drain after the last arrival too, which a short run at a high rate is mostly made
-    of (120 requests at 40 req/s arrive in 3 s and take seconds more to finish)."""
-    sent = sorted(r["sent_s"] for r in requests)
-    if len(sent) < 6:
+def steady_throughput(requests: Sequence[dict[str, Any]], trim: float = 0.1) -> float | None:
+    """Requests finished per second over the middle of the run: the completions between the
+    ``trim`` and ``1 - trim`` quantiles of the completion times, over the time between them. Below
+    saturation completions follow arrivals (this is the offered rate); above it a FIFO server
+    finishes requests at its service rate while its queue lasts, which is what is wanted.
+    ``completed / duration`` (vLLM's figure) also counts the ramp-up and the drain after the last
+    arrival, which a short run at a high rate is mostly made of."""
+    done = sorted(r["last_s"] for r in requests if r.get("ok") and r.get("last_s") is not None)
+    if len(done) < 6:
         return None
-    t0, t1 = sent[int(len(sent) * skip)], sent[-1]
-    if t1 - t0 <= 0:
-        return None
-    done = sum(1 for r in requests if r.get("ok") and r.get("last_s") is not None and t0 < r["last_s"] <= t1)
-    return done / (t1 - t0)
+    lo, hi = int(len(done) * trim), int(len(done) * (1 - trim)) - 1
+    span = done[hi] - done[lo]
+    return (hi - lo) / span if span > 0 else None
 
 
 def with_aliases(rec: dict[str, Any], bound_rps: float | None) -> dict[str, Any]:

@@ -80,6 +80,7 @@ class PrefillSteps(Protocol):
     """A prefill engine stepped by the decode engine's loop (``PrefillEngine(threaded=False)``)."""
 
     on_work: Callable[[], None] | None
+    may_start: Callable[[int, int], bool] | None
 
     def has_work(self) -> bool: ...
 
@@ -367,6 +368,7 @@ class DecodeEngine:
         self._generators: dict[str, torch.Generator | None] = {}
         if prefill is not None:
             prefill.on_work = self._wake
+            prefill.may_start = self._may_start_prompt
         self._thread = threading.Thread(target=self._loop, name="hawk-decode", daemon=True)
         self._thread.start()
         self._keepalive = threading.Thread(target=self._keepalive_loop, name="hawk-kv-keepalive", daemon=True)
@@ -660,6 +662,15 @@ class DecodeEngine:
         elif mixing:  # prompts wait for blocks, nothing runs to free them here: the requests' ends will
             time.sleep(0.002)
         return True
+
+    def _may_start_prompt(self, blocks: int, prefilling: int) -> bool:
+        """vLLM's gate for a new prompt: the sequences in flight here (running, queued for admission,
+        part-prefilled) stay under ``max_batch``, and its blocks leave the watermark and one block per
+        running sequence free, so prompts do not take the blocks the batch grows into (which would
+        swap running sequences out to make room for sequences that cannot run yet)."""
+        if self._in_flight() + len(self._waiting) + prefilling >= self.max_batch:
+            return False
+        return self.kv.blocks.num_free - blocks >= self.watermark_blocks + len(self._running)
 
     def _plan_prefill(self) -> list[Any]:
         """This step's prefill chunks: the token budget less one token per running sequence."""

@@ -153,6 +153,10 @@ class PrefillEngine:
             self.runner = ModelRunner(model, PagedAttention(layout, caches), graphs=False, prefill_graph_tokens=graph_tokens)
         #: Stepped: wakes the loop that steps this engine (set by it; called outside this engine's lock).
         self.on_work: Callable[[], None] | None = None
+        #: Stepped: ``may_start(blocks, prefilling)``, whether a queued prompt needing ``blocks`` may start
+        #: now that ``prefilling`` prompts are part-prefilled (set by the stepping engine: vLLM's gate,
+        #: so prompts never hold the blocks the running batch grows into; called under this engine's lock).
+        self.may_start: Callable[[int, int], bool] | None = None
         self.handoff = handoff
         self.layer_push = layer_push
         self.max_batch_tokens = max_batch_tokens
@@ -242,7 +246,10 @@ class PrefillEngine:
             n = min(len(j.prompt_ids), budget) if chunking else len(j.prompt_ids)
             if pieces and n > budget:
                 break
-            blocks = self.blocks.try_allocate(self.blocks.blocks_for(len(j.prompt_ids)), j.request_id)
+            need = self.blocks.blocks_for(len(j.prompt_ids))
+            if self.may_start is not None and not self.may_start(need, len(self._active)):
+                break  # the stepping engine's batch is full (or its blocks are spoken for)
+            blocks = self.blocks.try_allocate(need, j.request_id)
             if blocks is None:  # wait for blocks to come back (the sender frees them after staging)
                 break
             self._queue.popleft()
@@ -257,14 +264,17 @@ class PrefillEngine:
     def has_work(self) -> bool:
         """A prompt is part-prefilled, or the first queued one's blocks are free (read without the
         lock: a hint to the stepping loop, which then asks :meth:`plan_step`). A queue whose head
-        waits for blocks is no work: the loop keeps its overlapped decode steps meanwhile."""
+        waits for blocks (or for ``may_start``) is no work: the loop keeps its overlapped decode steps."""
         if self._active:
             return True
         try:
             head = self._queue[0]
         except IndexError:  # empty (or emptied by another thread just now)
             return False
-        return (head.future.cancelled() or self.blocks.num_free >= self.blocks.blocks_for(len(head.prompt_ids)))
+        if head.future.cancelled():
+            return True
+        need = self.blocks.blocks_for(len(head.prompt_ids))
+        return self.blocks.num_free >= need and (self.may_start is None or self.may_start(need, len(self._active)))
 
     def plan_step(self, budget: int, max_pieces: int = 1 << 30) -> list[_Piece]:
         """This step's pieces, at most ``budget`` prompt tokens and ``max_pieces`` prompts in all
