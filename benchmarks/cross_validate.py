@@ -97,7 +97,7 @@ def run_scenario(name: str, a: argparse.Namespace, transfer: str) -> dict[str, A
     paced = name == "paced"
     cfg = config_for(defaults(  # a GPU-decoding configuration decodes on the NPU's backing device
         model=a.model, dtype=a.dtype, prefill_device=a.prefill_device, decode_device=a.decode_device,
-        transport=a.transport, npu_timing="p150a" if paced else None, link_gbps=a.link_gbps if paced else None,
+        transport=a.transport, npu_timing="p150a" if paced else None, link_gbps=a.link_gbps if paced else None, kv_dtype=a.kv_dtype,
     ), transfer).validate()
     wl = get_workload(a.workload)
     t0 = time.monotonic()
@@ -129,7 +129,7 @@ def run_scenario(name: str, a: argparse.Namespace, transfer: str) -> dict[str, A
     return {
         "scenario": name,
         "timing_emulation": timing_label(cfg.npu_timing, cfg.link_gbps),
-        "config": {k: v for k, v in cfg.to_dict().items() if k in ("model", "dtype", "transfer", "transport", "prefill_device", "decode_device", "npu_timing", "link_gbps", "max_batch", "kv_tokens")},
+        "config": {k: v for k, v in cfg.to_dict().items() if k in ("model", "dtype", "transfer", "transport", "prefill_device", "decode_device", "npu_timing", "link_gbps", "max_batch", "kv_tokens", "kv_dtype")},
         "probes": probes.to_dict(),
         "calibration": cal.to_dict(),
         "npu_step_model": None if npu_step is None else dataclasses.asdict(npu_step),
@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="the paced scenario's link (default 0.2 Gb/s: slow enough to bind on a CPU run; 200 on the GPU)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="fp32")
+    p.add_argument("--kv-dtype", default=defaults().kv_dtype, help="the NPU KV dtype (bfp8_b: the p150a's, tilized on the host by gn-host)")
     p.add_argument("--transfer", default="gn-hawk", help="transfer configurations, comma-separated: one real system each")
     p.add_argument("--transport", default=defaults().transport, help="KV transport of the real system (hawk/config.py)")
     p.add_argument("--prefill-device", default="cpu")

@@ -1,7 +1,7 @@
 """Several `hawk bench engine` runs of the same decode points, read together.
 
 Why: at batch 1 the bfloat8_b and paged steps differ by less than one run's spread between
-processes (on an H200 0.995-1.006 across five runs, session 13), so one run cannot say on which
+processes (on an H200 0.995-1.006 across five runs), so one run cannot say on which
 side of 1.0 their ratio is. Each run records, per NPU point, its step over the paged step round by
 round (``vs_paged``, :func:`hawk.bench.engine.paired_ratio`); this reads N runs and reports, per
 point, each run's ratio of medians and paired median, and across runs the median of the paired

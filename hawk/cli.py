@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Optional
 
 import typer
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # single-host runs stay on loopback unless told otherwise
 
-app = typer.Typer(help="HAWK: GPU-prefill / NPU-decode disaggregated LLM serving with heterogeneity-aware KV transfer.", no_args_is_help=True, add_completion=False)
+app = typer.Typer(help="HAWK: GPU-prefill / NPU-decode disaggregated LLM serving with heterogeneity-aware KV transfer.", no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 bench_app = typer.Typer(help="Benchmarks (transfer latency, transform throughput, engine step times, serving).", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
@@ -84,7 +85,7 @@ _serve_commands(app, bench_app)
 
 def build_app() -> typer.Typer:
     """A fresh ``hawk`` app whose generated commands read the config's defaults now (for tests)."""
-    fresh = typer.Typer(help=app.info.help, no_args_is_help=True, add_completion=False)
+    fresh = typer.Typer(help=app.info.help, no_args_is_help=True, add_completion=False, rich_markup_mode=None)
     bench = typer.Typer(help=bench_app.info.help, no_args_is_help=True)
     fresh.add_typer(bench, name="bench")
     _serve_commands(fresh, bench)
@@ -112,6 +113,7 @@ def bench_transfer(
     """KV-transfer latency of the five configurations (paper Fig. 9), from decode request to KV in the cache pool."""
     from rich.progress import Progress
 
+    from hawk.bench.progress import ProgressLines
     from hawk.bench.transfer import BenchSpec, plot, print_table, run_transfer_bench, save_json
     from hawk.layouts.device import parse_device
 
@@ -122,9 +124,12 @@ def bench_transfer(
         shard_pages=npu_shard_pages,
     )
     total = len(spec.configs) * len(spec.sizes_mb) * (spec.warmup + spec.repeats)
-    with Progress() as prog:
-        task = prog.add_task("transfers", total=total)
-        records = run_transfer_bench(spec, progress=lambda: prog.advance(task))
+    if sys.stderr.isatty():
+        with Progress() as prog:
+            task = prog.add_task("transfers", total=total)
+            records = run_transfer_bench(spec, progress=lambda: prog.advance(task))
+    else:  # piped or logged: a rich progress bar would print nothing until the end
+        records = run_transfer_bench(spec, progress=ProgressLines("transfers", total))
     print_table(records)
     if json_path:
         save_json(records, json_path)
@@ -135,7 +140,7 @@ def bench_transfer(
 
 @bench_app.command("transform", context_settings=PASS_THROUGH)
 def bench_transform(ctx: typer.Context) -> None:
-    """Transform throughput vs a plain device copy (passes options to ``python -m hawk.bench.transform``)."""
+    """Transform throughput vs a plain device copy (options: hawk bench transform --help)."""
     from hawk.bench.transform import main
 
     main(ctx.args)
@@ -145,8 +150,7 @@ def bench_transform(ctx: typer.Context) -> None:
 def bench_engine(ctx: typer.Context) -> None:
     """Model-level decode and prefill times against read-bandwidth and GEMM ceilings measured in the same run.
 
-    Options pass to ``python -m hawk.bench.engine`` (see ``--help`` there), e.g.
-    ``hawk bench engine --device cuda:0 --model llama-3.1-8b --batches 1,64``.
+    Options: hawk bench engine --help; e.g. hawk bench engine --device cuda:0 --model llama-3.1-8b --batches 1,64.
     """
     from hawk.bench.engine import main
 
@@ -160,8 +164,7 @@ def bench_engine(ctx: typer.Context) -> None:
 def bench_serving(ctx: typer.Context) -> None:
     """Online serving against a running router: TTFT, TPOT, SLO attainment, throughput vs request rate (paper Figs. 10-13).
 
-    Options pass to ``python -m hawk.bench.serving`` (see ``--help`` there), e.g.
-    ``hawk bench serving --url http://127.0.0.1:8000 --workload chatbot-tiny --rates 0.5,1,2``.
+    Options: hawk bench serving --help; e.g. hawk bench serving --url http://127.0.0.1:8000 --workload chatbot-tiny --rates 0.5,1,2.
     """
     from hawk.bench.serving import main
 
@@ -181,7 +184,7 @@ def bench_vllm_pd(ctx: typer.Context) -> None:
 
 @bench_app.command("efficiency", context_settings=PASS_THROUGH)
 def bench_efficiency(ctx: typer.Context) -> None:
-    """Power and cost efficiency at 90 % SLO attainment from serving or simulation records (paper Tables 8-9)."""
+    """Power and cost efficiency at 90 % SLO attainment from serving or simulation records (paper Tables 8-9; options: hawk bench efficiency --help)."""
     from hawk.bench.efficiency import main
 
     main(ctx.args)
@@ -189,7 +192,7 @@ def bench_efficiency(ctx: typer.Context) -> None:
 
 @app.command("sim", context_settings=PASS_THROUGH)
 def sim(ctx: typer.Context) -> None:
-    """Cluster-scale discrete-event simulation, calibrated by measured transfer curves (options: ``python -m hawk.sim --help``)."""
+    """Cluster-scale discrete-event simulation, calibrated by measured transfer curves (options: hawk sim --help)."""
     from hawk.sim.command import main
 
     main(ctx.args)
@@ -197,7 +200,7 @@ def sim(ctx: typer.Context) -> None:
 
 @app.command("report", context_settings=PASS_THROUGH)
 def report(ctx: typer.Context) -> None:
-    """One Markdown report (tables + plots) from result files, each recognised by its content (options: ``python -m hawk.bench.report --help``)."""
+    """One Markdown report (tables + plots) from result files, each recognised by its content (options: hawk report --help)."""
     from hawk.bench.report import main
 
     main(ctx.args)

@@ -144,7 +144,7 @@ class ServeConfig:
     startup_timeout_s: float = opt(300.0, "seconds the engines may take to become healthy", positive=True, commands=SERVE)
     warmup: bool = opt(True, "before reporting ready, the router sends one 2-token greedy request through each prefill and decode instance, so no client pays the first transfer's one-time costs (plans, registrations, kernel compiles)", flags=("--warmup/--no-warmup",), commands=PROCESS)
     api_key: str | None = opt(None, "clients must send 'Authorization: Bearer <key>' (default: none, open)", envvar="HAWK_API_KEY", commands=SERVE)
-    cluster_secret_file: str | None = opt(None, "roles run separately: file holding the shared cluster secret (or env HAWK_CLUSTER_SECRET); role 'all' makes its own", commands=SERVE)
+    cluster_secret_file: str | None = opt(None, "file holding the cluster secret that guards /internal/* and the KV control channel (or env HAWK_CLUSTER_SECRET); roles run separately share it; role 'all' uses it too, else makes one nobody else knows (give one to read /internal/accounting yourself)", commands=SERVE)
     allow_remote: bool = opt(False, "allow --host/--kv-host beyond loopback (listens on the network; use --api-key)", flags=("--allow-remote",), commands=SERVE)
     max_body_mb: float | None = opt(None, "router request-size limit in MiB (default: 4, more for long-context models)", positive=True, commands=SERVE)
     max_restarts: int = opt(5, "how often a crashed engine process is restarted before the launcher gives up", min=0, commands=SERVE)

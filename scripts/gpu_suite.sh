@@ -15,7 +15,8 @@
 #     quick     - the acceptance points in one short call: transform v1/v2 vs copy, one-GPU transfers vs a device copy,
 #                 engine decode at batch 1/64 (1k) and prefill 2k
 #     paced     - issue 10: real serving with --npu-timing p150a --link-gbps 200 (gn-hawk, gg-direct, gn-host) beside the
-#                 simulator's `here` prediction calibrated from probes of the same system (benchmarks/cross_validate.py)
+#                 simulator's `here` prediction calibrated from probes of the same system (benchmarks/cross_validate.py);
+#                 PACED_WORKLOAD="chatbot summarization", PACED_RATES, PACED_REQUESTS, PACED_CONFIGS, PACED_LIMIT, PACED_KV_DTYPE, PACED_TILIZE=1
 #     kernels   - the CUDA tests of the attention kernels (paged, NPU-tile) and the fused ops
 #     tp        - 8B token equality across tensor-parallel degrees: prefill TP2 -> decode TP1, TP1 -> TP2 (two GPUs)
 #     fig9      - Fig. 9 on two GPUs with >= 10 repeats (median, IQR): every configuration, bf16 and bfloat8_b NPU KV
@@ -38,6 +39,9 @@
 #                 SAT_REQUESTS per rate, SAT_CONFIGS: one server per call at 30 s a rate)
 #     posts     - the host work of layer-wise posts on the forward's thread: `hawk bench ttft` at 1k (both roles on GPU0)
 #                 under cProfile (--profile-posts), the profile in $OUT/ttft_posts_profile.txt
+#     vllm      - issue 30: the fused transform reading vLLM 0.32's GPU layouts (views as vLLM's create_kv_cache_views makes
+#                 them, tests/data/vllm_kv_layouts.json): its GPU tests byte-exact on every KVCacheLayout, then throughput
+#                 from vLLM's default FlashAttention layout (LBNHC) and from HAWK's NHD, each against a same-run copy
 # LOGS=DIR keeps the per-step logs out of $OUT (the device tool returns at most 8 files); each step's tail still prints.
 # Wheels missing on the box (nixl, nixl_cu13, pyzmq for cp312) are carried in .whl/ (see docs/gpu.md).
 set -uo pipefail
@@ -64,6 +68,13 @@ step() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; lo
 
 want tests && \
   step gpu_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_transform.py tests/test_transport.py tests/test_devices.py
+if want vllm; then
+  step vllm_tests 110 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_vllm_triton.py
+  for src in LBNHC NHD; do
+    step "transform_$src" 60 python3 -m hawk.bench.transform --impls triton --sizes-mb 80,320,1280 --dtypes bf16 \
+      --blocks shuffled --src-layout $src --json "$OUT/transform_${src}_h200.json"
+  done
+fi
 want kernels && \
   step gpu_kernels 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_paged_attention.py tests/test_npu_attention.py tests/test_triton_ops.py
 want transform && \
@@ -74,7 +85,7 @@ want transfer && \
     --configs gg-host,gn-host,gg-direct,gn-direct-single,gn-hawk,gn-hawk@staging,gn-hawk@direct \
     --json "$OUT/transfer_h200x2.json" --plot "$OUT/transfer_h200x2.png"
 want model && \
-  step model_8b 200 python3 -m hawk.bench.equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 \
+  step model_8b 200 python3 -m hawk bench equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 \
     --decode-device npu-emu:cuda:$dec --configs gn-hawk,gg-direct --max-tokens 32 --kv-tokens 8192 --json "$OUT/e2e_8b_h200x2.json"
 # One GPU, both roles: Fig. 9 sizes against a same-run device copy, and TTFT at 1k/4k/16k (parts sameg, quick, ttft).
 same_gpu_transfers() {  # same_gpu_transfers LIMIT
@@ -82,7 +93,7 @@ same_gpu_transfers() {  # same_gpu_transfers LIMIT
     --gpu-decode-device cuda:0 --sizes-mb 10,80,320,1280 --repeats 10 --configs gg-direct,gn-hawk --json "$OUT/transfer_h200x1.json"
 }
 ttft_one_gpu() {  # ttft_one_gpu NAME LIMIT TRANSPORT
-  step "$1" "$2" python3 -m hawk.bench.ttft --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device npu-emu:cuda:0 \
+  step "$1" "$2" python3 -m hawk bench ttft --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device npu-emu:cuda:0 \
     --transport "$3" --prompts 1024,4096,16384 --configs gn-hawk,gg-direct --kv-flows pull,layerwise --repeats 5 --warmup 1 --json "$OUT/ttft_h200.json"
 }
 
@@ -104,10 +115,17 @@ if want quick; then  # most important first: a call cut short keeps what ran
     --dtypes bf16,bfp8_b --blocks contiguous --json "$OUT/transform_h200.json"
 fi
 if want paced; then  # one system per configuration, each its own file, so a call cut short keeps what finished
-  for t in ${PACED_CONFIGS:-gn-hawk gg-direct gn-host}; do
-    step "paced_$t" 155 python3 benchmarks/cross_validate.py --scenarios paced --link-gbps 200 --prefill-device cuda:0 \
-      --decode-device npu-emu:cuda:0 --model llama-3.1-8b --dtype bf16 --workload "${PACED_WORKLOAD:-chatbot}" --rates 1,2 --num-requests "${PACED_REQUESTS:-20}" \
-      --transfer "$t" --transport auto --json "$OUT/crossval_h200_${PACED_WORKLOAD:-chatbot}_$t.json"
+  # PACED_WORKLOAD picks the workloads (space-separated), PACED_RATES the rates, PACED_LIMIT each system's seconds;
+  # PACED_TILIZE=1 first measures the host's tilize rate (gn-host's fix-up runs on the decode node's CPU)
+  [ "${PACED_TILIZE:-0}" = 1 ] && step cpu_tilize 60 python3 -m hawk.bench.transform --device cpu --shape llama70b-tp4 --sizes-mb 32 \
+    --dtypes bf16,bfp8_b --blocks contiguous --repeats 3 --warmup 1 --json "$OUT/transform_cpu_host.json"
+  for w in ${PACED_WORKLOAD:-chatbot}; do
+    for t in ${PACED_CONFIGS:-gn-hawk gg-direct gn-host}; do
+      step "paced_${w}_$t" "${PACED_LIMIT:-155}" python3 benchmarks/cross_validate.py --scenarios paced --link-gbps 200 --prefill-device cuda:0 \
+        --decode-device npu-emu:cuda:0 --model llama-3.1-8b --dtype bf16 --workload "$w" --rates "${PACED_RATES:-1,2}" \
+        --num-requests "${PACED_REQUESTS:-20}" --kv-dtype "${PACED_KV_DTYPE:-bf16}" --transfer "$t" --transport auto \
+        --json "$OUT/crossval_h200_${w}_$t.json"
+    done
   done
 fi
 if want pairs; then  # separate processes and replicas: where a point's memory lands moved the batch-1 ratio by +-0.4 %
@@ -142,7 +160,7 @@ if want newrow; then
 fi
 want ttft && ttft_one_gpu ttft 240 nixl  # NIXL within one GPU: the slow path auto avoids
 want posts && \
-  step ttft_posts 150 python3 -m hawk.bench.ttft --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device npu-emu:cuda:0 \
+  step ttft_posts 150 python3 -m hawk bench ttft --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device npu-emu:cuda:0 \
     --transport auto --prompts 1024 --configs gn-hawk,gg-direct --kv-flows layerwise --repeats 5 --warmup 1 \
     --json "$OUT/ttft_posts_h200.json" --profile-posts "$OUT/ttft_posts_profile.txt"
 if want fig9 && [ "$ngpu" -ge 2 ]; then
@@ -154,15 +172,15 @@ if want fig9 && [ "$ngpu" -ge 2 ]; then
   done
 fi
 if want ttft2 && [ "$ngpu" -ge 2 ]; then
-  step ttft_h200x2 240 python3 -m hawk.bench.ttft --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device npu-emu:cuda:1 \
+  step ttft_h200x2 240 python3 -m hawk bench ttft --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device npu-emu:cuda:1 \
     --transport auto --prompts 1024,4096,16384 --configs gn-hawk,gg-direct --kv-flows pull,layerwise --repeats 3 --warmup 1 \
     --json "$OUT/ttft_h200x2.json"
 fi
 # A TP group takes consecutive GPUs from its instance's device (rank r on cuda:N+r), so TP2 needs two.
 if want tp && [ "$ngpu" -ge 2 ]; then
-  step tp_2to1 150 python3 -m hawk.bench.equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 \
+  step tp_2to1 150 python3 -m hawk bench equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 \
     --decode-device npu-emu:cuda:1 --prefill-tp 2 --decode-tp 1 --configs gn-hawk,gg-direct --max-tokens 32 --kv-tokens 8192 --json "$OUT/tp_8b_2to1.json"
-  step tp_1to2 200 python3 -m hawk.bench.equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:1 \
+  step tp_1to2 200 python3 -m hawk bench equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:1 \
     --decode-device npu-emu:cuda:0 --prefill-tp 1 --decode-tp 2 --configs gn-hawk,gg-direct --max-tokens 32 --kv-tokens 8192 --json "$OUT/tp_8b_1to2.json"
 fi
 want smoke && \
@@ -170,7 +188,7 @@ want smoke && \
     --gpu-decode-device cuda:$dec --sizes-mb 10,80 --repeats 2 --configs gn-host,gg-direct,gn-hawk --npu-shard-pages 2 \
     --json "$OUT/smoke_transfer.json"
 want smoke && \
-  step smoke_model 150 python3 -m hawk.bench.equivalence --model tiny --dtype bf16 --prefill-device cuda:0 \
+  step smoke_model 150 python3 -m hawk bench equivalence --model tiny --dtype bf16 --prefill-device cuda:0 \
     --decode-device npu-emu:cuda:$dec --configs gn-hawk,gn-host,gg-direct --max-tokens 16 --kv-tokens 2048 --json "$OUT/smoke_model.json"
 
 want reverse && \

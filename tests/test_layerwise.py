@@ -363,7 +363,7 @@ def test_many_small_pushes_with_faults_end_with_empty_ledgers():
 def test_engines_layerwise_tokens_equal_colocated_and_ledgers_empty():
     """Whole instances (tiny model): both flows produce the colocated oracle's first token, and every
     ledger (sender, receiver, prefill and decode blocks) is empty afterwards."""
-    from hawk.bench.ttft import main
+    from hawk.bench.ttft_cli import main
 
     records = main(["--model", "tiny", "--prompts", "40,130", "--repeats", "1", "--warmup", "0", "--configs", ",".join(CONFIGS),
                     "--kv-flows", "pull,layerwise", "--transport", "local", "--max-prefill-chunk", "64"])

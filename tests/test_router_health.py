@@ -105,3 +105,51 @@ def test_a_miss_wakes_no_request_in_flight():
         return woke
 
     assert asyncio.run(main()) is False
+
+
+def _app_with(router_state: Router, handler_calls: list[str]) -> tuple[object, httpx.AsyncClient]:
+    """The router app with ``router_state``'s pool and down map, its instance client counting calls."""
+    from hawk.serve.router import create_router_app
+
+    app = create_router_app(RouterConfig([P], [D]))
+    router: Router = app.state.router
+    router.pool, router.down = router_state.pool, router_state.down
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        handler_calls.append(str(request.url))
+        return httpx.Response(200, json={"status": "ok"})  # the instance itself already says it is fine
+
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return app, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
+
+
+def test_router_health_is_not_ok_while_requests_would_be_refused():
+    """A restarted decode answers its own /health before the router routes to it again (the monitor
+    has not re-read its /internal/info yet): the router's /health must say 503 then, as a request
+    would get, and it must answer from the monitor's view without probing (no wait on a restarting
+    instance)."""
+    from hawk.serve.router import InstanceDown
+
+    state = _router({P: ["ok"], D: ["ok"]})
+    state.down = {D: "decode instance unreachable"}
+    calls: list[str] = []
+    app, client = _app_with(state, calls)
+
+    async def go() -> tuple[int, dict]:
+        async with client:
+            r = await client.get("/health")
+        return r.status_code, r.json()
+
+    status, body = asyncio.run(go())
+    with pytest.raises(InstanceDown):
+        state.pool.next_decode(state.down)  # what a request gets now
+    assert status == 503, body
+    assert body["instances"][f"decode {D}"] == "down" and body["down"][f"decode {D}"] == "decode instance unreachable"
+    assert calls == [], "the router's /health probed an instance instead of answering from the monitor's view"
+
+    state.down.clear()  # the monitor re-read it: requests are routed again, and /health says so
+    calls.clear()
+    app, client = _app_with(state, calls)
+    status, body = asyncio.run(go())
+    assert state.pool.next_decode(state.down).url == D
+    assert status == 200 and body["status"] == "ok", body

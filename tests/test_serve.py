@@ -347,6 +347,39 @@ def test_non_streaming_client_timeout_frees_everything(system):
     assert complete(system, prompt="Hello", max_tokens=4)["usage"]["completion_tokens"] == 4
 
 
+def test_a_stop_string_is_a_normal_finish_not_a_client_abort(system):
+    """A completion that ends on a stop string while the decode still generates is stopped by the
+    router: finish_reason "stop", everything released, and not counted as a client's disconnect
+    (``aborted_on_disconnect``, ``hawk_decode_aborted_on_disconnect_total``)."""
+    prompt = "Count to a thousand: 1, 2, 3,"
+    free = complete(system, prompt=prompt, max_tokens=12, ignore_eos=True)["choices"][0]["text"]
+    stop = free[len(free) // 2:][:3]
+    assert stop.strip(), free
+    before = accounting(system.decode.url)["aborted_on_disconnect"]
+    for stream in (False, True):
+        body = {"prompt": prompt, "max_tokens": 300, "ignore_eos": True, "stop": [stop], "stream": stream}
+        if stream:
+            with system.http.stream("POST", "/v1/completions", json=body) as r:
+                events = sse_events(r.iter_lines())
+            text, reason = "".join(e["choices"][0]["text"] for e in events), events[-1]["choices"][0]["finish_reason"]
+        else:
+            choice = complete(system, **body)["choices"][0]
+            text, reason = choice["text"], choice["finish_reason"]
+        assert reason == "stop" and text == free[: free.index(stop)], (text, free, stop)
+        wait_released(system, 10)
+    assert accounting(system.decode.url)["aborted_on_disconnect"] == before
+    inst = httpx.get(f"{system.decode.url}/metrics", trust_env=False).text
+    assert f"hawk_decode_aborted_on_disconnect_total {float(before)}" in inst
+
+
+def test_a_string_where_a_number_belongs_is_a_400(system):
+    """OpenAI's types are strict, and so are HAWK's: "0.5" is not a temperature."""
+    r = system.http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4, "temperature": "0.5"})
+    assert r.status_code == 400, r.text
+    assert "temperature" in r.json()["error"]["message"]
+    assert chat(system.http, temperature=0.5, max_tokens=2)["usage"]["completion_tokens"] == 2
+
+
 # ============================================================================ metrics
 
 

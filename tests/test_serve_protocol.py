@@ -194,3 +194,30 @@ def test_router_streams_invalid_bytes_without_waiting():
     ev = [{"token": 0xFF}, {"token": 0xFE}, {"token": 65, "finish_reason": "length"}]
     deltas = _decode_stream(ev)
     assert [d.text for d in deltas] == ["\ufffd", "\ufffd", "A"]
+
+
+@pytest.mark.parametrize(
+    "cls, body, field",
+    [
+        (CompletionRequest, {"prompt": "x", "temperature": "0.5"}, "temperature"),
+        (CompletionRequest, {"prompt": "x", "max_tokens": "16"}, "max_tokens"),
+        (CompletionRequest, {"prompt": "x", "max_tokens": 16.0}, "max_tokens"),
+        (CompletionRequest, {"prompt": "x", "stream": "true"}, "stream"),
+        (CompletionRequest, {"prompt": "x", "seed": "7"}, "seed"),
+        (CompletionRequest, {"prompt": "x", "top_p": True}, "top_p"),
+        (CompletionRequest, {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, "include_usage"),
+        (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "temperature": "0.5"}, "temperature"),
+        (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": "8"}, "max_completion_tokens"),
+    ],
+)
+def test_types_are_strict_as_openai_s(cls, body, field):
+    """OpenAI refuses a string where a number or a boolean belongs (and a decimal where an integer
+    does); a lenient server hides the client's bug. Numbers stay numbers: 1 is a fine temperature."""
+    assert field in _message(cls, body)
+
+
+def test_strict_types_still_take_what_openai_takes():
+    r = CompletionRequest.model_validate({"prompt": [1, 2], "temperature": 1, "top_p": 0.5, "stream": True, "stream_options": {"include_usage": True}, "seed": 3})
+    assert r.temperature == 1.0 and r.include_usage
+    m = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "a"}], "max_tokens": 4})
+    assert m.requested_max_tokens == 4

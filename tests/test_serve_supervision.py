@@ -20,13 +20,16 @@ from hawk.serve.launcher import instance_config, start_system  # noqa: E402
 from hawk.transport.registry import available  # noqa: E402
 
 GOOD = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
+SECRET = "an-operator-chose-this-secret"
 
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
     if not available("nixl"):
         pytest.skip("NIXL is not installed (separate processes need it)")
-    cfg = instance_config(model="tiny", kv_tokens=512, staging_mb=4, rx_mb=4)
+    secret = tmp_path_factory.mktemp("secret") / "cluster-secret"
+    secret.write_text(SECRET + "\n")
+    cfg = instance_config(model="tiny", kv_tokens=512, staging_mb=4, rx_mb=4, cluster_secret_file=str(secret))
     s = start_system(cfg, threads=1, log_dir=tmp_path_factory.mktemp("supervision-logs"), startup_timeout_s=120)
     yield s
     s.close()
@@ -66,3 +69,29 @@ def test_killed_engine_is_reported_and_restarted(system, role):
     assert child.proc.pid != old_pid and child.proc.poll() is None
     assert httpx.get(f"{url}/health", timeout=5, trust_env=False).status_code == 200
     assert r.json()["usage"]["completion_tokens"] == 4
+
+
+def _instances(url: str) -> dict[str, str]:
+    """Role -> URL of each engine instance, as the router's /health names them ("ROLE URL")."""
+    body = httpx.get(f"{url}/health", timeout=5, trust_env=False).json()
+    return {key.split(" ", 1)[0]: key.split(" ", 1)[1] for key in body["instances"]}
+
+
+def test_an_operator_reads_the_accounting_of_a_system_it_started(system):
+    """The documented way (docs/serving.md): start with --cluster-secret-file, find the instances
+    in the router's /health, send the secret. Role "all" uses the operator's secret (it used to
+    make its own, which nobody outside could know)."""
+    for role, inst in _instances(system.url).items():
+        r = httpx.get(f"{inst}/internal/accounting", headers={"Authorization": f"Bearer {SECRET}"}, timeout=10, trust_env=False)
+        assert r.status_code == 200, (role, r.text)
+        assert r.json()["role"] == role
+        assert httpx.get(f"{inst}/internal/accounting", timeout=10, trust_env=False).status_code == 401
+
+
+def test_ps_tells_the_engine_processes_apart(system):
+    """Each engine child's command line names its role (``hawk-engine=decode-0``): ``ps`` and
+    ``pgrep -f`` tell prefill from decode without reading environments."""
+    for child in system.cluster.children:
+        argv = open(f"/proc/{child.proc.pid}/cmdline", "rb").read().split(b"\0")
+        assert f"hawk-engine={child.role}-0".encode() in argv, argv
+

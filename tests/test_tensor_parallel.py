@@ -97,6 +97,7 @@ def smollm2_loads_once(_loaded_models: dict, monkeypatch: pytest.MonkeyPatch) ->
     still load their slices. Only these tests see it (the module's cache is dropped with the module)."""
     import hawk.bench.equivalence as equivalence
     import hawk.engine.instances as instances
+    import hawk.engine.ranks as ranks
 
     real = instances.load_model
 
@@ -108,6 +109,7 @@ def smollm2_loads_once(_loaded_models: dict, monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setattr(equivalence, "load_model", load_once)
     monkeypatch.setattr(instances, "load_model", load_once)
+    monkeypatch.setattr(ranks, "load_model", load_once)  # rank 0 of a prefill or decode instance
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from hawk.bench.ttft import main
+from hawk.bench.ttft_cli import main
 
 #: The decode side's laps and the sender's steps that run inside its D1-D2 round trip: together, D1 -> D7.
 STEPS = ("send", "plan_overlap", "control", "sender_plan", "sender_reserve", "sender_transform", "sender_transform_wait",

@@ -235,7 +235,7 @@ def efficiency_report(
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    p = argparse.ArgumentParser(prog="python -m hawk.bench.efficiency", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m hawk.bench.efficiency", description=__doc__.split("\n")[0].replace("``", ""))
     p.add_argument("records", nargs="+", help="JSON files of serving or simulated records")
     p.add_argument("--baseline", default="gg-direct")
     p.add_argument("--configs", default=None, help="comma-separated configurations to include (default: all)")

@@ -5,7 +5,7 @@ run must produce the same greedy tokens when its KV dtype is the same (bf16). Ea
 TTFT (submit -> first token out of the decode instance, transfer included) and TPOT are
 measured at the engine API, without HTTP in between.
 
-    python -m hawk.bench.equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 \\
+    python -m hawk bench equivalence --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 \\
         --decode-device npu-emu:cuda:1 --configs gn-hawk,gg-direct --json out.json
 """
 
@@ -220,14 +220,6 @@ def equivalence(base: InstanceConfig, configs: Sequence[str], max_tokens: int = 
         with open(json_path, "w") as f:
             json.dump(records, f, indent=1)
     return records
-
-
-if __name__ == "__main__":
-    import typer
-
-    from hawk.bench.equivalence_cli import equivalence_command
-
-    typer.run(equivalence_command())
 
 
 def teacher_forced_divergence(loaded: Any, prompt_ids: list[int], steps: int, kv_dtype: str, arch: str = "blackhole-p150a") -> dict[str, float]:

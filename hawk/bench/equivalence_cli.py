@@ -1,4 +1,4 @@
-"""``hawk bench equivalence`` (and ``python -m hawk.bench.equivalence``): the instance options come
+"""``hawk bench equivalence`` (and ``python -m hawk.bench.equivalence_cli``): the instance options come
 from ``ServeConfig``, so they are spelt, defaulted and checked as ``hawk serve`` does; only the
 benchmark's own three options are declared here. Kept apart from the benchmark so that building
 the command line loads no torch."""
@@ -36,3 +36,7 @@ def _extra() -> list[inspect.Parameter]:
 
 def equivalence_command() -> Callable[..., None]:
     return config_command(_run, "bench", overrides=EQUIVALENCE_DEFAULTS, extra=_extra())
+
+
+if __name__ == "__main__":
+    typer.run(equivalence_command())

@@ -328,7 +328,7 @@ def write_report(paths: Sequence[str | Path], out: str | Path, title: str = "HAW
 
 
 def main(argv: Sequence[str] | None = None) -> Path:
-    p = argparse.ArgumentParser(prog="python -m hawk report", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m hawk report", description=__doc__.split("\n")[0].replace("``", ""))
     p.add_argument("paths", nargs="*", default=["benchmarks/results"], help="result files or folders (default: benchmarks/results)")
     p.add_argument("--out", default="report", help="folder for report.md and its plots")
     p.add_argument("--title", default="HAWK results")

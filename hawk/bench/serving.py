@@ -449,7 +449,7 @@ def _floats(s: str) -> list[float]:
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    p = argparse.ArgumentParser(prog="python -m hawk.bench.serving", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m hawk.bench.serving", description=__doc__.split("\n")[0].replace("``", ""))
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the router's base URL")
     p.add_argument("--rates", default=None, help="comma-separated request rates (req/s); 'inf' = all at once; default 0.5,1,2 (a timed trace: its own)")
     p.add_argument("--workload", default="chatbot-tiny", help="chatbot, summarization, chatbot-tiny, summarization-tiny")

@@ -440,45 +440,56 @@ def host_ms(breakdown: dict[str, float]) -> float:
     return sum(v for k, v in breakdown.items() if k not in skip)
 
 
-def print_breakdown(records: list[dict[str, Any]]) -> None:
-    """The host-side breakdown, one row per (configuration, size): where the median pull's ms went."""
+#: Columns per printed table beside the (config, size) lead: a table stays readable in 80-100
+#: columns, piped or in a terminal (the JSON has every number in one record).
+COLUMNS_PER_TABLE = 5
+
+
+def _print_tables(title: str, head: list[str], rows: list[list[str]], lead: int = 2, left: tuple[str, ...] = ("config", "mode", "engine")) -> None:
+    """``rows`` as tables of at most ``COLUMNS_PER_TABLE`` columns after the first ``lead`` (repeated
+    in each), at the console's width: a terminal's, or 80 when piped."""
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
+    con = Console()
+    rest = list(range(lead, len(head)))
+    groups = [rest[k:k + COLUMNS_PER_TABLE] for k in range(0, len(rest), COLUMNS_PER_TABLE)]
+    for n, group in enumerate(groups):
+        cols = list(range(lead)) + group
+        t = Table(title=f"{title} ({n + 1}/{len(groups)})" if len(groups) > 1 else title, box=box.SIMPLE_HEAD)
+        for c in cols:
+            t.add_column(head[c], justify="left" if head[c] in left else "right", no_wrap=True)
+        for row in rows:
+            t.add_row(*(row[c] for c in cols))
+        con.print(t)
+
+
+def print_breakdown(records: list[dict[str, Any]]) -> None:
+    """The host-side breakdown, one row per (configuration, size): where the median pull's ms went."""
     keys = [k for k in records[0]["host_breakdown_ms"]] if records and "host_breakdown_ms" in records[0] else []
     if not keys:
         return
-    t = Table(title="host-side breakdown per transfer (median ms; sender_* run inside the D1-D2 round trip)")
-    t.add_column("config")
-    t.add_column("MiB", justify="right")
-    for k in keys:
-        t.add_column(k.replace("sender_", "tx_").replace("transform", "xf"), justify="right")
-    t.add_column("host", justify="right")
-    for r in records:
-        b = r["host_breakdown_ms"]
-        t.add_row(r["config"], str(r["size_mb"]), *(f"{b[k]:.2f}" for k in keys), f"{r['host_ms']:.2f}")
-    Console(width=260).print(t)
+    head = ["config", "MiB", *(k.replace("sender_", "tx_").replace("transform", "xf") for k in keys), "host"]
+    rows = [[r["config"], str(r["size_mb"]), *(f"{r['host_breakdown_ms'][k]:.2f}" for k in keys), f"{r['host_ms']:.2f}"] for r in records]
+    _print_tables("host-side breakdown per transfer (median ms; tx_* run inside the D1-D2 round trip)", head, rows)
 
 
 def print_table(records: list[dict[str, Any]]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     def num(v: Any, fmt: str = ".2f") -> str:
         return "-" if v is None else format(v, fmt)
 
-    t = Table(title="KV transfer latency (decode request -> KV in cache pool); copy = one device copy of the same bytes")
-    cols = ("config", "size_mb", "median_ms", "p90_ms", "requests", "mode", "engine", "ready_ms", "pair_ms", "transfer_ms",
-            "finish_ms", "copy_ms", "x_copy", "transfer_x_copy")  # fmt: skip
-    for col in cols:
-        t.add_column(col, justify="right" if col not in ("config", "mode", "engine") else "left")
-    for r in records:
-        t.add_row(
+    head = ["config", "size_mb", "median_ms", "p90_ms", "requests", "mode", "engine", "ready_ms", "pair_ms", "transfer_ms",
+            "finish_ms", "copy_ms", "x_copy", "transfer_x_copy"]  # fmt: skip
+    rows = [
+        [
             r["config"], str(r["size_mb"]), f"{r['median_ms']:.2f}", f"{r['p90_ms']:.2f}", str(r["requests"]), r["mode"],
             r.get("engine", r.get("transport", "")), f"{r['ready_ms']:.2f}", f"{r['pair_ms']:.2f}", f"{r['transfer_ms']:.2f}",
             f"{r['finish_ms']:.2f}", num(r.get("copy_ms"), ".3f"), num(r.get("x_copy")), num(r.get("transfer_x_copy")),
-        )
-    Console(width=220).print(t)
+        ]
+        for r in records
+    ]
+    _print_tables("KV transfer latency (decode request -> KV in cache pool); copy = one device copy of the same bytes", head, rows)
     print_breakdown(records)
 
 

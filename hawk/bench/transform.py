@@ -7,6 +7,11 @@ to a Blackhole p150a cache (NPU block 64), with the GPU block ids in order or sh
 
     python -m hawk.bench.transform --sizes-mb 10,80,320,1280 --dtypes bf16,bfp8_b --json PATH
     python -m hawk.bench.transform --impls triton --kernels v1,v2 --check-edges   # both kernels, edge bytes first
+    python -m hawk.bench.transform --src-layout LBNHC   # the source laid out as vLLM 0.32's FlashAttention default
+
+``--src-layout`` is HAWK's ``NHD`` (default) or a vLLM 0.32 ``KVCacheLayout`` name (LBNHC, LBHNC, ...):
+per-layer ``[blocks, heads, block_size, 2 * head_dim]`` views of one buffer, exactly as vLLM's GPU
+backends register them (``hawk.layouts.vllm``).
 
 The JSON is a list of records (one per size, dtype, block order, impl and Triton kernel) with
 ``size_mb``, ``dtype``, ``impl``, ``kernel``, ``gbps``, ``copy_gbps``, ``ratio``, ``ms`` and the device name.
@@ -27,8 +32,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hawk.layouts import vllm
 from hawk.layouts.gpu import GpuKVLayout
 from hawk.layouts.npu import NpuKVLayout, get_arch
+from hawk.layouts.paged import PagedKVLayout
 from hawk.plan.kv_plan import KVTransferPlan, plan_kv_transfer
 from hawk.transform import transform
 
@@ -72,8 +79,10 @@ def build_problem(
     seed: int = 0,
     arch: str = "blackhole-p150a",
     gdtype: str = "bf16",
+    src_layout: str = "NHD",
 ) -> Problem:
-    """A (bf16 by default) NHD GPU cache holding exactly the request's blocks, and its plan to the NPU cache.
+    """A (bf16 by default) GPU cache holding exactly the request's blocks, and its plan to the NPU cache:
+    HAWK's NHD, or (``src_layout`` a KVCacheLayout name) vLLM 0.32's FLASH_ATTN views of one buffer.
 
     ``shuffled`` permutes the block ids on both sides (what a long-running allocator hands out).
     """
@@ -81,13 +90,21 @@ def build_problem(
     g_blocks, n_blocks = -(-tokens // gbs), -(-tokens // nbs)
     gids = rng.permutation(g_blocks) if shuffled else np.arange(g_blocks)
     nids = rng.permutation(n_blocks) if shuffled else np.arange(n_blocks)
-    src = GpuKVLayout(layers, g_blocks, gbs, heads, head_dim, gdtype, "NHD")
+    src: GpuKVLayout | PagedKVLayout
+    if src_layout == "NHD":
+        src = GpuKVLayout(layers, g_blocks, gbs, heads, head_dim, gdtype, "NHD")
+    else:
+        src = vllm.gpu_layout("FLASH_ATTN", src_layout, layers, g_blocks, gbs, heads, head_dim, gdtype)
     dst = NpuKVLayout(get_arch(arch), layers, n_blocks, heads, nbs, head_dim, ndtype)
     per_bank = dst.tensor_buffer(0).bytes_per_bank
     plan = plan_kv_transfer(tokens, gids, nids, src, dst, [t * per_bank for t in range(dst.num_tensors)])
     gen = torch.Generator(device=device).manual_seed(seed)
-    caches = [torch.randn(src.layer_shape, generator=gen, device=device, dtype=torch.float32).to(src.torch_dtype)
-              for _ in range(layers)]
+    if isinstance(src, GpuKVLayout):
+        caches = [torch.randn(src.layer_shape, generator=gen, device=device, dtype=torch.float32).to(src.torch_dtype)
+                  for _ in range(layers)]
+    else:
+        buf = torch.randn(layers * g_blocks * gbs * heads * 2 * head_dim, generator=gen, device=device, dtype=torch.float32)
+        caches = vllm.allocate(src, src_layout, device, buf.to(src.torch_dtype))
     read = tokens * layers * 2 * heads * head_dim * src.elem_bytes
     return Problem(caches, plan, tokens, read, plan.total_bytes)
 
@@ -321,6 +338,7 @@ def run_benchmark(
     num_warps: int = 4,
     kernels: Sequence[str | None] = (None,),
     tpp: int | None = None,
+    src_layout: str = "NHD",
 ) -> list[dict]:
     """Measure every (size, dtype, block order, impl, Triton kernel); each record carries its copy ceiling.
 
@@ -341,7 +359,7 @@ def run_benchmark(
             copy_ms = copy_rate = None
             for order in blocks:
                 prob = build_problem(tokens, shp["layers"], shp["heads"], shp["head_dim"], shp["gbs"], shp["nbs"],
-                                     dtype, order == "shuffled", dev)
+                                     dtype, order == "shuffled", dev, src_layout=src_layout)
                 rw = prob.read_bytes + prob.write_bytes
                 if copy_ms is None:
                     copy_ms, copy_rate = copy_gbps(rw, dev, warmup, repeats)
@@ -366,6 +384,7 @@ def run_benchmark(
                         "gbps": round(gbps, 2), "copy_ms": round(copy_ms, 4), "copy_gbps": round(copy_rate, 2),
                         "ratio": round(gbps / copy_rate, 4), "read_bytes": prob.read_bytes,
                         "write_bytes": prob.write_bytes, "match": match, "device": name_dev, "shape": shape,
+                        "src_layout": src_layout,
                         "num_warps": num_warps if impl == "triton" else None,
                         "kernel": resolve_kernel(kernel, shp["head_dim"], dtype) if impl == "triton" else None,
                         "tpp": tpp if impl == "triton" else None,
@@ -422,6 +441,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     p.add_argument("--check-edges", action="store_true",
                    help="first check each Triton kernel's bytes on edge-value caches (every bf16/fp16 pattern, "
                         "fp32 ties; zeros, subnormals, inf/NaN) against the torch reference")
+    p.add_argument("--src-layout", default="NHD", choices=["NHD", *vllm.STRIDE_ORDERS],
+                   help="the source cache: HAWK's NHD, or a vLLM 0.32 KVCacheLayout (FLASH_ATTN's views of one buffer)")
     p.add_argument("--json", default=None, help="write the records here (a JSON list)")
     a = p.parse_args(argv)
     kernels = _csv(a.kernels) if a.kernels else [None]
@@ -442,6 +463,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         num_warps=a.num_warps,
         kernels=kernels,
         tpp=a.tpp,
+        src_layout=a.src_layout,
     )
     print_table(records)
     if a.json:

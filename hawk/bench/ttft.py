@@ -8,8 +8,8 @@ carries the decode side's host-side breakdown of its transfer (hawk/connector/al
 ``ratio`` is the ratio of the medians; ``ratio_paired`` the median of each repeat's ratio to the
 colocated run just before it, steadier where single runs swing (a 2-core CPU box: +-15 %).
 
-    python -m hawk.bench.ttft --prompts 256,1024 --configs gn-hawk,gg-direct --json ttft.json
-    python -m hawk.bench.ttft --configs gn-hawk --kv-flows pull,layerwise   # both KV flows, one run
+    python -m hawk bench ttft --prompts 256,1024 --configs gn-hawk,gg-direct --json ttft.json
+    python -m hawk bench ttft --configs gn-hawk --kv-flows pull,layerwise   # both KV flows, one run
 
 ``--kv-flows``: ``pull`` (prefill, then the decode pulls the KV) and/or ``layerwise`` (the decode hands
 its blocks over first; the prefill pushes each layer as its forward finishes it). Each record names its
@@ -260,19 +260,3 @@ def measure(
         with open(json_path, "w") as f:
             json.dump(records, f, indent=1)
     return records
-
-
-def main(argv: Sequence[str] | None = None) -> Any:
-    """The command line (``--help`` lists every instance option ``hawk serve`` has, too). Given ``argv``,
-    it returns instead of exiting: the records, or the exit code of an error or ``--help``."""
-    import typer
-
-    from hawk.bench.ttft_cli import ttft_command
-
-    app = typer.Typer(add_completion=False)
-    app.command()(ttft_command())
-    return typer.main.get_command(app).main(args=argv, prog_name="hawk bench ttft", standalone_mode=argv is None)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""``hawk bench ttft`` (and ``python -m hawk.bench.ttft``): the instance options come from
+"""``hawk bench ttft`` (and ``python -m hawk.bench.ttft_cli``): the instance options come from
 ``ServeConfig``, spelt, defaulted and checked as ``hawk serve`` does them; only the benchmark's own
 options are declared here. Kept apart from the benchmark so that building the command line loads no
 torch. ``--kv-tokens`` is a floor: every instance holds at least the longest prompt and 256 tokens more
@@ -7,7 +7,7 @@ torch. ``--kv-tokens`` is a floor: every instance holds at least the longest pro
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import typer
@@ -58,3 +58,15 @@ def _extra() -> list[inspect.Parameter]:
 
 def ttft_command() -> Callable[..., Any]:
     return config_command(_run, "bench", overrides=TTFT_DEFAULTS, extra=_extra())
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    """The command line (``--help`` lists every instance option ``hawk serve`` has, too). Given ``argv``,
+    it returns instead of exiting: the records, or the exit code of an error or ``--help``."""
+    app = typer.Typer(add_completion=False)
+    app.command()(ttft_command())
+    return typer.main.get_command(app).main(args=argv, prog_name="hawk bench ttft", standalone_mode=argv is None)
+
+
+if __name__ == "__main__":
+    main()

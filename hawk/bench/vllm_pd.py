@@ -298,7 +298,7 @@ def _median(xs: list[Any]) -> float | None:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(prog="hawk bench vllm-pd", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="hawk bench vllm-pd", description=__doc__.split("\n")[0].replace("``", ""))
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     p.add_argument("--prompt-lens", default="32,256,1024")
     p.add_argument("--repeats", type=int, default=3)

@@ -12,6 +12,7 @@ releases (P9). Algorithm 1 only sequences those calls.
 
 from __future__ import annotations
 
+import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -24,17 +25,17 @@ import torch
 from hawk.devices.batched_copy import copy_regions, span_table
 from hawk.devices.streams import synchronize_current
 from hawk.devices.ipc_events import EventRecorder
-from hawk.layouts.gpu import GpuKVLayout
+from hawk.layouts.gpu import PAGED_LAYOUTS
 from hawk.layouts.npu import NpuKVLayout
 from hawk.memory.buffers import ChannelBuffers, StagingBuffer
 from hawk.memory.npu_kv_cache import NpuKVCacheMemory
 from hawk.memory.reservations import Reservation
-from hawk.plan.block_plan import BlockCopyPlan, plan_block_copy
+from hawk.plan.block_plan import BlockCopyPlan, Paged, plan_block_copy
 from hawk.plan.kv_plan import KVTransferPlan, TileDest
 from hawk.plan.layer_plan import LayerwisePlan, plan_layerwise
 from hawk.plan.plan_cache import LRU, PLANS
 from hawk.transform import bind, bind_layers, transform
-from hawk.transport.base import Desc, DescArray, byte_view, contiguous_span
+from hawk.transport.base import Desc, DescArray, contiguous_span
 
 #: Transport region name of a sender's staging buffer.
 STAGING_REGION = "staging"
@@ -201,7 +202,7 @@ class SendFormat(ABC):
 class _InStagingBuffer(SendFormat):
     """A format whose bytes go into one registered staging buffer."""
 
-    def __init__(self, caches: Sequence[torch.Tensor], layout: GpuKVLayout, staging: StagingBuffer):
+    def __init__(self, caches: Sequence[torch.Tensor], layout: Paged, staging: StagingBuffer):
         layout.check_cache(list(caches))
         self.caches, self.layout, self.staging = list(caches), layout, staging
 
@@ -242,7 +243,7 @@ class NpuTiles(_InStagingBuffer):
 
     name = "npu-tiles"
 
-    def __init__(self, caches: Sequence[torch.Tensor], layout: GpuKVLayout, staging: StagingBuffer, impl: str = "auto"):
+    def __init__(self, caches: Sequence[torch.Tensor], layout: Paged, staging: StagingBuffer, impl: str = "auto"):
         super().__init__(caches, layout, staging)
         self.impl = impl
         self._plans: LRU[tuple] = LRU(64)  # whole plans by receiver layout and bases, tokens and both sides' block ids
@@ -380,9 +381,20 @@ class NpuTiles(_InStagingBuffer):
 
 
 def gather_compact(caches: Sequence[torch.Tensor], plan: BlockCopyPlan) -> torch.Tensor:
-    """``[layers, 2, n, ...]`` of the request's blocks, contiguous, on the caches' device."""
-    ids = torch.as_tensor(plan.src_block_ids, device=caches[0].device)
-    return torch.stack([c.index_select(1, ids) for c in caches])
+    """The request's blocks in compact form (``[layers][pieces][blocks]``, flat bytes) on the caches' device:
+    one row gather per layer from its region seen as overlapping rows of a piece's length, starting
+    every ``g`` bytes (``g`` divides every piece's start)."""
+    lay = plan.src
+    stride, starts, plen = lay.block_pieces()
+    g = math.gcd(stride, plen, *starts)
+    dev = caches[0].device
+    ids = torch.as_tensor(plan.src_block_ids, device=dev)
+    rows = ((torch.as_tensor(starts, device=dev)[:, None] + ids[None, :] * stride) // g).reshape(-1)
+    out = []
+    for c in caches:
+        region = lay.layer_bytes_view(c)
+        out.append(region.as_strided(((region.numel() - plen) // g + 1, plen), (g, 1))[rows])
+    return torch.cat(out).reshape(-1)
 
 
 class CompactBlocks(_InStagingBuffer):
@@ -397,10 +409,10 @@ class CompactBlocks(_InStagingBuffer):
         return plan.total_bytes
 
     def produce(self, plan: BlockCopyPlan, out: torch.Tensor) -> None:
-        if out.device == self.caches[0].device:
-            copy_regions(plan.gather_copies(), {-1: out, **dict(enumerate(self.caches))})
+        if out.device == self.caches[0].device:  # byte offsets index each layer's region
+            copy_regions(plan.gather_copies(), {-1: out, **{i: self.layout.layer_bytes_view(c) for i, c in enumerate(self.caches)}})
         else:  # gather on the GPU, then one device -> host copy
-            out.copy_(gather_compact(self.caches, plan).reshape(-1).view(torch.uint8), non_blocking=out.is_pinned())
+            out.copy_(gather_compact(self.caches, plan), non_blocking=out.is_pinned())
 
 
 @dataclass(frozen=True, eq=False)
@@ -413,7 +425,7 @@ class InPlacePlan:
     its copies or None (this plan cannot land there)."""
 
     blocks: BlockCopyPlan
-    dst: GpuKVLayout | None
+    dst: Paged | None
     dst_block_ids: np.ndarray
     landings: dict[int, tuple] = field(default_factory=dict, repr=False)
 
@@ -433,15 +445,15 @@ class InPlace(SendFormat):
     name = "cache"
     reads_cache_in_place = True
 
-    def __init__(self, caches: Sequence[torch.Tensor], layout: GpuKVLayout):
+    def __init__(self, caches: Sequence[torch.Tensor], layout: Paged):
         layout.check_cache(list(caches))
         self.caches, self.layout = list(caches), layout
-        self._bytes = [byte_view(c) for c in self.caches]
+        self._bytes = [layout.layer_bytes_view(c) for c in self.caches]  # each layer's region: what block offsets index
         self._src = np.array([b.data_ptr() for b in self._bytes], dtype=np.int64)  # each layer's first byte
         self._plans: LRU[tuple] = LRU(128)  # whole plans by receiver layout, tokens and both sides' block ids
 
     def regions(self) -> dict[str, torch.Tensor]:
-        return {cache_region(i): c for i, c in enumerate(self.caches)}
+        return {cache_region(i): b for i, b in enumerate(self._bytes)}
 
     def plan(self, num_tokens, block_ids, peer, dst_block_ids) -> InPlacePlan:
         """The request's plan, kept whole as gn-hawk's sender keeps its plans (:meth:`NpuTiles.plan`): a
@@ -457,7 +469,7 @@ class InPlace(SendFormat):
 
     def _plan(self, num_tokens: int, gids: np.ndarray, dst: Any, dids: np.ndarray) -> InPlacePlan:
         """An uncached plan (the source ids checked here; the destination's when a landing or READ pairs them)."""
-        return InPlacePlan(plan_block_copy(num_tokens, gids, self.layout), dst if isinstance(dst, GpuKVLayout) else None, dids)
+        return InPlacePlan(plan_block_copy(num_tokens, gids, self.layout), dst if isinstance(dst, PAGED_LAYOUTS) else None, dids)
 
     def size(self, plan: InPlacePlan) -> int:
         return plan.total_bytes
@@ -467,7 +479,7 @@ class InPlace(SendFormat):
 
     def dest_regions(self, peer: dict[str, Any]) -> list[str]:
         dst = peer.get("layout")
-        if not isinstance(dst, GpuKVLayout) or dst.heads != self.layout.heads:
+        if not isinstance(dst, PAGED_LAYOUTS) or dst.heads != self.layout.heads:
             return []  # tensor-parallel ranks of other degrees: the peer's READ slices the heads
         return [cache_region(i) for i in range(dst.num_layers)]
 
@@ -516,7 +528,7 @@ class InPlace(SendFormat):
 
     def plan_layers(self, num_tokens, block_ids, peer, dst_block_ids) -> list[DescArray]:
         dst = peer["layout"]
-        if not isinstance(dst, GpuKVLayout):
+        if not isinstance(dst, PAGED_LAYOUTS):
             raise ValueError("a layer-wise push from the paged cache needs a GPU receiver layout")
         if dst.heads != self.layout.heads:
             raise ValueError(f"layer-wise push needs the same KV heads on both sides (tensor parallelism is not supported): {self.layout.heads} vs {dst.heads}")
@@ -550,7 +562,7 @@ class NpuPages(SendFormat):
 
     def plan(self, num_tokens, block_ids, peer, dst_block_ids) -> KVTransferPlan:
         gpu = peer["layout"]
-        if not isinstance(gpu, GpuKVLayout):
+        if not isinstance(gpu, PAGED_LAYOUTS):
             raise ValueError("npu-pages needs a GPU receiver layout")
         return PLANS.kv_plan(num_tokens, dst_block_ids, block_ids, gpu, self.layout, self.kv.bases)
 

@@ -23,7 +23,7 @@ from hawk.layouts.gpu import GpuKVLayout
 from hawk.memory.buffers import ChannelBuffers, SingleBuffer, StagingBuffer
 from hawk.memory.npu_kv_cache import NpuKVCacheMemory
 from hawk.memory.reservations import RangeReservations, Reservation
-from hawk.plan.block_plan import BlockCopyPlan, plan_block_copy
+from hawk.plan.block_plan import BlockCopyPlan, Paged, plan_block_copy
 from hawk.plan.cost_model import CostModel
 from hawk.plan.kv_plan import KVTransferPlan
 from hawk.plan.plan_cache import LRU, PLANS
@@ -257,7 +257,7 @@ class _HostLanding(Landing):
     def regions(self) -> dict[str, torch.Tensor]:
         return {HostRx.REGION: self.rx.tensor}
 
-    def _blocks(self, ready: KVReady, src: GpuKVLayout) -> BlockCopyPlan:
+    def _blocks(self, ready: KVReady, src: Paged) -> BlockCopyPlan:
         plan = plan_block_copy(ready.num_tokens, ready.src_block_ids, src)
         if plan.total_bytes != ready.total_bytes:
             raise ProtocolError(f"request {ready.request_id}: sender sends {ready.total_bytes} B, plan expects {plan.total_bytes} B")
@@ -279,14 +279,17 @@ class _HostLanding(Landing):
 
     def _compact_on(self, held: Held, plan: _HostPlan, device: torch.device) -> list[torch.Tensor]:
         """The received blocks copied host -> device, viewed as one paged cache per layer."""
-        lay = plan.blocks.compact_layout
         data = self.rx.view(held.reservations[0]).to(device, non_blocking=True)
-        per_layer = data.view(lay.torch_dtype).view(lay.num_layers, *lay.layer_shape)
-        return list(per_layer.unbind(0))
+        return plan.blocks.compact_layout.layer_views(data)
 
 
 class HostToNpuLanding(_HostLanding):
-    """gn-host: host staging, then the layout fix-up (tilize + channel placement) on the NPU side."""
+    """gn-host: host staging, then the layout fix-up (tilize + channel placement) on the NPU side.
+
+    The fix-up runs where the paper's baseline runs it: on the decode node's CPU, over the staged
+    host copy (a Tenstorrent host tilizes a tensor before writing it to the device), and only the
+    tiles cross to the NPU's DRAM. Tilizing on the NPU's backing GPU instead would hand the
+    baseline HAWK's own fast path."""
 
     def __init__(self, kv: NpuKVCacheMemory, rx: HostRx):
         super().__init__(rx)
@@ -303,10 +306,10 @@ class HostToNpuLanding(_HostLanding):
 
     def finish(self, plan, held) -> None:
         dev = self.npu.torch_device
-        tiles = transform(self._compact_on(held, plan, dev), plan.fixup)  # the NPU side's tilize
+        tiles = transform(self._compact_on(held, plan, torch.device("cpu")), plan.fixup)  # the host's tilize
         fx = plan.fixup
         pb = fx.page_bytes
-        pages = tiles.view(-1, pb)
+        pages = tiles.view(-1, pb).to(dev)  # the tiles' writes into the NPU's DRAM
         a, b = (torch.as_tensor(x, device=dev) for x in fx.offset_terms())
         page_ids = torch.as_tensor(fx.page, device=dev)
         for t in range(fx.num_tensors):
@@ -318,7 +321,7 @@ class HostToNpuLanding(_HostLanding):
 class HostToGpuLanding(_HostLanding):
     """gg-host: host staging, then the blocks scattered into the decode GPU's paged cache."""
 
-    def __init__(self, caches: Sequence[torch.Tensor], layout: GpuKVLayout, rx: HostRx):
+    def __init__(self, caches: Sequence[torch.Tensor], layout: Paged, rx: HostRx):
         super().__init__(rx)
         layout.check_cache(list(caches))
         self.caches, self.layout = list(caches), layout
@@ -334,7 +337,7 @@ class HostToGpuLanding(_HostLanding):
     def finish(self, plan, held) -> None:
         dev = self.caches[0].device
         compact = self.rx.view(held.reservations[0]).to(dev, non_blocking=True)
-        regions = {-1: compact, **dict(enumerate(self.caches))}
+        regions = {-1: compact, **{i: self.layout.layer_bytes_view(c) for i, c in enumerate(self.caches)}}
         copy_regions(plan.blocks.scatter_copies(self.layout, plan.dst_block_ids), regions)
         _sync(compact)  # this thread's stream: not the other work of a GPU the decode may share
 
@@ -346,6 +349,8 @@ def head_slice_requests(blocks: BlockCopyPlan, dst: GpuKVLayout, dst_block_ids: 
     one token row (NHD) or of one block (HND); adjacent pieces are merged where both sides continue.
     """
     src = blocks.src
+    if not isinstance(src, GpuKVLayout) or not isinstance(dst, GpuKVLayout):
+        raise ValueError(f"head-sliced GPU->GPU copies are described for HAWK's NHD / HND caches, not {src.paged().name} -> {dst.paged().name}")
     lo, hi = max(src.head_start, dst.head_start), min(src.head_start + src.num_kv_heads, dst.head_start + dst.num_kv_heads)
     if lo >= hi:
         raise ValueError(f"no shared KV heads: source holds {src.heads}, destination {dst.heads}")
@@ -381,13 +386,13 @@ class GpuDirectLanding(Landing):
 
     format = "cache"
 
-    def __init__(self, caches: Sequence[torch.Tensor], layout: GpuKVLayout):
+    def __init__(self, caches: Sequence[torch.Tensor], layout: Paged):
         layout.check_cache(list(caches))
         self.caches, self.layout = list(caches), layout
         self._descs: LRU[DescArray] = LRU(128)
 
     def regions(self) -> dict[str, torch.Tensor]:
-        return {cache_region(i): c for i, c in enumerate(self.caches)}
+        return {cache_region(i): self.layout.layer_bytes_view(c) for i, c in enumerate(self.caches)}  # what block offsets index
 
     def hello(self) -> tuple[Any, dict]:
         return self.layout, {}
@@ -431,7 +436,7 @@ class GpuFromTiles(Landing):
     format = "npu-pages"
     REGION = "rx-gpu"
 
-    def __init__(self, caches: Sequence[torch.Tensor], layout: GpuKVLayout, rx_bytes: int):
+    def __init__(self, caches: Sequence[torch.Tensor], layout: Paged, rx_bytes: int):
         layout.check_cache(list(caches))
         self.caches, self.layout = list(caches), layout
         self.rx = StagingBuffer(rx_bytes, caches[0].device, name=self.REGION)

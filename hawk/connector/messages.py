@@ -24,6 +24,7 @@ import numpy as np
 
 from hawk.layouts.gpu import GpuKVLayout
 from hawk.layouts.npu import Bank, NpuArch, NpuKVLayout
+from hawk.layouts.paged import PagedKVLayout
 
 VERSION = 1
 
@@ -315,13 +316,48 @@ def _schema(cls: type) -> tuple[tuple[str, type, bool], ...]:
 # -- layouts on the wire ---------------------------------------------------------------------
 
 
-def layout_to_wire(layout: GpuKVLayout | NpuKVLayout) -> dict:
+#: Version of the ``paged`` layout kind's fields (a hierarchical layout, e.g. vLLM's caches).
+PAGED_WIRE_VERSION = 1
+_PAGED_FIELDS = ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim", "dtype", "head_start", "name")
+
+
+def layout_to_wire(layout: GpuKVLayout | NpuKVLayout | PagedKVLayout) -> dict:
+    if isinstance(layout, PagedKVLayout):
+        d: dict = {f: getattr(layout, f) for f in _PAGED_FIELDS}
+        d.update(kind="paged", version=PAGED_WIRE_VERSION, kv_base=list(layout.kv_base), tensor_shape=list(layout.tensor_shape),
+                 tensor_strides=list(layout.tensor_strides), modes=[[[list(p) for p in m] for m in km] for km in layout.modes])
+        return d
     d = dataclasses.asdict(layout)
     d["kind"] = "gpu" if isinstance(layout, GpuKVLayout) else "npu"
     return d
 
 
-def layout_from_wire(d: dict) -> GpuKVLayout | NpuKVLayout:
+def _paged_from_wire(d: dict) -> PagedKVLayout:
+    """A ``paged`` layout, every part type-checked here and the description by the constructor."""
+    version = d.pop("version", None)
+    if version != PAGED_WIRE_VERSION:
+        raise ProtocolError(f"paged layout version {version!r}, this side reads {PAGED_WIRE_VERSION}")
+    want = set(_PAGED_FIELDS) | {"kv_base", "tensor_shape", "tensor_strides", "modes"}
+    if set(d) != want:
+        raise ProtocolError(f"paged layout fields {sorted(d)}, expected {sorted(want)}")
+    ints = [*d["kv_base"], *d["tensor_shape"], *d["tensor_strides"]] if all(isinstance(d[k], list) for k in ("kv_base", "tensor_shape", "tensor_strides")) else [None]
+    modes = d["modes"]
+    shaped = isinstance(modes, list) and len(modes) == 2 and all(
+        isinstance(km, list) and len(km) == 4 and all(isinstance(m, list) and m and all(isinstance(p, list) and len(p) == 2 for p in m) for m in km)
+        for km in modes)
+    if not shaped:
+        raise ProtocolError(f"paged layout modes must be 2 x 4 lists of [shape, stride] pairs, got {modes!r:.120}")
+    ints += [v for km in modes for m in km for p in m for v in p]
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in ints) or not isinstance(d["name"], str):
+        raise ProtocolError("paged layout offsets, shapes and strides must be ints (and its name a str)")
+    return PagedKVLayout(
+        num_layers=d["num_layers"], num_blocks=d["num_blocks"], block_size=d["block_size"], num_kv_heads=d["num_kv_heads"],
+        head_dim=d["head_dim"], dtype=d["dtype"], head_start=d["head_start"], name=d["name"], kv_base=tuple(d["kv_base"]),
+        tensor_shape=tuple(d["tensor_shape"]), tensor_strides=tuple(d["tensor_strides"]),
+        modes=tuple(tuple(tuple(tuple(p) for p in m) for m in km) for km in modes))  # type: ignore[arg-type]
+
+
+def layout_from_wire(d: dict) -> GpuKVLayout | NpuKVLayout | PagedKVLayout:
     try:
         d = dict(d)
         kind = d.pop("kind")
@@ -331,6 +367,8 @@ def layout_from_wire(d: dict) -> GpuKVLayout | NpuKVLayout:
             a = d.pop("arch")
             arch = NpuArch(a["name"], tuple(Bank(**b) for b in a["banks"]), a["alignment"])
             return NpuKVLayout(arch=arch, **d)
+        if kind == "paged":
+            return _paged_from_wire(d)
     except ProtocolError:
         raise
     except Exception as e:  # noqa: BLE001 - constructor validation errors become protocol errors

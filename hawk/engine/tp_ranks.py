@@ -26,6 +26,7 @@ import torch
 
 from hawk.config import ServeConfig
 from hawk.engine.gc_policy import freeze_startup_heap
+from hawk.engine.ranks import DecodeRank, PrefillRank, held, ledger
 from hawk.engine.tensor_parallel import Shard, TPGroup
 
 log = logging.getLogger(__name__)
@@ -216,8 +217,6 @@ class Followers:
 def rank_main(role: str, cfg_json: str, rank: int, tp: int, port: int, backend: str, conn: Any) -> None:
     """A follower rank's process: build this rank's part, then follow rank 0's commands."""
     torch.set_num_threads(1)
-    from hawk.engine.instances import DecodeRank, PrefillRank, _ledger, held
-
     cfg = ServeConfig.from_json(cfg_json).for_rank(role, rank)
     device = torch.device(cfg.prefill_device if role == "prefill" else cfg.decode_compute_device)
     if device.type == "cuda":
@@ -269,7 +268,7 @@ def rank_main(role: str, cfg_json: str, rank: int, tp: int, port: int, backend: 
                     a = part.sender.accounting()
                     send("ok", msg[1], {"staging_reservations": len(a["staging"]), "staging_held": held(a["staging"]), "kv_waiting": a["waiting"], "kv_in_flight": a["in_flight"], "draining": a["draining"]})
                 else:
-                    send("ok", msg[1], _ledger(part))
+                    send("ok", msg[1], ledger(part))
         except Exception as e:  # noqa: BLE001 - report to rank 0, keep following
             log.exception("tensor-parallel rank %d: %s failed", rank, cmd)
             if cmd != "step":

@@ -1060,7 +1060,7 @@ BFP8_VARIANTS: dict[str, DecodeConfig] = {
     "tok-pipe2-r128-fw": DecodeConfig(bfp8="words", prefetch=False, num_stages=2, maxnreg=128, token_loads=True,
                                       fused_write=True),  # b; 4 per SM
     # Probes of other launch shapes (not the paged decode's bits; bfloat8_b values need not keep them). One
-    # H200, batch 64 x 1k (docs/benchmarks.md, session 8): paged 89.5-90.2 us, the default 100.4-102.2,
+    # H200, batch 64 x 1k (benchmarks/bfp8_kernel_probe.py): paged 89.5-90.2 us, the default 100.4-102.2,
     # w2-t64 96.4-97.3, w2-t32 104.9-105.5, w1-t16 123.5-124.4, w4-t32 136; at batch 1 none beat the default.
     "tok-w1-t16": DecodeConfig(bfp8="words", prefetch=False, num_stages=2, token_loads=True, fused_write=True,
                                num_warps=1, tokens=16),
@@ -1130,7 +1130,7 @@ PAGED_BITS_BFP8_VARIANT = "tok-pipe2-r128-fw"
 #: benchmarks/results/raw/bfp8_kernel_probe_h200_regs_call4.json): 0.66x at batch 64 (16 tokens), 0.89x
 #: at batch 8 (16), 1.07x at batch 1 (32) (the bit-keeping word kernel: 1.14x, 1.32x, 1.15x). Since
 #: 2026-12-02 its early-loads form, merging in the launch where the splits are few (``regs-fw-early-m4``,
-#: numbers above); since session 17 (2026-12-02) also rotating q and k (no RoPE kernel) and, from 8 splits
+#: numbers above); now also rotating q and k (no RoPE kernel) and, from 8 splits
 #: up, packing the new row in a program of its own (``regs-fw-early-m4-nr-rope``; one H200, 8B step at
 #: context 1k against paged bf16, `benchmarks/decode_step_probe.py`, two builds of each point: batch 1
 #: 0.9926 / 0.9849 (regs-fw-early-m4 0.9937 / 1.0045), batch 64 0.832 (0.845); raw/engine_h200_s17/).

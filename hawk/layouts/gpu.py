@@ -4,15 +4,20 @@ Per layer one tensor ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` ("N
 FlashAttention default) or ``[2, num_blocks, num_kv_heads, block_size, head_dim]`` ("HND").
 A layout is a function from ``(kv, block, slot, head, dim)`` to an element offset (CuTe style),
 so every consumer (plan, transform, attention) reads positions from here and never re-derives them.
+:meth:`GpuKVLayout.paged` gives the same function as a :class:`~hawk.layouts.paged.PagedKVLayout`
+(the hierarchical form every paged cache has, vLLM 0.32's included): what the transform reference and
+the block copies read, so there is one way to read offsets.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, replace
 
 import torch
 
 from hawk.layouts.dtypes import GPU_DTYPES, gpu_torch_dtype
+from hawk.layouts.paged import COORDS, PagedKVLayout, plain
 
 ORDERS = ("NHD", "HND")
 
@@ -74,6 +79,36 @@ class GpuKVLayout:
             return {"kv": kv, "block": block, "slot": h * d, "head": d, "dim": 1}
         return {"kv": kv, "block": block, "slot": d, "head": bs * d, "dim": 1}
 
+    def strides_of(self, tensor: torch.Tensor) -> dict[str, int]:
+        """Element strides of ``kv, block, slot, head, dim`` of one given layer tensor: any strides
+        (a sliced view) as long as the shape is this layout's."""
+        names = ("kv", "block", "slot", "head", "dim") if self.order == "NHD" else ("kv", "block", "head", "slot", "dim")
+        return dict(zip(names, tensor.stride()))
+
+    def paged(self) -> PagedKVLayout:
+        """This layout in hierarchical form (plain strides, V at ``num_blocks`` blocks past K)."""
+        return _paged(self)
+
+    def block_pieces(self) -> tuple[int, tuple[int, ...], int]:
+        return self.paged().block_pieces()
+
+    def cell_key(self) -> tuple:
+        return self.paged().cell_key()
+
+    def compact(self, num_blocks: int) -> GpuKVLayout:
+        """The layout of ``num_blocks`` blocks gathered in order: the same cache with fewer blocks."""
+        return replace(self, num_blocks=num_blocks)
+
+    def layer_flat(self, cache: torch.Tensor) -> torch.Tensor:
+        return cache.reshape(-1)
+
+    def layer_bytes_view(self, cache: torch.Tensor) -> torch.Tensor:
+        return cache.reshape(-1).view(torch.uint8)
+
+    def layer_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Per-layer tensors of a buffer holding the layers back to back."""
+        return list(flat.view(self.torch_dtype).view(self.num_layers, *self.layer_shape).unbind(0))
+
     def offset(self, kv: int, block: int, slot: int, head: int, dim: int = 0) -> int:
         """Element offset of one KV element inside its layer tensor (``head`` is rank-local)."""
         s = self.strides()
@@ -104,3 +139,18 @@ class GpuKVLayout:
                 raise ValueError(
                     f"layer {i} cache has shape {tuple(c.shape)} {c.dtype}, layout expects {self.layer_shape} {self.torch_dtype}"
                 )
+
+
+@functools.lru_cache(maxsize=64)
+def _paged(layout: GpuKVLayout) -> PagedKVLayout:
+    s = layout.strides()
+    sizes = (layout.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    modes = tuple(plain(n, s[c]) for n, c in zip(sizes, COORDS))
+    strides = tuple(int(x) for x in torch.empty(0).new_empty(layout.layer_shape, device="meta").stride())
+    return PagedKVLayout(layout.num_layers, layout.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim,
+                         (modes, modes), (0, s["kv"]), layout.layer_shape, strides, layout.dtype, layout.head_start,  # type: ignore[arg-type]
+                         f"hawk {layout.order}")
+
+
+#: The paged GPU-side layouts the plan, formats and transform take.
+PAGED_LAYOUTS = (GpuKVLayout, PagedKVLayout)

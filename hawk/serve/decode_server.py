@@ -103,6 +103,7 @@ class DecodeService:
         self.check_prompt, self.kv_flow, self.vocab_size = check_prompt, kv_flow, vocab_size
         self.aborts = {"aborted_on_disconnect": 0}
         self._pushes: dict[str, KVPush] = {}  # layer-wise requests admitted here, until their stream ends
+        self._streams: dict[str, dict[str, bool]] = {}  # each open stream's state, by request id
 
     def start(self, req: DecodeRequest) -> StreamingResponse:
         down = self.unavailable()
@@ -137,7 +138,8 @@ class DecodeService:
             raise BadRequest(str(e)) from None
         if isinstance(handle, KVPush):
             self._pushes[rid] = handle
-        state = {"finished": False}
+        state = {"finished": False, "stopped": False}
+        self._streams[rid] = state
 
         async def lines() -> AsyncIterator[bytes]:
             try:
@@ -194,13 +196,26 @@ class DecodeService:
         return FirstTokenReply.of(request_id=msg.request_id, accepted=True)
 
     def _abort_unfinished(self, rid: str, state: dict[str, bool]) -> None:
+        """The stream ended: a request still running is aborted, and counted as a client's abort
+        unless the router stopped it first (a stop string ends a completion normally)."""
         if not state["finished"]:
             state["finished"] = True
             self.stop_waiting(rid)
-            if self.engine.abort(rid):
+            if self.engine.abort(rid) and not state["stopped"]:
                 self.aborts["aborted_on_disconnect"] += 1
                 log.info("decode %s aborted: its reader went away", rid)
         self._pushes.pop(rid, None)
+        if self._streams.get(rid) is state:
+            del self._streams[rid]
+
+    def stop(self, rid: str) -> bool:
+        """The router ends a request (it met a stop string, or gives up on it): abort it here, and
+        do not count the stream's close that follows as a client's disconnect."""
+        state = self._streams.get(rid)
+        if state is not None:
+            state["stopped"] = True
+        self.stop_waiting(rid)
+        return self.engine.abort(rid)
 
     def stop_waiting(self, rid: str) -> None:
         """A layer-wise request whose reader left will get no first token: fail the wait, so the
@@ -227,9 +242,9 @@ def decode_routes(svc: DecodeService) -> APIRouter:
 
     @r.post("/internal/decode_abort")
     async def abort(req: AbortRequest) -> DecodeAbortReply:
-        """Explicit abort (closing the /internal/decode stream does the same)."""
-        svc.stop_waiting(req.request_id)
-        return DecodeAbortReply.of(request_id=req.request_id, aborted=svc.engine.abort(req.request_id))
+        """Explicit abort by the router, e.g. on a stop string (closing the /internal/decode stream
+        does the same, but counts as the client's disconnect)."""
+        return DecodeAbortReply.of(request_id=req.request_id, aborted=svc.stop(req.request_id))
 
     return r
 

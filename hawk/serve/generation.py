@@ -160,6 +160,7 @@ class Generation:
         self._prefilled = False
         self._got_token = False
         self._closed = False
+        self._stop_hit = False  # a stop string ended the text while the decode still ran
         self.prefill_reply: PrefillResponse | None = None
         self.kv_info: dict[str, Any] = {}
         self.t_prefill_sent: float | None = None
@@ -369,8 +370,9 @@ class Generation:
                     if reason is not None and reason not in ("error", "abort"):
                         piece += decoder.flush()  # the last token: nothing may stay held
                     text, hit = stopper.feed(piece)
-                    if hit:  # closing the stream (finally) makes the decode instance stop
+                    if hit:  # the decode is told to stop (aclose, in finally), then its stream closed
                         self.finish_reason = "stop"
+                        self._stop_hit = reason is None
                         yield TextDelta(text, "stop")
                         return
                 if reason is None:
@@ -423,9 +425,18 @@ class Generation:
                 await _cancel(self._pending)
                 self._pending = None
             if self._resp is not None:
+                if self._stop_hit:  # a normal finish: stopped explicitly, not counted as a client's abort
+                    await self._stop_decode()
                 await self._resp.aclose()  # a decode still running sees its reader leave and aborts
             if self._prefilled and self.prefill_url and not self._got_token and self.finish_reason is None:
                 await self._abort_prefill()
+
+    async def _stop_decode(self) -> None:
+        try:
+            body = AbortRequest.of(request_id=self.request_id)
+            await self.client.post(f"{self.decode_url}/internal/decode_abort", content=body.model_dump_json(), headers=_JSON)
+        except httpx.HTTPError as e:  # closing the stream still stops it
+            log.warning("could not tell %s to stop %s: %r", self.decode_url, self.request_id, e)
 
     async def _abort_prefill(self) -> None:
         if self.prefill_api == "vllm":  # vLLM aborts a prefill whose call was cancelled; KV it kept waits for its TTL

@@ -15,9 +15,10 @@ Each child also watches its own engine threads and exits if one dies (a process 
 dead only looks alive). A supervisor thread in the launcher restarts any child that exits, on the
 same port, with backoff and a bounded number of attempts; meanwhile the router answers 503.
 
-The launcher makes a per-cluster secret and hands it to its children in $HAWK_CLUSTER_SECRET
-(never on a command line, where ``ps`` shows it); the router sends it on internal calls and the
-KV control channel tags its frames with it.
+The launcher uses the cluster secret given (``--cluster-secret-file`` or $HAWK_CLUSTER_SECRET), else
+makes one, and hands it to its children in $HAWK_CLUSTER_SECRET (never on a command line, where ``ps``
+shows it); the router sends it on internal calls and the KV control channel tags its frames with it.
+An operator who wants to read an instance's /internal/accounting gives the secret, so it knows it.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from hawk.serve.common import (
 log = logging.getLogger("hawk.serve")
 
 CHILD_SPEC_ENV = "HAWK_CHILD_SPEC"  # a child's spec file (the environment: argv is public and short)
+CHILD_ARG = "hawk-engine="  # the last word of a child's command line names it (see child_argv)
 EXIT_ENGINE_DEAD = 75  # a child whose engine thread died exits with this, for the supervisor
 EXIT_RANK_DEAD = 76  # a child one of whose tensor-parallel ranks died (after draining)
 RANK_DRAIN_S = 15.0  # how long a child with a dead rank waits for its in-flight requests to let go
@@ -432,6 +434,7 @@ class ChildSpec:
     port: int
     ready_file: str
     parent_pid: int
+    name: str = ""  # e.g. "decode-0": shown in the child's command line, so ``ps`` tells the engines apart
 
     def to_json(self) -> str:
         return json.dumps({**dataclasses.asdict(self), "config": self.config.to_dict()})
@@ -444,7 +447,7 @@ class ChildSpec:
 
 def _spawn(role: str, cfg: ServeConfig, host: str, workdir: Path, index: int, cluster_secret: str | None) -> Child:
     name = f"{role}-{index}"
-    spec = ChildSpec(role, cfg, host, 0, str(workdir / f"{name}.ready.json"), os.getpid())
+    spec = ChildSpec(role, cfg, host, 0, str(workdir / f"{name}.ready.json"), os.getpid(), name)
     env = dict(os.environ)
     env[CHILD_SPEC_ENV] = str(workdir / f"{name}.spec.json")
     if cfg.threads is not None:  # OpenMP reads this at import, before torch.set_num_threads runs
@@ -455,12 +458,19 @@ def _spawn(role: str, cfg: ServeConfig, host: str, workdir: Path, index: int, cl
     return Child(role, _popen(spec, env, log_path), Path(spec.ready_file), log_path, spec=spec, env=env, up_since=time.monotonic())
 
 
+def child_argv(spec: ChildSpec) -> list[str]:
+    """An engine child's command line: its last word names it (``hawk-engine=decode-0``), so ``ps``
+    and ``pgrep -f hawk-engine=decode`` tell prefill from decode. The child reads its spec from
+    $HAWK_CHILD_SPEC and ignores the word."""
+    return [sys.executable, "-m", "hawk.serve.launcher", f"{CHILD_ARG}{spec.name or spec.role}"]
+
+
 def _popen(spec: ChildSpec, env: dict[str, str], log_path: Path | None) -> subprocess.Popen:
     Path(env[CHILD_SPEC_ENV]).write_text(spec.to_json())
     out = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115 - the child owns it
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", "hawk.serve.launcher"],
+            child_argv(spec),
             env=env, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True,
         )
     finally:
@@ -671,7 +681,7 @@ def start_system(cfg: ServeConfig, port: int = 0, **overrides: Any) -> RunningSy
     cfg = dataclasses.replace(cfg, **overrides).validate()
     if cfg.transport != "local":
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    secret = secrets.token_urlsafe(32)
+    secret = read_cluster_secret(cfg.cluster_secret_file) or secrets.token_urlsafe(32)
     cluster = start_cluster(cfg, secret)
     try:
         cluster.supervise(cfg.max_restarts)

@@ -3,7 +3,9 @@
 Only what a serving system needs is modelled. Fields clients commonly send but HAWK cannot honour
 (``n > 1``, logprobs, tools, penalties) are rejected with a 400 that names them instead of being
 silently ignored, so a client never believes it got something it did not. Unknown extra fields are
-ignored, as OpenAI-compatible servers usually do.
+ignored, as OpenAI-compatible servers usually do. Types are strict, as OpenAI's are: ``"0.5"`` is not a
+temperature nor ``"true"`` a boolean nor ``16.0`` a token count (a 400 naming the field), so a client
+bug is found here rather than by a server that guessed.
 """
 
 from __future__ import annotations
@@ -101,14 +103,20 @@ def find_lone_surrogate(value: Any, path: str = "") -> tuple[str, int] | None:
 # ============================================================================ requests
 
 
+#: What every request model shares: OpenAI's strict typing (no string-to-number coercion).
+STRICT = ConfigDict(strict=True)
+
+
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
     """What completions and chat completions share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None  # optional: the one served model is the default
     temperature: float | None = Field(default=None, ge=0.0, le=TEMPERATURE_MAX)
@@ -212,12 +220,14 @@ class CompletionRequest(_SamplingFields):
 
 
 class TextPart(BaseModel):
+    model_config = STRICT
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... go to the chat template
+    model_config = ConfigDict(extra="allow", strict=True)  # name, tool_call_id, ... go to the chat template
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None

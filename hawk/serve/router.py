@@ -88,7 +88,7 @@ class RouterConfig:
     decode_urls: list[str]
     model: str | None = None  # the served model name; default: the name the prefill instance reports
     default_temperature: float = 1.0  # OpenAI's default; send temperature=0 for greedy
-    default_chat_max_tokens: int = 512  # chat requests without max_tokens (each reserves decode KV for it)
+    default_chat_max_tokens: int | None = None  # chat requests without max_tokens: None = the rest of the context (vLLM's and OpenAI's behaviour)
     request_timeout_s: float = 600.0
     startup_timeout_s: float = 120.0
     aliases: list[str] = field(default_factory=list)  # more names clients may use for the model
@@ -354,6 +354,23 @@ class Router:
             self.down[url] = down_reason
             self._down_events.setdefault(url, asyncio.Event()).set()
 
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """Healthy exactly when requests are routed: every instance is up in the monitor's view.
+
+        Why the monitor's view and not a live probe: a restarted instance answers its own /health
+        before the router has re-read its identity and routes to it again, and a load balancer told
+        200 in that gap sends requests that get a 503; a live probe of a restarting instance also
+        waits out ``health_timeout_s``, so this answers at once instead."""
+        assert self.pool is not None
+        insts = self.pool.all()
+        ok = not any(i.url in self.down for i in insts)
+        states = {f"{i.info.role} {i.url}": ("down" if i.url in self.down else "ok") for i in insts}
+        reasons = {f"{i.info.role} {i.url}": self.down[i.url] for i in insts if i.url in self.down}
+        body: dict[str, Any] = {"status": "ok" if ok else "degraded", "instances": states}
+        if reasons:
+            body["down"] = reasons
+        return ok, body
+
     async def wait_down(self, *urls: str) -> str:
         """Returns (why) when one of ``urls`` is marked down."""
         waits = [asyncio.ensure_future(self._down_events.setdefault(u, asyncio.Event()).wait()) for u in urls]
@@ -412,8 +429,12 @@ class Router:
             raise OpenAIError(400, f"messages: {e}", param="messages") from None
         return self.tokenizer.encode(text)
 
-    def sampling(self, req: CompletionRequest | ChatCompletionRequest, n_prompt: int, max_tokens: int | None, default_max: int) -> SamplingParams:
-        """Check lengths against the instances' limits and build the engine's parameters."""
+    def sampling(self, req: CompletionRequest | ChatCompletionRequest, n_prompt: int, max_tokens: int | None, default_max: int | None) -> SamplingParams:
+        """Check lengths against the instances' limits and build the engine's parameters.
+
+        Without ``max_tokens`` a request may run to the end of the context (``default_max`` None),
+        as vLLM and OpenAI let a chat do: the decode admits by the blocks a request needs now and
+        grows them per step, so a long limit reserves nothing up front."""
         assert self.pool is not None
         limit = self.pool.max_model_len
         if n_prompt > min(self.pool.max_prompt_tokens, limit - 1):
@@ -423,8 +444,9 @@ class Router:
                 f"your prompt has {n_prompt} tokens. Please shorten the prompt.",
                 code="context_length_exceeded", param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
             )
-        if max_tokens is None:  # as much as fits, up to the default (it reserves decode KV)
-            max_tokens = max(1, min(default_max, min(limit, self.pool.max_kv_tokens) - n_prompt))
+        if max_tokens is None:  # as much as fits (up to the default, where there is one)
+            room = min(limit, self.pool.max_kv_tokens) - n_prompt
+            max_tokens = max(1, room if default_max is None else min(default_max, room))
         if max_tokens > limit:
             raise OpenAIError(400, f"max_tokens={max_tokens} is larger than the model's context length ({limit} tokens)", param="max_tokens")
         if n_prompt + max_tokens > limit:
@@ -722,9 +744,7 @@ def create_router_app(cfg: RouterConfig, tokenizer: Tokenizer | None = None) -> 
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        res = await router.probe("/health")
-        ok = all(v is not None for v in res.values())
-        body = {"status": "ok" if ok else "degraded", "instances": {f"{role} {url}": ("ok" if v else "down") for (role, url), v in res.items()}}
+        ok, body = router.health()
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")

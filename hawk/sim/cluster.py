@@ -21,6 +21,7 @@ import simpy
 from hawk.sim.calibration import TransferCurve
 from hawk.sim.compute import DecodeModel, PrefillModel
 from hawk.sim.decode import DecodeInstance
+from hawk.sim.host import HostStaging
 from hawk.sim.defaults import (
     DECODE_MODELS,
     KV_BYTES_PER_TOKEN_PER_RANK,
@@ -63,6 +64,10 @@ class SimConfig:
     #: decode admission only between steps, as ``DecodeEngine`` admits (see ``decode.py``); off for
     #: the testbeds (their numbers stay as published), on for a cross-validation of HAWK's engine
     admit_between_steps: bool = False
+    #: host staging as worker time on both nodes (``host.py``); None: the transfer is only a delay
+    host: HostStaging | None = None
+    #: KV pulls a decode instance runs at once (``DecodeEngine``'s pull threads); None: one per batch slot
+    transfer_slots: int | None = None
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -85,6 +90,8 @@ class SimConfig:
             "frontend_s": self.frontend_s,
             "admit_between_steps": self.admit_between_steps,
             "prefill_chunk_tokens": self.prefill.chunk_tokens,
+            "host_staging": None if self.host is None else self.host.source,
+            "transfer_slots": self.transfer_slots,
         }
 
 
@@ -101,10 +108,12 @@ def make_config(
     contention: str = "decode",
     router_policy: str = "round_robin",
     calibration: str | Path | None = None,
+    host: dict[str, HostStaging] | None = None,
 ) -> SimConfig:
     """A named configuration (``gg-host``, ``gn-host``, ``gg-direct``, ``gn-hawk``, ``ggh-direct``,
     ``gn-direct-single``) from the default tables, from the tables you pass, or from a calibration
-    JSON file (``defaults.load_calibration``)."""
+    JSON file (``defaults.load_calibration``). ``host`` maps a transfer path to the worker time its
+    host staging costs (``host.py``)."""
     if calibration is not None:
         tables = load_calibration(calibration)
         curves = curves or tables["transfer_curves"]
@@ -127,7 +136,7 @@ def make_config(
     return SimConfig(
         name=name, transfer=curve, prefill=(prefill_models or PREFILL_MODELS)[p.prefill], decode=decode,
         num_prefill=num_prefill, num_decode=num_decode, contention=contention, router_policy=router_policy,
-        prefill_profile=p.prefill, decode_profile=p.decode, note=p.note,
+        prefill_profile=p.prefill, decode_profile=p.decode, note=p.note, host=(host or {}).get(p.transfer),
     )
 
 
@@ -157,8 +166,11 @@ class Cluster:
         env, cfg = self.env, self.cfg
         self.occupancy = _Occupancy()
         self.transfer = KVTransferService(env, cfg.transfer, cfg.bytes_per_token, cfg.contention, cfg.link_gbps)
-        self.prefills = [PrefillInstance(env, i, cfg.prefill, self._prefilled) for i in range(cfg.num_prefill)]
-        self.decodes = [DecodeInstance(env, i, cfg.decode, self.transfer, self._kv_landed, self._finished, cfg.admit_between_steps)
+        h = cfg.host or HostStaging()
+        self.prefills = [PrefillInstance(env, i, cfg.prefill, self._prefilled, h.prefill_s_per_byte * cfg.bytes_per_token)
+                         for i in range(cfg.num_prefill)]
+        self.decodes = [DecodeInstance(env, i, cfg.decode, self.transfer, self._kv_landed, self._finished, cfg.admit_between_steps,
+                                       h.decode_s_per_byte * cfg.bytes_per_token, cfg.transfer_slots)
                         for i in range(cfg.num_decode)]
         self.router = Router(self.prefills, self.decodes, cfg.router_policy)
         self.requests: list[SimRequest] = []
@@ -256,6 +268,7 @@ def simulate(
         decode_batch_peak=[d.batch_peak for d in cluster.decodes],
         decode_max_batch=cfg.decode.max_batch,
         decode_utilization=[d.busy_s / span if span > 0 else 0.0 for d in cluster.decodes],
+        decode_host_utilization=[d.host_busy_s / span if span > 0 else 0.0 for d in cluster.decodes],
         link_peak_concurrency=max((lk.peak_concurrency for lk in cluster.transfer.links.values()), default=0),
         rejected=cluster.router.rejected,
     )

@@ -107,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--testbed", default=None, help="paper | here (default: here, the --calibration tables)")
     p.add_argument("--reproduce-paper", action="store_true", help="the paper's Figs. 9-13 and Tables 1, 8, 9 beside ours (--json: rows)")
     p.add_argument("--plots", default=None, help="with --reproduce-paper: a folder for Figs. 9-13-shaped plots")
+    p.add_argument("--calibrate-paper", action="store_true",
+                   help="solve the paper testbed's three calibrated parameters from their input rows (hawk/sim/protocol.py) and print them")
     add_trace_options(p)
     p.add_argument("--plan", action="store_true", help="rank deployments (devices, TP, P:D) by goodput per $ and per W on the paper testbed")
     p.add_argument("--plan-prefill", default="a100,h100", help="with --plan: prefill device types")
@@ -126,6 +128,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         )
         n = 300 if a.num_requests is None else a.num_requests
         return run_plan(space, wl, n, a.seed, slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms, json_path=a.json)
+    if a.calibrate_paper:
+        from dataclasses import asdict
+
+        from hawk.sim.paper import calibrate
+
+        n = 1000 if a.num_requests is None else a.num_requests
+        return [asdict(calibrate(n, a.seed))]
     if a.reproduce_paper:
         from hawk.sim.paper import reproduce_paper
 

@@ -112,17 +112,24 @@ def calibrate(p: Probes, *, max_batch: int, kv_tokens: int, max_batch_tokens: in
     )
 
 
+#: KV pulls a ``DecodeEngine`` runs at once (its ``transfer_threads`` default; a test checks they agree)
+PULL_THREADS = 4
+
+
 def calibrated_config(c: Calibrated, name: str, *, npu_step: StepModel | None = None, link_gbps: float | None = None) -> SimConfig:
     """One prefill + one decode instance on the calibrated models, paced as the real run was.
-    Contention: none: the real run paces each batch on its own (``transport/paced.py``). The decode
-    admits between steps, as ``DecodeEngine`` does (a request that arrives during a paced 30 ms step
-    waits for it before its KV pull starts)."""
+    Contention: none for the direct paths (the real run paces each batch on its own,
+    ``transport/paced.py``); for the host-staged ones (``*-host``) the per-byte part of a pull is the
+    decode host's CPU work (copies, and ``gn-host``'s tilize), which concurrent pulls share: ``decode``
+    scope. At most :data:`PULL_THREADS` pulls run at once. The decode admits between steps, as
+    ``DecodeEngine`` does (a request that arrives during a paced 30 ms step waits for it before its
+    KV pull starts)."""
     decode = replace(c.decode, floor=npu_step) if npu_step is not None else c.decode
     return SimConfig(
         name=name, transfer=c.transfer, prefill=c.prefill, decode=decode, bytes_per_token=c.bytes_per_token,
-        contention="none", prefill_profile="here-measured", decode_profile="here-measured",
+        contention="decode" if name.endswith("-host") else "none", prefill_profile="here-measured", decode_profile="here-measured",
         note="calibrated from probes of the real run's machine", link_gbps=link_gbps, frontend_s=c.frontend_s,
-        admit_between_steps=True,
+        admit_between_steps=True, transfer_slots=PULL_THREADS,
     )
 
 

@@ -12,6 +12,9 @@ Mirrors ``hawk.engine.decode_engine``:
 2. *Transfer*: the KV moves (``transfer.py``); when it lands the prefill instance frees its copy.
 3. *Join*: at the next step boundary the request joins the batch and its first token (computed by
    prefill) goes out — TTFT therefore includes prefill, the transfer and any admission wait.
+   With host staging (``host_s_per_token`` > 0, see ``host.py``) the landed KV still has to be
+   copied (and for ``gn-host`` tilized) into the device's cache by this instance's worker: that
+   work runs between steps, one request at a time, and the request joins after it.
 4. *Steps*: each step takes ``DecodeModel.step_time(batch, context)`` and gives every running
    request one token; a request that has all its tokens leaves and frees its reservation.
 """
@@ -38,8 +41,14 @@ class DecodeInstance:
         on_kv_landed: Callable[[SimRequest], None],
         on_finished: Callable[[SimRequest], None],
         admit_between_steps: bool = False,
+        host_s_per_token: float = 0.0,
+        transfer_slots: int | None = None,
     ):
         self.env, self.index, self.model, self.transfer = env, index, model, transfer
+        self.host_s_per_token = host_s_per_token  # worker time to land one token of staged KV
+        self.landing: deque[SimRequest] = deque()  # staged KV waiting for the worker
+        self.transfer_slots = transfer_slots  # pulls at once (the engine's pull threads); None: no limit
+        self.host_busy_s = 0.0
         self.admit_between_steps = admit_between_steps
         self.stepping = False  # a step is running (admission then waits for its end, if asked to)
         self.on_kv_landed, self.on_finished = on_kv_landed, on_finished
@@ -58,7 +67,7 @@ class DecodeInstance:
     @property
     def load(self) -> int:
         """Requests this instance holds in any state (for a least-loaded router)."""
-        return len(self.waiting) + self.transferring + len(self.ready) + len(self.running)
+        return len(self.waiting) + self.transferring + len(self.landing) + len(self.ready) + len(self.running)
 
     def fits(self, r: SimRequest) -> bool:
         """Could this request ever be admitted here (an empty instance)?"""
@@ -70,10 +79,12 @@ class DecodeInstance:
             self._admit()
 
     def _slots_used(self) -> int:
-        return len(self.running) + self.transferring + len(self.ready)
+        return len(self.running) + self.transferring + len(self.landing) + len(self.ready)
 
     def _admit(self) -> None:
         while self.waiting and self._slots_used() < self.model.max_batch:
+            if self.transfer_slots is not None and self.transferring >= self.transfer_slots:
+                return  # every pull thread is busy: the next admission waits for one
             r = self.waiting[0]
             if self.kv_used + r.kv_reservation > self.model.kv_capacity_tokens:
                 return  # memory is short: wait, in order, for running requests to finish
@@ -86,10 +97,15 @@ class DecodeInstance:
 
     def _fetch(self, r: SimRequest):  # simpy process
         yield from self.transfer.move(r)
-        r.t_kv_done = self.env.now
         self.transferring -= 1
-        self.ready.append(r)
         self.on_kv_landed(r)
+        if self.host_s_per_token > 0:
+            self.landing.append(r)  # the worker lands it between steps
+        else:
+            r.t_kv_done = self.env.now
+            self.ready.append(r)
+        if self.transfer_slots is not None:
+            self._admit()  # a pull thread is free (its request still holds its batch slot)
         if not self._wake.triggered:
             self._wake.succeed()
 
@@ -112,12 +128,23 @@ class DecodeInstance:
         self.ready = []
         self.batch_peak = max(self.batch_peak, len(self.running))
 
+    def _land(self):  # simpy process body: the worker copies staged KV in, one request at a time
+        while self.landing:
+            r = self.landing.popleft()
+            t = self.host_s_per_token * r.input_len
+            yield self.env.timeout(t)
+            self.host_busy_s += t
+            r.t_kv_done = self.env.now
+            self.ready.append(r)
+
     def _run(self):  # simpy process
         while True:
+            if self.landing:
+                yield from self._land()
             self._join()
             self._admit()
             if not self.running:
-                if not self.ready:
+                if not self.ready and not self.landing:
                     yield self._wake
                     self._wake = self.env.event()
                 continue

@@ -18,7 +18,8 @@ from typing import Any
 
 from hawk.sim.calibration import MiB
 from hawk.sim.cluster import SimConfig, make_config, simulate
-from hawk.sim.testbeds import PaperFacts, Testbed, paper_testbed
+from hawk.sim.protocol import INPUTS, input_parameter, score, within
+from hawk.sim.testbeds import MEASURED_HERE, PAPER_CALIBRATION, MeasuredHere, PaperCalibration, PaperFacts, Testbed, paper_testbed
 
 CONFIGS = ("gg-host", "gn-host", "gg-direct", "gn-hawk", "ggh-direct")
 WORKLOADS = ("chatbot", "summarization")
@@ -35,6 +36,15 @@ class Row:
     ours: float | None
     unit: str
     note: str = ""
+    #: ``input`` (the paper's number sets a parameter or is encoded in the testbed) or ``prediction``
+    role: str = "prediction"
+    #: for an input: what it sets
+    sets: str = ""
+
+    @property
+    def within(self) -> bool:
+        """A prediction within the protocol's tolerance (``protocol.within``)."""
+        return within(self.unit, self.paper, self.ours)
 
     @property
     def deviation(self) -> str:
@@ -47,10 +57,10 @@ class Row:
 
 
 def config_for(tb: Testbed, name: str, num_prefill: int = 1, num_decode: int = 1) -> SimConfig:
-    """A named configuration on a testbed (its curves, models and KV bytes per token)."""
+    """A named configuration on a testbed (its curves, models, host staging and KV bytes per token)."""
     cfg = make_config(
         name, num_prefill, num_decode, curves=tb.curves, prefill_models=tb.prefill_models,
-        decode_models=tb.decode_models, presets=tb.presets,
+        decode_models=tb.decode_models, presets=tb.presets, host=tb.host,
     )
     return replace(cfg, bytes_per_token=tb.bytes_per_token)
 
@@ -123,17 +133,20 @@ def fig9_rows(tb: Testbed, f: PaperFacts = PaperFacts()) -> list[Row]:
     sizes = [lo * (hi / lo) ** (i / 199) for i in range(200)]
     rows = []
     for s, i, tag in ((lo, 0, "10 MB"), (hi, 1, "1280 MB")):
+        enc = dict(role="input", sets="the transfer curves (testbeds.paper_transfer_curves)")
         rows += [
-            Row("Fig. 9", f"GN-Host / GG-Host latency @ {tag}", f.gn_host_over_gg_host[i], ratio("gn-host", "gg-host", s), "x"),
-            Row("Fig. 9", f"GG-Direct / GG-Host latency @ {tag}", f.gg_direct_over_gg_host[i] * 100, ratio("gg-direct", "gg-host", s) * 100, "%"),
+            Row("Fig. 9", f"GN-Host / GG-Host latency @ {tag}", f.gn_host_over_gg_host[i], ratio("gn-host", "gg-host", s), "x", **enc),
+            Row("Fig. 9", f"GG-Direct / GG-Host latency @ {tag}", f.gg_direct_over_gg_host[i] * 100, ratio("gg-direct", "gg-host", s) * 100, "%", **enc),
             Row("Fig. 9", f"GN-HAWK / GG-Host latency @ {tag} (paper text: 'of GN-Host')", f.gn_hawk_over_gg_host[i] * 100,
-                ratio("gn-hawk", "gg-host", s) * 100, "%"),
+                ratio("gn-hawk", "gg-host", s) * 100, "%", **enc),
             Row("Fig. 9", f"GN-HAWK / GN-Host latency @ {tag} (literal reading)", f.gn_hawk_over_gg_host[i] * 100,
-                ratio("gn-hawk", "gn-host", s) * 100, "%", "the paper's ratios are inconsistent under this reading"),
+                ratio("gn-hawk", "gn-host", s) * 100, "%", "the same input read literally: the paper's ratios are inconsistent under this reading",
+                role="input", sets="nothing (the row above uses this number)"),
         ]
     rows += [
         Row("Fig. 9", "max GN-Host / GN-HAWK over 10-1280 MB", f.max_gn_host_over_gn_hawk, max(ratio("gn-host", "gn-hawk", s) for s in sizes), "x"),
-        Row("Fig. 9", "GN-HAWK vs GG-Direct latency @ 1280 MB", f.gn_hawk_vs_gg_direct_1280 * 100, abs(ratio("gn-hawk", "gg-direct", hi) - 1) * 100, "%"),
+        Row("Fig. 9", "GN-HAWK vs GG-Direct latency @ 1280 MB", f.gn_hawk_vs_gg_direct_1280 * 100, abs(ratio("gn-hawk", "gg-direct", hi) - 1) * 100, "%",
+            "follows from two encoded inputs (14.69 % and 14.77 % of GG-Host)", "input", "nothing (a check of the inputs above)"),
     ]
     return rows
 
@@ -183,8 +196,9 @@ def table1_rows(tb: Testbed, f: PaperFacts = PaperFacts()) -> list[Row]:
     decode = [dn.step_time(32, 32 * (512 + i)) / da.step_time(32, 32 * (512 + i)) for i in range(128)]
     return [
         Row("Table 1", "A100 / p150a prefill speed (512 tok, batch 32)", f.a100_over_p150a_prefill,
-            pn.batch_time([512] * 32) / pa.batch_time([512] * 32), "x", "input to the testbed"),
-        Row("Table 1", "A100 / p150a decode speed (batch 32)", f.a100_over_p150a_decode, sum(decode) / len(decode), "x", "input to the testbed"),
+            pn.batch_time([512] * 32) / pa.batch_time([512] * 32), "x", "input to the testbed", "input", "the p150a prefill model"),
+        Row("Table 1", "A100 / p150a decode speed (batch 32)", f.a100_over_p150a_decode, sum(decode) / len(decode), "x", "input to the testbed",
+            "input", "the A100 decode model"),
     ]
 
 
@@ -219,7 +233,13 @@ def serving_rows(run: Runner, workload: str) -> tuple[list[Row], dict[str, Any]]
         Row("Table 9", f"{wl}: power efficiency GN-HAWK / GGH-Direct", PAPER["h100_power"][workload], _ratio(e["gn-hawk"][0], e["ggh-direct"][0]), "x"),
         Row("Table 9", f"{wl}: cost efficiency GN-HAWK / GGH-Direct", PAPER["h100_cost"][workload], _ratio(e["gn-hawk"][1], e["ggh-direct"][1]), "x"),
     ]
-    return rows, {"rate90": rate90, "throughput90": thr}
+    return [_roled(r) for r in rows], {"rate90": rate90, "throughput90": thr}
+
+
+def _roled(r: Row) -> Row:
+    """Mark the rows whose paper number the protocol uses as an input."""
+    p = input_parameter(r.figure, r.quantity)
+    return r if p is None else replace(r, role="input", sets=f"PaperCalibration.{p}")
 
 
 def reproduce(num_requests: int = 1000, seed: int = 0, tb: Testbed | None = None) -> tuple[list[Row], dict[str, Any]]:
@@ -232,7 +252,66 @@ def reproduce(num_requests: int = 1000, seed: int = 0, tb: Testbed | None = None
         r, pts = serving_rows(run, wl)
         rows += r
         points[wl] = pts
-    return rows, {"points": points, "runner": run}
+    return rows, {"points": points, "runner": run, "claims": claims(points), "score": score(rows)}
+
+
+def claims(points: dict[str, Any]) -> list[dict[str, Any]]:
+    """The paper's qualitative serving claims (§5.3.3), checked on the simulated operating points."""
+    out = []
+    for wl in WORKLOADS:
+        r = points[wl]["rate90"]
+        gg, gh, hawk, gn = r["gg-direct"], r["gg-host"], r["gn-hawk"], r["gn-host"]
+        out += [
+            {"workload": wl, "claim": "GN-Host never reaches 90 % SLO attainment", "holds": gn is None, "ours": gn},
+            {"workload": wl, "claim": "GG-Host falls below 90 % at a lower rate than GG-Direct",
+             "holds": gh is not None and gg is not None and gh < gg, "ours": [gh, gg]},
+            {"workload": wl, "claim": "GN-HAWK's rate at 90 % within 5 % of GG-Direct's",
+             "holds": hawk is not None and gg is not None and math.isfinite(gg) and abs(hawk / gg - 1) <= 0.05, "ours": [hawk, gg]},
+        ]
+    return out
+
+
+# ============================================================================ the calibration protocol (protocol.py)
+
+
+def _bisect(f: Callable[[float], float], target: float, lo: float, hi: float, steps: int, log: bool = False) -> float:
+    """x in [lo, hi] where the increasing ``f`` crosses ``target`` (geometric midpoints if ``log``)."""
+    for _ in range(steps):
+        mid = math.sqrt(lo * hi) if log else (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+    return math.sqrt(lo * hi) if log else (lo + hi) / 2
+
+
+def calibrate(num_requests: int = 1000, seed: int = 0, measured: MeasuredHere | None = None, steps: int = 10,
+              log: Callable[[str], None] = print) -> PaperCalibration:
+    """Solve the three parameters from their inputs, in the order ``protocol.py`` declares."""
+    c = PAPER_CALIBRATION
+
+    def rate90(cal: PaperCalibration, config: str, workload: str) -> float:
+        run = Runner(paper_testbed(c=cal, m=measured), num_requests, seed)
+        r = run.rate_where(config, workload, _slo)
+        return 0.0 if r is None else r
+
+    mfu = _bisect(lambda x: rate90(replace(c, prefill_mfu=x), "gg-direct", "summarization"), INPUTS[0].paper, 0.05, 0.6, steps)
+    c = replace(c, prefill_mfu=mfu)
+    log(f"prefill_mfu = {mfu:.4f} (GG-Direct Summarization 90 % at {INPUTS[0].paper} req/s)")
+    host = _bisect(lambda x: rate90(replace(c, host_copy_gb_s=x), "gg-host", "chatbot"), INPUTS[1].paper, 0.05, 50.0, steps, log=True)
+    c = replace(c, host_copy_gb_s=host)
+    log(f"host_copy_gb_s = {host:.4f} (GG-Host Chatbot 90 % at {INPUTS[1].paper} req/s)")
+    tb = paper_testbed(c=c, m=measured)
+    run = Runner(tb, num_requests, seed)
+    thr = {}
+    for cfg in ("gn-hawk", "ggh-direct"):
+        r = run.rate_where(cfg, "chatbot", _slo)
+        thr[cfg] = run.run(cfg, "chatbot", r)["output_throughput_tok_s"] if r and math.isfinite(r) else None
+    if thr["gn-hawk"] and thr["ggh-direct"]:
+        # power ratio = (thr_hawk / thr_ggh) x (4 A100 + 4 H100) / (4 A100 + 4 p150a): solve for the H100's watts
+        dev = tb.devices
+        pa, pn = dev["a100-tp4"].power_w, dev["p150a-tp4"].power_w
+        w = INPUTS[2].paper * (pa + pn) * thr["ggh-direct"] / thr["gn-hawk"] - pa
+        c = replace(c, h100_power_w=w)
+        log(f"h100_power_w = {w:.1f} (Table 9 Chatbot power efficiency {INPUTS[2].paper}x)")
+    return c
 
 
 # ============================================================================ output
@@ -244,11 +323,14 @@ def print_rows(rows: list[Row]) -> None:
     from hawk.sim.report import console
 
     t = Table(title="The paper's evaluation vs the simulator on the 'paper' testbed (simulated; derived from cited facts)")
-    for c in ("figure", "quantity", "paper", "ours", "unit", "deviation"):
+    for c in ("figure", "quantity", "paper", "ours", "unit", "deviation", "role"):
         t.add_column(c, justify="right" if c in ("paper", "ours", "deviation") else "left")
     for r in rows:
-        t.add_row(r.figure, r.quantity, _fmt(r.paper, "never" if "never" in r.note else "-"), _fmt(r.ours, "never"), r.unit, r.deviation)
+        t.add_row(r.figure, r.quantity, _fmt(r.paper, "never" if "never" in r.note else "-"), _fmt(r.ours, "never"), r.unit, r.deviation,
+                  _role(r))
     console().print(t)
+    sc = score(rows)
+    console().print(f"predictions within tolerance ({sc['tolerance']}): {sc['within']} of {sc['predictions']}")
 
 
 def _fmt(x: float | None, none: str) -> str:
@@ -257,15 +339,20 @@ def _fmt(x: float | None, none: str) -> str:
     return none if x is None else f"{x:.3g}" if abs(x) < 100 else f"{x:.1f}"
 
 
+def _role(r: Row) -> str:
+    return "input" if r.role == "input" else "prediction, within" if r.within else "prediction, **outside**"
+
+
 def rows_markdown(rows: list[Row]) -> str:
     """The table as Markdown (for docs/reproduce.md)."""
-    out = ["| figure | quantity | paper | ours | unit | deviation |", "|---|---|---|---|---|---|"]
+    out = ["| figure | quantity | paper | ours | unit | deviation | role |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r.figure} | {r.quantity} | {_fmt(r.paper, 'never' if 'never' in r.note else '-')} | {_fmt(r.ours, 'never')} | {r.unit} | {r.deviation} |")
+        out.append(f"| {r.figure} | {r.quantity} | {_fmt(r.paper, 'never' if 'never' in r.note else '-')} | {_fmt(r.ours, 'never')} | {r.unit} "
+                   f"| {r.deviation} | {_role(r)} |")
     return "\n".join(out)
 
 
-def write_json(rows: list[Row], path: str | Path, tb: Testbed, settings: dict[str, Any]) -> Path:
+def write_json(rows: list[Row], path: str | Path, tb: Testbed, settings: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {
@@ -277,9 +364,12 @@ def write_json(rows: list[Row], path: str | Path, tb: Testbed, settings: dict[st
             "decode": {k: m.source for k, m in tb.decode_models.items()},
             "transfer": {k: c.source for k, c in tb.curves.items()},
             "devices": {k: asdict(d) for k, d in tb.devices.items()},
+            "host_staging": {k: asdict(h) for k, h in tb.host.items()},
         },
+        "score": score(rows),
+        "claims": (extra or {}).get("claims", []),
         "rows": [{**asdict(r), "ours": None if r.ours is not None and math.isinf(r.ours) else r.ours,
-                  "deviation": r.deviation} for r in rows],
+                  "deviation": r.deviation, "within": None if r.role == "input" else r.within} for r in rows],
     }
     out.write_text(json.dumps(doc, indent=1, default=_nan_safe) + "\n")
     return out
@@ -348,8 +438,11 @@ def reproduce_paper(num_requests: int = 1000, seed: int = 0, json_path: str | No
     rows, extra = reproduce(num_requests, seed, tb)
     if not quiet:
         print_rows(rows)
+        for c in extra["claims"]:
+            print(f"claim [{c['workload']}] {c['claim']}: {'holds' if c['holds'] else 'does NOT hold'} (ours: {c['ours']})")
     if json_path:
-        write_json(rows, json_path, tb, {"num_requests": num_requests, "seed": seed, "target_attainment": TARGET})
+        write_json(rows, json_path, tb, {"num_requests": num_requests, "seed": seed, "target_attainment": TARGET,
+                                         "calibration": asdict(PAPER_CALIBRATION), "measured_here": asdict(MEASURED_HERE)}, extra)
     if plots_dir:
         plot_all(plots_dir, extra["runner"], extra["points"])
     return rows

@@ -34,7 +34,7 @@ from typing import Any
 from hawk.sim.cluster import SimConfig, simulate
 from hawk.sim.compute import DecodeModel, PrefillModel
 from hawk.sim.paper import TARGET, crossing
-from hawk.sim.testbeds import PaperAssumptions, PaperFacts, Testbed, a100_prefill, paper_testbed
+from hawk.sim.testbeds import PAPER_CALIBRATION, PaperAssumptions, PaperFacts, Testbed, a100_prefill, paper_testbed
 from hawk.sim.workload import RequestSource, Workload, get_workload
 
 TESTBED_KEY = {"a100": "a100-tp4", "h100": "h100-tp4", "p150a": "p150a-tp4"}
@@ -47,6 +47,8 @@ class PlanAssumptions:
     """The numbers the planner adds to the ``paper`` testbed (public specs unless noted)."""
 
     memory_gb: dict[str, float] = field(default_factory=lambda: {"a100": 80.0, "h100": 80.0, "p150a": 32.0})  # A100/H100 PCIe 80 GB; p150a 32 GB GDDR6
+    #: an H100 prefill's power: its PCIe TDP (the testbed's H100 power is the paper's decode power, set by Table 9)
+    h100_prefill_power_w: float = 350.0
     h100_bf16_tflops: float = 756.0  # H100 PCIe datasheet, dense bf16
     gpu_kv_bytes_per_token: int = 327_680  # Llama-3.1-70B bf16: 80 x 2 x 8 x 128 x 2 B
     npu_kv_bytes_per_token: int = 174_080  # bfloat8_b: 1 B + a shared exponent per 16 (1.0625 B)
@@ -109,8 +111,9 @@ def _name(dev: str) -> str:
 
 def _gemm_fraction(tflops: float, f: PaperFacts, a: PaperAssumptions) -> tuple[float, float]:
     """(GEMM, all-reduce) seconds per prompt token at TP4, as ``testbeds.a100_prefill`` derives them."""
-    m = a100_prefill(replace(f, a100_bf16_tflops=tflops), a)
-    gemm = 2 * f.params / (4 * tflops * 1e12 * a.prefill_mfu)
+    mfu = PAPER_CALIBRATION.prefill_mfu
+    m = a100_prefill(replace(f, a100_bf16_tflops=tflops), a, mfu)
+    gemm = 2 * f.params / (4 * tflops * 1e12 * mfu)
     return gemm, m.per_token_s - gemm
 
 
@@ -118,7 +121,7 @@ def prefill_model(tb: Testbed, dev: str, tp: int, pa: PlanAssumptions = PlanAssu
                   f: PaperFacts = PaperFacts(), a: PaperAssumptions = PaperAssumptions()) -> PrefillModel:
     """A prefill instance of ``dev`` at TP ``tp`` (see the module docstring for the scaling)."""
     if dev == "h100":
-        base = a100_prefill(replace(f, a100_bf16_tflops=pa.h100_bf16_tflops), a)
+        base = a100_prefill(replace(f, a100_bf16_tflops=pa.h100_bf16_tflops), a, PAPER_CALIBRATION.prefill_mfu)
         gemm, comm = _gemm_fraction(pa.h100_bf16_tflops, f, a)
         src = f"planner: A100 derivation at {pa.h100_bf16_tflops:g} TFLOP/s (H100 PCIe dense bf16)"
     else:
@@ -159,8 +162,9 @@ def build(tb: Testbed, cand: tuple[str, str, int, int, int], pa: PlanAssumptions
         raise ValueError(f"TP degree must be positive, got {tp}")
     dp, dd = tb.devices[TESTBED_KEY[p]], tb.devices[TESTBED_KEY[d]]
     transfer = "gg-direct" if d in GPUS else "gn-hawk"
+    prefill_w = pa.h100_prefill_power_w if p == "h100" else dp.power_w
     c = Candidate(p, d, tp, np_, nd, (np_ + nd) * tp, tp * (np_ * dp.price_usd + nd * dd.price_usd),
-                  tp * (np_ * dp.power_w + nd * dd.power_w), transfer)
+                  tp * (np_ * prefill_w + nd * dd.power_w), transfer)
     pm, dm = prefill_model(tb, p, tp, pa), decode_model(tb, d, tp, pa)
     short = list(dict.fromkeys((dev, m.kv_capacity_tokens) for dev, m in ((p, pm), (d, dm)) if m.kv_capacity_tokens < pa.min_kv_tokens))
     if short:

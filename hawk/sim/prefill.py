@@ -10,6 +10,10 @@ iteration carries at most ``PrefillModel.budget`` prompt tokens; part-prefilled 
 first (oldest first), then queued prompts start while the budget lasts, the last one cut to what
 is left. A prompt's KV is reserved when its first chunk is scheduled; it is prefilled (its first
 token exists) when its last chunk ends, and its prefill time runs from its first chunk's start.
+
+Host staging (``host_s_per_token`` > 0, see ``host.py``): after each forward the worker copies the
+KV it produced to host memory before it starts the next batch; a prompt is prefilled (its KV can
+be pulled) once its copy is done.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ from hawk.sim.request import SimRequest
 
 
 class PrefillInstance:
-    def __init__(self, env: simpy.Environment, index: int, model: PrefillModel, on_prefilled: Callable[[SimRequest], None]):
+    def __init__(self, env: simpy.Environment, index: int, model: PrefillModel, on_prefilled: Callable[[SimRequest], None],
+                 host_s_per_token: float = 0.0):
         self.env, self.index, self.model, self.on_prefilled = env, index, model, on_prefilled
+        self.host_s_per_token = host_s_per_token  # worker time to stage one token's KV in host memory
         self.queue: deque[SimRequest] = deque()
         self.active: list[SimRequest] = []  # part-prefilled (chunked prefill), oldest first
         self._done: dict[int, int] = {}  # prompt tokens prefilled so far, by id(request)
@@ -90,7 +96,7 @@ class PrefillInstance:
                 self._wake = self.env.event()
                 continue
             start = self.env.now
-            yield self.env.timeout(self.model.batch_time([n for _, n in pieces]))
+            yield self.env.timeout(self.model.batch_time([n for _, n in pieces]) + self.host_s_per_token * sum(n for _, n in pieces))
             self.busy_s += self.env.now - start
             self.batches += 1
             for r, n in pieces:

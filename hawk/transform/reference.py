@@ -7,22 +7,25 @@ The fused Triton kernel must write the same bytes; this version favours being ob
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
+from hawk.layouts.paged import Mode, PagedKVLayout, mode_max
 from hawk.layouts.tt import FACE, TILE, bytes_to_tiles, tiles_to_bytes
 from hawk.plan.kv_plan import KVTransferPlan, TileDest
 
 
 def _slab_rows(plan: KVTransferPlan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row indices ``[S, 32]`` into a layer viewed as ``[2, rows, head_dim]``, and row validity.
+    """Element offsets ``[2, S, 32]`` of each tile row's first element (K, then V) in its layer's
+    region, and row validity ``[S, 32]``.
 
     The plan enumerates tiles with the column tile fastest, so every ``col_tiles`` consecutive
-    tiles share one slab: 32 tokens of one head, each a contiguous ``head_dim`` row in the cache.
+    tiles share one slab: 32 tokens of one head. Offsets come from the source's hierarchical layout
+    (:meth:`~hawk.layouts.paged.PagedKVLayout.element_offsets`), whatever engine laid it out.
     """
-    src, ct = plan.src, plan.dst.col_tiles
-    s = src.strides()
+    src, ct = plan.src.paged(), plan.dst.col_tiles
     first = slice(None, None, ct)
     rows = torch.arange(TILE, device=device)
     tok = torch.as_tensor(plan.token_start[first], device=device)[:, None] + rows[None, :]  # [S, 32]
@@ -30,19 +33,53 @@ def _slab_rows(plan: KVTransferPlan, device: torch.device) -> tuple[torch.Tensor
     tok = tok.clamp(max=plan.num_tokens - 1)
     blk = torch.as_tensor(plan.gpu_block_ids, device=device)[tok // src.block_size]
     head = torch.as_tensor(plan.gpu_head[first], device=device)[:, None]
-    offset = blk * s["block"] + (tok % src.block_size) * s["slot"] + head * s["head"]
-    return offset // src.head_dim, valid
+    kv = torch.arange(2, device=device)[:, None, None]
+    return src.element_offsets(kv, blk[None], (tok % src.block_size)[None], head[None], 0), valid
+
+
+def _elements(plan: KVTransferPlan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Element offsets ``[2, S*32, head_dim]`` of every row element, and row validity ``[S*32]``: a
+    layout's offsets are sums over its coordinates, so a row's are its first element's plus the
+    offsets of the dims (one stride, or several for an interleaved order)."""
+    src = plan.src.paged()
+    rows, valid = _slab_rows(plan, device)
+    kv = torch.arange(2, device=device)[:, None]
+    dims = src.element_offsets(kv, 0, 0, 0, torch.arange(src.head_dim, device=device)[None, :]) - src.element_offsets(kv, 0, 0, 0, 0)
+    return rows.reshape(2, -1, 1) + dims[:, None, :], valid.reshape(-1)
+
+
+def _rows(flat: torch.Tensor, dim_mode: Mode, step: int) -> torch.Tensor:
+    """``flat`` seen as rows of ``head_dim`` elements, one starting every ``step`` elements (rows may
+    overlap): row ``i`` holds the elements at ``i * step`` plus the dim mode's offsets (one stride, or
+    several nested for an interleaved order). Indexing it by row starts / step gathers whole rows; for
+    a layout of contiguous rows ``step`` is the row length, the plain row gather of a reshaped cache."""
+    strides = tuple(st for _, st in reversed(dim_mode))
+    return flat.as_strided(((flat.numel() - 1 - mode_max(dim_mode)) // step + 1, *_rows_shape(dim_mode)), (step, *strides))
+
+
+def _rows_shape(dim_mode: Mode) -> tuple[int, ...]:
+    """A row's shape in :func:`_rows` (the dim mode's shapes, slowest first)."""
+    return tuple(sh for sh, _ in reversed(dim_mode))
+
+
+def _row_step(src: PagedKVLayout, kv: int) -> int:
+    """What every row start of K (or V) is a multiple of: its base and the block, slot and head strides."""
+    return math.gcd(src.kv_base[kv], *(st for m in src.modes[kv][:3] for _, st in m)) or 1
 
 
 def gather_faces(caches: Sequence[torch.Tensor], plan: KVTransferPlan, layer: int) -> torch.Tensor:
     """``[2, P, 4, 16, 16]`` tiles (K then V) of one layer in plan order and face order, rows past the request zeroed.
 
-    One gather of whole ``head_dim`` rows, then one permute that does both the column-tile split
-    and the 16x16 face order: ``[slab, 2 fr, 16 r, ct, 2 fc, 16 c] -> [slab, ct, fr, fc, r, c]``.
+    One gather of whole rows from the layer's region, then one permute that does both the column-tile
+    split and the 16x16 face order: ``[slab, 2 fr, 16 r, ct, 2 fc, 16 c] -> [slab, ct, fr, fc, r, c]``.
     """
-    cache = caches[layer]
-    rows, valid = _slab_rows(plan, cache.device)
-    slabs = cache.reshape(2, -1, plan.src.head_dim)[:, rows.reshape(-1)]  # [2, S*32, D]
+    cache, src = caches[layer], plan.src.paged()
+    starts, valid = _slab_rows(plan, cache.device)
+    flat = plan.src.layer_flat(cache)
+    slabs = torch.empty((2, starts[0].numel(), src.head_dim), dtype=cache.dtype, device=cache.device)  # [2, S*32, D]
+    for kv in range(2):
+        step, dim_mode = _row_step(src, kv), src.modes[kv][3]
+        torch.index_select(_rows(flat, dim_mode, step), 0, starts[kv].reshape(-1) // step, out=slabs[kv].view(-1, *_rows_shape(dim_mode)))
     slabs[:, (~valid).reshape(-1)] = 0  # +0 padding rows, as ttnn pads
     s = slabs.reshape(2, -1, 2, FACE, plan.dst.col_tiles, 2, FACE).permute(0, 1, 4, 2, 5, 3, 6)
     return s.reshape(2, -1, 4, FACE, FACE)
@@ -88,12 +125,11 @@ def untransform_reference(send: torch.Tensor, plan: KVTransferPlan, caches: Sequ
     pb, d, ct = plan.page_bytes, plan.src.head_dim, plan.dst.col_tiles
     pages = send[: plan.total_bytes].to(device).view(-1, pb)
     a, b = (torch.as_tensor(x, device=device) for x in plan.offset_terms())
-    rows, valid = _slab_rows(plan, device)
-    keep = valid.reshape(-1)
-    target = rows.reshape(-1)[keep]
+    idx, keep = _elements(plan, device)
+    target = idx[:, keep]
     for layer in range(plan.src.num_layers):
         raw = torch.stack([pages[(a + (2 * layer + kv) * b) // pb] for kv in range(2)])  # [2, P, pb]
         tiles = bytes_to_tiles(raw.reshape(-1, pb), plan.dst.dtype)
         x = tiles.reshape(2, -1, ct, 2, 2, FACE, FACE).permute(0, 1, 3, 5, 2, 4, 6).reshape(2, -1, d)  # [2, S*32, D]
         cache = caches[layer]
-        cache.reshape(2, -1, d)[:, target] = x[:, keep].to(cache.dtype)
+        plan.src.layer_flat(cache)[target] = x[:, keep].to(cache.dtype)

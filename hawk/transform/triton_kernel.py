@@ -31,8 +31,10 @@ The whole request is one launch. Per-layer caches are reached from ``caches[0]``
 int64 element offset per tensor (vLLM allocates one tensor per layer). Both kernels compute each
 row's element offset themselves: row ``r`` of a row group is request token ``t = ts + r``, at
 ``blk[t // block_size] * s_block + (t % block_size) * s_slot + head * s_head`` in its tensor (the
-block size and the NHD or HND strides are constexprs of the cache layout; their power-of-two divisor
-and the tensor bases' give the vectorization hint), and rows with ``t >= num_tokens`` are masked (zero
+block size and the strides are constexprs of the cache layout, read from the plan's source layout:
+HAWK's NHD / HND, or any of vLLM 0.32's GPU layouts, whose per-layer ``[B, H, N, 2D]`` views put V
+``head_dim`` elements after K, so a tensor's base is its layer's plus ``kv * kv_stride``; their
+power-of-two divisor and the tensor bases' give the vectorization hint), and rows with ``t >= num_tokens`` are masked (zero
 padding). So the host tables split by what they depend on, each built and uploaded once:
 
 - per cache layout (an engine has one): each layer's and tensor's offset from ``caches[0]``;
@@ -68,6 +70,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hawk.layouts.paged import NotStridedError
 from hawk.layouts.tt import TILE
 from hawk.plan.kv_plan import KVTransferPlan, TileDest
 from hawk.triton_launch import launch_hooks_idle, launchable, on_device, pointer_args, raw_stream, run_compiled
@@ -592,8 +595,9 @@ def _uniform_caches(caches: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 def _build_layout(plan: KVTransferPlan, used: Sequence[torch.Tensor]) -> _Layout:
     src = plan.src
     c0 = used[0]
-    names = ("kv", "block", "slot", "head", "dim") if src.order == "NHD" else ("kv", "block", "head", "slot", "dim")
-    s = dict(zip(names, c0.stride()))
+    s = src.strides_of(c0)  # the layout's plain strides for this tensor (NotStridedError for an interleaved one)
+    if s["dim"] != 1:
+        raise NotStridedError(f"the fused transform reads head_dim rows with unit stride, {src.paged().name} has {s}")
     deltas, vec_layers = _layer_deltas(used)
     esize = c0.element_size()
     kv_stride = s["kv"]

@@ -15,7 +15,8 @@ The request lifecycle, once (the worker half, worker_half.py, does the moving):
     1 ``get_num_new_matched_tokens``: the handle's prompt tokens load asynchronously
     2 ``update_state_after_alloc``: vLLM allocated the blocks; the next step's plan carries a RecvJob
     3 the worker pulls into them (D1..D9) and reports the request as finished receiving (a failed pull
-      reports its blocks as load errors: vLLM recomputes them); vLLM then schedules the request
+      reports its blocks as load errors: vLLM recomputes or fails the request, per its
+      ``kv_load_failure_policy``); vLLM then schedules the request
   A decode with local prefix-cache hits for the prompt loads nothing and recomputes (the pull is whole).
 """
 

@@ -23,9 +23,13 @@ from hawk.connector.messages import Error, Holdings, Inspect
 MODULE = "hawk.integrations.vllm"
 
 
-def hawk_transfer_config(role: str, **extra: Any) -> dict[str, Any]:
-    """vLLM's ``--kv-transfer-config`` for HawkConnector; ``extra`` goes to ConnectorSettings (settings.py)."""
-    return {"kv_connector": "HawkConnector", "kv_connector_module_path": MODULE, "kv_role": role, "kv_connector_extra_config": extra}
+def hawk_transfer_config(role: str, load_failure_policy: str = "recompute", **extra: Any) -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` for HawkConnector; ``extra`` goes to ConnectorSettings (settings.py).
+
+    ``load_failure_policy`` is vLLM's own (``kv_load_failure_policy``): what a decode does with a request
+    whose pull failed (its prefill died, say): ``recompute`` its prompt, or ``fail`` it (vLLM's default)."""
+    return {"kv_connector": "HawkConnector", "kv_connector_module_path": MODULE, "kv_role": role,
+            "kv_load_failure_policy": load_failure_policy, "kv_connector_extra_config": extra}
 
 
 def nixl_transfer_config(role: str = "kv_both") -> dict[str, Any]:

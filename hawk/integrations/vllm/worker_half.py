@@ -103,7 +103,7 @@ class WorkerHalf:
             ok = True
             self._last_pull_s = time.perf_counter() - t0
         except Exception:  # noqa: BLE001 - a failed pull fails its blocks, never the worker
-            log.exception("request %s: pulling its KV failed; vLLM recomputes its blocks", job.request_id)
+            log.exception("request %s: pulling its KV failed; reported as a load error (vLLM recomputes or fails it)", job.request_id)
         with self._lock:
             self._counts["pulled" if ok else "pull_failures"] += 1
             if not ok:
