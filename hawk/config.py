@@ -42,6 +42,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 KV_FLOWS = ("pull", "layerwise")
 LAYERWISE_TRANSFERS = ("gn-hawk", "gg-direct")  # whose send format pushes layer by layer (connector/formats.py)
 NPU_TIMINGS = ("p150a",)  # hawk.devices.timing.NPU_TIMINGS (tests check they agree)
+#: KV tokens of an instance where no memory rule sizes it (a CPU, a prefill instance; hawk/engine/capacity.py).
+DEFAULT_KV_TOKENS = 8192
 #: The least ``--staging-mb`` / ``--rx-mb`` "auto" gives (their fixed default before auto); the
 #: rule itself needs the model's shape and lives in ``hawk.engine.instances.auto_buffer_mb``.
 AUTO_BUFFER_MIN_MB = 64
@@ -99,8 +101,10 @@ class ServeConfig:
     npu_shard_pages: int = opt(1, "NPU cache page map: 1 = interleaved (tt-metal), N = block-cyclic shards of N pages", min=1)
     gpu_block_size: int = opt(16, "tokens per paged GPU cache block", min=1)
     npu_block_size: int = opt(64, "tokens per NPU cache block", min=1)
-    kv_tokens: int = opt(8192, "KV-cache capacity of each instance, in tokens", min=1)
-    staging_mb: int | None = opt(None, "prefill staging (GPU RDMA) buffer, MiB (default: auto, room for the KV of the longest request an instance holds: min(--kv-tokens, --max-model-len or the model's context) tokens of a rank's KV heads, in the form sent (NPU tiles for gn-*, paged blocks for *-host), at least " f"{AUTO_BUFFER_MIN_MB}); a prompt whose KV can never fit is refused up front (HTTP 400)", min=1)
+    kv_tokens: int | None = opt(None, "KV-cache capacity of each instance, in tokens (default: the colocated engine and a decode on a GPU take --gpu-memory-utilization of it, one on the emulated NPU --npu-memory-utilization of its DRAM, less weights and activations; " f"a CPU and a prefill instance {DEFAULT_KV_TOKENS}; printed at start, see hawk/engine/capacity.py)", min=1)
+    gpu_memory_utilization: float = opt(0.9, "fraction of a GPU's memory an instance's weights, activations and KV cache may fill, when --kv-tokens is not given (vLLM's name and default)", positive=True, max=1)
+    npu_memory_utilization: float = opt(0.9, "fraction of the emulated NPU's DRAM its KV cache and receive buffers may fill, when --kv-tokens is not given", positive=True, max=1)
+    staging_mb: int | None = opt(None, "prefill staging (GPU RDMA) buffer, MiB (default: auto, room for the KV of the longest request an instance holds: min(--kv-tokens or " f"{DEFAULT_KV_TOKENS}" ", --max-model-len or the model's context) tokens of a rank's KV heads, in the form sent (NPU tiles for gn-*, paged blocks for *-host), at least " f"{AUTO_BUFFER_MIN_MB}); a prompt whose KV can never fit is refused up front (HTTP 400)", min=1)
     rx_mb: int | None = opt(None, "decode receive buffers, MiB, split over the NPU channels for gn-hawk (default: auto, as --staging-mb: room for what the decode reserves for the longest request, per channel for gn-hawk, at least " f"{AUTO_BUFFER_MIN_MB})", min=1)
     landing_mode: str = opt("auto", "gn-hawk landing: auto (cost model) | staging | direct", choices=("auto", "staging", "direct"))
     post: str = opt("pull", "pull (decode READs) | push (prefill WRITEs)", choices=("pull", "push"))
@@ -109,9 +113,11 @@ class ServeConfig:
     kv_port: int = opt(0, "port of the prefill's KV control socket (0 = any free one)", min=0, max=65535)
     seed: int = opt(0, "seed of random-weight presets and of sampling without a request seed")
     kv_ttl_s: float = opt(30.0, "seconds prefilled KV waits to be pulled before it is freed", positive=True)
-    max_batch: int = opt(64, "decode: sequences per step (and the largest CUDA-graph bucket)", flags=("--max-num-seqs", "--max-batch"), min=1)
+    max_batch: int | None = opt(None, "decode: sequences per step (and the largest CUDA-graph bucket); default 256 where the decode computes on a GPU, 64 on a CPU", flags=("--max-num-seqs", "--max-batch"), min=1)
     max_model_len: int = opt(0, "decode: longest prompt + output accepted; 0 = the model's context length", min=0)
-    max_prefill_chunk: int = opt(2048, "prefill: most prompt tokens per engine iteration; a longer prompt is prefilled in chunks of this size, so decode steps sharing the device (colocated) interleave and activations stay bounded; 0 = whole prompts (vLLM: --max-num-batched-tokens)", min=0)
+    max_prefill_chunk: int = opt(2048, "prefill: most prompt tokens per engine iteration; a longer prompt is prefilled in chunks of this size, so decode steps sharing the device (colocated) interleave and activations stay bounded; 0 = whole prompts", min=0)
+    mixed_steps: bool = opt(True, "colocated: decode tokens and prefill chunks run in one forward under --max-num-batched-tokens (vLLM's chunked-prefill scheduler); --no-mixed-steps runs prefill and decode as separate forwards from two threads", flags=("--mixed-steps/--no-mixed-steps",))
+    max_num_batched_tokens: int = opt(640, "colocated mixed steps: most tokens one forward carries, one per running sequence first, prefill chunks in the rest (vLLM's name); must exceed --max-num-seqs. The default keeps a step carrying a chunk within about three decode steps (inter-token latency p99 <= 3x TPOT); larger budgets prefill faster and stretch those steps", min=2)
     graphs: bool | None = opt(None, "decode CUDA graphs (default: when the device and backend allow)", flags=("--graphs/--no-graphs",))
     prefill_graph_tokens: int = opt(2048, "prefill: iterations of at most this many tokens replay a CUDA graph per (tokens, sequences) bucket, padded to a multiple of 128 tokens (on CUDA, prefill TP 1, unless --no-graphs); 0 = eager prefill", min=0)
     async_scheduling: bool | None = opt(None, "decode: launch each step before the previous step's tokens reach the host, its ids taken on the device, so the host's work between steps overlaps the GPU's (vLLM's async scheduling; default: on a GPU without --decode-tp > 1 or --npu-timing)", flags=("--async-scheduling/--no-async-scheduling",))
@@ -164,6 +170,9 @@ class ServeConfig:
             if on_npu != parse_device(self.decode_device).is_npu:
                 want = "npu-emu:cpu or npu-emu:cuda:N" if on_npu else "cpu or cuda:N"
                 raise ConfigError(f"{self.transfer} decodes on {'an NPU' if on_npu else 'a GPU'}: --decode-device must be {want}, not {self.decode_device!r}")
+        if self.transfer == "colocated" and self.mixed_steps and self.max_batch is not None and self.max_num_batched_tokens <= self.max_batch:
+            raise ConfigError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must exceed --max-num-seqs ({self.max_batch}): "
+                              "each running sequence's token comes first, prefill chunks take what is left")
         if self.kv_flow == "layerwise" and self.transfer != "colocated":  # colocated moves nothing
             if self.transfer not in LAYERWISE_TRANSFERS:
                 raise ConfigError(f"--kv-flow layerwise supports {', '.join(LAYERWISE_TRANSFERS)}, not {self.transfer}")

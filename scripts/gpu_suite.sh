@@ -33,6 +33,10 @@
 #     newrow    - the bfloat8_b kernel's new-row program and RoPE in the launch (regs-fw-early-m4-nr, -rope, -nr-rope,
 #                 the default) against regs-fw-early-m4: their GPU tests, the kernel probe at 1 / 8 / 64 x 1k, the 8B
 #                 step at batch 1 (two builds of each point, per-kernel times) and 64
+#     saturation - issue 31: `hawk bench serving --saturation` (chatbot, 8B shape, bf16, default capacity) against colocated
+#                 and gn-hawk with both roles on GPU0 (transport auto), each beside its same-run bound; then
+#                 `python -m hawk.bench.saturation summarize` -> $OUT/saturation_h200.json (SAT_START rate, SAT_DURATION s or
+#                 SAT_REQUESTS per rate, SAT_CONFIGS: one server per call at 30 s a rate)
 #     posts     - the host work of layer-wise posts on the forward's thread: `hawk bench ttft` at 1k (both roles on GPU0)
 #                 under cProfile (--profile-posts), the profile in $OUT/ttft_posts_profile.txt
 #     vllm      - issue 30: the fused transform reading vLLM 0.32's GPU layouts (views as vLLM's create_kv_cache_views makes
@@ -216,6 +220,34 @@ serve_bench() {  # serve_bench NAME CONFIG DECODE_DEVICE RATES "WORKLOADS" [hawk
 if want serving; then
   serve_bench gn-hawk gn-hawk npu-emu:cuda:$dec 1,2,4,8 chatbot
   serve_bench gg-direct gg-direct cuda:$dec 1,2,4,8 chatbot
+fi
+# Issue 31: saturation at the default capacity (no --kv-tokens, --max-num-seqs: the memory rule and 256 sequences),
+# colocated (mixed steps) and gn-hawk with both roles on GPU0 (its KV moved by device copy: --transport auto).
+sat_bench() {  # sat_bench NAME TRANSFER DECODE_DEVICE BOUND_BATCH [hawk serve args...]: one server, its ramp, clean stop
+  local name=$1 cfg=$2 dev=$3 bound=$4 port=8100; shift 4
+  python3 -c 'import fastapi, uvicorn, httpx, zmq' || { echo "serving needs fastapi/uvicorn/pydantic wheels (docs/gpu.md)"; return 1; }
+  python3 -m hawk serve --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device "$dev" \
+    --transfer "$cfg" --port $port "$@" > "$LOGS/serve_sat_$name.log" 2>&1 &
+  local spid=$!
+  for _ in $(seq 1 300); do curl -sf 127.0.0.1:$port/health > /dev/null && break; kill -0 $spid 2> /dev/null || break; sleep 1; done
+  grep "KV cache" "$LOGS/serve_sat_$name.log"
+  step "saturation_$name" "${SAT_LIMIT:-480}" python3 -m hawk.bench.serving --url http://127.0.0.1:$port --workload chatbot --saturation \
+    --rates "${SAT_START:-8}" --num-requests "${SAT_REQUESTS:-150}" --rate-duration-s "${SAT_DURATION:-30}" --bound-batch "$bound" \
+    --config "$name" --json "$OUT/saturation_$name.json"
+  kill -INT $spid; wait $spid
+}
+# A rate runs at least SAT_DURATION seconds (a steady state at 40 req/s needs many 4-s requests), so one server's
+# ramp takes minutes: SAT_CONFIGS="colocated" and SAT_CONFIGS="gn-hawk_gpu0" in two calls, then summarize both here.
+if want saturation; then
+  for c in ${SAT_CONFIGS:-colocated gn-hawk_gpu0}; do
+    case $c in
+      colocated) sat_bench colocated colocated cuda:0 256 ;;
+      gn-hawk_gpu0) sat_bench gn-hawk_gpu0 gn-hawk npu-emu:cuda:0 0 --transport auto ;;  # no bound: measured against colocated
+    esac
+  done
+  python3 -m hawk.bench.saturation summarize "$OUT/saturation_colocated.json" "$OUT/saturation_gn-hawk_gpu0.json" \
+    --device "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), one GPU, both roles on GPU0 (emulated NPU)" \
+    --command "bash scripts/gpu_suite.sh saturation" --out "$OUT/saturation_h200.json"
 fi
 # Issue 12: the four configurations, prefill GPU0 -> decode GPU1, as fast as they run and with timing emulated
 # (gn-*: the p150a's NPU steps and DRAM copies; all: a 200 Gb/s link); SWEEP_CONFIGS / SWEEP_TIMING pick a subset,

@@ -23,7 +23,8 @@ def loaded():
 
 
 def _colocated(loaded, chunk: int, kv_tokens: int = 2048, kv_dtype: str = "fp32") -> ColocatedInstance:
-    cfg = InstanceConfig(model="tiny", transfer="colocated", kv_tokens=kv_tokens, gpu_kv_dtype=kv_dtype, max_prefill_chunk=chunk)
+    # the threaded prefill engine (--no-mixed-steps): its own forwards, which these tests watch
+    cfg = InstanceConfig(model="tiny", transfer="colocated", kv_tokens=kv_tokens, gpu_kv_dtype=kv_dtype, max_prefill_chunk=chunk, mixed_steps=False)
     return ColocatedInstance(cfg, loaded=loaded)
 
 

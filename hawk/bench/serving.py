@@ -467,9 +467,17 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--per-request", action="store_true", help="keep every request's timings in the JSON")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
+    p.add_argument("--saturation", action="store_true", help="ramp the rate (from the first --rates value, default 1) until throughput stops growing; report saturation, the rate at 90%% SLO attainment and a same-run bound from the server's step times (hawk/bench/saturation.py)")
+    p.add_argument("--ramp-factor", type=float, default=1.5, help="--saturation: each rate is the previous one times this")
+    p.add_argument("--min-growth", type=float, default=0.05, help="--saturation: stop once throughput grows by less than this fraction")
+    p.add_argument("--max-steps", type=int, default=8, help="--saturation: most rates in the ramp")
+    p.add_argument("--rate-duration-s", type=float, default=0.0, help="--saturation: each rate sends at least rate x this many requests (default: --num-requests only)")
+    p.add_argument("--bound-batch", type=int, default=256, help="--saturation: the decode batch of the bound (the server's --max-num-seqs); 0 = no bound (nor the step at 80%%)")
     add_trace_options(p)
     p.add_argument("--trace-tokenizer", default=None, help="ShareGPT: count tokens with this model's tokenizer (a spec as for serve --model); default: 4 chars/token")
     a = p.parse_args(argv)
+    if a.saturation:
+        return [_saturation(a)]
     try:
         wl = workload_from_args(a, trace_token_counter(a.trace_tokenizer) if a.trace_tokenizer else None)
         rates = trace_rates(_floats(a.rates) if a.rates else None, wl, a.num_requests)
@@ -481,6 +489,25 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         input_scale=a.input_scale, output_scale=a.output_scale,
         token_id_range=tuple(int(x) for x in a.token_ids.split(",")), json_path=a.json, plot_path=a.plot, per_request=a.per_request,
     )
+
+
+def _saturation(a: argparse.Namespace) -> dict[str, Any]:
+    """``--saturation``: the ramp and its bound (hawk/bench/saturation.py), one JSON record."""
+    from hawk.bench.saturation import SaturationOptions, run_saturation
+
+    start = _floats(a.rates)[0] if a.rates else 1.0
+    opts = SaturationOptions(start, a.ramp_factor, a.min_growth, a.max_steps, a.num_requests, a.bound_batch, a.seed, duration_s=a.rate_duration_s)
+    wl = get_workload(a.workload)
+    if a.input_scale != 1.0 or a.output_scale != 1.0:
+        wl = wl.scaled(a.input_scale, a.output_scale)
+    rec = run_saturation(a.url, wl, opts, model=a.model, config=a.config, slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rec, f, indent=1, default=float)
+    b = rec["bound"] or {"bound_rps": math.nan}
+    print(f"saturation {rec['saturation_rps']:.3g} req/s at rate {rec['saturation_rate']:.3g} = {rec['saturation_over_bound'] or math.nan:.2f} of the "
+          f"bound {b['bound_rps']:.3g} req/s; 90% SLO attainment up to {rec['slo90_rate_rps']} req/s", flush=True)
+    return rec
 
 
 if __name__ == "__main__":

@@ -250,7 +250,7 @@ def measure(
         raise ValueError("--prompts needs positive token counts and --configs at least one configuration")
     if not flows or any(f not in KV_FLOWS for f in flows):
         raise ValueError(f"--kv-flows takes {', '.join(KV_FLOWS)}, got {','.join(flows)!r}")
-    base = replace(cfg, kv_tokens=max(cfg.kv_tokens, max(prompts) + 256))  # buffers: auto, sized for the longest prompt
+    base = replace(cfg, kv_tokens=max(cfg.kv_tokens or 0, max(prompts) + 256))  # buffers: auto, sized for the longest prompt
     prof = cProfile.Profile() if profile_path else None
     records = run(base, prompts, configs, repeats, warmup, flows, prof, settle_s)
     if prof is not None and profile_path:

@@ -71,6 +71,26 @@ from hawk.errors import BadRequest, DuplicateRequest, PromptTooLong
 log = logging.getLogger(__name__)
 
 
+#: Most prompts one mixed step carries beside its decode rows (their graphs are bucketed by sequences:
+#: the attention backend of a mixed engine is sized for ``max_batch + MIXED_PREFILL_SEQS + 1`` rows).
+MIXED_PREFILL_SEQS = 16
+
+
+class PrefillSteps(Protocol):
+    """A prefill engine stepped by the decode engine's loop (``PrefillEngine(threaded=False)``)."""
+
+    on_work: Callable[[], None] | None
+    may_start: Callable[[int, int], bool] | None
+
+    def has_work(self) -> bool: ...
+
+    def plan_step(self, budget: int, max_pieces: int = ...) -> list[Any]: ...
+
+    def complete_step(self, batch: list[Any], logits: torch.Tensor) -> None: ...
+
+    def fail_step(self, batch: list[Any], e: BaseException) -> None: ...
+
+
 class OutOfKVMemory(MemoryError):
     """A running sequence needs a block, none is free, and it cannot be swapped out (no swapper)."""
 
@@ -285,6 +305,9 @@ class DecodeEngine:
         keepalive_every_s: float = 0.25,
         step_time: Callable[[int, int], float] | None = None,
         overlap: bool | None = None,
+        prefill: PrefillSteps | None = None,
+        max_num_batched_tokens: int = 640,
+        mixed_graph_tokens: int = 0,
     ):
         """``graphs``: CUDA-graph decode steps (None = when the backend allows, see ModelRunner);
         ``max_model_len``: the longest prompt + output accepted (default: the model's context);
@@ -296,9 +319,23 @@ class DecodeEngine:
         ``step_time``: timing emulation (``--npu-timing``): modelled seconds of a step of (batch,
         context tokens); a step that finishes sooner waits until then before its tokens go out;
         ``overlap``: launch each step before reading the previous one's tokens (async scheduling;
-        None = on a GPU, without tensor parallelism and timing emulation, where it pays)."""
+        None = on a GPU, without tensor parallelism and timing emulation, where it pays);
+        ``prefill``: a stepped prefill engine whose chunks ride in this engine's steps (mixed steps,
+        see the module docstring), at most ``max_num_batched_tokens`` tokens per step, decode
+        tokens included; ``mixed_graph_tokens`` > 0: mixed and prefill-only steps of at most that
+        many tokens replay CUDA graphs (the runner's prefill graphs; ``attn`` must hold
+        ``max_batch + MIXED_PREFILL_SEQS + 1`` rows)."""
+        if prefill is not None and max_num_batched_tokens <= max_batch:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must exceed max_batch ({max_batch}): "
+                             "decode tokens go first, and prefill needs what they leave")
         self.max_len = min(max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings)
-        self.runner = ModelRunner(model, attn, max_batch=max_batch, graphs=graphs, max_model_len=self.max_len)
+        self.prefill = prefill
+        self.max_num_batched_tokens = max_num_batched_tokens
+        # Mixed and prefill-only steps of up to MIXED_PREFILL_SEQS sequences replay graphs; larger mixed
+        # batches run eagerly: their forwards are long enough to hide the launches, and a graph per
+        # (tokens, sequences) bucket of a 256-sequence batch would be captured mid-serving, stalling it.
+        self.runner = ModelRunner(model, attn, max_batch=max_batch, graphs=graphs, max_model_len=self.max_len,
+                                  prefill_graph_tokens=mixed_graph_tokens if prefill is not None else 0, prefill_graph_seqs=MIXED_PREFILL_SEQS)
         self.kv = kv
         self.swapper = swapper if swapper is not None else swapper_for(attn)
         self.eos = set(eos_token_ids)
@@ -313,7 +350,7 @@ class DecodeEngine:
         self._inflight: _Launched | None = None  # engine thread only
         #: steps launched on the previous step's device tokens / from host ids (the first of a batch,
         #: after a change or a drain): how much of the decode the overlap covers
-        self.steps = {"overlapped": 0, "synchronous": 0}
+        self.steps = {"overlapped": 0, "synchronous": 0, "mixed": 0}
         self.preemptions = 0
         self._lock = threading.Condition()
         self._waiting: deque[_Entry] = deque()
@@ -329,6 +366,9 @@ class DecodeEngine:
         self._stop = False
         self._stopped = threading.Event()
         self._generators: dict[str, torch.Generator | None] = {}
+        if prefill is not None:
+            prefill.on_work = self._wake
+            prefill.may_start = self._may_start_prompt
         self._thread = threading.Thread(target=self._loop, name="hawk-decode", daemon=True)
         self._thread.start()
         self._keepalive = threading.Thread(target=self._keepalive_loop, name="hawk-kv-keepalive", daemon=True)
@@ -564,11 +604,20 @@ class DecodeEngine:
                 log.exception("decode loop iteration failed; continuing")
                 time.sleep(0.01)
 
+    def _wake(self) -> None:
+        """A prompt was queued for the stepped prefill: the loop may be waiting for work."""
+        with self._lock:
+            self._lock.notify()
+
+    def _prefill_pending(self) -> bool:
+        return self.prefill is not None and self.prefill.has_work()
+
     def _iterate(self) -> bool:
         """Admit, start the newly ready, run one step; False once the engine is stopping."""
         with self._lock:
             resumed = self._admit()
-            while not self._stop and not self._ready and not self._running and not resumed and self._inflight is None:
+            while (not self._stop and not self._ready and not self._running and not resumed and self._inflight is None
+                   and not self._prefill_pending()):
                 self._lock.wait(0.05)
                 resumed = self._admit()
             if self._stop:
@@ -600,15 +649,37 @@ class DecodeEngine:
                 self._emit(e, e.seq.output_ids[0], dict(e.info))
             except Exception as ex:  # noqa: BLE001
                 self._fail(e, f"starting the request failed: {ex}")
-        if self._running and self._inflight is not None and self._running == self._inflight.batch:
+        mixing = self._prefill_pending()
+        if self._running and self._inflight is not None and self._running == self._inflight.batch and not mixing:
             if self._step_ahead():
                 return True
         self._drain()
         if self._running:
             self._reserve_next_slots()
-        if self._running:
-            self._step()
+        pieces = self._plan_prefill() if mixing else []
+        if self._running or pieces:
+            self._step(pieces)
+        elif mixing:  # prompts wait for blocks, nothing runs to free them here: the requests' ends will
+            time.sleep(0.002)
         return True
+
+    def _may_start_prompt(self, blocks: int, prefilling: int) -> bool:
+        """vLLM's gate for a new prompt: the sequences in flight here (running, queued for admission,
+        part-prefilled) stay under ``max_batch``, and its blocks leave the watermark and one block per
+        running sequence free, so prompts do not take the blocks the batch grows into (which would
+        swap running sequences out to make room for sequences that cannot run yet)."""
+        if self._in_flight() + len(self._waiting) + prefilling >= self.max_batch:
+            return False
+        return self.kv.blocks.num_free - blocks >= self.watermark_blocks + len(self._running)
+
+    def _plan_prefill(self) -> list[Any]:
+        """This step's prefill chunks: the token budget less one token per running sequence."""
+        assert self.prefill is not None
+        try:
+            return self.prefill.plan_step(self.max_num_batched_tokens - len(self._running), MIXED_PREFILL_SEQS)
+        except Exception:  # noqa: BLE001 - the decode steps on; the prompts stay queued
+            log.exception("planning the prefill share of a step failed")
+            return []
 
     def _notify(self, e: _Entry, ev: TokenEvent) -> bool:
         """Deliver an event; a raising callback is logged, never propagated (False)."""
@@ -667,17 +738,18 @@ class DecodeEngine:
                 log.exception("releasing %s failed", e.seq.request_id)
         self._notify(e, TokenEvent(e.seq.request_id, finish_reason="error", error=error))
 
-    def _step(self) -> None:
-        """Launch a step for the running batch; read its tokens now, or (overlap) on the next iteration."""
+    def _step(self, pieces: list[Any] | None = None) -> None:
+        """Launch a step for the running batch (and ``pieces``, prefill chunks, in the same forward);
+        read its tokens now, or (overlap, no prefill in it) on the next iteration."""
         batch = list(self._running)
         try:
-            launched = self._launch(batch, None)
+            launched = self._launch_mixed(batch, pieces) if pieces else self._launch(batch, None)
         except Exception as ex:  # noqa: BLE001
             log.exception("decode step failed")
             for e in batch:
                 self._fail(e, f"decode step failed: {ex}")
             return
-        if self.overlap and launched.tokens.device is not None:
+        if self.overlap and launched.tokens.device is not None and not pieces:
             self._inflight = launched
         else:
             self._collect(launched)
@@ -733,6 +805,31 @@ class DecodeEngine:
         self.steps["synchronous" if ids is None else "overlapped"] += 1
         return _Launched(batch, self._sample(batch, out), t0)
 
+    def _launch_mixed(self, batch: list[_Entry], pieces: list[Any]) -> _Launched:
+        """One forward of ``batch``'s next tokens and the prefill chunks ``pieces`` (decode rows
+        first); the decode rows' tokens start on their way, the prompts' rows go back to the
+        prefill engine, which samples the first tokens of those it completed and hands them off.
+        A failed forward fails the pieces here and the decode rows in the caller."""
+        assert self.prefill is not None
+        slices = [SeqSlice(e.seq.block_ids, e.seq.total_len - 1, 1) for e in batch]
+        slices += [SeqSlice(p.job.blocks, p.start, p.q_len) for p in pieces]
+        tokens = [[e.seq.last_token] for e in batch] + [p.tokens for p in pieces]
+        n = len(batch)
+        t0 = time.perf_counter()
+        try:
+            out = self.runner.step(tokens, slices)
+        except Exception as ex:
+            self.prefill.fail_step(pieces, ex)
+            raise
+        self.steps["mixed"] += 1
+        fetch = self._sample(batch, StepOutput(out.logits[:n], None, out.path)) if n else TokenFetch.ready([])
+        try:
+            self.prefill.complete_step(pieces, out.logits[n:])
+        except Exception as ex:  # noqa: BLE001 - a bug there must not lose the decode rows' tokens
+            log.exception("completing a step's prefill chunks failed")
+            self.prefill.fail_step(pieces, ex)
+        return _Launched(batch, fetch, t0)
+
     def _drain(self, emit: bool = True) -> None:
         """Wait for the step in flight, if any, and emit its tokens (or only free what it held)."""
         launched, self._inflight = self._inflight, None
@@ -748,7 +845,7 @@ class DecodeEngine:
         except Exception as ex:  # noqa: BLE001 - the device failed this step: its rows fail
             log.exception("reading a decode step's tokens failed")
             toks = [ex] * len(launched.batch)
-        if emit and self.step_time is not None:
+        if emit and self.step_time is not None and launched.batch:  # a prefill-only step is no decode step
             self._pace(launched.t0, launched.batch)
         for e, tok in zip(launched.batch, toks) if emit else ():
             if e.seq.status is not Status.RUNNING or e.aborted:
@@ -806,6 +903,7 @@ class DecodeEngine:
                 "total_blocks": self.kv.blocks.num_blocks,
                 "steps_overlapped": self.steps["overlapped"],
                 "steps_synchronous": self.steps["synchronous"],
+                "steps_mixed": self.steps["mixed"],
             }
 
     def close(self) -> None:

@@ -6,6 +6,7 @@ These are what the servers wrap and what tests and benchmarks drive directly.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -13,8 +14,9 @@ from typing import Any
 
 from hawk.connector.algorithm1 import KVTransferFailed, PullResult
 from hawk.devices.timing import engine_step_model, timing_label
+from hawk.engine import capacity
 from hawk.engine.block_manager import BlockManager
-from hawk.engine.decode_engine import DecodeEngine, LocalKV, RemoteKV
+from hawk.engine.decode_engine import MIXED_PREFILL_SEQS, DecodeEngine, LocalKV, RemoteKV
 from hawk.engine.loader import LoadedModel, load_model
 from hawk.engine.paged_attention import PagedAttention
 from hawk.engine.prefill_engine import PrefillEngine
@@ -127,6 +129,7 @@ class PrefillInstance(_FollowedRanks):
             if self.followers is not None:
                 self.followers.close()
             raise
+        self.capacity = self.rank.capacity
         self.loaded, self.layout, self.caches = self.rank.loaded, self.rank.layout, self.rank.caches
         self.transport, self.sender = self.rank.transport, self.rank.sender
         layer_push = self.sender.begin_push if cfg.kv_flow == "layerwise" else None
@@ -311,6 +314,8 @@ class DecodeInstance(_FollowedRanks):
                 self.followers.close()
             raise
         r = self.rank
+        self.capacity = r.capacity
+        cfg = self.cfg = r.cfg  # the cache and batch as resolved (capacity.py)
         try:  # a prompt whose KV can never land in the receive buffers is refused before its pull
             self.kv_limits = kv_limits(cfg, r.loaded.config, {"rx": r.rx_bytes}, r.blocks.num_blocks * r.blocks.block_size)
         except BaseException:
@@ -362,24 +367,32 @@ class ColocatedInstance:
     """The oracle: one model prefilling and decoding over one paged cache, with no transfer."""
 
     def __init__(self, cfg: InstanceConfig, loaded: LoadedModel | None = None):
-        self.cfg = cfg
         self.loaded = loaded or load_model(cfg.model, cfg.prefill_device, compute_dtype(cfg), cfg.seed)
         mc = self.loaded.config
+        self.capacity = capacity.resolve(cfg, mc, "colocated", capacity.weight_bytes(self.loaded.model))
+        cfg = self.cfg = dataclasses.replace(cfg, kv_tokens=self.capacity.kv_tokens, max_batch=self.capacity.max_num_seqs)
         self.layout = gpu_layout(cfg, mc, cfg.kv_tokens)
         self.caches = self.layout.allocate(cfg.prefill_device)
         self.blocks = BlockManager(self.layout.num_blocks, self.layout.block_size)
         self._handed: dict[str, list[int]] = {}
+        mixed = cfg.mixed_steps
         self.prefill = PrefillEngine(
             self.loaded.model, self.layout, self.caches, self._handoff, block_manager=self.blocks, max_prefill_chunk=cfg.max_prefill_chunk,
-            graph_tokens=prefill_graph_tokens(cfg),
+            graph_tokens=prefill_graph_tokens(cfg), threaded=not mixed,
         )
-        self.prefill.runner.warmup_prefill()
-        attn = PagedAttention(self.layout, self.caches, max_batch=cfg.max_batch, max_model_len=decode_len(cfg, mc))
+        if self.prefill.runner is not None:
+            self.prefill.runner.warmup_prefill()
+        rows = cfg.max_batch + MIXED_PREFILL_SEQS + 1 if mixed else cfg.max_batch  # a mixed step's prompts ride beside the decode rows
+        attn = PagedAttention(self.layout, self.caches, max_batch=rows, max_model_len=decode_len(cfg, mc))
         self.decode = DecodeEngine(
             self.loaded.model, attn, LocalKV(self.blocks), tuple(mc.eos_token_ids), cfg.max_batch,
             graphs=cfg.graphs, max_model_len=cfg.max_model_len or None, overlap=cfg.async_scheduling,
+            prefill=self.prefill if mixed else None, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            mixed_graph_tokens=min(prefill_graph_tokens(cfg), cfg.max_num_batched_tokens),
         )
         self.decode.warmup()
+        if mixed:
+            self.decode.runner.warmup_prefill()
 
     def _handoff(self, request_id: str, num_tokens: int, blocks: list[int], free: Any) -> None:
         self._handed[request_id] = blocks  # the decode engine takes these blocks over as they are
@@ -398,8 +411,12 @@ class ColocatedInstance:
         return {"kv_blocks_used": self.blocks.num_blocks - self.blocks.num_free, "kv_blocks_total": self.blocks.num_blocks, "handed_over": len(self._handed)}
 
     def close(self) -> None:
-        self.prefill.close()
-        self.decode.close()
+        if self.cfg.mixed_steps:  # the decode loop steps the prefill: stop it first
+            self.decode.close()
+            self.prefill.close()
+        else:
+            self.prefill.close()
+            self.decode.close()
         for b in self._handed.values():
             self.blocks.free(b)
         self._handed.clear()

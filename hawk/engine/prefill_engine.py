@@ -23,6 +23,13 @@ with its event), and the connector transforms and writes that layer beside the r
 Earlier chunks' KV is already in the cache, so pushing after the last chunk's layer l sends the
 whole prompt's layer l. (Pushing per chunk would start earlier on long prompts but cut NPU tiles at
 chunk boundaries; not done.)
+
+Stepped (``threaded=False``, the colocated instance's mixed steps): the engine runs no thread and
+no forward of its own. The decode engine's loop asks it for this step's pieces under what the
+token budget leaves after the running decodes (:meth:`PrefillEngine.plan_step`), runs them in the
+same forward as its decode tokens, and hands back their logits (:meth:`PrefillEngine.complete_step`)
+or the failure (:meth:`PrefillEngine.fail_step`). Queueing, chunking, blocks, cancellation and
+first-token sampling stay here, so both ways share one scheduler.
 """
 
 from __future__ import annotations
@@ -125,17 +132,31 @@ class PrefillEngine:
         max_prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         layer_push: LayerPushConnector | None = None,
         graph_tokens: int = 0,
+        threaded: bool = True,
     ):
         """``max_batch_tokens``: prompt tokens per iteration (a longer prompt still runs, alone,
         when chunking is off). ``max_prefill_chunk``: 0 = whole prompts only; N > 0 = at most N
         prompt tokens per iteration, a longer prompt split over iterations. ``graph_tokens`` > 0:
         iterations of at most that many tokens replay CUDA graphs where the device allows (see
-        runner.py; the decode graphs a batch of one-token prompts would want are not kept)."""
+        runner.py; the decode graphs a batch of one-token prompts would want are not kept).
+        ``threaded`` False: stepped by another engine's loop (see the module docstring); then
+        this engine holds no runner and ``on_work`` is called whenever a prompt is queued."""
         if max_prefill_chunk < 0:
             raise ValueError(f"max_prefill_chunk must be >= 0, got {max_prefill_chunk}")
         self.layout, self.caches = layout, list(caches)
         self.blocks = block_manager or BlockManager(layout.num_blocks, layout.block_size)
-        self.runner = ModelRunner(model, PagedAttention(layout, caches), graphs=False, prefill_graph_tokens=graph_tokens)
+        if not threaded and layer_push is not None:
+            raise ValueError("a stepped prefill engine has no layer-wise push (colocated moves no KV)")
+        self.threaded = threaded
+        self.runner: ModelRunner | None = None
+        if threaded:
+            self.runner = ModelRunner(model, PagedAttention(layout, caches), graphs=False, prefill_graph_tokens=graph_tokens)
+        #: Stepped: wakes the loop that steps this engine (set by it; called outside this engine's lock).
+        self.on_work: Callable[[], None] | None = None
+        #: Stepped: ``may_start(blocks, prefilling)``, whether a queued prompt needing ``blocks`` may start
+        #: now that ``prefilling`` prompts are part-prefilled (set by the stepping engine: vLLM's gate,
+        #: so prompts never hold the blocks the running batch grows into; called under this engine's lock).
+        self.may_start: Callable[[int, int], bool] | None = None
         self.handoff = handoff
         self.layer_push = layer_push
         self.max_batch_tokens = max_batch_tokens
@@ -145,8 +166,10 @@ class PrefillEngine:
         self._active: list[_Job] = []  # prompts holding blocks, not yet past their last chunk; oldest first
         self._cv = threading.Condition()
         self._stop = False
-        self._thread = threading.Thread(target=self._loop, name="hawk-prefill", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if threaded:
+            self._thread = threading.Thread(target=self._loop, name="hawk-prefill", daemon=True)
+            self._thread.start()
 
     def submit(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> Future:
         """Queue a prompt; the future resolves to a :class:`PrefillResult` (or the error)."""
@@ -158,6 +181,8 @@ class PrefillEngine:
         with self._cv:
             self._queue.append(_Job(request_id, list(prompt_ids), params, fut))
             self._cv.notify()
+        if self.on_work is not None:
+            self.on_work()
         return fut
 
     def cancel(self, request_id: str) -> bool:
@@ -195,20 +220,25 @@ class PrefillEngine:
             self._active.remove(j)
             self._release(j)
 
-    def _take_batch(self) -> list[_Piece]:
+    def _take_batch(self, budget: int | None = None, max_pieces: int = 1 << 30) -> list[_Piece]:
         """This iteration's pieces: part-prefilled prompts continue first (oldest first), then
         queued prompts start while the budget and the free blocks last. Without chunking each
-        piece is a whole prompt and the first always goes (as large as it is)."""
+        piece is a whole prompt and the first always goes (as large as it is). ``budget`` (a
+        stepped engine: what the step's token budget leaves) is a hard bound: prompts are chunked
+        to it whatever ``max_prefill_chunk`` says."""
         self._reap_cancelled()
-        budget, chunking = self._budget(), self.max_prefill_chunk > 0
+        if budget is None:
+            budget, chunking = self._budget(), self.max_prefill_chunk > 0
+        else:
+            budget, chunking = min(budget, self._budget()) if self.max_prefill_chunk else budget, True
         pieces: list[_Piece] = []
         for j in self._active:
-            if budget <= 0:
+            if budget <= 0 or len(pieces) >= max_pieces:
                 break
             n = min(j.remaining, budget)
             pieces.append(_Piece(j, j.done, n))
             budget -= n
-        while self._queue and budget > 0:
+        while self._queue and budget > 0 and len(pieces) < max_pieces:
             j = self._queue[0]
             if j.future.cancelled():  # cancelled by its client since it was queued
                 self._queue.popleft()
@@ -216,7 +246,10 @@ class PrefillEngine:
             n = min(len(j.prompt_ids), budget) if chunking else len(j.prompt_ids)
             if pieces and n > budget:
                 break
-            blocks = self.blocks.try_allocate(self.blocks.blocks_for(len(j.prompt_ids)), j.request_id)
+            need = self.blocks.blocks_for(len(j.prompt_ids))
+            if self.may_start is not None and not self.may_start(need, len(self._active)):
+                break  # the stepping engine's batch is full (or its blocks are spoken for)
+            blocks = self.blocks.try_allocate(need, j.request_id)
             if blocks is None:  # wait for blocks to come back (the sender frees them after staging)
                 break
             self._queue.popleft()
@@ -225,6 +258,53 @@ class PrefillEngine:
             pieces.append(_Piece(j, 0, n))
             budget -= n
         return pieces
+
+    # -- stepped by another engine's loop ----------------------------------------------------
+
+    def has_work(self) -> bool:
+        """A prompt is part-prefilled, or the first queued one's blocks are free (read without the
+        lock: a hint to the stepping loop, which then asks :meth:`plan_step`). A queue whose head
+        waits for blocks (or for ``may_start``) is no work: the loop keeps its overlapped decode steps."""
+        if self._active:
+            return True
+        try:
+            head = self._queue[0]
+        except IndexError:  # empty (or emptied by another thread just now)
+            return False
+        if head.future.cancelled():
+            return True
+        need = self.blocks.blocks_for(len(head.prompt_ids))
+        return self.blocks.num_free >= need and (self.may_start is None or self.may_start(need, len(self._active)))
+
+    def plan_step(self, budget: int, max_pieces: int = 1 << 30) -> list[_Piece]:
+        """This step's pieces, at most ``budget`` prompt tokens and ``max_pieces`` prompts in all
+        (none when ``budget`` < 1); their blocks are allocated. The caller runs them (``piece.tokens`` at
+        ``SeqSlice(piece.job.blocks, piece.start, piece.q_len)``) and then calls
+        :meth:`complete_step` or :meth:`fail_step` with exactly these pieces."""
+        if budget < 1:
+            return []
+        with self._cv:
+            if self._stop:
+                return []
+            batch = self._take_batch(budget, max_pieces)
+        return self._runnable(batch)
+
+    def complete_step(self, batch: list[_Piece], logits: torch.Tensor) -> None:
+        """The forward of ``batch`` ran; ``logits[i]`` is piece i's last-token logits (the caller's
+        to keep until this returns). Prompts it completed get their first token and hand off."""
+        if logits.is_cuda and any(p.last for p in batch):  # their prefill time ends with the forward, not its launch
+            torch.cuda.current_stream(logits.device).synchronize()
+        t1 = time.monotonic()
+        for p in batch:
+            p.job.done, p.job.chunks = p.start + p.q_len, p.job.chunks + 1
+        rows = [i for i, p in enumerate(batch) if p.last]
+        if rows:
+            self._finish([batch[i].job for i in rows], logits[rows], t1)
+
+    def fail_step(self, batch: list[_Piece], e: BaseException) -> None:
+        """The forward of ``batch`` failed: its prompts fail and give their blocks back."""
+        for p in batch:
+            self._fail(p.job, e)
 
     # -- the worker -----------------------------------------------------------------------------
 
@@ -301,6 +381,7 @@ class PrefillEngine:
         if not batch:
             return
         feeds: dict[_Job, LayerFeed] = {}
+        assert self.runner is not None
         attn = self.runner.attn
         pushing = self.layer_push is not None and any(p.last for p in batch)
         if pushing:  # the pushes begin at the first layer written: a destination still on its way
@@ -396,8 +477,9 @@ class PrefillEngine:
                 j.future.cancel()
             self._queue.clear()
             self._cv.notify_all()
-        self._thread.join(timeout=10)
-        if not self._thread.is_alive():  # part-prefilled prompts: nobody will finish them
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        if self._thread is None or not self._thread.is_alive():  # part-prefilled prompts: nobody will finish them
             with self._cv:
                 active, self._active = self._active, []
             for j in active:

@@ -8,6 +8,7 @@ module for them, so the two stay free of an import circle.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -19,6 +20,7 @@ from hawk.connector.algorithm1 import KVTransferFailed, PullResult
 from hawk.connector.configs import GpuSide, NpuSide, get_config, make_receiver, make_sender
 from hawk.devices.emulated import open_npu
 from hawk.devices.timing import copy_model_for
+from hawk.engine import capacity
 from hawk.engine.block_manager import BlockManager
 from hawk.engine.loader import LoadedModel, load_model
 from hawk.engine.npu_attention import NpuTileAttention
@@ -68,10 +70,11 @@ class PrefillRank:
     own transport and HAWK sender (own staging buffer, own control socket)."""
 
     def __init__(self, cfg: InstanceConfig, shard: Shard = Shard(), loaded: LoadedModel | None = None):
-        self.cfg, self.shard = cfg, shard
         self.loaded = loaded or load_model(cfg.model, cfg.prefill_device, compute_dtype(cfg), cfg.seed, shard=shard)
         mc = self.loaded.config
-        self.layout = gpu_layout(cfg, mc, cfg.kv_tokens, shard)
+        self.capacity = capacity.resolve(cfg, mc, "prefill", capacity.weight_bytes(self.loaded.model))
+        self.cfg, self.shard = cfg, shard  # unresolved: the transfer buffers are sized from what the user gave
+        self.layout = gpu_layout(cfg, mc, self.capacity.kv_tokens, shard)
         self.caches = self.layout.allocate(cfg.prefill_device)
         self.transport = make_transport(cfg.transport)
         self.staging_bytes = buffer_mb(cfg, mc, "staging") * MiB
@@ -98,17 +101,19 @@ class DecodeRank:
     tiles or a paged cache), the attention over it, its own transport and HAWK receiver."""
 
     def __init__(self, cfg: InstanceConfig, shard: Shard = Shard(), loaded: LoadedModel | None = None):
-        self.cfg, self.shard = cfg, shard
         tc = get_config(cfg.transfer)
         compute = cfg.decode_compute_device
         self.loaded = loaded or load_model(cfg.model, compute, compute_dtype(cfg), cfg.seed, shard=shard)
         mc = self.loaded.config
         heads = shard.kv_heads(mc.num_kv_heads)
         self.heads = heads
-        self.transport = make_transport(cfg.transport)
-        rx = self.rx_bytes = buffer_mb(cfg, mc, "rx") * MiB
+        rx = self.rx_bytes = buffer_mb(cfg, mc, "rx") * MiB  # from the config as given, as the prefill sizes its staging
         if cfg.rx_mb is None:
             log.info("receive buffers: auto, %d MiB (the KV of %d tokens)", rx // MiB, max_request_tokens(cfg, mc))
+        self.capacity = capacity.resolve(cfg, mc, "decode", capacity.weight_bytes(self.loaded.model), len(heads), rx)
+        cfg = dataclasses.replace(cfg, kv_tokens=self.capacity.kv_tokens, max_batch=self.capacity.max_num_seqs)
+        self.cfg, self.shard = cfg, shard
+        self.transport = make_transport(cfg.transport)
         self.npu = None
         if tc.decode_on == "npu":
             arch0 = get_arch(cfg.arch)

@@ -157,7 +157,7 @@ class ModelRunner:
         self.use_graphs = graphs is not False and why_not is None
         self._lock = threading.Lock()
         self._graphs: dict[int, _Graph] = {}
-        self._graph_rope_version = -1
+        self._graph_rope_version: tuple[int, int] = (-1, -1)
         self._pool: Any = None
         self._io: torch.Tensor | None = None  # [2 * max bucket]: ids then positions, per bucket
         self._io_stage: HostStaging | None = None  # its pinned staging (on the host: itself)
@@ -333,8 +333,9 @@ class ModelRunner:
         self._io_stage.upload((2 * b,))
 
     def _graph_for(self, b: int) -> _Graph:
-        """The bucket's graph, captured now if missing (or stale: the RoPE table moved)."""
-        version = self.model.rope.version
+        """The bucket's graph, captured now if missing (or stale: the RoPE table moved, or the backend
+        reallocated the metadata buffers the graph reads, as a mixed step's larger batch may)."""
+        version = (self.model.rope.version, getattr(self.attn, "generation", 0))
         if version != self._graph_rope_version:
             self._graphs.clear()  # captured before the table grew: too short; start a fresh pool
             self._pool = None

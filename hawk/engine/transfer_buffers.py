@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hawk.config import AUTO_BUFFER_MIN_MB, ServeConfig
+from hawk.config import AUTO_BUFFER_MIN_MB, DEFAULT_KV_TOKENS, ServeConfig
 from hawk.connector.configs import get_config
 from hawk.engine.config import ModelConfig
 from hawk.engine.tensor_parallel import Shard
@@ -52,7 +52,7 @@ def _aligned(n: int, alignment: int) -> int:
 def max_request_tokens(cfg: ServeConfig, mc: ModelConfig) -> int:
     """Longest request an instance of ``cfg`` can hold: its KV cache (``--kv-tokens``, in whole GPU
     blocks, as the prefill engine takes prompts) or the context (``--max-model-len`` or the model's)."""
-    cache = _aligned(cfg.kv_tokens, cfg.gpu_block_size)
+    cache = _aligned(cfg.kv_tokens or DEFAULT_KV_TOKENS, cfg.gpu_block_size)  # unset: what a prefill instance holds
     return min(cache, cfg.max_model_len or mc.max_position_embeddings)
 
 

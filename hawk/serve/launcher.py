@@ -276,6 +276,9 @@ def run_instance(
     if cluster_secret:
         os.environ[CLUSTER_SECRET_ENV] = cluster_secret  # for the control channel's ControlServer/Client
     instance = build_instance(role, cfg)
+    cap = getattr(instance, "capacity", None)
+    if cap is not None:  # what the memory rule chose (hawk/engine/capacity.py), whatever the log level
+        print(f"hawk {cap.describe(role)}", file=sys.stderr, flush=True)
     try:
         app = instance_app(role, instance, close_on_shutdown=False, cluster_secret=cluster_secret)
     except BaseException:

@@ -1,0 +1,181 @@
+"""Mixed steps (colocated): decode tokens and prefill chunks in one forward under a token budget.
+
+Each forward is recorded as the runner sees it (its slices), so the tests check the schedule
+itself, not timings: the budget holds, every running sequence is in every step (a long prompt
+costs a running decode at most one budget-bounded step per token), and preemption in a mixed
+batch still yields the tokens of the threaded engines (prefill and decode as separate forwards).
+"""
+
+import threading
+
+import pytest
+import torch
+
+from hawk.config import ConfigError
+from hawk.engine.decode_engine import DecodeEngine, LocalKV, TokenEvent
+from hawk.engine.instances import ColocatedInstance, InstanceConfig
+from hawk.engine.loader import load_model
+from hawk.engine.sequence import SamplingParams
+
+BUDGET = 96
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    torch.set_num_threads(1)
+    return load_model("tiny", "cpu", torch.float32, 0)
+
+
+def _instance(loaded, mixed: bool = True, kv_tokens: int = 4096, max_batch: int = 8, chunk: int = 2048) -> ColocatedInstance:
+    cfg = InstanceConfig(model="tiny", transfer="colocated", kv_tokens=kv_tokens, gpu_kv_dtype="fp32", mixed_steps=mixed,
+                         max_num_batched_tokens=BUDGET, max_batch=max_batch, max_prefill_chunk=chunk)
+    return ColocatedInstance(cfg, loaded=loaded)
+
+
+def _prompt(n: int, salt: int = 5) -> list[int]:
+    return [(13 * i + salt) % 250 + 1 for i in range(n)]
+
+
+def _record(monkeypatch, inst: ColocatedInstance) -> list[list[tuple[int, int]]]:
+    """Every forward of the decode engine's runner, as [(start, q_len)] per row."""
+    log: list[list[tuple[int, int]]] = []
+    real = inst.decode.runner.step
+
+    def step(tokens, slices, ids=None):
+        log.append([(s.start, s.q_len) for s in slices])
+        return real(tokens, slices, ids=ids)
+
+    monkeypatch.setattr(inst.decode.runner, "step", step)
+    return log
+
+
+class Client:
+    """Prefill then decode one request through the colocated instance, as the servers do."""
+
+    def __init__(self, inst: ColocatedInstance, rid: str, prompt: list[int], params: SamplingParams):
+        self.inst, self.rid, self.prompt, self.params = inst, rid, prompt, params
+        self.tokens: list[int] = []
+        self.error: str | None = None
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run)
+        self.thread.start()
+
+    def _run(self) -> None:
+        r = self.inst.prefill.submit(self.rid, self.prompt, self.params).result(120)
+        self.inst.decode.submit(self.rid, r.num_prompt_tokens, r.first_token, self.params, self.inst.take_blocks(self.rid), self._on)
+
+    def _on(self, ev: TokenEvent) -> None:
+        if ev.token is not None:
+            self.tokens.append(ev.token)
+        if ev.error:
+            self.error = ev.error
+        if ev.finish_reason:
+            self.done.set()
+
+    def wait(self) -> list[int]:
+        assert self.done.wait(120), f"{self.rid} did not finish"
+        self.thread.join(10)
+        return self.tokens
+
+
+def _decoding(inst: ColocatedInstance, max_tokens: int, tokens: int) -> Client:
+    """A request already decoding (``tokens`` out) when the test's own prompt arrives."""
+    running = Client(inst, "dec", _prompt(20, 9), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    while len(running.tokens) < tokens:
+        assert not running.done.wait(0.005)
+    return running
+
+
+def _serve(inst: ColocatedInstance, n: int, max_tokens: int = 24) -> dict[str, list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    clients = [Client(inst, f"r{i}", _prompt(30 + 41 * i, i), params) for i in range(n)]
+    return {c.rid: c.wait() for c in clients}
+
+
+def test_every_step_keeps_the_token_budget_and_prompts_share_steps_with_decodes(loaded, monkeypatch):
+    inst = _instance(loaded)
+    try:
+        log = _record(monkeypatch, inst)
+        out = _serve(inst, 6)
+        assert all(len(t) == 24 for t in out.values())
+        assert log and all(sum(q for _, q in step) <= BUDGET for step in log)
+        mixed = [s for s in log if any(q > 1 for _, q in s) and any(q == 1 for _, q in s)]
+        assert mixed, "no step carried decode tokens and a prefill chunk together"
+        assert inst.decode.stats()["steps_mixed"] >= len(mixed)
+        assert inst.blocks.num_free == inst.blocks.num_blocks
+    finally:
+        inst.close()
+
+
+def test_a_long_prompt_delays_a_running_decode_by_one_bounded_step_per_token(loaded, monkeypatch):
+    """While a 700-token prompt is prefilled in chunks, the running request is in every forward:
+    each of its tokens waits for exactly one step, whose prefill share is the budget less the
+    decode rows."""
+    inst = _instance(loaded)
+    try:
+        running = _decoding(inst, 400, 3)
+        log = _record(monkeypatch, inst)
+        res = inst.prefill.submit("long", _prompt(700, 3), SamplingParams(max_tokens=1)).result(120)
+        steps = list(log)
+        inst.decode.abort("dec")
+        running.wait()
+        inst.discard("long")
+        chunks = [s for s in steps if any(q > 1 for _, q in s)]
+        assert res.timings["prefill_chunks"] == len(chunks) >= 700 // BUDGET
+        for s in chunks:  # the decode row is there, the chunk took what it left
+            assert s[0][1] == 1 and sum(q for _, q in s[1:]) <= BUDGET - 1
+        assert sum(q for s in chunks for _, q in s[1:]) == 700
+        assert inst.blocks.num_free == inst.blocks.num_blocks
+    finally:
+        inst.close()
+
+
+def test_preemption_in_mixed_steps_gives_the_tokens_of_separate_forwards(loaded):
+    """A cache too small for the batch: sequences are swapped out and back while prompts are being
+    prefilled in the same forwards; every request still gets the tokens the threaded engines give
+    with room to spare."""
+    ref = _instance(loaded, mixed=False, kv_tokens=4096)
+    try:
+        want = _serve(ref, 6, max_tokens=64)
+    finally:
+        ref.close()
+    tight = _instance(loaded, mixed=True, kv_tokens=320)  # the six need 1155 tokens at their peaks
+    try:
+        got = _serve(tight, 6, max_tokens=64)
+        stats = tight.decode.stats()
+        assert stats["preemptions"] >= 1 and stats["steps_mixed"] >= 1
+        assert got == want
+        assert tight.blocks.num_free == tight.blocks.num_blocks
+    finally:
+        tight.close()
+
+
+def test_a_failing_mixed_forward_fails_its_requests_frees_their_blocks_and_serves_on(loaded, monkeypatch):
+    inst = _instance(loaded)
+    try:
+        running = _decoding(inst, 200, 2)
+        real = inst.decode.runner.step
+
+        def step(tokens, slices, ids=None):
+            if any(s.q_len > 1 for s in slices):
+                raise RuntimeError("device fell over")
+            return real(tokens, slices, ids=ids)
+
+        monkeypatch.setattr(inst.decode.runner, "step", step)
+        with pytest.raises(Exception, match="fell over"):
+            inst.prefill.submit("doomed", _prompt(150), SamplingParams(max_tokens=1)).result(60)
+        running.wait()
+        assert running.error and "fell over" in running.error
+        monkeypatch.undo()
+        assert inst.blocks.num_free == inst.blocks.num_blocks and inst.prefill.stats()["prefilling"] == 0
+        assert _serve(inst, 2, max_tokens=4) and inst.blocks.num_free == inst.blocks.num_blocks
+    finally:
+        inst.close()
+
+
+def test_the_budget_must_leave_room_for_prefill(loaded):
+    with pytest.raises(ConfigError, match="max-num-batched-tokens"):
+        InstanceConfig(transfer="colocated", max_batch=256, max_num_batched_tokens=256).validate()
+    InstanceConfig(transfer="colocated", max_batch=256, max_num_batched_tokens=256, mixed_steps=False).validate()
+    with pytest.raises(ValueError, match="must exceed max_batch"):
+        DecodeEngine(loaded.model, None, LocalKV(None), max_batch=8, prefill=object(), max_num_batched_tokens=8)

@@ -1,0 +1,93 @@
+"""``hawk bench serving --saturation``: the ramp's stop rule, the SLO-90 rate, the bound's formula and
+the decode probe's window, on made-up records (the live path runs in the GPU suite's part)."""
+
+import math
+
+import pytest
+
+from hawk.bench.saturation import (
+    MIN_WINDOW_STEPS, SaturationOptions, bound_from, decode_probe, fit_line, ramp, rows_of, slo90_rate, step_window, summarize,
+)
+from hawk.sim.metrics import RequestResult
+from hawk.sim.workload import RequestSpec
+
+
+def test_the_ramp_stops_once_throughput_stops_growing():
+    served = {1.0: 1.0, 2.0: 1.9, 4.0: 3.0, 8.0: 3.1, 16.0: 3.1}
+    recs = ramp(lambda r: {"rate": r, "request_throughput_rps": served[r], "slo_attainment": 1.0}, SaturationOptions(1.0, 2.0, 0.05, 8), log=lambda _: None)
+    assert [r["rate"] for r in recs] == [1.0, 2.0, 4.0, 8.0]  # 3.1 < 3.0 * 1.05: stop
+    capped = ramp(lambda r: {"rate": r, "request_throughput_rps": r}, SaturationOptions(1.0, 2.0, 0.05, 3), log=lambda _: None)
+    assert len(capped) == 3
+
+
+def test_the_slo90_rate_is_interpolated_between_the_last_pass_and_the_first_miss():
+    recs = [{"rate": 1.0, "slo_attainment": 1.0}, {"rate": 2.0, "slo_attainment": 0.95}, {"rate": 4.0, "slo_attainment": 0.5}]
+    assert slo90_rate(recs) == pytest.approx(2.0 + 2.0 * 0.05 / 0.45)
+    assert slo90_rate([{"rate": 1.0, "slo_attainment": 0.2}]) is None
+    assert slo90_rate([{"rate": 1.0, "slo_attainment": 1.0}, {"rate": 3.0, "slo_attainment": 0.92}]) == 3.0
+
+
+def test_the_bound_adds_prefill_and_a_batch_share_of_the_decode_steps():
+    specs = [RequestSpec(0, 0.0, 100, 11), RequestSpec(1, 0.0, 300, 21)]
+    b = bound_from(specs, (0.002, 0.0001), 0.010, 10, "server prefill_s")
+    prefill = ((0.002 + 0.01) + (0.002 + 0.03)) / 2
+    decode = (10 * 0.010 / 10 + 20 * 0.010 / 10) / 2
+    assert b.bound_rps == pytest.approx(1 / (prefill + decode))
+    assert b.prefill_ms_mean == pytest.approx(prefill * 1e3) and b.decode_step_ms == pytest.approx(10.0)
+    assert fit_line([(100, 0.012), (300, 0.032), (500, 0.052)]) == pytest.approx((0.002, 0.0001))
+    assert fit_line([(100, 0.5)]) == (0.5, 0.0)
+
+
+def _res(first: float, gaps: list[float]) -> RequestResult:
+    return RequestResult(0, 10, len(gaps) + 1, 0.0, first_s=first, last_s=first + sum(gaps), output_tokens=len(gaps) + 1, ok=True, itl_s=gaps)
+
+
+def test_the_step_window_counts_tokens_while_the_whole_batch_decodes():
+    """Two requests, steps of 10 ms; the second starts at 0.05 s, the first ends at 0.3 s: in
+    (0.05, 0.3] each gets 25 tokens, even where a client read them in bursts."""
+    a = _res(0.0, [0.01] * 30)
+    bursty = [0.0 if i % 5 else 0.05 for i in range(40)]  # five tokens at once, every 50 ms
+    b = _res(0.05, bursty)
+    span, counts = step_window([a, b])
+    assert span == pytest.approx(0.25)
+    assert counts[0] == 25 and abs(counts[1] - 25) <= 5
+    with pytest.raises(RuntimeError, match="failed"):
+        step_window([a, RequestResult(1, 10, 5, 0.0)])
+
+
+def test_the_decode_probe_centres_its_window_on_the_workloads_context():
+    specs = [RequestSpec(i, 0.0, 750, 200) for i in range(10)]
+    n_in, n_out, ctx = decode_probe(256, specs, 640)
+    assert ctx == pytest.approx(850, rel=0.01) and n_out >= MIN_WINDOW_STEPS
+    assert n_in + n_out < 2000  # the whole batch fits a large cache
+
+
+def test_summary_rows_and_acceptance():
+    def run(cfg, sat, bound):
+        at80 = {"rate": 0.8 * sat, "request_throughput_rps": 0.8 * sat, "tpot_p50_ms": 10.0, "itl_p99_ms": 25.0, "slo_attainment": 1.0}
+        return {"config": cfg, "saturation_rps": sat, "saturation_rate": sat * 1.5, "saturation_over_bound": sat / bound if bound else None,
+                "slo90_rate_rps": sat, "bound": {"bound_rps": bound} if bound else None, "ramp": [{"rate": sat, "request_throughput_rps": sat}],
+                "at_80": at80, "tpot_p50_over_step_at_80": 1.2, "itl_p99_over_tpot_p50_at_80": 2.5}
+
+    out = summarize([run("colocated", 20.0, 24.0), run("gn-hawk", 19.0, None)], "H200", "cmd")
+    acc = out["acceptance"]
+    assert acc["colocated_saturation_over_bound"]["holds"] and acc["disaggregated_over_colocated"]["value"] == pytest.approx(0.95)
+    assert acc["tpot_p50_over_step_at_80"]["holds"] and acc["itl_p99_over_tpot_p50_at_80"]["holds"]
+    rows = rows_of(out["runs"][0])
+    assert [r["at_80"] for r in rows] == [False, True] and set(rows[0]) >= {"config", "rate", "bound_rps", "itl_p99_ms", "slo_attainment"}
+    worse = summarize([run("colocated", 10.0, 24.0)], "H200", "cmd")["acceptance"]
+    assert not worse["colocated_saturation_over_bound"]["holds"] and "disaggregated_over_colocated" not in worse
+    assert math.isclose(worse["colocated_saturation_over_bound"]["value"], 10 / 24)
+
+
+def test_steady_throughput_ignores_the_ramp_up_and_the_drain():
+    """40 requests at 10 req/s into a server that finishes one every 0.25 s once full (4 req/s),
+    after a 2-s ramp-up: completed / duration says 40 / 12 = 3.3; the middle of the completions says 4.
+    Below saturation completions follow arrivals: 2 req/s."""
+    from hawk.bench.saturation import steady_throughput
+
+    over = [{"sent_s": i / 10, "ok": True, "last_s": 2.0 + i / 4} for i in range(40)]
+    assert steady_throughput(over) == pytest.approx(4.0)
+    under = [{"sent_s": i / 2, "ok": True, "last_s": 1.0 + i / 2} for i in range(40)]
+    assert steady_throughput(under) == pytest.approx(2.0)
+    assert steady_throughput(over[:3]) is None
