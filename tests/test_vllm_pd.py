@@ -28,7 +28,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (bash scripts/install.sh --with-vllm)", allow_module_level=True)
 
 from hawk.integrations.vllm.params import read_handle  # noqa: E402
-from hawk.integrations.vllm.servers import VllmServer, hawk_transfer_config, inspect, kv_cache_usage  # noqa: E402
+from hawk.integrations.vllm.servers import VllmServer, hawk_transfer_config, inspect, kv_cache_usage, stop_group  # noqa: E402
 from hawk.transport.registry import available  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -157,12 +157,7 @@ class Cluster:
         for s in self.servers:
             s.stop()
         for p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 15)
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, 9)
+            stop_group(p)
 
     def ids(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt)

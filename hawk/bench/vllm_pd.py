@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from hawk.integrations.vllm.servers import VllmServer, hawk_transfer_config, inspect, nixl_transfer_config
+from hawk.integrations.vllm.servers import VllmServer, hawk_transfer_config, inspect, nixl_transfer_config, stop_group
 
 CONFIGS = ("vllm-single", "vllm-nixl", "hawk-gg-direct", "hawk-gn-hawk", "hawk-gn-hawk-bfp8", "hawk-colocated")
 MODEL_NAME = "hawk-model"
@@ -180,12 +180,7 @@ class Launcher:
         for s in self.servers:
             s.stop()
         for p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 15)
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, 9)
+            stop_group(p)
 
 
 @contextlib.contextmanager

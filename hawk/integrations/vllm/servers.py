@@ -94,17 +94,23 @@ class VllmServer:
         raise RuntimeError(f"vLLM server on port {self.port} not ready within {timeout_s:.0f}s")
 
     def stop(self, kill: bool = False) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, 9 if kill else 15)
-        except ProcessLookupError:
-            return
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, 9)
-            self.proc.wait(timeout=10)
+        if self.proc is not None:
+            stop_group(self.proc, kill)
+
+
+def stop_group(proc: subprocess.Popen, kill: bool = False) -> None:
+    """End a process started with ``start_new_session`` and everything it started (vLLM's engine and worker
+    processes): SIGTERM (SIGKILL with ``kill``, or after 30 s), then reap it."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, 9 if kill else 15)
+        proc.wait(timeout=30)
+    except ProcessLookupError:
+        return
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait(timeout=10)
 
 
 def kv_cache_usage(url: str) -> float:
