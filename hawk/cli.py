@@ -166,7 +166,7 @@ def bench_serving(ctx: typer.Context) -> None:
 
     Options: hawk bench serving --help; e.g. hawk bench serving --url http://127.0.0.1:8000 --workload chatbot-tiny --rates 0.5,1,2.
     """
-    from hawk.bench.serving import main
+    from hawk.bench.serving_cli import main
 
     main(ctx.args)
 

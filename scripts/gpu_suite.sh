@@ -212,7 +212,7 @@ serve_bench() {  # serve_bench NAME CONFIG DECODE_DEVICE RATES "WORKLOADS" [hawk
   local spid=$!
   for _ in $(seq 1 240); do curl -sf 127.0.0.1:$port/health > /dev/null && break; kill -0 $spid 2> /dev/null || break; sleep 1; done
   for w in $workloads; do
-    step "serving_${name}_$w" 200 python3 -m hawk.bench.serving --url http://127.0.0.1:$port --workload "$w" \
+    step "serving_${name}_$w" 200 python3 -m hawk.bench.serving_cli --url http://127.0.0.1:$port --workload "$w" \
       --rates "$rates" --num-requests "${SERVE_REQUESTS:-30}" --output-scale 0.25 --json "$OUT/serving_${name}_$w.json"
   done
   kill -INT $spid; wait $spid
@@ -231,7 +231,7 @@ sat_bench() {  # sat_bench NAME TRANSFER DECODE_DEVICE BOUND_BATCH [hawk serve a
   local spid=$!
   for _ in $(seq 1 300); do curl -sf 127.0.0.1:$port/health > /dev/null && break; kill -0 $spid 2> /dev/null || break; sleep 1; done
   grep "KV cache" "$LOGS/serve_sat_$name.log"
-  step "saturation_$name" "${SAT_LIMIT:-480}" python3 -m hawk.bench.serving --url http://127.0.0.1:$port --workload chatbot --saturation \
+  step "saturation_$name" "${SAT_LIMIT:-480}" python3 -m hawk.bench.serving_cli --url http://127.0.0.1:$port --workload chatbot --saturation \
     --rates "${SAT_START:-8}" --num-requests "${SAT_REQUESTS:-150}" --rate-duration-s "${SAT_DURATION:-30}" --bound-batch "$bound" \
     --config "$name" --json "$OUT/saturation_$name.json"
   kill -INT $spid; wait $spid

@@ -261,7 +261,7 @@ def run(configs: Sequence[str], lens: Sequence[int], repeats: int, max_tokens: i
                     records.append(rec)
                     print(json.dumps(rec), flush=True)
             if rates and front.serving_url:
-                from hawk.bench.serving import main as serving_main
+                from hawk.bench.serving_cli import main as serving_main
 
                 out = serving_main(["--url", front.serving_url, "--model", MODEL_NAME, "--rates", ",".join(rates), "--workload", "chatbot-tiny",
                                     "--num-requests", str(num_requests), "--config", config])
