@@ -9,8 +9,8 @@ Configurations (each started, warmed, measured, stopped in turn; the same model 
   hawk-gn-hawk-bfp8  the same with bfloat8_b tiles (lossy: token agreement, not identity)
   hawk-colocated     HAWK's own engine, prefill and decode in one process (no transfer)
 
-For each prompt length, ``--repeats`` sequential greedy requests (streamed; ``ignore_eos`` so every
-output has ``--max-tokens`` tokens): TTFT and TPOT as the client sees them, the KV transfer's time as
+For each prompt length, ``--repeats`` sequential greedy requests, each with another prompt (streamed;
+``ignore_eos`` so every output has ``--max-tokens`` tokens): TTFT and TPOT as the client sees them, the KV transfer's time as
 the decode side reports it (NixlConnector's ``vllm:nixl_xfer_time_seconds``, HawkConnector's pull time,
 HAWK's ``kv_transfer_s``), and whether the text equals vllm-single's. P/D pairs are driven the way a P/D
 router drives them (prefill with ``max_tokens: 1`` and ``do_remote_decode``, then the decode with the
@@ -230,7 +230,8 @@ def launch(config: str, model: str, logs: Path, threads: int | None) -> Iterator
 
 
 def prompt_of(n: int, seed: int) -> list[int]:
-    """``n`` token ids of ordinary text tokens (the same for every configuration)."""
+    """``n`` token ids of ordinary text tokens, the same for every configuration (random ids: their greedy
+    continuations are full of near-ties, which is what token identity is checked on)."""
     return np.random.default_rng([seed, n]).integers(1000, 10000, n).tolist()
 
 
@@ -243,19 +244,18 @@ def agreement(a: str, b: str) -> float:
 def run(configs: Sequence[str], lens: Sequence[int], repeats: int, max_tokens: int, model: str, logs: Path,
         threads: int | None, rates: Sequence[str], num_requests: int) -> dict[str, Any]:
     records: list[dict[str, Any]] = []
-    reference: dict[int, str] = {}
+    reference: dict[tuple[int, int], str] = {}
     serving: list[dict[str, Any]] = []
     order = ["vllm-single", *[c for c in configs if c != "vllm-single"]]  # the reference first
     for config in order:
         with launch(config, model, logs, threads) as front, httpx.Client(timeout=600, trust_env=False) as client:
             one_request(client, front, prompt_of(8, 99), 4)  # warm-up: first plans, registrations, handshakes
             for n in lens:
-                ids = prompt_of(n, 0)
-                for rep in range(repeats):
-                    r = one_request(client, front, ids, max_tokens)
-                    if config == "vllm-single" and rep == 0:
-                        reference[n] = r["text"]
-                    ref = reference.get(n)
+                for rep in range(repeats):  # another prompt each time: no prefix-cache hit flatters a repeat
+                    r = one_request(client, front, prompt_of(n, rep), max_tokens)
+                    if config == "vllm-single":
+                        reference[(n, rep)] = r["text"]
+                    ref = reference.get((n, rep))
                     rec = {"config": config, "prompt_tokens": n, "repeat": rep, "identical": r["text"] == ref,
                            "agreement": agreement(r["text"], ref or ""), **{k: r[k] for k in ("ttft_ms", "tpot_ms", "kv_transfer_ms")}}
                     records.append(rec)
