@@ -48,3 +48,11 @@ class ContractMismatch(HawkError, ValueError):
 
 class BadUpstream(HawkError, RuntimeError):
     """An instance answered something that breaks the contract (the router's view)."""
+
+
+def first_problem(e: Exception, default_where: str) -> str:
+    """``where: what`` of a validation error's first problem (a pydantic ``ValidationError``, read by shape so
+    this module stays import-free), for messages that name the field a peer or a user got wrong."""
+    first = e.errors()[0]  # type: ignore[attr-defined]
+    where = ".".join(str(p) for p in first.get("loc", ())) or default_where
+    return f"{where}: {first.get('msg')}"

@@ -486,3 +486,21 @@ def test_a_kept_gn_hawk_landing_is_bound_to_its_plan_and_to_the_decode_memory():
     finally:
         kv_b.close()
         pair.close()
+
+
+def test_a_pull_that_comes_before_its_request_is_added_waits_for_it():
+    """An owner that names the KV before it hands the blocks over (a vLLM prefill answers its client before
+    its worker's next step) lets a D1 wait ``handoff_wait_s`` for the add; without the wait it is refused."""
+    pair = make_pair("gg-direct", LocalTransport(), LocalTransport())
+    try:
+        dst = dst_blocks_for("gg-direct", 20, start=1)
+        with pytest.raises(KVTransferFailed, match="no KV waiting"):
+            pair.receiver.pull(pair.sender.address, "early", dst)
+        pair.sender.handoff_wait_s = 3.0
+        threading.Timer(0.3, pair.add, args=("late", 20, [2, 3])).start()
+        res = pair.receiver.pull(pair.sender.address, "late", dst)
+        assert res.num_tokens == 20 and pair.landed(20, [2, 3], dst)
+        s, r = _settled(pair)
+        assert pair.freed == ["late"] and not s["in_flight"] and not r["reservations"]
+    finally:
+        pair.close()

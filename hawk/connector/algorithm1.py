@@ -292,15 +292,21 @@ class KVSender:
         staging_wait_s: float = 5.0,
         destination_wait_s: float = 0.05,
         ledger: Callable[[], dict[str, Any]] | None = None,
+        handoff_wait_s: float = 0.0,
     ):
         """``destination_wait_s``: how long ``begin_push`` waits for the destination of a request
         announced with :meth:`expect` (its decode hands over while the prefill starts). ``ledger``:
-        what an Inspect is answered with (default: :meth:`ledger`), for owners that hold more."""
+        what an Inspect is answered with (default: :meth:`ledger`), for owners that hold more.
+        ``handoff_wait_s``: how long a D1 for a request not added yet waits for its :meth:`add`, for
+        owners that tell the decode where the KV is before they hand it here (vLLM answers its client
+        before its worker's next step hands over the blocks); 0: refused at once."""
         self._ledger = ledger or self.ledger
+        self.handoff_wait_s = handoff_wait_s
         self.transport, self.fmt, self.config = transport, fmt, config
         self.ttl_s, self.staging_wait_s, self.destination_wait_s = ttl_s, staging_wait_s, destination_wait_s
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)  # a PushTo came (or an expectation ended)
+        self._added = threading.Condition(self._lock)  # a prefilled request was added (handoff_wait_s)
         self._expected: dict[str, float] = {}  # request id -> deadline: its PushTo is on its way
         self._dropped: dict[str, float] = {}  # request id -> deadline: discarded before its forward began
         self._prefilled: dict[str, _Prefilled] = {}
@@ -344,6 +350,7 @@ class KVSender:
                     raise DuplicateRequest(f"request {request_id!r} already has KV waiting")
                 if push is None:
                     self._prefilled[request_id] = job
+                    self._added.notify_all()
                     return
                 if push.blocks is not None:
                     raise DuplicateRequest(f"request {request_id!r} already handed its blocks to its push")
@@ -788,6 +795,8 @@ class KVSender:
         t0 = time.perf_counter()
         with self._lock:
             receiver = self._receivers.get(msg.receiver)
+            if receiver is not None and msg.request_id not in self._prefilled and self.handoff_wait_s > 0:
+                self._added.wait_for(lambda: msg.request_id in self._prefilled, timeout=self.handoff_wait_s)
             job = self._prefilled.pop(msg.request_id, None)  # P2: retrieve its KV
         if receiver is None:
             if job is not None:

@@ -37,7 +37,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from hawk.errors import BadUpstream
+from hawk.errors import BadUpstream, first_problem
 
 #: Bump when a message changes shape; both ends must agree exactly.
 CONTRACT_VERSION = 2
@@ -209,6 +209,4 @@ def receive(model: type[M], data: str | bytes, who: str) -> M:
     try:
         return model.model_validate_json(data)
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ())) or "body"
-        raise BadUpstream(f"{who} answered a malformed {model.__name__} ({where}: {first.get('msg')})") from None
+        raise BadUpstream(f"{who} answered a malformed {model.__name__} ({first_problem(e, 'body')})") from None

@@ -200,13 +200,18 @@ class Generation:
     async def _call(self, base: str, role: str, path: str, body: Any, reply: type[_Reply]) -> _Reply:
         """POST one contract message to an instance: its typed reply, or the fault the client is told
         (the instance unreachable: 503; an error status or a malformed answer: the upstream's)."""
+        r = await self._post(base, role, path, content=body.model_dump_json(), headers=_JSON)
+        return receive(reply, r.content, f"{role} at {base}")
+
+    async def _post(self, base: str, role: str, path: str, **kw: Any) -> httpx.Response:
+        """One POST to an instance, answered 200, or the fault the client is told."""
         try:
-            r = await self.client.post(f"{base}{path}", content=body.model_dump_json(), headers=_JSON)
+            r = await self.client.post(f"{base}{path}", **kw)
         except httpx.HTTPError as e:
             raise InstanceDown(f"{role} instance {base} unreachable: {e!r}") from None
         if r.status_code != 200:
             raise upstream_error(r.status_code, r.content, f"{role} at {base}")
-        return receive(reply, r.content, f"{role} at {base}")
+        return r
 
     async def _prefill(self) -> None:
         if self.prefill_api == "vllm":
@@ -219,17 +224,12 @@ class Generation:
 
     async def _prefill_vllm(self) -> None:
         """vLLM's P/D prefill call (vllm_prefill.py): the same PrefillResponse, from its KV handle."""
-        url, who = self.prefill_url, f"prefill at {self.prefill_url}"
+        who = f"prefill at {self.prefill_url}"
         body = prefill_body(self.prefill_model, self.prompt_ids, self.params)
         self._prefilled = True
         self.t_prefill_sent = time.monotonic()
-        try:
-            r = await self.client.post(f"{url}/v1/completions", json=body)
-        except httpx.HTTPError as e:
-            raise InstanceDown(f"prefill instance {url} unreachable: {e!r}") from None
+        r = await self._post(self.prefill_url, "prefill", "/v1/completions", json=body)
         self.t_prefilled = time.monotonic()
-        if r.status_code != 200:
-            raise upstream_error(r.status_code, r.content, who)
         try:
             answer = r.json()
         except ValueError:

@@ -223,12 +223,12 @@ class Router:
         if cfg.prefill_api == "vllm":  # vLLM has no /internal/info: the decodes say what is served
             dec = await asyncio.gather(*(fetch_info(self.client, u, cfg.startup_timeout_s) for u in cfg.decode_urls))
             pre = list(await asyncio.gather(*(vllm_info(self.client, u, cfg.startup_timeout_s, dec[0].vocab_size) for u in cfg.prefill_urls)))
-            pre = [p.model_copy(update={"model": dec[0].model}) for p in pre]  # its served name may differ: the decode's counts
+            self._prefill_models = {u: p.model for u, p in zip(cfg.prefill_urls, pre)}  # what requests to it must name
+            pre = [p.model_copy(update={"model": dec[0].model}) for p in pre]  # the router serves the decode's name
             infos = [*pre, *dec]
         else:
             infos = await asyncio.gather(*(fetch_info(self.client, u, cfg.startup_timeout_s) for u in [*cfg.prefill_urls, *cfg.decode_urls]))
         n = len(cfg.prefill_urls)
-        self._prefill_models = {u: await self._served_name(u) for u in cfg.prefill_urls} if cfg.prefill_api == "vllm" else {}
         self.pool = InstancePool(
             [Instance(u, "prefill", i) for u, i in zip(cfg.prefill_urls, infos[:n])],
             [Instance(u, "decode", i) for u, i in zip(cfg.decode_urls, infos[n:])],
@@ -311,13 +311,6 @@ class Router:
             except Exception:  # noqa: BLE001 - the monitor must outlive any one probe
                 log.exception("health monitor")
             await asyncio.sleep(self.cfg.health_interval_s)
-
-    async def _served_name(self, url: str) -> str:
-        """The model name a vLLM prefill serves (its requests must name it)."""
-        assert self.client is not None
-        r = await self.client.get(f"{url}/v1/models", timeout=5.0)
-        r.raise_for_status()
-        return str(r.json()["data"][0]["id"])
 
     async def _refresh_info(self, url: str) -> bool:
         """Re-read a restarted instance's /internal/info before using it again: a restarted prefill

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from hawk.errors import BadRequest
+from hawk.errors import BadRequest, first_problem
 
 #: Bump when KVHandle changes shape; a prefill and a decode of different versions refuse each other.
 HANDLE_VERSION = 1
@@ -63,6 +63,4 @@ def read_handle(params: dict[str, Any] | None) -> KVHandle | None:
     try:
         return KVHandle.model_validate(raw)
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ())) or "hawk"
-        raise BadRequest(f"malformed HAWK KV handle in kv_transfer_params ({where}: {first.get('msg')})") from None
+        raise BadRequest(f"malformed HAWK KV handle in kv_transfer_params ({first_problem(e, HAWK_KEY)})") from None

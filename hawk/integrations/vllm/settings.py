@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hawk.connector.configs import CONFIGS
+from hawk.errors import first_problem
 
 
 class ConnectorSettings(BaseModel):
@@ -35,6 +36,9 @@ class ConnectorSettings(BaseModel):
     rx_mb: int = Field(default=256, ge=1)
     #: How long prefilled KV waits for its pull before its blocks go back to vLLM (Algorithm 1's TTL).
     ttl_s: float = Field(default=30.0, gt=0)
+    #: How long a pull that arrives before this prefill worker holds the request's blocks waits for them: vLLM
+    #: answers the client (and so the decode learns the handle) before its worker's next step hands them over.
+    handoff_wait_s: float = Field(default=5.0, ge=0)
     #: How long a decode waits for one pull.
     pull_timeout_s: float = Field(default=30.0, gt=0)
     #: The transform's implementation: auto (Triton on CUDA, torch elsewhere), triton, torch.
@@ -45,9 +49,7 @@ class ConnectorSettings(BaseModel):
         try:
             s = cls.model_validate(dict(extra or {}))
         except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first.get("loc", ())) or "kv_connector_extra_config"
-            raise ValueError(f"HawkConnector: bad kv_connector_extra_config ({where}: {first.get('msg')})") from None
+            raise ValueError(f"HawkConnector: bad kv_connector_extra_config ({first_problem(e, 'kv_connector_extra_config')})") from None
         if s.transfer not in CONFIGS:
             raise ValueError(f"HawkConnector: unknown transfer {s.transfer!r}; expected one of {sorted(CONFIGS)}")
         if CONFIGS[s.transfer].prefill_on != "gpu":

@@ -55,7 +55,8 @@ class WorkerHalf:
         self.transport = transport = make_transport(s.transport)
         if self.producer:
             self.sender = make_sender(s.transfer, transport, caches, layout, s.staging_mb * MiB, s.transform_impl,
-                                      host=s.host, port=s.port, ttl_s=s.ttl_s, ledger=self.ledger)
+                                      host=s.host, port=s.port, ttl_s=s.ttl_s, ledger=self.ledger,
+                                      handoff_wait_s=s.handoff_wait_s)
         if self.consumer:
             if get_config(s.transfer).decode_on != "gpu":
                 raise ValueError(f"HawkConnector: a vLLM decode lands KV in its own cache; {s.transfer} decodes on an NPU")
