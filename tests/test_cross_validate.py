@@ -89,3 +89,19 @@ def test_resimulating_a_saved_run_gives_its_own_predictions():
     assert [(r["rate"], r["metric"]) for r in again] == [(r["rate"], r["metric"]) for r in saved]
     for a, b in zip(again, saved):
         assert a["real"] == b["real"] and abs(a["sim"] - b["sim"]) < 1e-6 * max(1.0, b["sim"])
+
+
+def test_the_transfer_curve_goes_through_each_probed_median_and_keeps_the_fixed_cost():
+    """A convex cost (the per-byte cost rises with size, as a host CPU's fix-up does) is kept:
+    exact at each probed size's median, the last slope beyond it; the fixed part is the line's intercept."""
+    from hawk.sim.crossval import transfer_curve
+
+    mb = 1e6
+    pts = [(10 * mb, 0.11), (10 * mb, 0.13), (100 * mb, 1.0), (200 * mb, 2.5), (200 * mb, 2.5)]
+    c = transfer_curve(pts, "test")
+    assert c.latency(10 * mb) == pytest.approx(0.12) and c.latency(100 * mb) == pytest.approx(1.0)
+    assert c.latency(200 * mb) == pytest.approx(2.5)
+    assert c.latency(300 * mb) == pytest.approx(2.5 + 100 * mb * (1.5 / (100 * mb)))  # the last segment's slope
+    assert c.latency(150 * mb) == pytest.approx(1.75)
+    linear = transfer_curve([(n * mb, 0.01 + n * 1e-3) for n in (1, 10, 100)], "test")
+    assert linear.fixed_s == pytest.approx(0.01) and linear.split(50 * mb) == pytest.approx((0.01, 0.05))

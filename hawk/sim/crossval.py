@@ -9,7 +9,8 @@ What is measured, and what it becomes (:class:`Probes` -> :func:`calibrated_conf
 * prefill time per prompt (sequential requests of several lengths: the server's ``prefill_s``)
   -> ``PrefillModel`` base + per token (least squares);
 * KV transfer time per byte (the same requests' ``kv_transfer_s`` and ``kv_bytes``, D1-D7)
-  -> a linear ``TransferCurve`` (fixed + bytes / bandwidth) and the KV bytes per prompt token;
+  -> a ``TransferCurve`` through each probed size's median (``transfer_curve``) and the KV bytes
+  per prompt token;
 * decode step time per batch size (B requests at once: the server's median TPOT)
   -> ``DecodeModel`` base + per sequence;
 * the front end (client TTFT minus the server-side stages of the sequential requests: HTTP hops,
@@ -73,6 +74,27 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     return float(a), float(b)
 
 
+def transfer_curve(points: Sequence[tuple[float, float]], source: str) -> TransferCurve:
+    """The KV transfer (D1-D7) as a measured curve: the fitted line's intercept at zero bytes (the
+    fixed cost), then each probed size's median, linear in between and beyond the largest with the
+    last segment's slope (``TransferCurve``, as ``hawk bench transfer`` curves are). Why not the
+    line alone: a host-staged pull's CPU fix-up costs more per byte as the KV outgrows the caches
+    (one H200 host, bfloat8_b, 8B shape: 9.1 ms/MB between 437 and 1750 prompt tokens, 13.2 ms/MB
+    between 1750 and 3500, ``crossval_h200/paced_bfp8_summarization_gn-host.json``), so a least-squares
+    line overstates a mean-length pull and understates the longest."""
+    fixed, per_byte = fit_line([b for b, _ in points], [t for _, t in points])
+    groups: dict[float, list[float]] = {}
+    for b, t in points:
+        groups.setdefault(float(b), []).append(float(t))
+    sizes = sorted(x for x in groups if x > 1.0)
+    medians = [float(np.median(groups[x])) for x in sizes]
+    return TransferCurve(
+        "here-measured", (1.0, *sizes), (min([fixed, *medians]), *medians),
+        f"{source}: {fixed * 1e3:.2f} ms fixed (least squares) + the median at each of {len(sizes)} probed sizes "
+        f"(D1-D7, piecewise linear; {per_byte * 1e9:.3f} ms/MB on average)", measured=True,
+    )
+
+
 @dataclass(frozen=True)
 class Calibrated:
     """The ``here`` models fitted from :class:`Probes`, with what each was fitted from."""
@@ -97,13 +119,9 @@ def calibrate(p: Probes, *, max_batch: int, kv_tokens: int, max_batch_tokens: in
     ``max_prefill_chunk`` (0: whole prompts)."""
     pa, pb = fit_line([n for n, _ in p.prefill], [t for _, t in p.prefill])
     da, db = fit_line([b for b, _ in p.decode], [t for _, t in p.decode])
-    ta, tb = fit_line([b for b, _ in p.transfer], [t for _, t in p.transfer])
     bpt = sum(b for _, b in p.kv_tokens) / max(1, sum(n for n, _ in p.kv_tokens))
     src = f"measured: probes of the running system on {machine}"
-    curve = TransferCurve(
-        "here-measured", (1.0, 1e10), (ta + tb, ta + tb * 1e10),
-        f"{src}: {ta * 1e3:.2f} ms + {tb * 1e9:.3f} ms/MB (D1-D7, least squares)", measured=True,
-    )
+    curve = transfer_curve(p.transfer, src)
     return Calibrated(
         PrefillModel(pa, pb, 0.0, max_batch_tokens, kv_tokens, f"{src}: {pa * 1e3:.1f} ms + {pb * 1e3:.3f} ms/token (least squares)",
                      chunk_tokens=prefill_chunk),
