@@ -142,8 +142,10 @@ def run_case_paths(c: dict, device: str, use_triton: bool | None, paths: list[bo
             assert not attn._counters.any(), "split counters not reset after a forward"
 
     # 1) ragged prefill, 2) chunked-prefill continuations (start > 0, q_len > 1) beside decodes,
-    # 3) padded decode steps (the last one with a sequence left out).
-    prefix = [[(s, p) for s, p in enumerate(prompts)], [(s, c["chunk"] if s % 2 == 0 else 1) for s in range(n_seq)]]
+    # 3) a mixed step as the decode engine orders it: one-token rows first (the decode kernel takes
+    # them), chunks after, 4) padded decode steps (the last one with a sequence left out).
+    prefix = [[(s, p) for s, p in enumerate(prompts)], [(s, c["chunk"] if s % 2 == 0 else 1) for s in range(n_seq)],
+              [(s, 1) for s in range(1, n_seq, 2)] + [(s, 2) for s in range(0, n_seq, 2)]]
     try:
         for items in prefix:
             forward(items)

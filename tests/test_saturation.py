@@ -55,6 +55,16 @@ def test_the_step_window_counts_tokens_while_the_whole_batch_decodes():
         step_window([a, RequestResult(1, 10, 5, 0.0)])
 
 
+def test_a_request_whose_text_came_once_bounds_the_window_but_is_not_counted():
+    """A byte-level tokenizer may send a request's text in one chunk: no gaps to count, but the
+    request was decoding, so it still ends the window."""
+    a = _res(0.0, [0.01] * 30)
+    once = RequestResult(1, 10, 31, 0.0, first_s=0.025, last_s=0.205, output_tokens=31, ok=True, itl_s=[])
+    span, counts = step_window([a, once])
+    assert span == pytest.approx(0.18)  # (0.025, 0.205]: the tokens at 0.03 ... 0.20
+    assert counts == [18]
+
+
 def test_the_decode_probe_centres_its_window_on_the_workloads_context():
     specs = [RequestSpec(i, 0.0, 750, 200) for i in range(10)]
     n_in, n_out, ctx = decode_probe(256, specs, 640)

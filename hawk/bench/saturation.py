@@ -108,14 +108,21 @@ def step_window(results: Sequence[RequestResult]) -> tuple[float, list[int]]:
     """The window in which every request of a batch was decoding (from the last first token to the
     first end: nobody joins or leaves, so no prefill rides in those steps), and how many tokens
     each request received in it. Counting tokens over the window, rather than taking the gaps
-    between them, is robust to a client that reads a busy server's chunks in bursts."""
-    ok = [r for r in results if r.ok and r.first_s is not None and r.itl_s]
-    if len(ok) < len(results):
-        raise RuntimeError(f"{len(results) - len(ok)} of the decode probe's requests failed")
-    start = max(r.first_s for r in ok)  # type: ignore[type-var]
-    end = min(r.last_s for r in ok if r.last_s is not None)
+    between them, is robust to a client that reads a busy server's chunks in bursts.
+
+    A request whose stream carried text only once (a byte-level tokenizer holds back bytes that
+    are not yet whole UTF-8 characters) still decoded through the window: it bounds the window but
+    adds no count."""
+    failed = [r for r in results if not r.ok or r.first_s is None]
+    if failed:
+        why = failed[0].error or "no first token"
+        raise RuntimeError(f"{len(failed)} of the decode probe's requests failed; the first: {why}")
+    start = max(r.first_s for r in results)  # type: ignore[type-var]
+    end = min(r.last_s if r.last_s is not None else r.first_s for r in results)  # type: ignore[type-var]
     counts = []
-    for r in ok:
+    for r in results:
+        if not r.itl_s:
+            continue
         t = r.first_s + np.concatenate([[0.0], np.cumsum(r.itl_s)])  # type: ignore[operator]
         counts.append(int(((t > start) & (t <= end)).sum()))
     return max(0.0, end - start), counts

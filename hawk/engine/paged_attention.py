@@ -216,7 +216,8 @@ class PagedAttention:
         t = t_real + (n - n_real) if pad_tokens is None else pad_tokens
         if t < t_real:
             raise ValueError(f"pad_tokens={pad_tokens} is smaller than the batch's {t_real} tokens")
-        progs = self._ta.prefill_programs(q_lens, starts, self._block_m) if (self._ta and not decode) else None
+        n_dec = self._decode_rows(q_lens) if (self._ta and not decode and pad_tokens is None) else 0
+        progs = self._ta.prefill_programs(q_lens[n_dec:], starts[n_dec:], self._block_m) if (self._ta and not decode) else None
         if progs is not None and pad_tokens is not None:
             progs = _pad_programs(progs, n_real, t - t_real, -(-t // self._block_m) + n, self._block_m)
         p = 0 if progs is None else len(progs[0])
@@ -253,7 +254,7 @@ class PagedAttention:
             meta_np[2 * n + 1 + t + p : meta_len] = progs[1]
         self._staging.upload((n * self.max_blocks_per_seq, meta_len))
 
-        self._set_views(n, t, p, meta_len)
+        self._set_views(n, t, p, meta_len, n_dec)
         self._n, self._n_real, self._tokens, self._decode = n, n_real, t, decode
         self._q_lens, self._starts = q_lens.tolist(), starts.tolist()
         if self._ta is None:
@@ -316,21 +317,43 @@ class PagedAttention:
         self._n, self._n_real, self._tokens, self._decode = n, n_real, n, True
         self._q_lens, self._starts = [1] * n_real, [s.start for s in batch]
 
-    def _set_views(self, n: int, t: int, p: int, meta_len: int) -> None:
+    #: Fewest leading one-token rows of a mixed batch that the decode kernel takes over from the
+    #: prefill kernel (see :meth:`_decode_rows`).
+    min_mixed_decode_rows = 1
+
+    def _decode_rows(self, q_lens: np.ndarray) -> int:
+        """How many leading rows of a mixed batch (a decode engine's running sequences come first,
+        prompt chunks after them) are attended by the decode kernel rather than the prefill kernel.
+
+        Why: the prefill kernel gives every row a program per query head with ``block_m`` query
+        slots, so a one-token row wastes all but one slot and reads its group's K/V once per query
+        head; on an H200 (8B shape, context 850, a 512-token chunk) a mixed step of 256 decode rows
+        took 77 ms against 28 ms for its decode and prefill parts run apart
+        (benchmarks/mixed_step_probe.py). The decode kernel reads each K/V head once for its group.
+        """
+        ones = q_lens == 1
+        lead = len(q_lens) if ones.all() else int(np.argmin(ones))
+        return lead if lead >= self.min_mixed_decode_rows else 0
+
+    def _set_views(self, n: int, t: int, p: int, meta_len: int, n_dec: int = 0) -> None:
         """Name the regions of the device buffers that this batch's metadata occupies (kept per
-        shape: a decode step of a known shape makes no tensor views)."""
-        key = (n, t, p, meta_len)
+        shape: a decode step of a known shape makes no tensor views). ``n_dec`` > 0: a mixed batch's
+        leading decode rows get views of their own (``dec_*``), and the prefill kernel's views start
+        after them (its program map indexes those rows from 0)."""
+        key = (n, t, p, meta_len, n_dec)
         views = self._view_cache.get(key)
         if views is None:
             bt_d, meta_d = self._bt_dev, self._meta_dev
             views = self._view_cache[key] = {
-                "block_tables": bt_d[:n],
-                "seq_lens": meta_d[:n],
-                "q_start": meta_d[n : 2 * n + 1],
+                "block_tables": bt_d[n_dec:n],
+                "seq_lens": meta_d[n_dec:n],
+                "q_start": meta_d[n + n_dec : 2 * n + 1],
                 "slots": meta_d[2 * n + 1 : 2 * n + 1 + t],
                 "prog_seq": meta_d[2 * n + 1 + t : 2 * n + 1 + t + p],
                 "prog_blk": meta_d[2 * n + 1 + t + p : meta_len],
             }
+            if n_dec:
+                views["dec_block_tables"], views["dec_seq_lens"] = bt_d[:n_dec], meta_d[:n_dec]
             if len(self._view_cache) > 64:  # prefill shapes vary: keep the cache small
                 self._view_cache.pop(next(iter(self._view_cache)))
         self._views = views
@@ -385,12 +408,24 @@ class PagedAttention:
                 return self._decode_fused(cache, q, k, v, merge=path is DecodePath.MERGED)
         ta.write_kv(k, v, cache, vw["slots"], order)
         if self._decode:
-            splits = self._splits(self._n)
-            part_out, part_lse = self._partials(self._n, q.shape[1], splits, q.shape[2])
-            return ta.paged_decode(q, cache, vw["block_tables"], vw["seq_lens"], order, splits,
-                                   part_out=part_out, part_lse=part_lse, block_n=self._decode_block_n)
+            return self._paged_decode(cache, q, vw["block_tables"], vw["seq_lens"])
+        out = None
+        if "dec_seq_lens" in vw:  # a mixed batch: its decode rows first, by the decode kernel
+            out = torch.empty_like(q)
+            n_dec = vw["dec_seq_lens"].shape[0]
+            self._paged_decode(cache, q[:n_dec], vw["dec_block_tables"], vw["dec_seq_lens"], out[:n_dec])
         return ta.paged_prefill(q, cache, vw["block_tables"], vw["seq_lens"], vw["q_start"],
-                                vw["prog_seq"], vw["prog_blk"], order, self._block_m)
+                                vw["prog_seq"], vw["prog_blk"], order, self._block_m, out=out)
+
+    def _paged_decode(self, cache: torch.Tensor, q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+        """One query token per row over K/V already in the cache, split by the row count."""
+        assert self._ta is not None
+        n = q.shape[0]
+        splits = self._splits(n)
+        part_out, part_lse = self._partials(n, q.shape[1], splits, q.shape[2])
+        return self._ta.paged_decode(q, cache, block_tables, seq_lens, self.layout.order, splits, out=out,
+                                     part_out=part_out, part_lse=part_lse, block_n=self._decode_block_n)
 
     def _decode_fused(self, cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       merge: bool) -> torch.Tensor:
