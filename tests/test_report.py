@@ -26,8 +26,13 @@ FILES = {
     "engine.json": [{"kind": "decode", "path": "npu-tile", "kv_dtype": "bf16", "batch": 1, "context": c, "tokens": None, "ms": 2.0 * c / 128,
                      "floor_ms": 1.0 * c / 128, "ratio": 2.0, "device": "cpu"} for c in (128, 512)]
                    + [{"kind": "prefill", "path": "gpu-paged", "kv_dtype": "bf16", "batch": 1, "tokens": 128, "ms": 9.0, "ratio": 0.4}],
-    "xfer.json": [{"config": c, "size_mb": s, "median_ms": s / k, "transport": "nixl", "prefill_device": "cpu", "decode_device": "cpu"}
-                  for c, k in (("gg-direct", 10), ("gn-hawk", 9)) for s in (10, 20)],
+    # producers that write a header beside their records ({"command": ..., "records": [...]})
+    "xfer.json": {"command": "hawk bench transfer", "records": [
+        {"config": c, "size_mb": s, "median_ms": s / k, "transport": "nixl", "prefill_device": "cpu", "decode_device": "cpu"}
+        for c, k in (("gg-direct", 10), ("gn-hawk", 9)) for s in (10, 20)]},
+    "transform.json": {"what": "transform vs copy", "records": [
+        {"impl": "triton", "dtype": "bf16", "blocks": "shuffled", "size_mb": s, "gbps": 3.0 * s, "copy_gbps": 3.2 * s, "ratio": 0.94,
+         "match": True, "device": "cuda:0"} for s in (80, 320)]},
     "paper.json": {"simulated": True, "testbed": "paper", "rows": [
         {"figure": "Fig. 9", "quantity": "a ratio", "paper": 2.0, "ours": 2.2, "unit": "x", "deviation": "+10.0 %"},
         {"figure": "Fig. 12", "quantity": "never reached", "paper": None, "ours": 1.5, "unit": "req/s"}]},
@@ -52,13 +57,14 @@ def test_report_writes_tables_plots_and_skips_unknown(tmp_path):
     (src / "notes.txt").write_text("not a result")
     out = tmp_path / "out"
     md = write_report([src], out).read_text()
-    for heading in ("Engine benchmark", "KV transfer benchmark", "Paper vs simulator", "Serving benchmark (measured)", "Simulated serving sweep"):
+    for heading in ("Engine benchmark", "KV transfer benchmark", "Transform benchmark", "Paper vs simulator", "Serving benchmark (measured)",
+                    "Simulated serving sweep"):
         assert heading in md
     assert "`other.json`: unknown kind" in md and "`broken.json`: not valid JSON" in md and "`notes.txt`: not a JSON file" in md
     assert "| 10 | 1 | 1.11 |" in md  # transfer table: size, then one column per configuration
     assert "interpolated" in md  # the 90 % operating point of the sweep
     pngs = sorted(p.name for p in out.glob("*.png"))
-    assert pngs == ["engine.png", "paper.png", "serving.png", "sim.png", "xfer.png"]
+    assert pngs == ["engine.png", "paper.png", "serving.png", "sim.png", "transform.png", "xfer.png"]
     assert sum(p.stat().st_size for p in out.iterdir()) < 1_000_000
     for p in pngs:
         assert f"]({p})" in md

@@ -166,7 +166,7 @@ def _where(r: dict[str, Any]) -> str:
 
 
 def section_transfer(rep: Report, src: Source) -> None:
-    rs = src.data
+    rs = _records(src.data) or []
     configs = list(dict.fromkeys(r["config"] for r in rs))
     sizes = sorted({r["size_mb"] for r in rs})
     med = {(r["config"], r["size_mb"]): r["median_ms"] for r in rs}
@@ -185,7 +185,7 @@ def section_transfer(rep: Report, src: Source) -> None:
 
 
 def section_transform(rep: Report, src: Source) -> None:
-    rs = src.data
+    rs = _records(src.data) or []
     keys = list(dict.fromkeys((r["impl"], r.get("dtype", ""), r.get("blocks", "")) for r in rs))
     sizes = sorted({r["size_mb"] for r in rs})
     g = {(r["impl"], r.get("dtype", ""), r.get("blocks", ""), r["size_mb"]): r for r in rs}
@@ -206,7 +206,7 @@ def section_transform(rep: Report, src: Source) -> None:
 
 
 def section_engine(rep: Report, src: Source) -> None:
-    rs = src.data
+    rs = _records(src.data) or []
     rep.add(f"Engine step times beside ceilings measured in the same run ({_where(rs[0])}); decode ratio = ms / floor "
             "(1 = at the read-bandwidth floor), prefill ratio = achieved fraction of GEMM peak.", "")
     rows = [[r["kind"], r["path"], r["kv_dtype"], r.get("batch"), r.get("context", r.get("tokens")), r.get("ms"), r.get("floor_ms"),
@@ -275,7 +275,7 @@ def section_reproduce(rep: Report, src: Source) -> None:
 
 
 def section_equivalence(rep: Report, src: Source) -> None:
-    rs = src.data
+    rs = _records(src.data) or []
     rep.add(f"Token-exact equivalence against the colocated oracle ({_where(rs[0])}, model {rs[0].get('model', '?')}).", "")
     rep.add(*table(["config", "prompt", "identical", "tokens", "TTFT ms", "TPOT ms", "colocated TTFT", "colocated TPOT", "KV ms", "KV bytes"],
                    [[r["config"], r.get("prompt"), r["identical"], r.get("tokens"), r["ttft_ms"], r["tpot_ms"], r.get("colocated_ttft_ms"),
