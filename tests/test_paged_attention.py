@@ -558,3 +558,55 @@ def test_decode_graph_replays_after_a_new_begin_cuda(order: str, path: str) -> N
 
 if __name__ == "__main__":
     _run_all_interpreted()
+
+
+def engine_mixed_step_matches(device: str, n_dec: int, chunks: list[tuple[int, int]], seed: int, hq: int = 32, hkv: int = 8,
+                              d: int = 128, bs: int = 16) -> float:
+    """One mixed step as the colocated engine builds it: ``n_dec`` decode rows of random contexts
+    first, then prompt chunks ``(start, q_len)``; every row against :func:`attend` over what the cache
+    holds. The rows' contexts are written through the backend itself (a prefill of each sequence), so
+    the step reads exactly what an engine's cache would. Returns the worst error."""
+    g = torch.Generator().manual_seed(seed)
+    ctx = [int(x) for x in torch.randint(1, 900, (n_dec,), generator=g)]
+    seqs = [(c - 1, 1) for c in ctx] + list(chunks)  # (tokens already cached, new tokens)
+    per_seq = [-(-(s + q) // bs) for s, q in seqs]
+    layout = GpuKVLayout(1, sum(per_seq) + 1, bs, hkv, d, "bf16")
+    (cache,) = layout.allocate(device)
+    attn = PagedAttention(layout, [cache], max_batch=n_dec + len(chunks) + 1, use_triton=True)
+    perm = torch.randperm(layout.num_blocks, generator=g).tolist()
+    blocks, off = [], 0
+    for n in per_seq:
+        blocks.append(perm[off : off + n])
+        off += n
+    kv = [(torch.randn((s + q, hkv, d), generator=g).to(torch.bfloat16).to(device),
+           torch.randn((s + q, hkv, d), generator=g).to(torch.bfloat16).to(device)) for s, q in seqs]
+    cached = [(b, s) for b, (s, _) in zip(blocks, seqs) if s > 0]
+    if cached:  # the contexts, written by a prefill forward
+        pre = [i for i, (s, _) in enumerate(seqs) if s > 0]
+        attn.begin([SeqSlice(blocks[i], 0, seqs[i][0]) for i in pre])
+        k = torch.cat([kv[i][0][: seqs[i][0]] for i in pre])
+        v = torch.cat([kv[i][1][: seqs[i][0]] for i in pre])
+        attn(0, torch.zeros((k.shape[0], hq, d), dtype=torch.bfloat16, device=device), k, v)
+    attn.begin([SeqSlice(b, s, q) for b, (s, q) in zip(blocks, seqs)])
+    t = sum(q for _, q in seqs)
+    q_all = torch.randn((t, hq, d), generator=g).to(torch.bfloat16).to(device)
+    k_new = torch.cat([kv[i][0][s:] for i, (s, _) in enumerate(seqs)])
+    v_new = torch.cat([kv[i][1][s:] for i, (s, _) in enumerate(seqs)])
+    out = attn(0, q_all, k_new, v_new)
+    worst, row = 0.0, 0
+    for i, (s, q) in enumerate(seqs):
+        want = attend(q_all[row : row + q].float(), kv[i][0].float(), kv[i][1].float())
+        err = (out[row : row + q].float() - want).abs().max().item()
+        assert err < ATOL[torch.bfloat16], f"row group {i} ({'decode' if i < n_dec else 'chunk'}, start {s}, q_len {q}): max err {err:.3g}"
+        worst, row = max(worst, err), row + q
+    return worst
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_dec", [1, 3, 17, 63, 130])
+def test_engine_like_mixed_steps_cuda(n_dec: int) -> None:
+    """Decode rows of random contexts (any count: the metadata views start at any offset) beside a
+    fresh prompt chunk and continuing ones, at the 8B heads, as the colocated engine's mixed steps run."""
+    _need_cuda()
+    for seed, chunks in enumerate([[(0, 512)], [(640, 37), (0, 200), (128, 2)], [(1000, 300)]]):
+        engine_mixed_step_matches("cuda", n_dec, chunks, seed=100 * n_dec + seed)
