@@ -130,6 +130,7 @@ def op_diffs(hawk: Any, cap: Capture, n_prompt: int) -> dict[str, list[dict[str,
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     out: dict[str, list[dict[str, Any]]] = defaultdict(list)
     n_calls = len(cap.calls["embed"])
+    hawk.reserve_positions(n_prompt + n_calls)
     for step in range(1, n_calls):
         (ids,), _ = cap.calls["embed"][step][0]
         out["embed"].append(compare(hawk.embed(ids), cap.calls["embed"][step][1]))
@@ -191,6 +192,7 @@ def whole_decode(hawk: Any, cap: Capture, n_prompt: int) -> list[dict[str, Any]]
         attn._k[0][i] = args[1].view(n_prompt, cfg.num_kv_heads, cfg.head_dim)
         attn._v[0][i] = args[2].view(n_prompt, cfg.num_kv_heads, cfg.head_dim)
     rows = []
+    hawk.reserve_positions(n_prompt + len(cap.calls["embed"]))
     for step in range(1, len(cap.calls["embed"])):
         (ids,), _ = cap.calls["embed"][step][0]
         attn.begin([0], [1])
