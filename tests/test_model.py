@@ -146,9 +146,9 @@ def test_rope_is_a_rotation_of_half_split_pairs(tiny: LlamaModel) -> None:
     pos = torch.tensor([0, 5, 1000])
     cos, sin = tiny.rope(pos, torch.float32)
     y = apply_rope(x, cos, sin)
-    inv = rope_inv_freq(d, 10000.0, None)
+    inv = rope_inv_freq(d, 10000.0, None, torch.float32)  # the model's table: float32 angles, as vLLM's
     for t, p in enumerate(pos.tolist()):
-        ang = p * inv
+        ang = (p * inv).double()
         z = torch.complex(x[t, :, : d // 2].double(), x[t, :, d // 2 :].double())
         z = z * torch.polar(torch.ones_like(ang), ang)
         assert torch.allclose(y[t, :, : d // 2].double(), z.real, atol=1e-5)

@@ -9,7 +9,8 @@ Configurations (each started, warmed, measured, stopped in turn; the same model 
   hawk-gn-hawk-bfp8  the same with bfloat8_b tiles (lossy: token agreement, not identity)
   hawk-colocated     HAWK's own engine, prefill and decode in one process (no transfer)
 
-For each prompt length, ``--repeats`` sequential greedy requests, each with another prompt (streamed;
+For each prompt length, ``--repeats`` sequential greedy requests, each with another prompt (natural text
+cut from :mod:`hawk.bench.prompt_text`, or ``--prompt-text random`` token ids; streamed;
 ``ignore_eos`` so every output has ``--max-tokens`` tokens): TTFT and TPOT as the client sees them, the KV transfer's time as
 the decode side reports it (NixlConnector's ``vllm:nixl_xfer_time_seconds``, HawkConnector's pull time,
 HAWK's ``kv_transfer_s``), and whether the text equals vllm-single's. P/D pairs are driven the way a P/D
@@ -41,6 +42,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from hawk.bench.prompt_text import natural_prompt
 from hawk.integrations.vllm.servers import VllmServer, hawk_transfer_config, inspect, nixl_transfer_config, stop_group
 
 CONFIGS = ("vllm-single", "vllm-nixl", "hawk-gg-direct", "hawk-gn-hawk", "hawk-gn-hawk-bfp8", "hawk-colocated")
@@ -229,10 +231,37 @@ def launch(config: str, model: str, logs: Path, threads: int | None) -> Iterator
         L.stop()
 
 
-def prompt_of(n: int, seed: int) -> list[int]:
-    """``n`` token ids of ordinary text tokens, the same for every configuration (random ids: their greedy
-    continuations are full of near-ties, which is what token identity is checked on)."""
+def random_prompt(n: int, seed: int) -> list[int]:
+    """``n`` random ids of ordinary text tokens: the worst case for token identity (their greedy
+    continuations are full of near-ties)."""
     return np.random.default_rng([seed, n]).integers(1000, 10000, n).tolist()
+
+
+class Prompts:
+    """The benchmark's prompts, the same for every configuration: ``natural`` (corpus text,
+    :mod:`hawk.bench.prompt_text`, what users send) or ``random`` token ids (:func:`random_prompt`).
+    Each (length, repeat) gets its own prompt, and the warm-up another, none a prefix of another."""
+
+    def __init__(self, kind: str, model: str, lens: Sequence[int], repeats: int):
+        if kind not in ("natural", "random"):
+            raise ValueError(f"prompt text must be natural or random, got {kind!r}")
+        self.kind, self.lens, self.repeats = kind, list(lens), repeats
+        self._encode = None
+        if kind == "natural":
+            from hawk.engine.tokenizer import Tokenizer
+
+            self._encode = Tokenizer.from_hf_dir(model).encode
+
+    def __call__(self, n: int, rep: int) -> list[int]:
+        if self._encode is None:
+            return random_prompt(n, rep)
+        slots = len(self.lens) * self.repeats + 1
+        return natural_prompt(self._encode, n, self.lens.index(n) * self.repeats + rep, slots)
+
+    def warmup(self) -> list[int]:
+        if self._encode is None:
+            return random_prompt(8, 99)
+        return natural_prompt(self._encode, 8, len(self.lens) * self.repeats, len(self.lens) * self.repeats + 1)
 
 
 def agreement(a: str, b: str) -> float:
@@ -242,17 +271,18 @@ def agreement(a: str, b: str) -> float:
 
 
 def run(configs: Sequence[str], lens: Sequence[int], repeats: int, max_tokens: int, model: str, logs: Path,
-        threads: int | None, rates: Sequence[str], num_requests: int) -> dict[str, Any]:
+        threads: int | None, rates: Sequence[str], num_requests: int, prompt_text: str = "natural") -> dict[str, Any]:
+    prompts = Prompts(prompt_text, model, lens, repeats)
     records: list[dict[str, Any]] = []
     reference: dict[tuple[int, int], str] = {}
     serving: list[dict[str, Any]] = []
     order = ["vllm-single", *[c for c in configs if c != "vllm-single"]]  # the reference first
     for config in order:
         with launch(config, model, logs, threads) as front, httpx.Client(timeout=600, trust_env=False) as client:
-            one_request(client, front, prompt_of(8, 99), 4)  # warm-up: first plans, registrations, handshakes
+            one_request(client, front, prompts.warmup(), 4)  # warm-up: first plans, registrations, handshakes
             for n in lens:
                 for rep in range(repeats):  # another prompt each time: no prefix-cache hit flatters a repeat
-                    r = one_request(client, front, prompt_of(n, rep), max_tokens)
+                    r = one_request(client, front, prompts(n, rep), max_tokens)
                     if config == "vllm-single":
                         reference[(n, rep)] = r["text"]
                     ref = reference.get((n, rep))
@@ -299,6 +329,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--prompt-lens", default="32,256,1024")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prompt-text", choices=("natural", "random"), default="natural",
+                   help="prompts cut from HAWK's English corpus (default) or random token ids (near-ties' worst case)")
     p.add_argument("--model", default=None, help="an HF model folder (default: the embedded SmolLM2 exported to bf16)")
     p.add_argument("--threads", type=int, default=None, help="threads per server (default: each server's own choice)")
     p.add_argument("--rates", default="", help="comma-separated request rates for hawk bench serving against each front (empty: skip)")
@@ -322,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         save_hf_dir(load_model("smollm2-135m", dtype=torch.bfloat16), model)
     t0 = time.time()
     out = run(configs, [int(x) for x in a.prompt_lens.split(",")], a.repeats, a.max_tokens, model, logs, a.threads,
-              [r for r in a.rates.split(",") if r], a.num_requests)
+              [r for r in a.rates.split(",") if r], a.num_requests, a.prompt_text)
     out["settings"] = {**vars(a), "model": model, "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
                        "wall_s": time.time() - t0, "cpus": os.cpu_count(), "load_avg": os.getloadavg()}
     for s in out["summary"]:

@@ -19,6 +19,8 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
+from hawk.engine.cpu_numerics import attend_widened, widens
+
 
 @dataclass(frozen=True)
 class SeqSlice:
@@ -93,7 +95,8 @@ def attend(
 
     ``q [Tq, Hq, D]``, ``k_ctx, v_ctx [Tk, Hkv, D]`` (the context includes the new tokens).
     Query ``i`` sees keys ``0 .. causal_offset + i``; the default offset ``Tk - Tq`` is the
-    usual "new tokens are the last Tq of the context". Returns ``[Tq, Hq, D]``.
+    usual "new tokens are the last Tq of the context". Returns ``[Tq, Hq, D]``. On a CPU in
+    bf16/fp16, computed in fp32 and rounded once (:func:`~hawk.engine.cpu_numerics.attend_widened`).
     """
     tq, tk = q.shape[0], k_ctx.shape[0]
     if causal_offset is None:
@@ -112,6 +115,10 @@ def attend(
         i = torch.arange(tq, device=q.device)[:, None]
         j = torch.arange(tk, device=q.device)[None, :]
         mask = j <= i + causal_offset
+    if widens(q):
+        if is_causal:
+            mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril()
+        return attend_widened(q, k_ctx, v_ctx, mask)
     # [1, H, T, D]: with a batch dim SDPA picks its fused CPU/GPU kernels, not the math path.
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),

@@ -24,6 +24,7 @@ from torch import nn
 
 from hawk.engine import triton_ops
 from hawk.engine.attention import AttentionBackend, ContiguousKVAttention
+from hawk.engine.cpu_numerics import add_rms_norm_widened, rope_widened, widens
 from hawk.engine.config import ModelConfig, RopeScaling
 from hawk.engine.tensor_parallel import Shard, shard_slice
 from hawk.engine.triton_ops import add_rms_norm_ref, rms_norm_ref, silu_mul_ref
@@ -63,20 +64,25 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None, fused: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm(residual + x), residual + x)``, the residual updated in place; the first layer
-        has none yet (``x`` becomes it). ``fused``: one Triton kernel instead of ~7 torch ops."""
+        has none yet (``x`` becomes it). ``fused``: one Triton kernel instead of ~7 torch ops. On a CPU
+        in bf16/fp16 the norm is of the unrounded sum (:mod:`hawk.engine.cpu_numerics`)."""
         if fused:
             return triton_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        if widens(x):
+            return add_rms_norm_widened(x, residual, self.weight, self.eps)
         return add_rms_norm_ref(x, residual, self.weight, self.eps)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Per-pair rotation frequencies ``[head_dim // 2]`` (float64), Llama-3-scaled if asked.
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: RopeScaling | None, dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
+    """Per-pair rotation frequencies ``[head_dim // 2]`` computed in ``dtype``, Llama-3-scaled if asked.
 
     Llama-3 scaling keeps high frequencies (short wavelengths) as they are, divides low
     frequencies by ``factor``, and blends linearly in between, so long contexts stretch only
-    the dimensions that encode long distances.
+    the dimensions that encode long distances. The model's table uses float32 (see :class:`RotaryTable`).
     """
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim
+    exponents = torch.arange(0, head_dim, 2, dtype=dtype, device="cpu") / head_dim
     inv = 1.0 / theta**exponents
     if scaling is None:
         return inv
@@ -91,10 +97,13 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 
 
 class RotaryTable:
-    """cos/sin for positions, computed once on the CPU in float64 and copied once per device.
+    """cos/sin for positions, computed once on the CPU in ``inv_freq``'s dtype and copied once per device.
 
     Building the table on the CPU makes it bit-identical on every device, so a prefill on a
-    GPU and a decode elsewhere rotate the same position the same way. Looking positions up
+    GPU and a decode elsewhere rotate the same position the same way. The model builds it from
+    float32 frequencies, angles and cos/sin, as vLLM and Hugging Face build theirs: a vLLM
+    prefill's K and HAWK's decode q are then rotated by the same table (float64 angles differed
+    from vLLM's bf16 table in a share of entries; ``docs/vllm.md``). Looking positions up
     never reads them back to the host (no ``positions.max()``, which would sync a GPU): whoever
     knows the longest context (the runner, from Python ints) calls :meth:`reserve` first. A
     lookup past the table is an IndexError on the CPU and a device-side assert on a GPU.
@@ -119,7 +128,7 @@ class RotaryTable:
 
     def _grow(self, n: int) -> None:
         self._len = max(self.MIN_LEN, 1 << (n - 1).bit_length())
-        pos = torch.arange(self._len, dtype=torch.float64, device="cpu")
+        pos = torch.arange(self._len, dtype=self.inv_freq.dtype, device="cpu")
         freqs = pos[:, None] * self.inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)  # rotate_half pairs dim i with i + D/2
         cos, sin = emb.cos().float(), emb.sin().float()
@@ -192,6 +201,13 @@ def rope_rolled(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) ->
     """:func:`apply_rope` bit for bit in four ops instead of six: rotate_half's sign is folded
     into ``sin_signed`` (:meth:`RotaryTable.lookup`), so the half swap is a single roll."""
     return x * cos[:, None, :] + x.roll(x.shape[-1] // 2, -1) * sin_signed[:, None, :]
+
+
+def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """The model's torch RoPE: in fp32 and rounded once on a CPU in bf16/fp16, as vLLM's CPU kernel
+    rotates (:mod:`hawk.engine.cpu_numerics`); elsewhere :func:`rope_rolled`, which the fused Triton
+    kernel reproduces."""
+    return rope_widened(x, cos, sin_signed) if widens(x) else rope_rolled(x, cos, sin_signed)
 
 
 class RopeArgs(NamedTuple):
@@ -308,13 +324,13 @@ class Attention(_Fusable):
             q, k, v = triton_ops.qkv_rope(qkv, rope.positions, cos, sin_signed, hq, hkv)
         elif self.wqkv is not None:
             qkv = linear(x, self.wqkv).view(t, hq + 2 * hkv, d)
-            qk = rope_rolled(qkv[:, : hq + hkv], cos, sin_signed)  # q and k heads in one pass
+            qk = rope_torch(qkv[:, : hq + hkv], cos, sin_signed)  # q and k heads in one pass
             # Contiguous, as the unfused path gives them (free for a single token).
             q, k = qk[:, :hq].contiguous(), qk[:, hq:].contiguous()
             v = qkv[:, hq + hkv :].contiguous()
         else:
-            q = rope_rolled(linear(x, self.wq.weight).view(t, hq, d), cos, sin_signed)
-            k = rope_rolled(linear(x, self.wk.weight).view(t, hkv, d), cos, sin_signed)
+            q = rope_torch(linear(x, self.wq.weight).view(t, hq, d), cos, sin_signed)
+            k = rope_torch(linear(x, self.wk.weight).view(t, hkv, d), cos, sin_signed)
             v = linear(x, self.wv.weight).view(t, hkv, d)
         return self._out(attn(self.layer_idx, q, k, v), t)
 
@@ -384,7 +400,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
-        self.rope = RotaryTable(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        self.rope = RotaryTable(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, torch.float32))
         #: Fused Triton kernels for norms / RoPE / SiLU: None = on CUDA when Triton is installed;
         #: True forces them (e.g. on CPU under ``TRITON_INTERPRET=1``), False forbids them.
         self.use_triton: bool | None = None

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from hawk.devices.staging import HostStaging
 from hawk.engine.attention import SeqSlice, attend
+from hawk.engine.cpu_numerics import widens
 from hawk.layouts.gpu import GpuKVLayout
 
 __all__ = ["PagedAttention", "SeqSlice"]
@@ -465,6 +466,8 @@ class PagedAttention:
         if n_real == 1:  # the common CPU case: no mask, no padding
             ctx = self._ctx[0]
             out = attend(q[:1], kc[0, :ctx], vc[0, :ctx])
+        elif widens(q):  # each row as it would run alone (cpu_numerics: fp32, rounded once)
+            out = torch.cat([attend(q[i : i + 1], kc[i, : self._ctx[i]], vc[i, : self._ctx[i]]) for i in range(n_real)])
         else:
             out = F.scaled_dot_product_attention(q[:n_real, :, None], kc.transpose(1, 2), vc.transpose(1, 2),
                                                  attn_mask=self._host.get("mask"), enable_gqa=True)[:, :, 0]
