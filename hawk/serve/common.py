@@ -257,8 +257,19 @@ def url_of(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+#: Seconds a HAWK server keeps an idle keep-alive connection open. Longer than any client of it keeps
+#: one (httpx's default is 5 s, the router's :data:`CLIENT_KEEPALIVE_S`): with equal limits a client
+#: may send a request on a connection in the instant the server closes it, and that request fails with
+#: ``ReadError`` (under a burst of 256 requests after a pause, one or two did). The server's side must
+#: outlast the client's, as nginx's 75 s outlasts its clients'.
+SERVER_KEEPALIVE_S = 75
+#: Seconds the router keeps an idle connection to an instance (below :data:`SERVER_KEEPALIVE_S`).
+CLIENT_KEEPALIVE_S = 30.0
+
+
 def make_server(app: FastAPI, log_level: str = "warning") -> uvicorn.Server:
-    config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5,
+                            timeout_keep_alive=SERVER_KEEPALIVE_S)
     return uvicorn.Server(config)
 
 

@@ -45,7 +45,7 @@ from hawk.engine.sequence import SamplingParams
 from hawk.engine.tokenizer import Tokenizer
 from hawk.errors import BadRequest, HawkError
 from hawk.integrations.vllm.params import read_handle
-from hawk.serve.common import API_KEY_ENV, LimitBody, RequireBearer, install_error_handlers
+from hawk.serve.common import API_KEY_ENV, CLIENT_KEEPALIVE_S, LimitBody, RequireBearer, install_error_handlers
 from hawk.serve.contract import Accounting, InstanceInfo, receive
 from hawk.serve.errors import CLIENT_CLOSED, http_error
 from hawk.serve.generation import ClientGone, Generation, until_disconnected
@@ -215,7 +215,7 @@ class Router:
         self.client = httpx.AsyncClient(
             headers=auth,
             timeout=httpx.Timeout(cfg.request_timeout_s, connect=5.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=CLIENT_KEEPALIVE_S),
             trust_env=False,  # internal loopback/cluster traffic must not go through an HTTP proxy
         )
         if cfg.prefill_api not in PREFILL_APIS:
