@@ -260,8 +260,8 @@ def url_of(sock: socket.socket) -> str:
 #: Seconds a HAWK server keeps an idle keep-alive connection open. Longer than any client of it keeps
 #: one (httpx's default is 5 s, the router's :data:`CLIENT_KEEPALIVE_S`): with equal limits a client
 #: may send a request on a connection in the instant the server closes it, and that request fails with
-#: ``ReadError`` (under a burst of 256 requests after a pause, one or two did). The server's side must
-#: outlast the client's, as nginx's 75 s outlasts its clients'.
+#: ``ReadError`` (the likely cause of one such failure in a burst of 256 requests after a pause). The
+#: server's side must outlast the client's, as nginx's 75 s outlasts its clients'.
 SERVER_KEEPALIVE_S = 75
 #: Seconds the router keeps an idle connection to an instance (below :data:`SERVER_KEEPALIVE_S`).
 CLIENT_KEEPALIVE_S = 30.0
