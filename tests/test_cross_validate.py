@@ -105,3 +105,18 @@ def test_the_transfer_curve_goes_through_each_probed_median_and_keeps_the_fixed_
     assert c.latency(150 * mb) == pytest.approx(1.75)
     linear = transfer_curve([(n * mb, 0.01 + n * 1e-3) for n in (1, 10, 100)], "test")
     assert linear.fixed_s == pytest.approx(0.01) and linear.split(50 * mb) == pytest.approx((0.01, 0.05))
+
+
+def test_the_probes_reach_the_sweeps_longest_prompt():
+    """The chatbot sweep's longest prompts set its P90 TTFT: the probes include the longest one the
+    sweep will send (its lengths follow the seed, whatever the rate), beside the workload's spread."""
+    from benchmarks.cross_validate import longest_prompt, prefill_lengths
+    from hawk.sim.workload import generate_requests, get_workload
+
+    wl = get_workload("chatbot")
+    base = prefill_lengths(wl)
+    longest = longest_prompt(wl, 30, 0)
+    assert longest == max(s.input_len for s in generate_requests(wl, 30, 4.0, 0))
+    lens = prefill_lengths(wl, longest)
+    assert max(lens) == max(longest, max(base)) and set(base) <= set(lens)
+    assert prefill_lengths(wl, min(base)) == base  # a shorter one adds nothing
