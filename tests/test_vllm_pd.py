@@ -13,7 +13,6 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -28,7 +27,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (bash scripts/install.sh --with-vllm)", allow_module_level=True)
 
 from hawk.integrations.vllm.params import read_handle  # noqa: E402
-from hawk.integrations.vllm.servers import VllmServer, hawk_transfer_config, inspect, kv_cache_usage, stop_group  # noqa: E402
+from hawk.integrations.vllm.servers import VllmServer, free_port, hawk_transfer_config, inspect, kv_cache_usage, stop_group  # noqa: E402
 from hawk.transport.registry import available  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -48,12 +47,6 @@ PROMPTS = [
 #: later near-tie goes the other way (docs/vllm.md). So this prompt checks the first token only.
 NEAR_TIES = "Write a haiku about the sea."
 MAX_TOKENS = 24
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def eventually(check: Callable[[], Any], what: str, timeout_s: float = 60.0) -> Any:

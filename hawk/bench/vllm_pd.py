@@ -29,7 +29,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,16 +42,10 @@ import httpx
 import numpy as np
 
 from hawk.bench.prompt_text import natural_prompt
-from hawk.integrations.vllm.servers import VllmServer, hawk_transfer_config, inspect, nixl_transfer_config, stop_group
+from hawk.integrations.vllm.servers import VllmServer, free_port, hawk_transfer_config, inspect, nixl_transfer_config, stop_group
 
 CONFIGS = ("vllm-single", "vllm-nixl", "hawk-gg-direct", "hawk-gn-hawk", "hawk-gn-hawk-bfp8", "hawk-colocated")
 MODEL_NAME = "hawk-model"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

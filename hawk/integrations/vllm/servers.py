@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +23,23 @@ from hawk.connector.control import ControlClient
 from hawk.connector.messages import Error, Holdings, Inspect
 
 MODULE = "hawk.integrations.vllm"
+
+_handed_ports: set[int] = set()
+_ports_lock = threading.Lock()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now and not handed out before by this process. Why: picked one at a time, the OS may
+    give a just-released port again, and two servers of one test cluster were given the same one (the
+    second then answered for the first)."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        with _ports_lock:
+            if port not in _handed_ports:
+                _handed_ports.add(port)
+                return port
 
 
 def hawk_transfer_config(role: str, load_failure_policy: str = "recompute", **extra: Any) -> dict[str, Any]:
