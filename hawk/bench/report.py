@@ -31,6 +31,11 @@ class Source:
     data: Any
     note: str = ""
 
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        """The file's records, whether it is a bare list or carries a header beside them."""
+        return _records(self.data) or []
+
 
 @dataclass
 class Report:
@@ -166,7 +171,7 @@ def _where(r: dict[str, Any]) -> str:
 
 
 def section_transfer(rep: Report, src: Source) -> None:
-    rs = _records(src.data) or []
+    rs = src.records
     configs = list(dict.fromkeys(r["config"] for r in rs))
     sizes = sorted({r["size_mb"] for r in rs})
     med = {(r["config"], r["size_mb"]): r["median_ms"] for r in rs}
@@ -185,7 +190,7 @@ def section_transfer(rep: Report, src: Source) -> None:
 
 
 def section_transform(rep: Report, src: Source) -> None:
-    rs = _records(src.data) or []
+    rs = src.records
     keys = list(dict.fromkeys((r["impl"], r.get("dtype", ""), r.get("blocks", "")) for r in rs))
     sizes = sorted({r["size_mb"] for r in rs})
     g = {(r["impl"], r.get("dtype", ""), r.get("blocks", ""), r["size_mb"]): r for r in rs}
@@ -206,7 +211,7 @@ def section_transform(rep: Report, src: Source) -> None:
 
 
 def section_engine(rep: Report, src: Source) -> None:
-    rs = _records(src.data) or []
+    rs = src.records
     rep.add(f"Engine step times beside ceilings measured in the same run ({_where(rs[0])}); decode ratio = ms / floor "
             "(1 = at the read-bandwidth floor), prefill ratio = achieved fraction of GEMM peak.", "")
     rows = [[r["kind"], r["path"], r["kv_dtype"], r.get("batch"), r.get("context", r.get("tokens")), r.get("ms"), r.get("floor_ms"),
@@ -233,7 +238,7 @@ def section_serving(rep: Report, src: Source) -> None:
     from hawk.sim.metrics import at_attainment
     from hawk.sim.report import plot_sweep, provenance, series_label
 
-    rs = _records(src.data) or []
+    rs = src.records
     rep.add(f"{provenance(rs).capitalize()}.", "")
     rows = [[series_label(r), r.get("workload"), r.get("rate"), f"{r.get('completed')}/{r.get('num_requests')}", r.get("ttft_p90_ms"),
              r.get("tpot_p90_ms"), r.get("slo_attainment"), r.get("output_throughput_tok_s"), r.get("goodput_tok_s")] for r in rs]
@@ -275,7 +280,7 @@ def section_reproduce(rep: Report, src: Source) -> None:
 
 
 def section_equivalence(rep: Report, src: Source) -> None:
-    rs = _records(src.data) or []
+    rs = src.records
     rep.add(f"Token-exact equivalence against the colocated oracle ({_where(rs[0])}, model {rs[0].get('model', '?')}).", "")
     rep.add(*table(["config", "prompt", "identical", "tokens", "TTFT ms", "TPOT ms", "colocated TTFT", "colocated TPOT", "KV ms", "KV bytes"],
                    [[r["config"], r.get("prompt"), r["identical"], r.get("tokens"), r["ttft_ms"], r["tpot_ms"], r.get("colocated_ttft_ms"),
