@@ -318,11 +318,8 @@ class PagedAttention:
         self._n, self._n_real, self._tokens, self._decode = n, n_real, n, True
         self._q_lens, self._starts = [1] * n_real, [s.start for s in batch]
 
-    #: Fewest leading one-token rows of a mixed batch that the decode kernel takes over from the
-    #: prefill kernel (see :meth:`_decode_rows`).
-    min_mixed_decode_rows = 1
-
-    def _decode_rows(self, q_lens: np.ndarray) -> int:
+    @staticmethod
+    def _decode_rows(q_lens: np.ndarray) -> int:
         """How many leading rows of a mixed batch (a decode engine's running sequences come first,
         prompt chunks after them) are attended by the decode kernel rather than the prefill kernel.
 
@@ -333,8 +330,7 @@ class PagedAttention:
         (benchmarks/mixed_step_probe.py). The decode kernel reads each K/V head once for its group.
         """
         ones = q_lens == 1
-        lead = len(q_lens) if ones.all() else int(np.argmin(ones))
-        return lead if lead >= self.min_mixed_decode_rows else 0
+        return len(q_lens) if ones.all() else int(np.argmin(ones))
 
     def _set_views(self, n: int, t: int, p: int, meta_len: int, n_dec: int = 0) -> None:
         """Name the regions of the device buffers that this batch's metadata occupies (kept per
