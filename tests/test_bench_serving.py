@@ -113,9 +113,11 @@ def test_ttft_tpot_and_slo_against_known_timings(fake):
 
 
 def test_slo_attainment_counts_each_slo(fake):
-    _, url = fake([0.05, 0.05, 0.40, 0.40], 0.03)
+    # 0.75 s between the fast requests' delay and the TTFT SLO: four requests at once on a loaded 2-core CI
+    # box took over 200 ms more than their delay (with 0.40 s slow ones and a 250 ms SLO, the fast ones missed)
+    _, url = fake([0.05, 0.05, 1.20, 1.20], 0.03)
     wl = _workload(4, 4)
-    (r,) = run_serving_bench(url, [math.inf], wl, 4, 0, slo_ttft_ms=250, slo_tpot_ms=1000, warmup_requests=0)
+    (r,) = run_serving_bench(url, [math.inf], wl, 4, 0, slo_ttft_ms=800, slo_tpot_ms=1000, warmup_requests=0)
     assert r["slo_attainment"] == pytest.approx(0.5) and r["ttft_attainment"] == pytest.approx(0.5)
     (r,) = run_serving_bench(url, [math.inf], wl, 4, 0, slo_ttft_ms=10_000, slo_tpot_ms=5, warmup_requests=0)
     assert r["slo_attainment"] == 0.0 and r["tpot_attainment"] == 0.0 and r["completed"] == 4
