@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from hawk.bench.serving import completion_body, prompt_ids, run_serving_bench
 from hawk.serve.common import ThreadedServer
-from hawk.serve.protocol import CompletionRequest, Usage
+from hawk.serve.protocol import CompletionRequest, Usage, UsageReport
 from hawk.serve.router import ChunkMaker, sse
 from hawk.sim.report import plot_sweep, print_table
 from hawk.sim.workload import LengthDist, RequestSpec, Workload
@@ -66,7 +66,7 @@ class FakeRouter:
                 hawk = {"ttft_s": ttft, "tpot_s": self.tpot, "completion_tokens": n, "kv_transfer_s": 0.004, "kv_bytes": 1 << 20,
                         "transfer": "gn-hawk", "decode_device": "emulated blackhole-p150a NPU (memory on cpu)"}
                 yield sse(chunks.delta(f"t{n - 1}", "length", hawk))
-                if req.include_usage:
+                if req.usage_report is not UsageReport.NONE:
                     yield sse(chunks.usage(Usage.of(len(req.prompt), n), hawk))
                 yield "data: [DONE]\n\n"
 

@@ -407,6 +407,54 @@ def test_prefill_graph_warmup_writes_nothing_and_replays_after(tiny: LlamaModel)
         tiny.step_hook = None
 
 
+class CpuSplitRunner(CpuGraphRunner, CpuPrefillGraphRunner):
+    """Both stand-ins: decode graphs and prefill graphs, as a mixed step's two replays use them."""
+
+
+def _mixed_script() -> list[list[tuple[list[int], int, int]]]:
+    """Five prompts prefilled, then steps of their five decode rows beside prompt chunks (blocks,
+    start, q_len): a fresh prompt and a continuing chunk (two graphs), then a chunk past the prefill
+    graphs' token limit (eager)."""
+    blocks = [[2 * i, 2 * i + 1] for i in range(5)]
+    prompts = [(b, 0, 4 + i) for i, b in enumerate(blocks)]
+    dec = lambda k: [(b, 4 + i + k, 1) for i, b in enumerate(blocks)]  # noqa: E731
+    return [prompts,
+            dec(0) + [([10, 11], 0, 9), ([12, 13], 0, 20)],
+            dec(1) + [([12, 13], 20, 12)],
+            dec(2) + [([14, 15, 16, 17, 18], 0, 70)]]
+
+
+def _run_mixed(runner: ModelRunner, model: LlamaModel) -> tuple[list[torch.Tensor], list[StepPath], list[torch.Tensor | None]]:
+    g = torch.Generator().manual_seed(11)
+    logits, paths, greedy = [], [], []
+    for batch in _mixed_script():
+        toks = [torch.randint(0, model.config.vocab_size, (q,), generator=g).tolist() for _, _, q in batch]
+        out = runner.step(toks, [SeqSlice(b, start, q) for b, start, q in batch])
+        logits.append(out.logits.clone())
+        paths.append(out.path)
+        greedy.append(None if out.greedy is None else out.greedy.clone())
+    return logits, paths, greedy
+
+
+def test_mixed_batches_past_the_prefill_graphs_replay_two_graphs_on_the_cpu(tiny: LlamaModel) -> None:
+    """A mixed batch with more sequences than a prefill graph holds: its decode rows through their
+    decode graph and its prompt chunks through their prefill graph give the eager runner's logits,
+    greedy tokens and cache; one whose chunks exceed the prefill graphs' tokens stays eager."""
+    eager = ModelRunner(tiny, _paged(tiny), max_batch=8, graphs=False)
+    split = CpuSplitRunner(tiny, _paged(tiny), max_batch=8, prefill_graph_tokens=64, prefill_graph_seqs=2)
+    le, pe, _ = _run_mixed(eager, tiny)
+    ls, ps, gs = _run_mixed(split, tiny)
+    assert pe == [StepPath.EAGER] * 4
+    assert ps == [StepPath.EAGER, StepPath.SPLIT, StepPath.SPLIT, StepPath.EAGER]
+    for a, b in zip(le, ls):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
+    for logits, greedy in zip(ls[1:3], gs[1:3]):
+        assert greedy is not None and torch.equal(greedy, greedy_tokens(logits))
+    assert sorted(split._graphs) == [8] and sorted(split._prefill_graphs) == [(16, 1), (32, 2)]
+    for a, b in zip(eager.attn.caches, split.attn.caches):
+        assert torch.allclose(a, b, atol=1e-5)  # the same K/V in the same slots, nothing for the pads
+
+
 # ---- the graph path, on a GPU ------------------------------------------------------------------
 
 
@@ -452,6 +500,27 @@ def test_cuda_prefill_graphs_match_eager(dtype: torch.dtype) -> None:
     assert [layer for layer, _ in cg[0]] == list(range(model.config.num_layers))
     assert all(isinstance(ev, torch.cuda.Event) for _, ev in cg[0])
     for a, b in zip(eager.attn.caches, graphed.attn.caches):
+        assert torch.allclose(a.float(), b.float(), atol=tol)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_mixed_batches_replay_two_graphs(dtype: torch.dtype) -> None:
+    """Real decode and prefill graphs over the Triton paged attention for mixed batches past the
+    prefill graphs' sequences, against the eager runner (whose mixed step splits its attention)."""
+    model = LlamaModel.from_config(preset("tiny"), seed=0, dtype=dtype, device="cuda")
+    eager = ModelRunner(model, _paged(model, "cuda"), max_batch=8, graphs=False)
+    split = ModelRunner(model, _paged(model, "cuda"), max_batch=8, prefill_graph_tokens=64, prefill_graph_seqs=2)
+    le, pe, _ = _run_mixed(eager, model)
+    ls, ps, gs = _run_mixed(split, model)
+    assert ps == [StepPath.EAGER, StepPath.SPLIT, StepPath.SPLIT, StepPath.EAGER]
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    for a, b in zip(le, ls):
+        assert torch.allclose(a, b, atol=tol) and torch.equal(greedy_tokens(a), greedy_tokens(b))
+    for logits, greedy in zip(ls[1:3], gs[1:3]):
+        assert greedy is not None and torch.equal(greedy, greedy_tokens(logits))
+    for a, b in zip(eager.attn.caches, split.attn.caches):
         assert torch.allclose(a.float(), b.float(), atol=tol)
 
 

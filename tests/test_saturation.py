@@ -65,6 +65,21 @@ def test_a_request_whose_text_came_once_bounds_the_window_but_is_not_counted():
     assert counts == [18]
 
 
+def test_the_step_window_counts_tokens_not_chunks_where_chunks_carry_usage():
+    """Steps of 10 ms, but the text comes in one chunk per three tokens (held-back UTF-8 bytes):
+    counting chunks would make the step 30 ms; the usage on each chunk gives the 10 ms back."""
+    a = _res(0.0, [0.01] * 30)
+    gaps = [0.03] * 10  # chunks at 0.03 ... 0.33 after 0.02: 3 tokens each
+    b = RequestResult(1, 10, 31, 0.0, first_s=0.02, last_s=0.32, output_tokens=31, ok=True, itl_s=gaps,
+                      tokens_at=[1 + 3 * i for i in range(11)])
+    span, counts = step_window([a, b])
+    assert span == pytest.approx(0.28)  # (0.02, 0.30]
+    assert counts[0] == 28 and counts[1] == 27  # b's chunks at 0.05 ... 0.29: 9 chunks of 3 tokens
+    assert span / counts[1] == pytest.approx(0.0104, abs=1e-3)
+    no_usage = RequestResult(1, 10, 31, 0.0, first_s=0.02, last_s=0.32, output_tokens=31, ok=True, itl_s=gaps)
+    assert step_window([a, no_usage])[1][1] == 9  # chunks, where the server gives no usage
+
+
 def test_the_decode_probe_centres_its_window_on_the_workloads_context():
     specs = [RequestSpec(i, 0.0, 750, 200) for i in range(10)]
     n_in, n_out, ctx = decode_probe(256, specs, 640)

@@ -179,6 +179,21 @@ def test_streamed_completion_matches_unstreamed(system):
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 12
 
 
+def test_continuous_usage_counts_every_token_behind_each_chunk(system):
+    """vLLM's continuous_usage_stats: each chunk's usage counts the tokens generated up to it, so a
+    client counts tokens even where one chunk carries several; the last one equals the final usage."""
+    body = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with system.http.stream("POST", "/v1/completions", json=body) as r:
+        events = sse_events(r.iter_lines())
+    counts = [e["usage"]["completion_tokens"] for e in events if e["choices"]]
+    assert counts == sorted(counts) and 1 <= counts[0] and counts[-1] == 12
+    assert all(e["usage"]["prompt_tokens"] == events[-1]["usage"]["prompt_tokens"] for e in events if e["choices"])
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 12
+    with system.http.stream("POST", "/v1/completions", json={**body, "stream_options": {"include_usage": True}}) as r:
+        assert not any(e.get("usage") for e in sse_events(r.iter_lines()) if e["choices"])
+
+
 def test_streamed_chat(system):
     with system.http.stream("POST", "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 24, "stream": True}) as r:
         events = sse_events(r.iter_lines())

@@ -14,6 +14,7 @@ from hawk.serve.protocol import (
     CompletionChoice,
     Delta,
     Usage,
+    UsageReport,
 )
 
 
@@ -218,6 +219,6 @@ def test_types_are_strict_as_openai_s(cls, body, field):
 
 def test_strict_types_still_take_what_openai_takes():
     r = CompletionRequest.model_validate({"prompt": [1, 2], "temperature": 1, "top_p": 0.5, "stream": True, "stream_options": {"include_usage": True}, "seed": 3})
-    assert r.temperature == 1.0 and r.include_usage
+    assert r.temperature == 1.0 and r.usage_report is UsageReport.FINAL
     m = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "a"}], "max_tokens": 4})
     assert m.requested_max_tokens == 4

@@ -108,7 +108,9 @@ def step_window(results: Sequence[RequestResult]) -> tuple[float, list[int]]:
     """The window in which every request of a batch was decoding (from the last first token to the
     first end: nobody joins or leaves, so no prefill rides in those steps), and how many tokens
     each request received in it. Counting tokens over the window, rather than taking the gaps
-    between them, is robust to a client that reads a busy server's chunks in bursts.
+    between them, is robust to a client that reads a busy server's chunks in bursts. Tokens are
+    counted from the usage each chunk carries where the server reports it (one chunk may carry
+    several tokens: text is held back until its UTF-8 bytes are whole), else chunks are.
 
     A request whose stream carried text only once (a byte-level tokenizer holds back bytes that
     are not yet whole UTF-8 characters) still decoded through the window: it bounds the window but
@@ -124,7 +126,12 @@ def step_window(results: Sequence[RequestResult]) -> tuple[float, list[int]]:
         if not r.itl_s:
             continue
         t = r.first_s + np.concatenate([[0.0], np.cumsum(r.itl_s)])  # type: ignore[operator]
-        counts.append(int(((t > start) & (t <= end)).sum()))
+        if r.tokens_at is not None and len(r.tokens_at) == len(t):  # tokens, where a chunk may carry several
+            got = np.asarray(r.tokens_at)
+            before, through = int((t <= start).sum()), int((t <= end).sum())
+            counts.append(int((got[through - 1] if through else 0) - (got[before - 1] if before else 0)))
+        else:
+            counts.append(int(((t > start) & (t <= end)).sum()))
     return max(0.0, end - start), counts
 
 
@@ -138,7 +145,7 @@ async def measure_decode_step(client: httpx.AsyncClient, url: str, model: str | 
     first request's decode) is retried with outputs twice as long, twice."""
     for attempt in range(3):
         specs = [RequestSpec(20_000 + i, 0.0, n_in, n_out) for i in range(batch)]
-        bodies = [completion_body(s, prompt_ids(s, seed + attempt, (1000, 10000)), model) for s in specs]
+        bodies = [completion_body(s, prompt_ids(s, seed + attempt, (1000, 10000)), model, continuous_usage=True) for s in specs]
         span, counts = step_window(await run_rate(client, url, specs, bodies))
         steps = float(np.median(counts)) if counts else 0.0
         if steps >= MIN_WINDOW_STEPS:

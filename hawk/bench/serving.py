@@ -60,13 +60,15 @@ def completion_body(
     model: str | None,
     ignore_eos: bool = True,
     temperature: float = 0.0,
+    continuous_usage: bool = False,
 ) -> dict[str, Any]:
-    """The OpenAI request for one spec; ``ignore_eos`` pins the output length to ``max_tokens``."""
+    """The OpenAI request for one spec; ``ignore_eos`` pins the output length to ``max_tokens``;
+    ``continuous_usage``: usage on every chunk (vLLM's extension, HAWK's too), to count tokens."""
     body: dict[str, Any] = {
         "prompt": ids,
         "max_tokens": spec.output_len,
         "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream_options": {"include_usage": True, **({"continuous_usage_stats": True} if continuous_usage else {})},
         "temperature": temperature,
         "ignore_eos": ignore_eos,
     }
@@ -96,12 +98,16 @@ class ChunkTimer:
 
     def __init__(self) -> None:
         self.text_times: list[float] = []
+        self.tokens: list[int] = []  # usage.completion_tokens of each text chunk that carried usage
         self.end: float | None = None
 
     def feed(self, chunk: dict[str, Any], now: float) -> None:
         if chunk_text(chunk):
             self.text_times.append(now)
             self.end = now
+            usage = chunk.get("usage")
+            if usage and usage.get("completion_tokens") is not None:
+                self.tokens.append(int(usage["completion_tokens"]))
         elif _chunk_finishes(chunk) and self.text_times:
             self.end = now
 
@@ -154,6 +160,8 @@ async def stream_one(
         return res
     chunks = len(timer.text_times)
     res.first_s, res.last_s, res.itl_s = timer.first, timer.end, timer.itl
+    if chunks and len(timer.tokens) == chunks:
+        res.tokens_at = timer.tokens
     n = usage_tokens if usage_tokens is not None else hawk.get("completion_tokens")
     res.output_tokens = int(n) if n is not None else chunks
     res.ok = res.error is None and res.first_s is not None

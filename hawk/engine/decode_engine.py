@@ -331,9 +331,8 @@ class DecodeEngine:
         self.max_len = min(max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings)
         self.prefill = prefill
         self.max_num_batched_tokens = max_num_batched_tokens
-        # Mixed and prefill-only steps of up to MIXED_PREFILL_SEQS sequences replay graphs; larger mixed
-        # batches run eagerly: their forwards are long enough to hide the launches, and a graph per
-        # (tokens, sequences) bucket of a 256-sequence batch would be captured mid-serving, stalling it.
+        # Mixed and prefill-only steps of up to MIXED_PREFILL_SEQS sequences replay a prefill graph;
+        # larger mixed batches replay their decode rows' graph and their prompts' graph (runner.py).
         self.runner = ModelRunner(model, attn, max_batch=max_batch, graphs=graphs, max_model_len=self.max_len,
                                   prefill_graph_tokens=mixed_graph_tokens if prefill is not None else 0, prefill_graph_seqs=MIXED_PREFILL_SEQS)
         self.kv = kv
@@ -822,7 +821,8 @@ class DecodeEngine:
             self.prefill.fail_step(pieces, ex)
             raise
         self.steps["mixed"] += 1
-        fetch = self._sample(batch, StepOutput(out.logits[:n], None, out.path)) if n else TokenFetch.ready([])
+        greedy = None if out.greedy is None else out.greedy[:n]
+        fetch = self._sample(batch, StepOutput(out.logits[:n], greedy, out.path)) if n else TokenFetch.ready([])
         try:
             self.prefill.complete_step(pieces, out.logits[n:])
         except Exception as ex:  # noqa: BLE001 - a bug there must not lose the decode rows' tokens

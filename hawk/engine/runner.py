@@ -17,7 +17,9 @@ on an H200, and a busy host stretches the forward to its own time. So a runner g
 (token, sequence) bucket: the backend pads the metadata (``begin(..., pad_tokens=)``; pad tokens
 write nothing and attend nothing), the LM head runs on each sequence's last row, and each layer
 records an external event in the graph, which a layer-wise KV push waits on after the replay is
-launched (``attn.after_layer(layer, event)``) instead of being called between layers.
+launched (``attn.after_layer(layer, event)``) instead of being called between layers. A mixed
+batch with more sequences than a prefill graph holds (a decode engine's running rows first, prompt
+chunks after them) replays two graphs: its decode rows' bucket and its chunks' prefill bucket.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class StepPath(enum.Enum):
 
     EAGER = "eager"
     GRAPH = "graph"
+    #: A mixed batch as two graph replays, its decode rows' and its prompt chunks' (logits: a new tensor).
+    SPLIT = "split"
 
 
 @dataclass(frozen=True)
@@ -231,6 +235,9 @@ class ModelRunner:
             bucket = None if decode else self._prefill_bucket(sum(q_lens), len(slices))
             if bucket is not None:
                 return self._replay_prefill(tokens, slices, q_lens, *bucket)
+            split = None if decode else self._split_buckets(q_lens)
+            if split is not None:
+                return self._replay_split(tokens, slices, starts, q_lens, *split)
             return self._eager(tokens, slices, decode, ids)
 
     @torch.inference_mode()
@@ -428,6 +435,36 @@ class ModelRunner:
             for layer, event in enumerate(g.layer_events):
                 hook(layer, event)
         return StepOutput(g.logits[:n], None, StepPath.GRAPH)
+
+    def _split_buckets(self, q_lens: list[int]) -> tuple[int, int, int] | None:
+        """``(decode rows, tokens, sequences)`` of a mixed batch too large for one prefill graph that
+        replays as two graphs, or None: eager. Its leading one-token rows (a decode engine's running
+        sequences) go through their decode bucket's graph and the prompt chunks after them through
+        their prefill bucket's graph.
+
+        Why two graphs rather than one: an eager mixed step of 256 decode rows and a 512-token chunk
+        (8B shape, one H200) took 11-26 ms of host time to launch against 28 ms on the GPU, while its
+        two parts run apart cost only 3 % more GPU time (benchmarks/mixed_step_probe.py); and these
+        graphs are the ones already captured for decode steps and prompts, so none is captured in
+        the middle of serving for the mixed batch's shape."""
+        if not self.use_graphs:
+            return None
+        n_dec = next((i for i, q in enumerate(q_lens) if q != 1), len(q_lens))
+        if n_dec == 0 or n_dec == len(q_lens) or n_dec > self.buckets[-1]:
+            return None
+        rest = self._prefill_bucket(sum(q_lens[n_dec:]), len(q_lens) - n_dec)
+        return None if rest is None else (n_dec, *rest)
+
+    def _replay_split(self, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice], starts: list[int],
+                      q_lens: list[int], n_dec: int, t: int, sb: int) -> StepOutput:
+        """A mixed batch as its decode rows' graph, then its prompt chunks' graph, on one stream (each
+        ``begin`` uploads its metadata behind the replay before it). The logits are joined into a
+        new tensor: both graphs' outputs are overwritten by their next replay."""
+        dec = self._replay(tokens[:n_dec], slices[:n_dec], starts[:n_dec])
+        pre = self._replay_prefill(tokens[n_dec:], slices[n_dec:], q_lens[n_dec:], t, sb)
+        assert dec.greedy is not None
+        greedy = torch.cat((dec.greedy, finite_argmax(pre.logits)))
+        return StepOutput(torch.cat((dec.logits, pre.logits)), greedy, StepPath.SPLIT)
 
     def _prefill_graph_for(self, t: int, sb: int) -> _PrefillGraph:
         """The bucket's graph, captured now if missing or stale (the RoPE table grew, or the backend

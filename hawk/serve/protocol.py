@@ -10,6 +10,8 @@ bug is found here rather than by a server that guessed.
 
 from __future__ import annotations
 
+from enum import Enum
+
 import time
 import uuid
 from typing import Any, Literal
@@ -111,6 +113,17 @@ class StreamOptions(BaseModel):
     model_config = STRICT
 
     include_usage: bool = False
+    #: vLLM's extension: with ``include_usage``, every chunk carries the usage so far, so a client can
+    #: count tokens where one chunk holds several (text held back until its UTF-8 bytes are whole).
+    continuous_usage_stats: bool = False
+
+
+class UsageReport(Enum):
+    """Where a stream reports its token usage."""
+
+    NONE = "none"
+    FINAL = "final"  # a usage-only chunk before [DONE] (OpenAI's include_usage)
+    EVERY_CHUNK = "every_chunk"  # and on every chunk (vLLM's continuous_usage_stats)
 
 
 class _SamplingFields(BaseModel):
@@ -186,8 +199,11 @@ class _SamplingFields(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+    def usage_report(self) -> UsageReport:
+        o = self.stream_options
+        if o is None or not o.include_usage:
+            return UsageReport.NONE
+        return UsageReport.EVERY_CHUNK if o.continuous_usage_stats else UsageReport.FINAL
 
 
 class CompletionRequest(_SamplingFields):

@@ -62,11 +62,12 @@ from hawk.serve.protocol import (
     CompletionRequest,
     CompletionResponse,
     Delta,
-    ModelCard,
     InstanceDown,
+    ModelCard,
     ModelList,
     OpenAIError,
     Usage,
+    UsageReport,
     new_id,
 )
 from hawk.serve.tokenizer_wire import tokenizer_from_wire
@@ -505,7 +506,7 @@ class Router:
         gen: Generation,
         stream: bool,
         chunks: ChunkMaker,
-        include_usage: bool,
+        usage: UsageReport,
     ) -> Response:
         try:
             await until_disconnected(lambda: self._stopper(request, gen), gen.start())
@@ -514,7 +515,7 @@ class Router:
             return Response(status_code=CLIENT_CLOSED)
         if stream:
             return StreamingResponse(
-                self._sse(gen, chunks, include_usage),
+                self._sse(gen, chunks, usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -539,22 +540,25 @@ class Router:
         if down.done() and not down.cancelled() and not leave.done():
             raise InstanceDown(f"the request failed: {down.result()}; retry shortly")
 
-    async def _sse(self, gen: Generation, chunks: ChunkMaker, include_usage: bool) -> AsyncIterator[str]:
+    async def _sse(self, gen: Generation, chunks: ChunkMaker, report: UsageReport) -> AsyncIterator[str]:
         done = False
+        every = report is UsageReport.EVERY_CHUNK
         try:
             first = chunks.opening()
             if first is not None:
                 yield sse(first)
             async for d in gen.deltas():
+                # gen.num_tokens counts the tokens behind this delta: the generator waits at its yield
+                so_far = Usage.of(len(gen.prompt_ids), gen.num_tokens) if every else None
                 if d.finish_reason is None:
-                    yield sse(chunks.delta(d.text))
+                    yield sse(chunks.delta(d.text, usage=so_far))
                     continue
                 summary = gen.summary()
                 self.metrics.observe(summary)
                 done = True
                 usage = Usage.of(len(gen.prompt_ids), gen.num_tokens)
-                yield sse(chunks.delta(d.text, d.finish_reason, summary))
-                if include_usage:
+                yield sse(chunks.delta(d.text, d.finish_reason, summary, usage=so_far))
+                if report is not UsageReport.NONE:
                     yield sse(chunks.usage(usage, summary))
             yield "data: [DONE]\n\n"
         except (OpenAIError, HawkError) as e:  # the status line is sent already: report in-band, as OpenAI does
@@ -633,11 +637,12 @@ class ChunkMaker:
             return None
         return ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[ChatChunkChoice(delta=Delta(role="assistant", content=""))]).dump()
 
-    def delta(self, text: str, finish_reason: str | None = None, hawk: dict[str, Any] | None = None) -> dict[str, Any]:
+    def delta(self, text: str, finish_reason: str | None = None, hawk: dict[str, Any] | None = None,
+              usage: Usage | None = None) -> dict[str, Any]:
         if self.chat:
             delta = Delta(content=text) if text else Delta()
-            return ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)], hawk=hawk).dump()
-        return CompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[CompletionChoice(text=text, finish_reason=finish_reason)], hawk=hawk).dump()
+            return ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)], usage=usage, hawk=hawk).dump()
+        return CompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[CompletionChoice(text=text, finish_reason=finish_reason)], usage=usage, hawk=hawk).dump()
 
     def usage(self, usage: Usage, hawk: dict[str, Any]) -> dict[str, Any]:
         cls = ChatCompletionChunk if self.chat else CompletionChunk
@@ -712,7 +717,7 @@ def create_router_app(cfg: RouterConfig, tokenizer: Tokenizer | None = None) -> 
         params = router.sampling(req, len(ids), req.max_tokens, default_max=16)
         rid = new_id("cmpl")
         gen = router.new_generation(rid, ids, params, req.stop_list(), arrival, req.kv_transfer_params)
-        return await router.run(request, gen, req.stream, ChunkMaker(False, rid, router.model_name), req.include_usage)
+        return await router.run(request, gen, req.stream, ChunkMaker(False, rid, router.model_name), req.usage_report)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
@@ -722,7 +727,7 @@ def create_router_app(cfg: RouterConfig, tokenizer: Tokenizer | None = None) -> 
         params = router.sampling(req, len(ids), req.requested_max_tokens, default_max=cfg.default_chat_max_tokens)
         rid = new_id("chatcmpl")
         gen = router.new_generation(rid, ids, params, req.stop_list(), arrival, req.kv_transfer_params)
-        return await router.run(request, gen, req.stream, ChunkMaker(True, rid, router.model_name), req.include_usage)
+        return await router.run(request, gen, req.stream, ChunkMaker(True, rid, router.model_name), req.usage_report)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
