@@ -66,18 +66,18 @@ def test_a_request_whose_text_came_once_bounds_the_window_but_is_not_counted():
 
 
 def test_the_step_window_counts_tokens_not_chunks_where_chunks_carry_usage():
-    """Steps of 10 ms, but the text comes in one chunk per three tokens (held-back UTF-8 bytes):
-    counting chunks would make the step 30 ms; the usage on each chunk gives the 10 ms back."""
-    a = _res(0.0, [0.01] * 30)
-    gaps = [0.03] * 10  # chunks at 0.03 ... 0.33 after 0.02: 3 tokens each
-    b = RequestResult(1, 10, 31, 0.0, first_s=0.02, last_s=0.32, output_tokens=31, ok=True, itl_s=gaps,
-                      tokens_at=[1 + 3 * i for i in range(11)])
+    """Steps of 1/64 s; b's text is held back (no text chunk at all until its end), but every chunk
+    reports usage: the window and the counts come from those, and the step is 1/64 s."""
+    step = 1 / 64  # exact in binary: the window's edges fall on marks
+    a = _res(0.0, [step] * 30)
+    a.token_marks = [(step * i, i + 1) for i in range(31)]
+    b = RequestResult(1, 10, 31, 0.0, first_s=32 * step, last_s=32 * step, output_tokens=31, ok=True, itl_s=[],
+                      token_marks=[(step * (2 + i), i + 1) for i in range(31)])
     span, counts = step_window([a, b])
-    assert span == pytest.approx(0.28)  # (0.02, 0.30]
-    assert counts[0] == 28 and counts[1] == 27  # b's chunks at 0.05 ... 0.29: 9 chunks of 3 tokens
-    assert span / counts[1] == pytest.approx(0.0104, abs=1e-3)
-    no_usage = RequestResult(1, 10, 31, 0.0, first_s=0.02, last_s=0.32, output_tokens=31, ok=True, itl_s=gaps)
-    assert step_window([a, no_usage])[1][1] == 9  # chunks, where the server gives no usage
+    assert span == 28 * step  # (2 steps, 30 steps]
+    assert counts == [28, 28] and span / counts[0] == step
+    b.token_marks = None  # no usage from the server: text chunks, and b's came at its end
+    assert step_window([a, b])[0] == 0.0
 
 
 def test_the_decode_probe_centres_its_window_on_the_workloads_context():

@@ -108,9 +108,10 @@ def step_window(results: Sequence[RequestResult]) -> tuple[float, list[int]]:
     """The window in which every request of a batch was decoding (from the last first token to the
     first end: nobody joins or leaves, so no prefill rides in those steps), and how many tokens
     each request received in it. Counting tokens over the window, rather than taking the gaps
-    between them, is robust to a client that reads a busy server's chunks in bursts. Tokens are
-    counted from the usage each chunk carries where the server reports it (one chunk may carry
-    several tokens: text is held back until its UTF-8 bytes are whole), else chunks are.
+    between them, is robust to a client that reads a busy server's chunks in bursts. Where every
+    chunk reports usage (vLLM's continuous_usage_stats: a chunk per token), tokens are counted
+    from it; else text chunks are, and one may carry several tokens (text held back until its
+    UTF-8 bytes are whole).
 
     A request whose stream carried text only once (a byte-level tokenizer holds back bytes that
     are not yet whole UTF-8 characters) still decoded through the window: it bounds the window but
@@ -119,6 +120,8 @@ def step_window(results: Sequence[RequestResult]) -> tuple[float, list[int]]:
     if failed:
         why = failed[0].error or "no first token"
         raise RuntimeError(f"{len(failed)} of the decode probe's requests failed; the first: {why}")
+    if all(r.token_marks for r in results):
+        return _token_window(results)
     start = max(r.first_s for r in results)  # type: ignore[type-var]
     end = min(r.last_s if r.last_s is not None else r.first_s for r in results)  # type: ignore[type-var]
     counts = []
@@ -126,12 +129,22 @@ def step_window(results: Sequence[RequestResult]) -> tuple[float, list[int]]:
         if not r.itl_s:
             continue
         t = r.first_s + np.concatenate([[0.0], np.cumsum(r.itl_s)])  # type: ignore[operator]
-        if r.tokens_at is not None and len(r.tokens_at) == len(t):  # tokens, where a chunk may carry several
-            got = np.asarray(r.tokens_at)
-            before, through = int((t <= start).sum()), int((t <= end).sum())
-            counts.append(int((got[through - 1] if through else 0) - (got[before - 1] if before else 0)))
-        else:
-            counts.append(int(((t > start) & (t <= end)).sum()))
+        counts.append(int(((t > start) & (t <= end)).sum()))
+    return max(0.0, end - start), counts
+
+
+def _token_window(results: Sequence[RequestResult]) -> tuple[float, list[int]]:
+    """:func:`step_window` from the usage every chunk reported: the window runs from the last
+    request's first token to the first request's last, and each request's count is the tokens it
+    was told of inside it (a chunk per token, so text held back does not hide a step)."""
+    marks = [np.asarray(r.token_marks, dtype=float) for r in results]
+    start = max(float(m[0, 0]) for m in marks)
+    end = min(float(m[-1, 0]) for m in marks)
+    counts = []
+    for m in marks:
+        t, n = m[:, 0], m[:, 1]
+        before, through = int((t <= start).sum()), int((t <= end).sum())
+        counts.append(int((n[through - 1] if through else 0) - (n[before - 1] if before else 0)))
     return max(0.0, end - start), counts
 
 

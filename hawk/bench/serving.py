@@ -98,16 +98,16 @@ class ChunkTimer:
 
     def __init__(self) -> None:
         self.text_times: list[float] = []
-        self.tokens: list[int] = []  # usage.completion_tokens of each text chunk that carried usage
+        self.marks: list[tuple[float, int]] = []  # (time, usage.completion_tokens) of chunks with choices and usage
         self.end: float | None = None
 
     def feed(self, chunk: dict[str, Any], now: float) -> None:
+        usage = chunk.get("usage")
+        if chunk.get("choices") and usage and usage.get("completion_tokens") is not None:
+            self.marks.append((now, int(usage["completion_tokens"])))
         if chunk_text(chunk):
             self.text_times.append(now)
             self.end = now
-            usage = chunk.get("usage")
-            if usage and usage.get("completion_tokens") is not None:
-                self.tokens.append(int(usage["completion_tokens"]))
         elif _chunk_finishes(chunk) and self.text_times:
             self.end = now
 
@@ -160,8 +160,7 @@ async def stream_one(
         return res
     chunks = len(timer.text_times)
     res.first_s, res.last_s, res.itl_s = timer.first, timer.end, timer.itl
-    if chunks and len(timer.tokens) == chunks:
-        res.tokens_at = timer.tokens
+    res.token_marks = timer.marks or None
     n = usage_tokens if usage_tokens is not None else hawk.get("completion_tokens")
     res.output_tokens = int(n) if n is not None else chunks
     res.ok = res.error is None and res.first_s is not None

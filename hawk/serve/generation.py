@@ -343,8 +343,10 @@ class Generation:
 
     # -- phase 2: tokens to text ------------------------------------------------------------
 
-    async def deltas(self) -> AsyncIterator[TextDelta]:
-        """Text as it is generated; the last delta carries the finish reason."""
+    async def deltas(self, every_token: bool = False) -> AsyncIterator[TextDelta]:
+        """Text as it is generated; the last delta carries the finish reason. ``every_token``: a delta
+        for each token, empty where its text is held back (partial UTF-8, a possible stop string), as
+        a stream reporting usage on every chunk needs."""
         if self.ended_at_prefill is not None:  # nothing went to a decode: the prefill's token is all
             self.t_first = self.t_last = time.monotonic()
             self.num_tokens, self._got_token, self.finish_reason = 1, True, "stop"
@@ -376,7 +378,7 @@ class Generation:
                         yield TextDelta(text, "stop")
                         return
                 if reason is None:
-                    if text:
+                    if text or (every_token and tok is not None):
                         yield TextDelta(text)
                     continue
                 if reason in ("error", "abort"):

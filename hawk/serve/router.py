@@ -547,7 +547,7 @@ class Router:
             first = chunks.opening()
             if first is not None:
                 yield sse(first)
-            async for d in gen.deltas():
+            async for d in gen.deltas(every_token=every):
                 # gen.num_tokens counts the tokens behind this delta: the generator waits at its yield
                 so_far = Usage.of(len(gen.prompt_ids), gen.num_tokens) if every else None
                 if d.finish_reason is None:

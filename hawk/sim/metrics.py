@@ -42,9 +42,9 @@ class RequestResult:
     error: str | None = None
     extra: dict[str, Any] | None = None  # e.g. the server's own ``hawk`` timings
     itl_s: list[float] | None = None  # gaps between text chunks; None where not streamed (simulator)
-    #: Tokens generated up to each text chunk, where the server reports usage on every chunk (vLLM's
-    #: continuous_usage_stats): one chunk may carry several tokens. None where it does not.
-    tokens_at: list[int] | None = None
+    #: ``(arrival s, tokens generated so far)`` of each chunk that reported usage (vLLM's
+    #: continuous_usage_stats: a chunk per token, text or not); None where the server sent none.
+    token_marks: list[tuple[float, int]] | None = None
 
     @property
     def ttft_s(self) -> float | None:
