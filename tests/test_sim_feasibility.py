@@ -53,3 +53,17 @@ def test_lone_request_by_hand():
 def test_prompt_quantile_of_a_fixed_length_workload():
     wl = Workload("fixed", LengthDist(700), LengthDist(10), 1000.0, 100.0)
     assert prompt_quantile(wl, 0.9, n=50) == 700
+
+
+def test_bounds_are_in_the_reproduce_json(tmp_path):
+    """--reproduce-paper --json carries the bounds (40 requests per run, as the other JSON tests)."""
+    import json
+
+    from hawk.sim.paper import reproduce_paper
+
+    out = tmp_path / "r.json"
+    reproduce_paper(num_requests=40, json_path=str(out), quiet=True)
+    b = json.loads(out.read_text())["bounds"]
+    assert set(b) == {"table9", "gn_host_lone", "gg_host_per_token", "gg_host_chatbot_pinned"}
+    assert b["table9"]["summarization"]["paper_implied_ggh_over_gg"] == pytest.approx(0.9212 / 0.9350)
+    assert set(b["gg_host_chatbot_pinned"]["placements"]) == {"prefill worker", "decode worker"}

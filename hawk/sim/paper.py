@@ -345,6 +345,10 @@ def print_bounds(b: dict[str, Any]) -> None:
     for where, v in g["placements"].items():
         print(f"bound GG-Host: +{g['extra_s_per_prompt_token'] * 1e3:.2f} ms per prompt token on the {where} (what Summarization's "
               f"0.38 req/s needs) gives GG-Host 90 % rates {v['gg_host_rate90']}")
+    pinned = b["gg_host_chatbot_pinned"]
+    for where, v in pinned["placements"].items():
+        print(f"bound GG-Host: on the {where} only, the cost that keeps Chatbot at {pinned['chatbot_gg_host_rate']} req/s "
+              f"({v['s_per_prompt_token'] * 1e3:.2f} ms per prompt token) gives Summarization {v['summarization_gg_host_rate90']:.3f} req/s")
 
 
 def _fmt(x: float | None, none: str) -> str:
