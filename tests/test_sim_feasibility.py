@@ -7,7 +7,12 @@ import pytest
 from hawk.sim.calibration import MiB, TransferCurve
 from hawk.sim.cluster import SimConfig
 from hawk.sim.compute import DecodeModel, PrefillModel
-from hawk.sim.feasibility import extra_s_per_token, implied_throughput_ratio, lone_request, prompt_quantile
+from hawk.sim.feasibility import (
+    extra_s_per_token,
+    implied_throughput_ratio,
+    lone_request,
+    prompt_quantile,
+)
 from hawk.sim.paper_bounds import table9_bound
 from hawk.sim.workload import LengthDist, Workload
 

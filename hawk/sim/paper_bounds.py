@@ -10,9 +10,23 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from hawk.sim.feasibility import extra_s_per_token, implied_throughput_ratio, lone_request, prompt_quantile
+from hawk.sim.cluster import SimConfig, simulate
+from hawk.sim.feasibility import (
+    extra_s_per_token,
+    implied_throughput_ratio,
+    lone_request,
+    prompt_quantile,
+)
 from hawk.sim.host import HostStaging
-from hawk.sim.paper import PAPER, PAPER_RATE_90, Runner, _bisect, _slo, config_for, crossing
+from hawk.sim.paper import (
+    PAPER,
+    PAPER_RATE_90,
+    Runner,
+    _bisect,
+    _slo,
+    config_for,
+    crossing,
+)
 from hawk.sim.workload import WORKLOADS
 
 
@@ -55,7 +69,7 @@ def gg_host_bound(run: Runner, points: dict[str, Any]) -> dict[str, Any]:
                            "extra_s_per_prompt_token": per_token, "placements": {}}
     for where, host in (("prefill worker", HostStaging(per_byte, 0.0)), ("decode worker", HostStaging(0.0, per_byte))):
         cfg = replace(config_for(tb, "gg-host"), host=host)
-        rates = {w: crossing(lambda r, w=w: _slo(_sim(run, cfg, w, r))) for w in ("chatbot", "summarization")}
+        rates = {w: crossing(lambda r, w=w, c=cfg: _slo(_sim(run, c, w, r))) for w in ("chatbot", "summarization")}
         out["placements"][where] = {"gg_host_rate90": rates}
     return out
 
@@ -68,7 +82,7 @@ def gg_host_pinned_bound(run: Runner, steps: int = 8) -> dict[str, Any]:
     tb, target = run.tb, PAPER_RATE_90[("chatbot", "gg-host")]
     out: dict[str, Any] = {"chatbot_gg_host_rate": target, "placements": {}}
     for where in ("prefill worker", "decode worker"):
-        def cfg(s_per_token: float, where: str = where) -> Any:
+        def cfg(s_per_token: float, where: str = where) -> SimConfig:
             b = s_per_token / tb.bytes_per_token
             return replace(config_for(tb, "gg-host"), host=HostStaging(b, 0.0) if where == "prefill worker" else HostStaging(0.0, b))
 
@@ -77,14 +91,14 @@ def gg_host_pinned_bound(run: Runner, steps: int = 8) -> dict[str, Any]:
             return -(r or 0.0)
 
         per_token = _bisect(neg_rate, -target, 1e-6, 5e-3, steps, log=True)
-        summ = crossing(lambda x: _slo(_sim(run, cfg(per_token), "summarization", x)))
+        solved = cfg(per_token)
+        summ = crossing(lambda x, c=solved: _slo(_sim(run, c, "summarization", x)))
         out["placements"][where] = {"s_per_prompt_token": per_token, "summarization_gg_host_rate90": summ}
     return out
 
 
-def _sim(run: Runner, cfg: Any, workload: str, rate: float) -> dict[str, Any]:
-    from hawk.sim.cluster import simulate
-
+def _sim(run: Runner, cfg: SimConfig, workload: str, rate: float) -> dict[str, Any]:
+    """One run of ``cfg`` on the runner's requests and seed (not cached: ``cfg`` is not a preset)."""
     return simulate(cfg, rate, workload, run.num_requests, run.seed)
 
 
