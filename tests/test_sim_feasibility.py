@@ -69,6 +69,19 @@ def test_bounds_are_in_the_reproduce_json(tmp_path):
     out = tmp_path / "r.json"
     reproduce_paper(num_requests=40, json_path=str(out), quiet=True)
     b = json.loads(out.read_text())["bounds"]
-    assert set(b) == {"table9", "gn_host_lone", "gg_host_per_token", "gg_host_chatbot_pinned"}
+    assert set(b) == {"table9", "gn_host_lone", "gn_host_fig9_fixup", "gg_host_per_token", "gg_host_chatbot_pinned"}
     assert b["table9"]["summarization"]["paper_implied_ggh_over_gg"] == pytest.approx(0.9212 / 0.9350)
     assert set(b["gg_host_chatbot_pinned"]["placements"]) == {"prefill worker", "decode worker"}
+
+
+def test_fig9_fixup_rate_by_hand():
+    """GG-Direct at 1280 MiB is 1 ms + bytes at 25 GB/s; GG-Host is that / 0.1477 and GN-Host 3.79x GG-Host
+    (the paper's Fig. 9): the fix-up can take at most GN-Host - GG-Host = 2.79 GG-Host, about 1.30 GB/s."""
+    from hawk.sim.paper import Runner
+    from hawk.sim.paper_bounds import fig9_fixup_gb_s
+    from hawk.sim.testbeds import paper_testbed
+
+    nbytes = 1280 * MiB
+    gg_host = (0.001 + nbytes / 25e9) / 0.1477
+    assert fig9_fixup_gb_s(Runner(paper_testbed(), 10)) == pytest.approx(nbytes / ((3.79 - 1) * gg_host) / 1e9)
+    assert fig9_fixup_gb_s(Runner(paper_testbed(), 10)) == pytest.approx(1.30, abs=0.005)

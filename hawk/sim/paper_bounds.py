@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from hawk.sim.calibration import MiB
 from hawk.sim.cluster import SimConfig, simulate
 from hawk.sim.feasibility import (
     extra_s_per_token,
@@ -52,6 +53,22 @@ def gn_host_lone_bound(run: Runner, q: float = 0.9) -> dict[str, Any]:
         out[wl] = {"quantile": q, "prompt_tokens": lone.prompt_tokens, "ttft_s": lone.ttft_s, "tpot_s": lone.tpot_s,
                    "meets_slo_alone": lone.meets(w.slo_ttft_ms / 1e3, w.slo_tpot_ms / 1e3)}
     return out
+
+
+def fig9_fixup_gb_s(run: Runner, size_mb: float = 1280.0) -> float:
+    """The NPU-side layout fix-up rate the paper's own Fig. 9 allows: GN-Host's latency minus
+    GG-Host's at the largest published size is the most the fix-up can take there."""
+    c, nbytes = run.tb.curves, size_mb * MiB
+    return nbytes / (c["gn-host"].latency(nbytes) - c["gg-host"].latency(nbytes)) / 1e9
+
+
+def gn_host_fig9_bound(run: Runner) -> dict[str, Any]:
+    """GN-Host's 90 % rates with its decode-side fix-up at the Fig. 9 rate instead of the CPU tilize
+    measured here (the staging copies as calibrated): how much "never" rests on the measurement."""
+    rate, gg = fig9_fixup_gb_s(run), run.tb.host["gg-host"]
+    cfg = replace(config_for(run.tb, "gn-host"), host=HostStaging(gg.prefill_s_per_byte, gg.decode_s_per_byte + 1 / (rate * 1e9)))
+    rates = {w: crossing(lambda r, w=w: _slo(_sim(run, cfg, w, r))) for w in ("chatbot", "summarization")}
+    return {"fixup_gb_s": rate, "gn_host_rate90": rates}
 
 
 def gg_host_bound(run: Runner, points: dict[str, Any]) -> dict[str, Any]:
@@ -104,5 +121,5 @@ def _sim(run: Runner, cfg: SimConfig, workload: str, rate: float) -> dict[str, A
 
 def bounds(run: Runner, points: dict[str, Any]) -> dict[str, Any]:
     """All three, for the JSON."""
-    return {"table9": table9_bound(points), "gn_host_lone": gn_host_lone_bound(run), "gg_host_per_token": gg_host_bound(run, points),
-            "gg_host_chatbot_pinned": gg_host_pinned_bound(run)}
+    return {"table9": table9_bound(points), "gn_host_lone": gn_host_lone_bound(run), "gn_host_fig9_fixup": gn_host_fig9_bound(run),
+            "gg_host_per_token": gg_host_bound(run, points), "gg_host_chatbot_pinned": gg_host_pinned_bound(run)}
