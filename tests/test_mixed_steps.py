@@ -7,6 +7,7 @@ batch still yields the tokens of the threaded engines (prefill and decode as sep
 """
 
 import threading
+import time
 
 import pytest
 import torch
@@ -26,10 +27,15 @@ def loaded():
     return load_model("tiny", "cpu", torch.float32, 0)
 
 
-def _instance(loaded, mixed: bool = True, kv_tokens: int = 4096, max_batch: int = 8, chunk: int = 2048) -> ColocatedInstance:
+def _instance(loaded, mixed: bool = True, kv_tokens: int = 4096, max_batch: int = 8, chunk: int = 2048,
+              overlap: bool = False) -> ColocatedInstance:
+    """``overlap``: async scheduling as on a GPU (each step launched before the previous one is
+    read; on the CPU the tokens are ready at once, but the schedule is the GPU's)."""
     cfg = InstanceConfig(model="tiny", transfer="colocated", kv_tokens=kv_tokens, gpu_kv_dtype="fp32", mixed_steps=mixed,
                          max_num_batched_tokens=BUDGET, max_batch=max_batch, max_prefill_chunk=chunk)
-    return ColocatedInstance(cfg, loaded=loaded)
+    inst = ColocatedInstance(cfg, loaded=loaded)
+    inst.decode.overlap = overlap
+    return inst
 
 
 def _prompt(n: int, salt: int = 5) -> list[int]:
@@ -43,10 +49,22 @@ def _record(monkeypatch, inst: ColocatedInstance) -> list[list[tuple[int, int]]]
 
     def step(tokens, slices, ids=None):
         log.append([(s.start, s.q_len) for s in slices])
+        inst.device_ids.append(0 if ids is None else ids.shape[0])
         return real(tokens, slices, ids=ids)
+
+    inst.device_ids = []  # per forward: how many leading rows took their ids from the device
 
     monkeypatch.setattr(inst.decode.runner, "step", step)
     return log
+
+
+def _all_free(inst: ColocatedInstance, timeout_s: float = 10.0) -> bool:
+    """Every block back (overlapped, a finished request's row rides along in the step launched
+    before its end was read: its blocks come back when that step is)."""
+    deadline = time.monotonic() + timeout_s
+    while inst.blocks.num_free != inst.blocks.num_blocks and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return inst.blocks.num_free == inst.blocks.num_blocks
 
 
 class Client:
@@ -92,8 +110,9 @@ def _serve(inst: ColocatedInstance, n: int, max_tokens: int = 24) -> dict[str, l
     return {c.rid: c.wait() for c in clients}
 
 
-def test_every_step_keeps_the_token_budget_and_prompts_share_steps_with_decodes(loaded, monkeypatch):
-    inst = _instance(loaded)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_every_step_keeps_the_token_budget_and_prompts_share_steps_with_decodes(loaded, monkeypatch, overlap):
+    inst = _instance(loaded, overlap=overlap)
     try:
         log = _record(monkeypatch, inst)
         out = _serve(inst, 6)
@@ -102,16 +121,18 @@ def test_every_step_keeps_the_token_budget_and_prompts_share_steps_with_decodes(
         mixed = [s for s in log if any(q > 1 for _, q in s) and any(q == 1 for _, q in s)]
         assert mixed, "no step carried decode tokens and a prefill chunk together"
         assert inst.decode.stats()["steps_mixed"] >= len(mixed)
-        assert inst.blocks.num_free == inst.blocks.num_blocks
+        assert _all_free(inst)
     finally:
         inst.close()
 
 
-def test_a_long_prompt_delays_a_running_decode_by_one_bounded_step_per_token(loaded, monkeypatch):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_long_prompt_delays_a_running_decode_by_one_bounded_step_per_token(loaded, monkeypatch, overlap):
     """While a 700-token prompt is prefilled in chunks, the running request is in every forward:
     each of its tokens waits for exactly one step, whose prefill share is the budget less the
-    decode rows."""
-    inst = _instance(loaded)
+    decode rows. Overlapped, each chunk's step is launched before the previous one is read, and
+    the next chunk continues where the in-flight one ends."""
+    inst = _instance(loaded, overlap=overlap)
     try:
         running = _decoding(inst, 400, 3)
         log = _record(monkeypatch, inst)
@@ -125,12 +146,17 @@ def test_a_long_prompt_delays_a_running_decode_by_one_bounded_step_per_token(loa
         for s in chunks:  # the decode row is there, the chunk took what it left
             assert s[0][1] == 1 and sum(q for _, q in s[1:]) <= BUDGET - 1
         assert sum(q for s in chunks for _, q in s[1:]) == 700
-        assert inst.blocks.num_free == inst.blocks.num_blocks
+        starts = [s[1][0] for s in chunks]
+        assert starts == sorted(starts) and starts[0] == 0  # chunk after chunk, none planned twice
+        ahead = [d for s, d in zip(steps, inst.device_ids[-len(steps):]) if any(q > 1 for _, q in s) and d]
+        assert (len(ahead) >= len(chunks) - 2) if overlap else not ahead
+        assert _all_free(inst)
     finally:
         inst.close()
 
 
-def test_preemption_in_mixed_steps_gives_the_tokens_of_separate_forwards(loaded):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_preemption_in_mixed_steps_gives_the_tokens_of_separate_forwards(loaded, overlap):
     """A cache too small for the batch: sequences are swapped out and back while prompts are being
     prefilled in the same forwards; every request still gets the tokens the threaded engines give
     with room to spare."""
@@ -139,19 +165,20 @@ def test_preemption_in_mixed_steps_gives_the_tokens_of_separate_forwards(loaded)
         want = _serve(ref, 6, max_tokens=64)
     finally:
         ref.close()
-    tight = _instance(loaded, mixed=True, kv_tokens=320)  # the six need 1155 tokens at their peaks
+    tight = _instance(loaded, mixed=True, kv_tokens=320, overlap=overlap)  # the six need 1155 tokens at their peaks
     try:
         got = _serve(tight, 6, max_tokens=64)
         stats = tight.decode.stats()
         assert stats["preemptions"] >= 1 and stats["steps_mixed"] >= 1
         assert got == want
-        assert tight.blocks.num_free == tight.blocks.num_blocks
+        assert _all_free(tight)
     finally:
         tight.close()
 
 
-def test_a_failing_mixed_forward_fails_its_requests_frees_their_blocks_and_serves_on(loaded, monkeypatch):
-    inst = _instance(loaded)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_failing_mixed_forward_fails_its_requests_frees_their_blocks_and_serves_on(loaded, monkeypatch, overlap):
+    inst = _instance(loaded, overlap=overlap)
     try:
         running = _decoding(inst, 200, 2)
         real = inst.decode.runner.step
@@ -167,10 +194,44 @@ def test_a_failing_mixed_forward_fails_its_requests_frees_their_blocks_and_serve
         running.wait()
         assert running.error and "fell over" in running.error
         monkeypatch.undo()
-        assert inst.blocks.num_free == inst.blocks.num_blocks and inst.prefill.stats()["prefilling"] == 0
-        assert _serve(inst, 2, max_tokens=4) and inst.blocks.num_free == inst.blocks.num_blocks
+        assert _all_free(inst) and inst.prefill.stats()["prefilling"] == 0
+        assert _serve(inst, 2, max_tokens=4) and _all_free(inst)
     finally:
         inst.close()
+
+
+def test_overlapped_mixed_steps_give_the_synchronous_tokens_and_free_everything(loaded, monkeypatch):
+    """Async scheduling with prompts arriving: steps launched before the previous one is read carry
+    prefill chunks and rows that joined since (host ids after the device ones), and every request
+    gets the tokens of the synchronous loop; nothing is left held."""
+    sync = _instance(loaded)
+    try:
+        want = _serve(sync, 6)
+    finally:
+        sync.close()
+    inst = _instance(loaded, overlap=True)
+    try:
+        log = _record(monkeypatch, inst)
+        assert _serve(inst, 6) == want
+        ahead = [(s, d) for s, d in zip(log, inst.device_ids) if d]
+        assert any(any(q > 1 for _, q in s) for s, _ in ahead), "no overlapped step carried a prefill chunk"
+        assert any(sum(q == 1 for _, q in s) > d for s, d in ahead), "no row joined an overlapped step"
+        assert _all_free(inst) and inst.prefill.stats()["prefilling"] == 0
+    finally:
+        inst.close()
+
+
+def test_closing_with_a_mixed_step_in_flight_fails_its_prompts_and_frees_their_blocks(loaded):
+    inst = _instance(loaded, overlap=True)
+    running = _decoding(inst, 400, 2)
+    fut = inst.prefill.submit("cut", _prompt(600), SamplingParams(max_tokens=4))
+    while inst.decode.stats()["steps_mixed"] < 2:  # the long prompt is being prefilled beside the decode
+        assert not fut.done()
+        threading.Event().wait(0.005)
+    inst.close()
+    assert fut.done() and (fut.cancelled() or fut.exception() is not None)
+    running.done.wait(10)
+    assert inst.blocks.num_free == inst.blocks.num_blocks
 
 
 def test_the_budget_must_leave_room_for_prefill(loaded):

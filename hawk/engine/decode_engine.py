@@ -23,12 +23,15 @@ A request arrives with its first token (sampled by the prefill) and a handle to 
         | generating exactly the tokens it would have
     FINISHED      stop token, length, abort or error: every block is freed, the host copy dropped.
 
-Steps overlap (async scheduling, on by default on a GPU): while nothing joins or leaves the batch,
-step N+1 is launched with step N's tokens as its ids, on the device, before the host reads step
-N's tokens (hawk/engine/token_fetch.py), so the host's work between steps runs while the GPU
-computes. A sequence that finishes at step N (stop token or length) has ridden along in step N+1:
+Steps overlap (async scheduling, on by default on a GPU): step N+1 is launched with step N's
+tokens as its rows' ids, on the device, before the host reads step N's tokens
+(hawk/engine/token_fetch.py), so the host's work between steps runs while the GPU computes. Rows
+that joined since (their first token is on the host) come after them, and a mixed step's prefill
+chunks after those; a mixed step's prompts complete (first token, handoff) when it is read, and the
+prefill engine plans the next chunks of a prompt before that (its planned cursor runs ahead of its
+done one). A sequence that finishes at step N (stop token or length) has ridden along in step N+1:
 that row is dropped and its blocks are freed only once step N+1 is done (the step may still write
-its KV row there). Any other change (a request joins, resumes or is aborted, or a step would need a
+its KV row there). Any other change (a request resumes or is aborted, or a step would need a
 preemption) first waits for the step in flight and emits its tokens, then runs as a synchronous
 loop would.
 
@@ -61,12 +64,12 @@ from hawk.devices.timing import pace_until
 from hawk.engine.attention import SeqSlice
 from hawk.engine.block_manager import BlockManager
 from hawk.engine.model import LlamaModel
-from hawk.engine.runner import ModelRunner, StepOutput
+from hawk.engine.runner import ModelRunner, StepOutput, StepPath
 from hawk.engine.sampler import NO_TOKEN, make_generator, sample, sample_tokens
 from hawk.engine.sequence import SamplingParams, Sequence, Status
 from hawk.engine.swap import BlockSwapper, SwappedKV, swapper_for
 from hawk.engine.token_fetch import TokenFetch, TokenFetcher
-from hawk.errors import BadRequest, DuplicateRequest, PromptTooLong
+from hawk.errors import BadRequest, DuplicateRequest, EngineFailure, PromptTooLong
 
 log = logging.getLogger(__name__)
 
@@ -277,6 +280,11 @@ class _Launched:
     batch: list[_Entry]
     tokens: TokenFetch
     t0: float
+    #: A mixed step's prefill chunks, their rows' logits (kept past the next step's launch), and an
+    #: event behind the step, which their completion waits for instead of the stream.
+    pieces: list[Any] = field(default_factory=list)
+    prefill_logits: torch.Tensor | None = None
+    ready: Any = None
     members: set[int] = field(init=False)  # id() of the batch's entries
     #: Entries that finished while this step was in flight: its rows may still write their KV, so
     #: their blocks are freed once it is done.
@@ -347,8 +355,9 @@ class DecodeEngine:
         self.overlap = overlap
         self._fetcher = TokenFetcher(self.runner.device, max_batch)
         self._inflight: _Launched | None = None  # engine thread only
-        #: steps launched on the previous step's device tokens / from host ids (the first of a batch,
-        #: after a change or a drain): how much of the decode the overlap covers
+        #: steps with decode rows launched on the previous step's device tokens / from host ids only
+        #: (the first of a batch, after a change or a drain): how much of the decode the overlap
+        #: covers; and steps that carried prefill chunks (either way, or alone)
         self.steps = {"overlapped": 0, "synchronous": 0, "mixed": 0}
         self.preemptions = 0
         self._lock = threading.Condition()
@@ -633,8 +642,8 @@ class DecodeEngine:
             for e in stopping:  # close() releases every entry's blocks
                 e.swapped = None
             return False
-        if self._inflight is not None and (gone or resumed or newly):
-            self._drain()  # the batch changes: the step in flight goes out first
+        if self._inflight is not None and (gone or resumed):
+            self._drain()  # rows leave or come back: the step in flight goes out first
         for e in gone:
             self._finish(e, "abort")
         for e in resumed:
@@ -649,8 +658,8 @@ class DecodeEngine:
             except Exception as ex:  # noqa: BLE001
                 self._fail(e, f"starting the request failed: {ex}")
         mixing = self._prefill_pending()
-        if self._running and self._inflight is not None and self._running == self._inflight.batch and not mixing:
-            if self._step_ahead():
+        if self._running and self._inflight is not None and self._continues(self._inflight.batch):
+            if self._step_ahead(mixing):
                 return True
         self._drain()
         if self._running:
@@ -739,35 +748,44 @@ class DecodeEngine:
 
     def _step(self, pieces: list[Any] | None = None) -> None:
         """Launch a step for the running batch (and ``pieces``, prefill chunks, in the same forward);
-        read its tokens now, or (overlap, no prefill in it) on the next iteration."""
+        read its tokens now, or (overlap) on the next iteration."""
         batch = list(self._running)
         try:
-            launched = self._launch_mixed(batch, pieces) if pieces else self._launch(batch, None)
+            launched = self._launch(batch, None, pieces or [])
         except Exception as ex:  # noqa: BLE001
             log.exception("decode step failed")
             for e in batch:
                 self._fail(e, f"decode step failed: {ex}")
             return
-        if self.overlap and launched.tokens.device is not None and not pieces:
+        if self.overlap and launched.tokens.device is not None:
             self._inflight = launched
         else:
             self._collect(launched)
 
-    def _step_ahead(self) -> bool:
-        """The batch is the step in flight's: launch the next step on its device tokens, then read
-        them. False (nothing launched) where the next step must be a synchronous one: its blocks
-        need a preemption. A sequence whose last token is in flight rides along too (its position
-        is still below ``prompt + max_tokens``, whose blocks submit() checked exist)."""
+    def _continues(self, prev: list[_Entry]) -> bool:
+        """The running batch is the step in flight's, in order, plus rows that joined since (their
+        first token is on the host): the next step may take the former's ids from the device."""
+        run = self._running
+        return len(run) >= len(prev) and all(a is b for a, b in zip(run, prev))
+
+    def _step_ahead(self, mixing: bool) -> bool:
+        """Launch the next step, the in-flight step's rows taking its device tokens as their ids (and
+        this step's prefill chunks when ``mixing``), then read the in-flight step. False (nothing
+        launched) where the next step must be a synchronous one: its blocks need a preemption. A
+        sequence whose last token is in flight rides along too (its position is still below
+        ``prompt + max_tokens``, whose blocks submit() checked exist)."""
         prev = self._inflight
         assert prev is not None
-        if prev.tokens.device is None or not self._reserve_ahead(prev.batch):
+        batch = list(self._running)
+        if prev.tokens.device is None or not self._reserve_ahead(batch):
             return False
+        pieces = self._plan_prefill() if mixing else []
         try:
-            nxt = self._launch(prev.batch, prev.tokens.device)
+            nxt = self._launch(batch, prev, pieces)
         except Exception as ex:  # noqa: BLE001
             log.exception("decode step failed")
             self._drain()
-            for e in list(prev.batch):
+            for e in batch:
                 if e.seq.status is Status.RUNNING:
                     self._fail(e, f"decode step failed: {ex}")
             return True
@@ -790,45 +808,43 @@ class DecodeEngine:
             e.seq.block_ids.extend(got)  # append-only: backends may keep the list object
         return True
 
-    def _launch(self, batch: list[_Entry], ids: torch.Tensor | None) -> _Launched:
-        """Run one step of ``batch`` (its ids from the host, or ``ids`` on the device: the tokens of
-        the step in flight, whose positions come one after each sequence's last known token) and
-        start sampling and fetching its tokens."""
-        ahead = 0 if ids is None else 1
-        slices = [SeqSlice(e.seq.block_ids, e.seq.total_len - 1 + ahead, 1) for e in batch]
-        t0 = time.perf_counter()
-        if ids is None:
-            out = self.runner.step([[e.seq.last_token] for e in batch], slices)
-        else:
-            out = self.runner.step(None, slices, ids=ids)
-        self.steps["synchronous" if ids is None else "overlapped"] += 1
-        return _Launched(batch, self._sample(batch, out), t0)
-
-    def _launch_mixed(self, batch: list[_Entry], pieces: list[Any]) -> _Launched:
-        """One forward of ``batch``'s next tokens and the prefill chunks ``pieces`` (decode rows
-        first); the decode rows' tokens start on their way, the prompts' rows go back to the
-        prefill engine, which samples the first tokens of those it completed and hands them off.
-        A failed forward fails the pieces here and the decode rows in the caller."""
-        assert self.prefill is not None
-        slices = [SeqSlice(e.seq.block_ids, e.seq.total_len - 1, 1) for e in batch]
+    def _launch(self, batch: list[_Entry], prev: _Launched | None, pieces: list[Any]) -> _Launched:
+        """Run one step of ``batch`` (decode rows first) and ``pieces``, prefill chunks, in the same
+        forward; start sampling and fetching the rows' tokens. With ``prev`` (the step in flight),
+        its rows lead ``batch`` and take its tokens on the device as their ids, one position after
+        each sequence's last known token; rows after them joined since and bring host ids. A failed
+        forward fails the pieces here and the rows in the caller. The pieces' prompts complete
+        (first tokens, handoffs) when the step is read (:meth:`_collect`)."""
+        k = len(prev.batch) if prev is not None else 0
+        slices = [SeqSlice(e.seq.block_ids, e.seq.total_len - 1 + (i < k), 1) for i, e in enumerate(batch)]
+        tokens = [[0] if i < k else [e.seq.last_token] for i, e in enumerate(batch)]
         slices += [SeqSlice(p.job.blocks, p.start, p.q_len) for p in pieces]
-        tokens = [[e.seq.last_token] for e in batch] + [p.tokens for p in pieces]
+        tokens += [p.tokens for p in pieces]
         n = len(batch)
         t0 = time.perf_counter()
         try:
-            out = self.runner.step(tokens, slices)
+            out = self.runner.step(tokens, slices, ids=prev.tokens.device if k else None)
         except Exception as ex:
-            self.prefill.fail_step(pieces, ex)
+            if pieces:
+                self.prefill.fail_step(pieces, ex)  # type: ignore[union-attr]
             raise
-        self.steps["mixed"] += 1
+        if n:
+            self.steps["overlapped" if k else "synchronous"] += 1
+        if pieces:
+            self.steps["mixed"] += 1
         greedy = None if out.greedy is None else out.greedy[:n]
         fetch = self._sample(batch, StepOutput(out.logits[:n], greedy, out.path)) if n else TokenFetch.ready([])
-        try:
-            self.prefill.complete_step(pieces, out.logits[n:])
-        except Exception as ex:  # noqa: BLE001 - a bug there must not lose the decode rows' tokens
-            log.exception("completing a step's prefill chunks failed")
-            self.prefill.fail_step(pieces, ex)
-        return _Launched(batch, fetch, t0)
+        if not pieces:
+            return _Launched(batch, fetch, t0)
+        rows = out.logits[n:]
+        if out.path is StepPath.GRAPH:  # a graph's output: the next step's replay may overwrite it
+            rows = rows.clone()
+        ready = None
+        if rows.is_cuda:
+            with torch.cuda.device(rows.device):  # an event belongs to the device current at its record
+                ready = torch.cuda.Event()
+                ready.record()
+        return _Launched(batch, fetch, t0, pieces, rows, ready)
 
     def _drain(self, emit: bool = True) -> None:
         """Wait for the step in flight, if any, and emit its tokens (or only free what it held)."""
@@ -859,8 +875,23 @@ class DecodeEngine:
                 self._emit(e, tok)
             except Exception as ex:  # noqa: BLE001 - this request only
                 self._fail(e, f"sampling failed: {ex}")
+        if launched.pieces:
+            self._complete(launched, emit)
         for e in launched.release_after:
             self.kv.release(e.seq)
+
+    def _complete(self, launched: _Launched, emit: bool) -> None:
+        """A read step's prefill chunks go back to the prefill engine: the prompts it completed get
+        their first tokens and hand off (or, stopping, fail and free their blocks)."""
+        assert self.prefill is not None and launched.prefill_logits is not None
+        try:
+            if not emit:
+                raise EngineFailure("the engine is stopping")
+            self.prefill.complete_step(launched.pieces, launched.prefill_logits, launched.ready)
+        except Exception as ex:  # noqa: BLE001 - a bug there must not lose the decode rows' tokens
+            if emit:
+                log.exception("completing a step's prefill chunks failed")
+            self.prefill.fail_step(launched.pieces, ex)
 
     def _pace(self, t0: float, batch: list[_Entry]) -> None:
         """Timing emulation: hold the step's tokens until the modelled step time has passed."""

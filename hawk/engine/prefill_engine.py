@@ -90,12 +90,9 @@ class _Job:
     arrival: float = field(default_factory=time.monotonic)
     blocks: list[int] | None = None  # the whole prompt's blocks, from its first chunk on
     done: int = 0  # prompt tokens whose KV is in the cache
+    planned: int = 0  # prompt tokens scheduled (>= done: a stepping engine may plan before the last step is read)
     started: float | None = None  # when its first chunk was scheduled
     chunks: int = 0
-
-    @property
-    def remaining(self) -> int:
-        return len(self.prompt_ids) - self.done
 
 
 @dataclass(frozen=True)
@@ -235,8 +232,11 @@ class PrefillEngine:
         for j in self._active:
             if budget <= 0 or len(pieces) >= max_pieces:
                 break
-            n = min(j.remaining, budget)
-            pieces.append(_Piece(j, j.done, n))
+            n = min(len(j.prompt_ids) - j.planned, budget)
+            if n <= 0:  # its last chunk is in a step not yet read
+                continue
+            pieces.append(_Piece(j, j.planned, n))
+            j.planned += n
             budget -= n
         while self._queue and budget > 0 and len(pieces) < max_pieces:
             j = self._queue[0]
@@ -253,7 +253,7 @@ class PrefillEngine:
             if blocks is None:  # wait for blocks to come back (the sender frees them after staging)
                 break
             self._queue.popleft()
-            j.blocks, j.started = blocks, time.monotonic()
+            j.blocks, j.started, j.planned = blocks, time.monotonic(), n
             self._active.append(j)  # from here :meth:`cancel` finds it, until its last chunk runs
             pieces.append(_Piece(j, 0, n))
             budget -= n
@@ -262,10 +262,10 @@ class PrefillEngine:
     # -- stepped by another engine's loop ----------------------------------------------------
 
     def has_work(self) -> bool:
-        """A prompt is part-prefilled, or the first queued one's blocks are free (read without the
-        lock: a hint to the stepping loop, which then asks :meth:`plan_step`). A queue whose head
+        """A part-prefilled prompt has tokens left to plan, or the first queued one's blocks are free
+        (read without the lock: a hint to the stepping loop, which then asks :meth:`plan_step`). A queue whose head
         waits for blocks (or for ``may_start``) is no work: the loop keeps its overlapped decode steps."""
-        if self._active:
+        if any(j.planned < len(j.prompt_ids) or j.future.cancelled() for j in self._active):
             return True
         try:
             head = self._queue[0]
@@ -289,11 +289,16 @@ class PrefillEngine:
             batch = self._take_batch(budget, max_pieces)
         return self._runnable(batch)
 
-    def complete_step(self, batch: list[_Piece], logits: torch.Tensor) -> None:
+    def complete_step(self, batch: list[_Piece], logits: torch.Tensor, ready: torch.cuda.Event | None = None) -> None:
         """The forward of ``batch`` ran; ``logits[i]`` is piece i's last-token logits (the caller's
-        to keep until this returns). Prompts it completed get their first token and hand off."""
+        to keep until this returns). Prompts it completed get their first token and hand off.
+        ``ready``: an event recorded behind that forward (the stepping engine may have launched the
+        next step behind it: the stream is not waited for), else the current stream is."""
         if logits.is_cuda and any(p.last for p in batch):  # their prefill time ends with the forward, not its launch
-            torch.cuda.current_stream(logits.device).synchronize()
+            if ready is not None:
+                ready.synchronize()
+            else:
+                torch.cuda.current_stream(logits.device).synchronize()
         t1 = time.monotonic()
         for p in batch:
             p.job.done, p.job.chunks = p.start + p.q_len, p.job.chunks + 1

@@ -211,16 +211,19 @@ class ModelRunner:
     def step(self, tokens: Sequence[Sequence[int]] | None, slices: Sequence[SeqSlice], ids: torch.Tensor | None = None) -> StepOutput:
         """:meth:`forward` without the copy, plus the greedy tokens when a graph computed them.
 
-        ``ids`` (a decode step only, ``tokens`` None): the batch's input ids as a device tensor
-        ``[n]``, typically the previous step's sampled tokens, so this step is launched before the
-        host has read them (async scheduling, see token_fetch.py). A row holding the sampler's
-        NO_TOKEN reads token 0 instead: its request fails when that token is read, and its row
-        here is never used.
+        ``ids``: the input ids of the batch's first ``k`` rows as a device tensor ``[k]``, each
+        row one token (typically the previous step's sampled tokens), so this step is launched
+        before the host has read them (async scheduling, see token_fetch.py); ``tokens`` is None
+        (every row) or holds placeholders for those rows. A row holding the sampler's NO_TOKEN
+        reads token 0 instead: its request fails when that token is read, and its row here is
+        never used.
         """
         if ids is not None:
-            if tokens is not None or ids.shape != (len(slices),) or any(s.q_len != 1 for s in slices):
-                raise ValueError("ids replace tokens, one per sequence of a decode step")
-            tokens = _DEVICE_IDS * len(slices)
+            k = ids.shape[0] if ids.dim() == 1 else -1
+            if not 0 < k <= len(slices) or any(s.q_len != 1 for s in slices[:k]) or (tokens is None and k != len(slices)):
+                raise ValueError("ids replace the tokens of the batch's first rows, one token each")
+            if tokens is None:
+                tokens = _DEVICE_IDS * len(slices)
         if not slices or tokens is None or len(tokens) != len(slices):
             raise ValueError(f"need one token list per sequence, got {len(tokens or ())} for {len(slices)}")
         with self._lock, self._on_device():
@@ -234,10 +237,10 @@ class ModelRunner:
                 return self._replay(tokens, slices, starts, ids)
             bucket = None if decode else self._prefill_bucket(sum(q_lens), len(slices))
             if bucket is not None:
-                return self._replay_prefill(tokens, slices, q_lens, *bucket)
+                return self._replay_prefill(tokens, slices, q_lens, *bucket, ids)
             split = None if decode else self._split_buckets(q_lens)
             if split is not None:
-                return self._replay_split(tokens, slices, starts, q_lens, *split)
+                return self._replay_split(tokens, slices, starts, q_lens, *split, ids)
             return self._eager(tokens, slices, decode, ids)
 
     @torch.inference_mode()
@@ -287,8 +290,8 @@ class ModelRunner:
         if len(ids) != len(pos):
             raise ValueError(f"{len(ids)} tokens given for {len(pos)} declared by the slices")
         io = _to_device(torch.tensor([ids, pos], dtype=torch.int64), self.device)
-        if device_ids is not None:
-            io[0].copy_(device_ids).clamp_(min=0)
+        if device_ids is not None:  # the leading rows are one token each: token i is row i's
+            io[0, : device_ids.shape[0]].copy_(device_ids).clamp_(min=0)
         self.attn.begin(slices)
         hidden = self.model(io[0], io[1], self.attn)
         if not decode:  # only each sequence's last token goes through the LM head
@@ -317,9 +320,9 @@ class ModelRunner:
             raise ValueError("a decode step takes exactly one token per sequence") from None
         self.attn.begin(slices, pad_to=b)
         self._write_io(ids, starts, b)
-        if device_ids is not None:  # behind the upload on the stream, so it overwrites the zeros
+        if device_ids is not None:  # behind the upload on the stream, so it overwrites the placeholders
             assert self._io is not None
-            self._io[:n].copy_(device_ids).clamp_(min=0)
+            self._io[: device_ids.shape[0]].copy_(device_ids).clamp_(min=0)
         g = self._graph_for(b)
         g.graph.replay()
         outs = g.views.get(n)
@@ -406,7 +409,8 @@ class ModelRunner:
             return None
         return next(b for b in self.prefill_tokens if b >= t), self._seq_bucket(n)
 
-    def _replay_prefill(self, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice], q_lens: list[int], t: int, sb: int) -> StepOutput:
+    def _replay_prefill(self, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice], q_lens: list[int], t: int, sb: int,
+                        device_ids: torch.Tensor | None = None) -> StepOutput:
         """A prefill batch through its bucket's graph (``t`` tokens, ``sb`` sequences): metadata and ids
         padded to the bucket, the replay launched, then the layer-wise hook (if any) told where each
         layer's K/V is done."""
@@ -428,6 +432,9 @@ class ModelRunner:
         last[:n] = [x - 1 for x in itertools.accumulate(q_lens)]
         last[n:] = 0
         self._pio_stage.upload((2 * t + sb + 1,))
+        if device_ids is not None:  # leading one-token rows: token i is row i's
+            assert self._pio is not None
+            self._pio[: device_ids.shape[0]].copy_(device_ids).clamp_(min=0)
         g = self._prefill_graph_for(t, sb)
         g.graph.replay()
         hook = getattr(self.attn, "after_layer", None)
@@ -456,11 +463,13 @@ class ModelRunner:
         return None if rest is None else (n_dec, *rest)
 
     def _replay_split(self, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice], starts: list[int],
-                      q_lens: list[int], n_dec: int, t: int, sb: int) -> StepOutput:
+                      q_lens: list[int], n_dec: int, t: int, sb: int, device_ids: torch.Tensor | None = None) -> StepOutput:
         """A mixed batch as its decode rows' graph, then its prompt chunks' graph, on one stream (each
         ``begin`` uploads its metadata behind the replay before it). The logits are joined into a
         new tensor: both graphs' outputs are overwritten by their next replay."""
-        dec = self._replay(tokens[:n_dec], slices[:n_dec], starts[:n_dec])
+        if device_ids is not None and device_ids.shape[0] > n_dec:
+            raise ValueError("device ids are for the decode rows of a mixed batch")
+        dec = self._replay(tokens[:n_dec], slices[:n_dec], starts[:n_dec], device_ids)
         pre = self._replay_prefill(tokens[n_dec:], slices[n_dec:], q_lens[n_dec:], t, sb)
         assert dec.greedy is not None
         greedy = torch.cat((dec.greedy, finite_argmax(pre.logits)))
