@@ -455,6 +455,42 @@ def test_mixed_batches_past_the_prefill_graphs_replay_two_graphs_on_the_cpu(tiny
         assert torch.allclose(a, b, atol=1e-5)  # the same K/V in the same slots, nothing for the pads
 
 
+@pytest.mark.parametrize("graphed", [False, True])
+def test_device_ids_replace_the_tokens_of_a_batchs_leading_rows(tiny: LlamaModel, graphed: bool) -> None:
+    """Async scheduling's steps: the first rows' ids come from the device (the previous step's
+    tokens), the rest of the batch (rows that joined, prompt chunks) from the host; the same logits
+    as host tokens throughout, on every path (decode graph, prefill graph, two graphs, eager)."""
+    def runner() -> ModelRunner:
+        if graphed:
+            return CpuSplitRunner(tiny, _paged(tiny, blocks=40), max_batch=8, prefill_graph_tokens=64, prefill_graph_seqs=4)
+        return ModelRunner(tiny, _paged(tiny, blocks=40), max_batch=8, graphs=False)
+
+    host, dev = runner(), runner()
+    prompts = [SeqSlice([2 * i, 2 * i + 1], 0, 4) for i in range(5)]
+    steps = [  # (rows, prompt chunks) after the prompts: decode only, then with a fresh prompt, then a larger one
+        ([(i, 4) for i in range(5)], []),
+        ([(i, 5) for i in range(3)], [([10, 11], 0, 9)]),
+        ([(i, 6) for i in range(5)], [([12, 13], 0, 20)]),
+    ]
+    g = torch.Generator().manual_seed(3)
+    paths = []
+    for r in (host, dev):
+        r.step([[5, 6, 7, 8]] * 5, prompts)
+    for rows, chunks in steps:
+        ids = torch.randint(0, tiny.config.vocab_size, (len(rows),), generator=g)
+        chunk_toks = [torch.randint(0, tiny.config.vocab_size, (q,), generator=g).tolist() for _, _, q in chunks]
+        slices = [SeqSlice([2 * i, 2 * i + 1], start, 1) for i, start in rows] + [SeqSlice(b, st, q) for b, st, q in chunks]
+        want = host.step([[int(t)] for t in ids] + chunk_toks, slices).logits.clone()
+        k = len(rows) - 1  # the last row "joined": its id is the host's
+        got = dev.step([[0]] * k + [[int(ids[-1])]] + chunk_toks, slices, ids=ids[:k])
+        paths.append(got.path)
+        assert torch.allclose(want, got.logits, atol=1e-5)
+    if graphed:
+        assert paths == [StepPath.GRAPH, StepPath.GRAPH, StepPath.SPLIT]
+    with pytest.raises(ValueError, match="first rows"):
+        dev.step([[1] * 9], [SeqSlice([10, 11], 0, 9)], ids=torch.tensor([1]))
+
+
 # ---- the graph path, on a GPU ------------------------------------------------------------------
 
 
