@@ -417,7 +417,9 @@ def _mixed_script() -> list[list[tuple[list[int], int, int]]]:
     graphs' token limit (eager)."""
     blocks = [[2 * i, 2 * i + 1] for i in range(5)]
     prompts = [(b, 0, 4 + i) for i, b in enumerate(blocks)]
-    dec = lambda k: [(b, 4 + i + k, 1) for i, b in enumerate(blocks)]  # noqa: E731
+    def dec(k: int) -> list[tuple[list[int], int, int]]:
+        return [(b, 4 + i + k, 1) for i, b in enumerate(blocks)]
+
     return [prompts,
             dec(0) + [([10, 11], 0, 9), ([12, 13], 0, 20)],
             dec(1) + [([12, 13], 20, 12)],
@@ -548,7 +550,7 @@ def test_cuda_mixed_batches_replay_two_graphs(dtype: torch.dtype) -> None:
     model = LlamaModel.from_config(preset("tiny"), seed=0, dtype=dtype, device="cuda")
     eager = ModelRunner(model, _paged(model, "cuda"), max_batch=8, graphs=False)
     split = ModelRunner(model, _paged(model, "cuda"), max_batch=8, prefill_graph_tokens=64, prefill_graph_seqs=2)
-    le, pe, _ = _run_mixed(eager, model)
+    le, _, _ = _run_mixed(eager, model)
     ls, ps, gs = _run_mixed(split, model)
     assert ps == [StepPath.EAGER, StepPath.SPLIT, StepPath.SPLIT, StepPath.EAGER]
     tol = 1e-4 if dtype == torch.float32 else 5e-2

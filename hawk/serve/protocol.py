@@ -10,10 +10,9 @@ bug is found here rather than by a server that guessed.
 
 from __future__ import annotations
 
-from enum import Enum
-
 import time
 import uuid
+from enum import Enum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
