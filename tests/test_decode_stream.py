@@ -1,0 +1,72 @@
+"""The decode instance's token stream: the plain token line and the engine-to-loop mailbox."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hawk.engine.decode_engine import TokenEvent
+from hawk.serve.contract import TokenLine
+from hawk.serve.decode_server import LoopMailbox, event_line
+
+
+@given(st.integers(min_value=0, max_value=2**31 - 1))
+def test_a_token_line_is_the_contract_models_line(token: int) -> None:
+    assert event_line(TokenEvent("r", token=token)) == (TokenLine.of(token=token).model_dump_json(exclude_none=True) + "\n").encode()
+    assert TokenLine.model_validate_json(event_line(TokenEvent("r", token=token))).token == token
+
+
+def test_lines_with_more_than_a_token_go_through_the_model() -> None:
+    last = event_line(TokenEvent("r", token=7, finish_reason="length"))
+    assert TokenLine.model_validate_json(last) == TokenLine.of(token=7, finish_reason="length")
+    info = event_line(TokenEvent("r", token=7, info={"kv_bytes": 3}))
+    assert TokenLine.model_validate_json(info).info == {"kv_bytes": 3}
+    err = event_line(TokenEvent("r", finish_reason="error", error="boom"))
+    assert TokenLine.model_validate_json(err).error == "boom"
+
+
+def test_the_mailbox_delivers_every_item_in_order_with_few_wakeups() -> None:
+    """Items posted from another thread reach their queues in order; the loop is woken once per
+    batch that arrived while none was pending, not once per item."""
+
+    async def run() -> tuple[list[list[int]], int]:
+        loop = asyncio.get_running_loop()
+        box = LoopMailbox(loop)
+        wakeups = 0
+        deliver = box._deliver
+
+        def counted() -> None:
+            nonlocal wakeups
+            wakeups += 1
+            deliver()
+
+        box._deliver = counted  # type: ignore[method-assign]
+        queues = [asyncio.Queue() for _ in range(3)]
+
+        def engine() -> None:
+            for step in range(200):
+                for q in queues:
+                    box.post(q, step)
+
+        t = threading.Thread(target=engine)
+        t.start()
+        got: list[list[int]] = [[] for _ in queues]
+        for i, q in enumerate(queues):
+            while len(got[i]) < 200:
+                got[i].append(await q.get())
+        t.join()
+        return got, wakeups
+
+    got, wakeups = asyncio.run(run())
+    assert got == [list(range(200))] * 3
+    assert 1 <= wakeups < 600
+
+
+def test_a_post_after_the_loop_closed_is_dropped() -> None:
+    loop = asyncio.new_event_loop()
+    box = LoopMailbox(loop)
+    loop.close()
+    box.post(asyncio.Queue(), 1)  # no RuntimeError: the server is shutting down
