@@ -1,4 +1,4 @@
-"""The decode instance's token stream: the plain token line and the engine-to-loop mailbox."""
+"""The token stream: the decode instance's plain token line and engine-to-loop mailbox, the router's plain delta."""
 
 from __future__ import annotations
 
@@ -70,3 +70,13 @@ def test_a_post_after_the_loop_closed_is_dropped() -> None:
     box = LoopMailbox(loop)
     loop.close()
     box.post(asyncio.Queue(), 1)  # no RuntimeError: the server is shutting down
+
+
+@given(st.text(max_size=20), st.booleans())
+def test_a_plain_delta_is_the_models_chunk(text: str, chat: bool) -> None:
+    """The router's per-token chunk, built from a template, equals the response models' dump."""
+    from hawk.serve.router import ChunkMaker
+
+    c = ChunkMaker(chat, "cmpl-1", "m")
+    assert c.delta(text) == c._delta_model(text)
+    assert c.delta(text, "stop") == c._delta_model(text, "stop")
