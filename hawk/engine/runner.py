@@ -452,8 +452,7 @@ class ModelRunner:
         Why two graphs rather than one: an eager mixed step of 256 decode rows and a 512-token chunk
         (8B shape, one H200) took 11-26 ms of host time to launch against 28 ms on the GPU, while its
         two parts run apart cost only 3 % more GPU time (benchmarks/mixed_step_probe.py); and these
-        graphs are the ones already captured for decode steps and prompts, so none is captured in
-        the middle of serving for the mixed batch's shape."""
+        are the graphs decode steps and prompts use anyway, so a mixed batch's shape adds none."""
         if not self.use_graphs:
             return None
         n_dec = next((i for i, q in enumerate(q_lens) if q != 1), len(q_lens))
