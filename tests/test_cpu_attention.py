@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hawk.engine.cpu_attention import DecodeWorkspace, decode_plan
+from hawk.engine.cpu_attention import DecodeWorkspace, decode_groups, decode_plan
 from hawk.engine.cpu_numerics import attend_widened
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -49,7 +49,7 @@ def _reference(cache: torch.Tensor, table: np.ndarray, ctx: list[int], q: torch.
 
 @settings(max_examples=40, deadline=None)
 @given(
-    ctx=st.lists(st.integers(1, 90), min_size=1, max_size=6),
+    ctx=st.lists(st.integers(1, 90), min_size=1, max_size=8),
     bs=st.sampled_from([1, 4, 16]),
     heads=st.sampled_from([(1, 1), (2, 3), (3, 3), (1, 8)]),
     d=st.sampled_from([16, 64]),
@@ -62,7 +62,7 @@ def test_matches_per_row_reference(ctx: list[int], bs: int, heads: tuple[int, in
     hkv, g = heads
     cache, table, q = _setup(seed, ctx, bs, hkv, g, d, order, *dtypes)
     want = _reference(cache, table, ctx, q, order)
-    got = DecodeWorkspace().attend(q, cache, decode_plan(table, np.array(ctx), bs), order == "NHD")
+    got = DecodeWorkspace().attend_groups(q, cache, decode_groups(table, np.array(ctx), bs), order == "NHD")
     assert got.dtype == q.dtype and got.shape == q.shape
     if len(ctx) == 1:
         assert torch.equal(got, want), "a lone row attends exactly its context: the per-row form's bits"
@@ -93,3 +93,24 @@ def test_plan_pads_with_the_rows_own_block() -> None:
     assert plan.pad[1, 0].tolist() == [False] * 3 + [True] * 9
     lone = decode_plan(table[:1], np.array([9]), 4)
     assert lone.keys == 9 and lone.pad is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(ctx=st.lists(st.integers(1, 2000), min_size=1, max_size=40), max_groups=st.integers(1, 5))
+def test_groups_cover_every_row_once_and_bound_padding(ctx: list[int], max_groups: int) -> None:
+    bs = 16
+    need = [-(-c // bs) for c in ctx]
+    table = np.arange(len(ctx) * max(need)).reshape(len(ctx), max(need))
+    plans = decode_groups(table, np.array(ctx), bs, max_groups)
+    assert 1 <= len(plans) <= max_groups
+    rows = [i for p in plans for i in (range(len(ctx)) if p.index is None else p.index.tolist())]
+    assert sorted(rows) == list(range(len(ctx)))
+    for p in plans[:-1] if len(plans) == max_groups else plans:  # the last of a capped split takes the rest
+        members = range(len(ctx)) if p.index is None else p.index.tolist()
+        assert all(2 * need[i] > p.width for i in members), "a row padded to more than twice its blocks"
+
+
+def test_mixed_lengths_split_into_groups() -> None:
+    plans = decode_groups(np.arange(64 * 4).reshape(4, 64), np.array([1000, 30, 900, 40]), 16)
+    assert [p.index.tolist() for p in plans if p.index is not None] == [[0, 2], [1, 3]]
+    assert [p.width for p in plans] == [63, 3]

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from hawk.devices.staging import HostStaging
 from hawk.engine.attention import SeqSlice, attend
-from hawk.engine.cpu_attention import DecodePlan, DecodeWorkspace, decode_plan
+from hawk.engine.cpu_attention import DecodePlan, DecodeWorkspace, decode_groups
 from hawk.engine.cpu_numerics import widens
 from hawk.layouts.gpu import GpuKVLayout
 
@@ -119,7 +119,7 @@ class PagedAttention:
         self._host: dict[str, torch.Tensor] = {}
         #: The torch path on a CPU: the leading one-token rows' blocks (set by begin) and the kept
         #: buffers they are attended in (:mod:`hawk.engine.cpu_attention`).
-        self._cpu_plan: DecodePlan | None = None
+        self._cpu_plans: list[DecodePlan] = []
         self._cpu_ws = DecodeWorkspace()
 
     # ---- buffers ------------------------------------------------------------------------------
@@ -371,9 +371,9 @@ class PagedAttention:
         }
         self._need, self._ctx = need.tolist(), ctx.tolist()
         n_dec = n_real if self._decode else self._decode_rows(np.asarray(self._q_lens))
-        self._cpu_plan = None
+        self._cpu_plans = []
         if dev.type == "cpu" and n_dec:
-            self._cpu_plan = decode_plan(bt_np[:n_dec], ctx[:n_dec], self.layout.block_size)
+            self._cpu_plans = decode_groups(bt_np[:n_dec], ctx[:n_dec], self.layout.block_size)
         if self._decode and n_real > 1 and (ctx != width * self.layout.block_size).any():
             keys = torch.arange(width * self.layout.block_size, device=dev)
             self._host["mask"] = (keys[None, :] < torch.from_numpy(ctx).to(dev)[:, None])[:, None, None, :]
@@ -469,8 +469,8 @@ class PagedAttention:
         the blocks the step's plan names (:mod:`hawk.engine.cpu_attention`); otherwise one SDPA over
         a padded, masked context."""
         n_real, bt = self._n_real, self._host["block_tables"]
-        if widens(q) and self._cpu_plan is not None:
-            out = self._cpu_ws.attend(q[:n_real], cache, self._cpu_plan, self.layout.order == "NHD")
+        if widens(q) and self._cpu_plans:
+            out = self._cpu_ws.attend_groups(q[:n_real], cache, self._cpu_plans, self.layout.order == "NHD")
         else:
             kc = self._context(cache, 0, bt).to(q.dtype)
             vc = self._context(cache, 1, bt).to(q.dtype)
@@ -490,10 +490,9 @@ class PagedAttention:
         decode step's)."""
         outs, off, bt = [], 0, self._host["block_tables"]
         first = 0
-        plan = self._cpu_plan
-        if plan is not None and widens(q):
-            outs.append(self._cpu_ws.attend(q[: plan.rows], cache, plan, self.layout.order == "NHD"))
-            first = off = plan.rows
+        if self._cpu_plans and widens(q):
+            first = off = sum(p.rows for p in self._cpu_plans)
+            outs.append(self._cpu_ws.attend_groups(q[:first], cache, self._cpu_plans, self.layout.order == "NHD"))
         for i in range(first, len(self._q_lens)):
             start, ql = self._starts[i], self._q_lens[i]
             sl = slice(off, off + ql)
