@@ -6,6 +6,9 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hawk.engine.attention import AttentionBackend, ContiguousKVAttention, RotatingBackend, attend
 from hawk.engine.config import HEAD_DIM_MULTIPLE, PRESETS, ModelConfig, RopeScaling, preset
@@ -451,5 +454,34 @@ def test_linear_is_x_times_w_transposed_by_whichever_route(rows: int, monkeypatc
     calls: list[int] = []
     monkeypatch.setattr(model_mod.F, "linear", lambda a, b: calls.append(1) or a @ b.t())
     model_mod.linear(x, w)
-    model_mod.linear(x.to(torch.bfloat16), w.to(torch.bfloat16))  # other dtypes: torch's own
+    model_mod.linear(x.to(torch.float16), w.to(torch.float16))  # other dtypes: torch's own
+    model_mod.linear(x.to(torch.bfloat16), w.to(torch.bfloat16))  # bf16: oneDNN's on packed weights
     assert len(calls) == (1 if detour else 2)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 300), shape=st.sampled_from([(200, 96), (64, 576), (960, 576), (576, 1536)]),
+       seed=st.integers(0, 2**31 - 1))
+def test_packed_bf16_linear_gives_f_linear_bits(rows: int, shape: tuple[int, int], seed: int) -> None:
+    """The packed bf16 GEMM is oneDNN's, as F.linear's: the same bits at every row count."""
+    from hawk.engine import model as model_mod
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, shape[1], generator=g).to(torch.bfloat16)
+    w = (torch.randn(shape, generator=g) * 0.05).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(model_mod.linear(x, w), F.linear(x, w))
+
+
+def test_packed_bf16_weight_is_repacked_after_an_in_place_edit() -> None:
+    from hawk.engine import model as model_mod
+
+    x, w = torch.randn(3, 32).to(torch.bfloat16), torch.randn(16, 32).to(torch.bfloat16)
+    with torch.inference_mode():
+        first = model_mod.linear(x, w)
+    with torch.no_grad():
+        w.mul_(2)
+    with torch.inference_mode():
+        assert torch.equal(model_mod.linear(x, w), F.linear(x, w)) and not torch.equal(first, F.linear(x, w))
+    p = torch.nn.Parameter(w.clone())  # tracked by autograd: torch's own F.linear
+    assert model_mod.linear(x, p).requires_grad

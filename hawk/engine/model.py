@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from hawk.engine import triton_ops
 from hawk.engine.attention import AttentionBackend, ContiguousKVAttention
@@ -32,22 +33,53 @@ from hawk.engine.triton_ops import add_rms_norm_ref, rms_norm_ref, silu_mul_ref
 
 #: Rows up to which a CPU fp32 matmul runs as ``w @ x.T`` (:func:`linear`); 0 turns the detour off.
 CPU_FEW_ROWS = int(os.environ.get("HAWK_CPU_FEW_ROWS", "8"))
+#: Whether a CPU bf16 matmul runs on oneDNN-prepacked weights (:func:`linear`); "0" turns it off.
+CPU_PACKED_BF16 = os.environ.get("HAWK_CPU_PACKED_BF16", "1") != "0"
+#: Per weight tensor: ``((data_ptr, version), packed)``, repacked when the weight is replaced or edited in place.
+_PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` for ``x [T, in]``, ``w [out, in]`` (``F.linear`` without bias), with a detour for a few rows on a CPU.
+    """``x @ w.T`` for ``x [T, in]``, ``w [out, in]`` (``F.linear`` without bias), with detours on a CPU.
 
-    Why: torch's CPU ``F.linear`` (MKL's ``x @ w.T`` with ``w`` transposed) is slow for 1-8 rows, where
+    Why, fp32: torch's CPU ``F.linear`` (MKL's ``x @ w.T`` with ``w`` transposed) is slow for 1-8 rows, where
     ``w @ x.T`` (no transpose, the weight streamed once) is not: all of SmolLM2's matmuls at 2 rows took 91 ms
     as ``F.linear`` against 21 ms so, and at one row (as two: MKL's one-column product is the slow one again)
     46 against 30 ms; its decode step 133 -> 57 and 70 -> 45 ms (the CPU box, fp32, two threads;
     ``benchmarks/cpu_linear_probe.py``). The same dot products; only MKL's summation order differs.
+
+    Why, bf16: ``F.linear`` runs oneDNN's bf16 GEMM but reorders the weight into oneDNN's blocked layout
+    on every call; :func:`_packed_bf16` reorders it once and keeps it, and oneDNN's GEMM gives the same bits
+    (so vLLM's CPU GEMMs' bits, see docs/vllm.md). SmolLM2's GEMMs at one row took 0.37 ms a layer against
+    0.16 packed, the LM head 5.2 against 3.0 ms (the CPU box, two threads).
     """
     t = x.shape[0]
-    if t > CPU_FEW_ROWS or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
+    if x.device.type != "cpu" or x.dim() != 2:
+        return F.linear(x, w)
+    if x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and CPU_PACKED_BF16:
+        packed = _packed_bf16(w)
+        if packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    if t > CPU_FEW_ROWS or x.dtype != torch.float32:
         return F.linear(x, w)
     rows = x if t > 1 else torch.cat([x, x])
     return torch.mm(w, rows.t())[:, :t].t().contiguous()
+
+
+def _packed_bf16(w: torch.Tensor) -> torch.Tensor | None:
+    """``w`` reordered once into oneDNN's layout for its bf16 GEMM, or None where that does not apply: a
+    weight autograd tracks (the packed op has no backward) or one oneDNN cannot take (it raised once)."""
+    if w.requires_grad and torch.is_grad_enabled():
+        return None
+    key = (w.data_ptr(), w._version if not w.is_inference() else -1)  # inference tensors keep no version
+    entry = _PACKED.get(w)
+    if entry is None or entry[0] != key:
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+        except RuntimeError:
+            packed = None
+        _PACKED[w] = entry = (key, packed)
+    return entry[1]
 
 
 class RMSNorm(nn.Module):

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from hawk.devices.staging import HostStaging
 from hawk.engine.attention import SeqSlice, attend
+from hawk.engine.cpu_attention import DecodePlan, DecodeWorkspace, decode_groups
 from hawk.engine.cpu_numerics import widens
 from hawk.layouts.gpu import GpuKVLayout
 
@@ -116,6 +117,10 @@ class PagedAttention:
         self._starts: list[int] = []
         self._views: dict[str, torch.Tensor] = {}
         self._host: dict[str, torch.Tensor] = {}
+        #: The torch path on a CPU: the leading one-token rows' blocks (set by begin) and the kept
+        #: buffers they are attended in (:mod:`hawk.engine.cpu_attention`).
+        self._cpu_plans: list[DecodePlan] = []
+        self._cpu_ws = DecodeWorkspace()
 
     # ---- buffers ------------------------------------------------------------------------------
 
@@ -356,7 +361,8 @@ class PagedAttention:
         self._views = views
 
     def _host_metadata(self, bt_np: np.ndarray, slots: np.ndarray, need: np.ndarray, ctx: np.ndarray) -> None:
-        """Index tensors for the torch path (on the cache's device)."""
+        """Index tensors for the torch path (on the cache's device), and on a CPU the plan of the
+        leading one-token rows (all rows of a decode batch), computed once for every layer."""
         dev, n_real = self.device, self._n_real
         width = int(need.max(initial=0))
         self._host = {
@@ -364,6 +370,10 @@ class PagedAttention:
             "block_tables": torch.from_numpy(bt_np[:n_real, :width].astype(np.int64)).to(dev),
         }
         self._need, self._ctx = need.tolist(), ctx.tolist()
+        n_dec = n_real if self._decode else self._decode_rows(np.asarray(self._q_lens))
+        self._cpu_plans = []
+        if dev.type == "cpu" and n_dec:
+            self._cpu_plans = decode_groups(bt_np[:n_dec], ctx[:n_dec], self.layout.block_size)
         if self._decode and n_real > 1 and (ctx != width * self.layout.block_size).any():
             keys = torch.arange(width * self.layout.block_size, device=dev)
             self._host["mask"] = (keys[None, :] < torch.from_numpy(ctx).to(dev)[:, None])[:, None, None, :]
@@ -455,26 +465,36 @@ class PagedAttention:
         return x.reshape(bt.shape[0], -1, *x.shape[3:])
 
     def _decode_torch(self, cache: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        """All real rows in one SDPA over a padded, masked context; pad rows get zeros."""
+        """All real rows at once; pad rows get zeros. On a CPU in bf16/fp16, fp32 attention over
+        the blocks the step's plan names (:mod:`hawk.engine.cpu_attention`); otherwise one SDPA over
+        a padded, masked context."""
         n_real, bt = self._n_real, self._host["block_tables"]
-        kc = self._context(cache, 0, bt).to(q.dtype)
-        vc = self._context(cache, 1, bt).to(q.dtype)
-        if n_real == 1:  # the common CPU case: no mask, no padding
-            ctx = self._ctx[0]
-            out = attend(q[:1], kc[0, :ctx], vc[0, :ctx])
-        elif widens(q):  # each row as it would run alone (cpu_numerics: fp32, rounded once)
-            out = torch.cat([attend(q[i : i + 1], kc[i, : self._ctx[i]], vc[i, : self._ctx[i]]) for i in range(n_real)])
+        if widens(q) and self._cpu_plans:
+            out = self._cpu_ws.attend_groups(q[:n_real], cache, self._cpu_plans, self.layout.order == "NHD")
         else:
-            out = F.scaled_dot_product_attention(q[:n_real, :, None], kc.transpose(1, 2), vc.transpose(1, 2),
-                                                 attn_mask=self._host.get("mask"), enable_gqa=True)[:, :, 0]
+            kc = self._context(cache, 0, bt).to(q.dtype)
+            vc = self._context(cache, 1, bt).to(q.dtype)
+            if n_real == 1:  # no mask, no padding
+                ctx = self._ctx[0]
+                out = attend(q[:1], kc[0, :ctx], vc[0, :ctx])
+            else:
+                out = F.scaled_dot_product_attention(q[:n_real, :, None], kc.transpose(1, 2), vc.transpose(1, 2),
+                                                     attn_mask=self._host.get("mask"), enable_gqa=True)[:, :, 0]
         if self._n > n_real:
             out = torch.cat([out, out.new_zeros(self._n - n_real, *out.shape[1:])])
         return out
 
     def _prefill_torch(self, cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """One :func:`attend` per sequence: fresh K/V for a prompt, the cache for a continuation."""
+        """One :func:`attend` per sequence: fresh K/V for a prompt, the cache for a continuation. On a
+        CPU in bf16/fp16 a mixed batch's leading one-token rows go first, all in one batch (as a
+        decode step's)."""
         outs, off, bt = [], 0, self._host["block_tables"]
-        for i, (start, ql) in enumerate(zip(self._starts, self._q_lens)):
+        first = 0
+        if self._cpu_plans and widens(q):
+            first = off = sum(p.rows for p in self._cpu_plans)
+            outs.append(self._cpu_ws.attend_groups(q[:first], cache, self._cpu_plans, self.layout.order == "NHD"))
+        for i in range(first, len(self._q_lens)):
+            start, ql = self._starts[i], self._q_lens[i]
             sl = slice(off, off + ql)
             if start == 0:
                 outs.append(attend(q[sl], k[sl], v[sl]))

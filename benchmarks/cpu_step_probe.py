@@ -1,0 +1,96 @@
+"""What HAWK's CPU step costs: decode at a few batch sizes and a mixed step, as the colocated engine runs them.
+
+Why: issue 31's CPU acceptance compares HAWK's serving throughput with vLLM's on the CPU box, and the
+serving run only says the decode step is slow, not which part. This probe builds the colocated engine's
+pieces (the model in its serving dtype, a paged cache of the serving block size, the torch path of
+:class:`~hawk.engine.paged_attention.PagedAttention`, :class:`~hawk.engine.runner.ModelRunner`) and times
+whole steps (metadata, forward, LM head) at a fixed context, median of ``--reps`` after a warm-up:
+
+* ``decode``: ``batch`` sequences, one new token each, every one at ``--context`` tokens;
+* ``mixed``: the same decode rows plus one prompt chunk of ``--chunk`` tokens (a fresh prompt), one forward.
+
+``--profile`` adds a torch.profiler table (self CPU time per op) of a few steps of each point.
+
+    PYTHONPATH=. python benchmarks/cpu_step_probe.py --batches 1,8,32 --context 300 --chunk 256 --reps 5
+
+One JSON line per point: ``{kind, batch, context, chunk, ms, ms_all}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from hawk.engine.attention import SeqSlice
+from hawk.engine.loader import load_model
+from hawk.engine.paged_attention import PagedAttention
+from hawk.engine.runner import ModelRunner
+from hawk.layouts.gpu import GpuKVLayout
+
+BLOCK = 16
+
+
+def _times(fn: Callable[[], object], reps: int, warmup: int = 2) -> list[float]:
+    """Wall ms of ``reps`` calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(1e3 * (time.perf_counter() - t0))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--context", type=int, default=300, help="tokens each decode row already has")
+    ap.add_argument("--chunk", type=int, default=256, help="the mixed step's prompt chunk (0: no mixed point)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--profile", action="store_true")
+    a = ap.parse_args()
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    device = torch.device("cpu")
+    loaded = load_model(a.model, device, dtype, 0)
+    cfg = loaded.config
+    batches = [int(x) for x in a.batches.split(",")]
+    top = max(batches)
+    per_seq = -(-(a.context + 2) // BLOCK)
+    chunk_blocks = -(-(a.chunk + 1) // BLOCK)
+    layout = GpuKVLayout(cfg.num_layers, top * per_seq + chunk_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim, "bf16")
+    caches = layout.allocate(device)
+    g = torch.Generator().manual_seed(0)
+    for c in caches:  # a context of random K/V (what is in it does not change the cost)
+        c.copy_(torch.randn(c.shape, generator=g, dtype=torch.float32).to(c.dtype))
+    attn = PagedAttention(layout, caches, max_batch=top + 2, max_model_len=a.context + a.chunk + 8)
+    runner = ModelRunner(loaded.model, attn, max_batch=top, graphs=False)
+    chunk_ids = list(range(top * per_seq, top * per_seq + chunk_blocks))
+    print(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": a.dtype,
+                      "model": a.model}), flush=True)
+    for b in batches:
+        dec = [SeqSlice(list(range(i * per_seq, (i + 1) * per_seq)), a.context, 1) for i in range(b)]
+        points = {"decode": ([[1]] * b, dec)}
+        if a.chunk:
+            points["mixed"] = ([[1]] * b + [list(range(1, a.chunk + 1))], dec + [SeqSlice(chunk_ids, 0, a.chunk)])
+        for kind, (toks, slices) in points.items():
+            ms = _times(lambda: runner.step(toks, slices), a.reps)
+            print(json.dumps({"kind": kind, "batch": b, "context": a.context, "chunk": a.chunk if kind == "mixed" else 0,
+                              "ms": round(statistics.median(ms), 2), "ms_all": [round(x, 1) for x in ms]}), flush=True)
+            if a.profile:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    for _ in range(2):
+                        runner.step(toks, slices)
+                print(f"# {kind} batch {b}: self CPU time of 2 steps")
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14), flush=True)
+
+
+if __name__ == "__main__":
+    main()
