@@ -6,9 +6,11 @@ new K/V (:func:`~hawk.engine.triton_attention.paged_decode_fused`); with several
 launches (that attention, then the split reduce), which measured faster than the fused kernel's
 serial last-program merge; :class:`DecodePath` names the three ways. ``HAWK_FUSED_DECODE=0|1``
 (read at import) or ``fused_decode=`` forces one. A prefill or mixed layer is two: write the K/V,
-then FlashAttention-style varlen attention over the paged cache (:mod:`hawk.engine.triton_attention`).
-Elsewhere the same metadata drives a torch fallback: batched gather + SDPA for decode, one
-:func:`attend` per sequence for prefill.
+then FlashAttention-style varlen attention over the paged cache (:mod:`hawk.engine.triton_attention`);
+a mixed layer's leading one-token rows go to the decode kernel. Elsewhere the same metadata drives a
+torch fallback: on a CPU in bf16/fp16 the decode rows (a mixed batch's leading ones too) attend in
+fp32 in a few length groups per layer (:mod:`hawk.engine.cpu_attention`), else batched gather +
+SDPA; one :func:`attend` per sequence for prompt chunks.
 
 ``begin`` builds all metadata on the host with numpy and uploads it in two copies into device
 buffers allocated once, so the decode path is CUDA-graph safe (see :class:`PagedBackend`). A decode
