@@ -158,15 +158,22 @@ def test_rope_is_a_rotation_of_half_split_pairs(tiny: LlamaModel) -> None:
         assert torch.allclose(y[t, :, d // 2 :].double(), z.imag, atol=1e-5)
 
 
-def test_rope_scores_depend_only_on_distance(tiny: LlamaModel) -> None:
-    q, k = torch.randn(1, 1, 32), torch.randn(1, 1, 32)
+@pytest.mark.parametrize("seed", range(5))
+def test_rope_scores_depend_only_on_distance(tiny: LlamaModel, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(1, 1, 32, generator=g), torch.randn(1, 1, 32, generator=g)
 
     def score(m: int, n: int) -> float:
         cq, sq = tiny.rope(torch.tensor([m]), torch.float32)
         ck, sk = tiny.rope(torch.tensor([n]), torch.float32)
         return float((apply_rope(q, cq, sq) * apply_rope(k, ck, sk)).sum())
 
-    assert score(7, 3) == pytest.approx(score(1007, 1003), abs=1e-4)
+    # The table's angles are float32, as vLLM's: near position 1000 an angle carries up to ~6e-5 rad
+    # of rounding (half an ulp of 1007 is 3e-5, plus the frequency's), so the two scores may differ
+    # by ~1e-4 of |q||k| per pair; a wrong rotation moves them by order |q||k|.
+    tol = 2e-4 * float(q.norm() * k.norm())
+    assert score(7, 3) == pytest.approx(score(1007, 1003), abs=tol)
+    assert abs(score(7, 3) - score(7, 5)) > tol  # the distance does matter
 
 
 # ---- attention ------------------------------------------------------------------------------

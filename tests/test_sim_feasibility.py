@@ -64,7 +64,7 @@ def test_bounds_are_in_the_reproduce_json(tmp_path):
     """--reproduce-paper --json carries the bounds (40 requests per run, as the other JSON tests)."""
     import json
 
-    from hawk.sim.paper import reproduce_paper
+    from hawk.sim.paper_command import reproduce_paper
 
     out = tmp_path / "r.json"
     reproduce_paper(num_requests=40, json_path=str(out), quiet=True)

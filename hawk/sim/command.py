@@ -136,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         n = 1000 if a.num_requests is None else a.num_requests
         return [asdict(calibrate(n, a.seed))]
     if a.reproduce_paper:
-        from hawk.sim.paper import reproduce_paper
+        from hawk.sim.paper_command import reproduce_paper
 
         n = 1000 if a.num_requests is None else a.num_requests
         return [{"row": r} for r in reproduce_paper(n, a.seed, a.json, a.plots)]
