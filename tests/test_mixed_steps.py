@@ -8,6 +8,7 @@ batch still yields the tokens of the threaded engines (prefill and decode as sep
 
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -216,6 +217,31 @@ def test_overlapped_mixed_steps_give_the_synchronous_tokens_and_free_everything(
         ahead = [(s, d) for s, d in zip(log, inst.device_ids) if d]
         assert any(any(q > 1 for _, q in s) for s, _ in ahead), "no overlapped step carried a prefill chunk"
         assert any(sum(q == 1 for _, q in s) > d for s, d in ahead), "no row joined an overlapped step"
+        assert _all_free(inst) and inst.prefill.stats()["prefilling"] == 0
+    finally:
+        inst.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_overlapped_mixed_steps_give_the_synchronous_tokens(monkeypatch):
+    """The same on CUDA, where overlap is the default: graph replays (decode steps, and mixed steps
+    through the prefill graphs), device ids for the running rows, the chunks' logits read after the
+    next step's launch, and the event a step's prompts wait on."""
+    cfg = InstanceConfig(model="tiny", transfer="colocated", kv_tokens=4096, dtype="bf16", prefill_device="cuda:0",
+                         mixed_steps=True, max_num_batched_tokens=BUDGET, max_batch=8)
+    sync = ColocatedInstance(replace(cfg, async_scheduling=False))
+    try:
+        want = _serve(sync, 6)
+    finally:
+        sync.close()
+    inst = ColocatedInstance(cfg)
+    try:
+        assert inst.decode.overlap and inst.decode.runner.use_graphs
+        log = _record(monkeypatch, inst)
+        assert _serve(inst, 6) == want
+        ahead = [s for s, d in zip(log, inst.device_ids) if d]
+        assert any(any(q > 1 for _, q in s) for s in ahead), "no overlapped step carried a prefill chunk"
         assert _all_free(inst) and inst.prefill.stats()["prefilling"] == 0
     finally:
         inst.close()
