@@ -37,6 +37,8 @@
 #                 and gn-hawk with both roles on GPU0 (transport auto), each beside its same-run bound; then
 #                 `python -m hawk.bench.saturation summarize` -> $OUT/saturation_h200.json (SAT_START rate, SAT_DURATION s or
 #                 SAT_REQUESTS per rate, SAT_CONFIGS: one server per call at 30 s a rate)
+#     steps     - the engine's step paths on CUDA: the runner's graphs (decode, prefill, two for a large mixed batch),
+#                 async scheduling and overlapped mixed steps against the synchronous loop (pytest -m gpu)
 #     posts     - the host work of layer-wise posts on the forward's thread: `hawk bench ttft` at 1k (both roles on GPU0)
 #                 under cProfile (--profile-posts), the profile in $OUT/ttft_posts_profile.txt
 #     vllm      - issue 30: the fused transform reading vLLM 0.32's GPU layouts (views as vLLM's create_kv_cache_views makes
@@ -75,6 +77,8 @@ if want vllm; then
       --blocks shuffled --src-layout $src --json "$OUT/transform_${src}_h200.json"
   done
 fi
+want steps && \
+  step gpu_steps 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_runner.py tests/test_async_scheduling.py tests/test_mixed_steps.py
 want kernels && \
   step gpu_kernels 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_paged_attention.py tests/test_npu_attention.py tests/test_triton_ops.py
 want transform && \
