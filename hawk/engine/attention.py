@@ -16,10 +16,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from hawk.engine.cpu_numerics import attend_widened, widens
+
+
+def leading_decode_rows(q_lens: Sequence[int] | np.ndarray) -> int:
+    """How many leading rows of a batch bring one token each: a decode engine's running sequences,
+    which come before a mixed step's prompt chunks. Backends attend them with a decode kernel and
+    the runner replays them through a decode graph, because a prefill kernel gives each such row
+    the query slots of a whole chunk (on an H200, 8B shape, context 850, a 512-token chunk: a mixed
+    step of 256 decode rows took 77 ms through the prefill kernel against 28 ms for its decode and
+    prefill parts run apart; benchmarks/mixed_step_probe.py)."""
+    ones = np.asarray(q_lens) == 1
+    return len(ones) if ones.all() else int(np.argmin(ones))
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from hawk.devices.staging import HostStaging
-from hawk.engine.attention import SeqSlice, attend
+from hawk.engine.attention import SeqSlice, attend, leading_decode_rows
 from hawk.engine.cpu_attention import DecodePlan, DecodeWorkspace, decode_groups
 from hawk.engine.cpu_numerics import widens
 from hawk.layouts.gpu import GpuKVLayout
@@ -224,7 +224,7 @@ class PagedAttention:
         t = t_real + (n - n_real) if pad_tokens is None else pad_tokens
         if t < t_real:
             raise ValueError(f"pad_tokens={pad_tokens} is smaller than the batch's {t_real} tokens")
-        n_dec = self._decode_rows(q_lens) if (self._ta and not decode and pad_tokens is None) else 0
+        n_dec = leading_decode_rows(q_lens) if (self._ta and not decode and pad_tokens is None) else 0
         progs = self._ta.prefill_programs(q_lens[n_dec:], starts[n_dec:], self._block_m) if (self._ta and not decode) else None
         if progs is not None and pad_tokens is not None:
             progs = _pad_programs(progs, n_real, t - t_real, -(-t // self._block_m) + n, self._block_m)
@@ -325,20 +325,6 @@ class PagedAttention:
         self._n, self._n_real, self._tokens, self._decode = n, n_real, n, True
         self._q_lens, self._starts = [1] * n_real, [s.start for s in batch]
 
-    @staticmethod
-    def _decode_rows(q_lens: np.ndarray) -> int:
-        """How many leading rows of a mixed batch (a decode engine's running sequences come first,
-        prompt chunks after them) are attended by the decode kernel rather than the prefill kernel.
-
-        Why: the prefill kernel gives every row a program per query head with ``block_m`` query
-        slots, so a one-token row wastes all but one slot and reads its group's K/V once per query
-        head; on an H200 (8B shape, context 850, a 512-token chunk) a mixed step of 256 decode rows
-        took 77 ms against 28 ms for its decode and prefill parts run apart
-        (benchmarks/mixed_step_probe.py). The decode kernel reads each K/V head once for its group.
-        """
-        ones = q_lens == 1
-        return len(q_lens) if ones.all() else int(np.argmin(ones))
-
     def _set_views(self, n: int, t: int, p: int, meta_len: int, n_dec: int = 0) -> None:
         """Name the regions of the device buffers that this batch's metadata occupies (kept per
         shape: a decode step of a known shape makes no tensor views). ``n_dec`` > 0: a mixed batch's
@@ -372,7 +358,7 @@ class PagedAttention:
             "block_tables": torch.from_numpy(bt_np[:n_real, :width].astype(np.int64)).to(dev),
         }
         self._need, self._ctx = need.tolist(), ctx.tolist()
-        n_dec = n_real if self._decode else self._decode_rows(np.asarray(self._q_lens))
+        n_dec = n_real if self._decode else leading_decode_rows(self._q_lens)
         self._cpu_plans = []
         if dev.type == "cpu" and n_dec:
             self._cpu_plans = decode_groups(bt_np[:n_dec], ctx[:n_dec], self.layout.block_size)

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from hawk.devices.staging import HostStaging
-from hawk.engine.attention import SeqSlice
+from hawk.engine.attention import SeqSlice, leading_decode_rows
 from hawk.engine.model import LlamaModel
 from hawk.engine.sampler import NO_TOKEN
 
@@ -455,7 +455,7 @@ class ModelRunner:
         are the graphs decode steps and prompts use anyway, so a mixed batch's shape adds none."""
         if not self.use_graphs:
             return None
-        n_dec = next((i for i, q in enumerate(q_lens) if q != 1), len(q_lens))
+        n_dec = leading_decode_rows(q_lens)
         if n_dec == 0 or n_dec == len(q_lens) or n_dec > self.buckets[-1]:
             return None
         rest = self._prefill_bucket(sum(q_lens[n_dec:]), len(q_lens) - n_dec)

@@ -652,7 +652,7 @@ def prefill_programs(q_lens: np.ndarray, starts: np.ndarray, block_m: int) -> tu
 
 # Triton keys compiled variants on each pointer's 16-byte alignment. These five are int32 slices of
 # the metadata buffers whose offsets move with the batch's shape (a mixed step's prefill rows start
-# after its decode rows: PagedAttention._decode_rows), and are read one value at a time: specializing
+# after its decode rows: attention.leading_decode_rows), and are read one value at a time: specializing
 # on them only bought a new ~1 s compile, mid-serving, for an unseen batch shape.
 @triton.jit(do_not_specialize_on_alignment=["bt_ptr", "seq_lens_ptr", "q_start_ptr", "prog_seq_ptr", "prog_blk_ptr"])
 def _prefill_kernel(
