@@ -15,6 +15,7 @@ import torch
 from hawk.engine.decode_engine import KVHandle, TokenEvent
 from hawk.engine.instances import ColocatedInstance, DecodeInstance, InstanceConfig, PrefillInstance
 from hawk.engine.sequence import SamplingParams
+from tests.blocks import blocks_back
 
 CFG = InstanceConfig(model="tiny", transfer="colocated", kv_tokens=1024)
 
@@ -115,15 +116,6 @@ def _run(inst, requests, abort_after=None):
     return cols
 
 
-def _blocks_back(inst) -> bool:
-    import time
-
-    deadline = time.monotonic() + 5
-    while inst.blocks.num_free != inst.blocks.num_blocks and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return inst.blocks.num_free == inst.blocks.num_blocks
-
-
 def _requests(stop: dict[str, int] | None = None):
     stop = stop or {}
     out = []
@@ -177,7 +169,7 @@ def _same_tokens_and_late_frees(sync, overlap):
     assert after["steps_synchronous"] > before["steps_synchronous"] and sync.decode.stats()["steps_overlapped"] == 0
     assert spy.deferred > 0  # a sequence finished while the step after it was in flight ...
     assert spy.early == []  # ... and its blocks came back only after that step
-    assert _blocks_back(overlap) and _blocks_back(sync)
+    assert blocks_back(overlap, 5) and blocks_back(sync, 5)
 
 
 def test_seeded_sampling_is_the_same_overlapped(engines):
@@ -198,7 +190,7 @@ def test_an_abort_mid_chain_frees_its_blocks_and_the_rest_go_on(engines):
     assert got["a-long"].reason == "abort" and 6 <= len(got["a-long"].tokens) < 60
     assert got["a-long"].tokens == want["a-long"].tokens[: len(got["a-long"].tokens)]
     assert got["a-other"].tokens == want["a-other"].tokens
-    assert spy.early == [] and _blocks_back(overlap)
+    assert spy.early == [] and blocks_back(overlap, 5)
 
 
 def test_a_failing_chained_step_fails_its_batch_and_the_engine_serves_on(engines, monkeypatch):
@@ -218,7 +210,7 @@ def test_a_failing_chained_step_fails_its_batch_and_the_engine_serves_on(engines
     got = _run(overlap, [("f0", [5, 5, 5], SamplingParams(max_tokens=20, ignore_eos=True))])
     assert got["f0"].reason == "error" and calls["n"] == 3
     monkeypatch.undo()
-    assert _blocks_back(overlap)
+    assert blocks_back(overlap, 5)
     after = _run(overlap, [("f1", [5, 5, 5], SamplingParams(max_tokens=4, ignore_eos=True))])
     assert after["f1"].reason == "length" and len(after["f1"].tokens) == 4
 
@@ -234,7 +226,7 @@ def test_a_sequence_ending_at_the_context_length_rides_along_within_it():
         got = _run(overlap, reqs)
         assert got["edge"].tokens == want["edge"].tokens and len(got["edge"].tokens) == 24
         assert got["mate"].tokens == want["mate"].tokens
-        assert spy.deferred > 0 and spy.early == [] and _blocks_back(overlap)
+        assert spy.deferred > 0 and spy.early == [] and blocks_back(overlap, 5)
     finally:
         sync.close()
         overlap.close()

@@ -7,7 +7,6 @@ batch still yields the tokens of the threaded engines (prefill and decode as sep
 """
 
 import threading
-import time
 from dataclasses import replace
 
 import pytest
@@ -18,6 +17,7 @@ from hawk.engine.decode_engine import DecodeEngine, LocalKV, TokenEvent
 from hawk.engine.instances import ColocatedInstance, InstanceConfig
 from hawk.engine.loader import load_model
 from hawk.engine.sequence import SamplingParams
+from tests.blocks import blocks_back
 
 BUDGET = 96
 
@@ -57,15 +57,6 @@ def _record(monkeypatch, inst: ColocatedInstance) -> list[list[tuple[int, int]]]
 
     monkeypatch.setattr(inst.decode.runner, "step", step)
     return log
-
-
-def _all_free(inst: ColocatedInstance, timeout_s: float = 10.0) -> bool:
-    """Every block back (overlapped, a finished request's row rides along in the step launched
-    before its end was read: its blocks come back when that step is)."""
-    deadline = time.monotonic() + timeout_s
-    while inst.blocks.num_free != inst.blocks.num_blocks and time.monotonic() < deadline:
-        time.sleep(0.005)
-    return inst.blocks.num_free == inst.blocks.num_blocks
 
 
 class Client:
@@ -122,7 +113,7 @@ def test_every_step_keeps_the_token_budget_and_prompts_share_steps_with_decodes(
         mixed = [s for s in log if any(q > 1 for _, q in s) and any(q == 1 for _, q in s)]
         assert mixed, "no step carried decode tokens and a prefill chunk together"
         assert inst.decode.stats()["steps_mixed"] >= len(mixed)
-        assert _all_free(inst)
+        assert blocks_back(inst, 10)
     finally:
         inst.close()
 
@@ -151,7 +142,7 @@ def test_a_long_prompt_delays_a_running_decode_by_one_bounded_step_per_token(loa
         assert starts == sorted(starts) and starts[0] == 0  # chunk after chunk, none planned twice
         ahead = [d for s, d in zip(steps, inst.device_ids[-len(steps):]) if any(q > 1 for _, q in s) and d]
         assert (len(ahead) >= len(chunks) - 2) if overlap else not ahead
-        assert _all_free(inst)
+        assert blocks_back(inst, 10)
     finally:
         inst.close()
 
@@ -172,7 +163,7 @@ def test_preemption_in_mixed_steps_gives_the_tokens_of_separate_forwards(loaded,
         stats = tight.decode.stats()
         assert stats["preemptions"] >= 1 and stats["steps_mixed"] >= 1
         assert got == want
-        assert _all_free(tight)
+        assert blocks_back(tight, 10)
     finally:
         tight.close()
 
@@ -195,8 +186,8 @@ def test_a_failing_mixed_forward_fails_its_requests_frees_their_blocks_and_serve
         running.wait()
         assert running.error and "fell over" in running.error
         monkeypatch.undo()
-        assert _all_free(inst) and inst.prefill.stats()["prefilling"] == 0
-        assert _serve(inst, 2, max_tokens=4) and _all_free(inst)
+        assert blocks_back(inst, 10) and inst.prefill.stats()["prefilling"] == 0
+        assert _serve(inst, 2, max_tokens=4) and blocks_back(inst, 10)
     finally:
         inst.close()
 
@@ -217,7 +208,7 @@ def test_overlapped_mixed_steps_give_the_synchronous_tokens_and_free_everything(
         ahead = [(s, d) for s, d in zip(log, inst.device_ids) if d]
         assert any(any(q > 1 for _, q in s) for s, _ in ahead), "no overlapped step carried a prefill chunk"
         assert any(sum(q == 1 for _, q in s) > d for s, d in ahead), "no row joined an overlapped step"
-        assert _all_free(inst) and inst.prefill.stats()["prefilling"] == 0
+        assert blocks_back(inst, 10) and inst.prefill.stats()["prefilling"] == 0
     finally:
         inst.close()
 
@@ -242,7 +233,7 @@ def test_on_a_gpu_overlapped_mixed_steps_give_the_synchronous_tokens(monkeypatch
         assert _serve(inst, 6) == want
         ahead = [s for s, d in zip(log, inst.device_ids) if d]
         assert any(any(q > 1 for _, q in s) for s in ahead), "no overlapped step carried a prefill chunk"
-        assert _all_free(inst) and inst.prefill.stats()["prefilling"] == 0
+        assert blocks_back(inst, 10) and inst.prefill.stats()["prefilling"] == 0
     finally:
         inst.close()
 
