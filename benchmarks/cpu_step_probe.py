@@ -21,18 +21,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-from hawk.engine.attention import SeqSlice
-from hawk.engine.loader import load_model
 from hawk.engine.paged_attention import PagedAttention
 from hawk.engine.runner import ModelRunner
-from hawk.layouts.gpu import GpuKVLayout
 
-BLOCK = 16
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling probe; hawk itself as PYTHONPATH says
+from mixed_step_probe import StepCase
 
 
 def _times(fn: Callable[[], object], reps: int, warmup: int = 2) -> list[float]:
@@ -58,28 +58,22 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    device = torch.device("cpu")
-    loaded = load_model(a.model, device, dtype, 0)
-    cfg = loaded.config
     batches = [int(x) for x in a.batches.split(",")]
     top = max(batches)
-    per_seq = -(-(a.context + 2) // BLOCK)
-    chunk_blocks = -(-(a.chunk + 1) // BLOCK)
-    layout = GpuKVLayout(cfg.num_layers, top * per_seq + chunk_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim, "bf16")
-    caches = layout.allocate(device)
+    case = StepCase.build(a.model, torch.device("cpu"), dtype, top, a.context, a.chunk)
     g = torch.Generator().manual_seed(0)
-    for c in caches:  # a context of random K/V (what is in it does not change the cost)
+    for c in case.caches:  # a context of random K/V (what is in it does not change the cost)
         c.copy_(torch.randn(c.shape, generator=g, dtype=torch.float32).to(c.dtype))
-    attn = PagedAttention(layout, caches, max_batch=top + 2, max_model_len=a.context + a.chunk + 8)
-    runner = ModelRunner(loaded.model, attn, max_batch=top, graphs=False)
-    chunk_ids = list(range(top * per_seq, top * per_seq + chunk_blocks))
+    attn = PagedAttention(case.layout, case.caches, max_batch=top + 2, max_model_len=a.context + a.chunk + 8)
+    runner = ModelRunner(case.loaded.model, attn, max_batch=top, graphs=False)
     print(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": a.dtype,
                       "model": a.model}), flush=True)
+    ptok, pre = case.prefill()
     for b in batches:
-        dec = [SeqSlice(list(range(i * per_seq, (i + 1) * per_seq)), a.context, 1) for i in range(b)]
-        points = {"decode": ([[1]] * b, dec)}
+        dtok, dec = case.decode(b)
+        points = {"decode": (dtok, dec)}
         if a.chunk:
-            points["mixed"] = ([[1]] * b + [list(range(1, a.chunk + 1))], dec + [SeqSlice(chunk_ids, 0, a.chunk)])
+            points["mixed"] = (dtok + ptok, dec + pre)
         for kind, (toks, slices) in points.items():
             ms = _times(lambda: runner.step(toks, slices), a.reps)
             print(json.dumps({"kind": kind, "batch": b, "context": a.context, "chunk": a.chunk if kind == "mixed" else 0,

@@ -15,6 +15,8 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -25,6 +27,37 @@ from hawk.engine.runner import ModelRunner
 from hawk.layouts.gpu import GpuKVLayout
 
 BLOCK = 16
+
+
+@dataclass
+class StepCase:
+    """``top`` decode rows at ``context`` tokens each and one fresh prompt chunk, over a paged cache
+    sized for exactly them (the CPU step probe builds the same case)."""
+
+    loaded: Any
+    layout: GpuKVLayout
+    caches: list[torch.Tensor]
+    context: int
+    chunk: int
+    per_seq: int  # blocks a decode row holds
+
+    @classmethod
+    def build(cls, model: str, device: torch.device, dtype: torch.dtype, top: int, context: int, chunk: int) -> StepCase:
+        loaded = load_model(model, device, dtype, 0)
+        cfg = loaded.config
+        per_seq = -(-(context + 2) // BLOCK)
+        chunk_blocks = -(-(chunk + 1) // BLOCK)
+        layout = GpuKVLayout(cfg.num_layers, top * per_seq + chunk_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim, "bf16")
+        return cls(loaded, layout, layout.allocate(device), context, chunk, per_seq)
+
+    def decode(self, b: int) -> tuple[list[list[int]], list[SeqSlice]]:
+        """The first ``b`` rows' tokens and slices: one new token each, after ``context``."""
+        return [[1]] * b, [SeqSlice(list(range(i * self.per_seq, (i + 1) * self.per_seq)), self.context, 1) for i in range(b)]
+
+    def prefill(self) -> tuple[list[list[int]], list[SeqSlice]]:
+        """The chunk's tokens and slice, in the blocks after every row's."""
+        first = self.layout.num_blocks - (-(-(self.chunk + 1) // BLOCK))
+        return [list(range(1, self.chunk + 1))], [SeqSlice(list(range(first, self.layout.num_blocks)), 0, self.chunk)]
 
 
 def _time(fn, device: torch.device, reps: int) -> tuple[float, float]:
@@ -56,24 +89,17 @@ def main() -> None:
     ap.add_argument("--device", default="cuda:0")
     a = ap.parse_args()
     device = torch.device(a.device)
-    loaded = load_model(a.model, device, torch.bfloat16, 0)
-    cfg = loaded.config
     batches = [int(x) for x in a.batches.split(",")]
     top = max(batches)
-    per_seq = -(-(a.context + 2) // BLOCK)
-    chunk_blocks = -(-(a.chunk + 1) // BLOCK)
-    layout = GpuKVLayout(cfg.num_layers, top * per_seq + chunk_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim, "bf16")
-    caches = layout.allocate(device)
-    attn = PagedAttention(layout, caches, max_batch=top + 17, max_model_len=a.context + a.chunk + 8)
-    runner = ModelRunner(loaded.model, attn, max_batch=top, prefill_graph_tokens=a.prefill_graph_tokens)
+    case = StepCase.build(a.model, device, torch.bfloat16, top, a.context, a.chunk)
+    attn = PagedAttention(case.layout, case.caches, max_batch=top + 17, max_model_len=a.context + a.chunk + 8)
+    runner = ModelRunner(case.loaded.model, attn, max_batch=top, prefill_graph_tokens=a.prefill_graph_tokens)
     runner.warmup()
-    chunk_ids = list(range(top * per_seq, top * per_seq + chunk_blocks))
+    ptok, pre = case.prefill()
     for b in batches:
-        dec = [SeqSlice(list(range(i * per_seq, (i + 1) * per_seq)), a.context, 1) for i in range(b)]
-        pre = SeqSlice(chunk_ids, 0, a.chunk)
-        dtok, ptok = [[1]] * b, [list(range(1, a.chunk + 1))]
+        dtok, dec = case.decode(b)
         rows = {}
-        for kind, toks, slices in (("decode", dtok, dec), ("prefill", ptok, [pre]), ("mixed", dtok + ptok, dec + [pre])):
+        for kind, toks, slices in (("decode", dtok, dec), ("prefill", ptok, pre), ("mixed", dtok + ptok, dec + pre)):
             path = []
             gpu, host = _time(lambda: path.append(runner.step(toks, slices).path.name), device, a.reps)
             rows[kind] = (gpu, host)
