@@ -631,8 +631,8 @@ class ChunkMaker:
     def __init__(self, chat: bool, rid: str, model: str):
         self.chat, self.rid, self.model = chat, rid, model
         self.created = int(time.time())
-        #: A plain delta (text only) as the models dump it, built once: a stream sends one per token,
-        #: and building the models took ~11 us of the router's one thread a token (a test holds the two equal).
+        #: A plain delta (text only) as the models dump it, built once: a stream sends one per token, on
+        #: the router's one thread, and the models are costly to build and dump (a test holds the two equal).
         self._plain = self._delta_model("")
         self._plain_choice = self._plain["choices"][0]
 
