@@ -26,17 +26,20 @@ import dataclasses
 import json
 import os
 import platform
+import secrets
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 
 from hawk.bench.equivalence import config_for
 from hawk.bench.serving import run_serving_bench
 from hawk.config import defaults
 from hawk.devices.timing import engine_step_model, timing_label
+from hawk.serve.common import CLUSTER_SECRET_ENV, cluster_secret_from_env
 from hawk.sim.cluster import simulate
 from hawk.sim.crossval import Probes, calibrate, calibrated_config, compare, format_one_offs, format_table, per_request
 from hawk.sim.workload import LengthDist, Workload, generate_requests, get_workload
@@ -101,6 +104,19 @@ def probe(url: str, seed: int, lengths: tuple[int, ...] = PREFILL_LENS, repeats:
     return p
 
 
+def served_limits(system: Any, cfg: Any) -> dict[str, int]:
+    """The batch and KV capacities the running system resolved (``hawk/engine/capacity.py``'s memory
+    rule where the config leaves them open): the simulator admits requests against the same ones."""
+    from hawk.engine.capacity import CPU_KV_TOKENS, default_max_num_seqs
+
+    secret = cluster_secret_from_env()
+    headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+    info = httpx.get(f"{system.cluster.decode_urls[0]}/internal/info", headers=headers, timeout=10.0, trust_env=False)
+    info.raise_for_status()
+    return {"max_batch": default_max_num_seqs(cfg), "decode_kv_tokens": int(info.json()["max_kv_tokens"]),
+            "prefill_kv_tokens": cfg.kv_tokens or CPU_KV_TOKENS}
+
+
 def run_scenario(name: str, a: argparse.Namespace, transfer: str) -> dict[str, Any]:
     """One real system: probes, the sweep, then the simulator on the calibrated models."""
     from hawk.serve.launcher import start_system
@@ -112,14 +128,16 @@ def run_scenario(name: str, a: argparse.Namespace, transfer: str) -> dict[str, A
     ), transfer).validate()
     wl = get_workload(a.workload)
     t0 = time.monotonic()
+    os.environ.setdefault(CLUSTER_SECRET_ENV, secrets.token_urlsafe(32))  # the launcher's children get it; we read /internal/info
     with start_system(cfg, log_dir=a.log_dir) as system:
         print(f"[{name}] system up in {time.monotonic() - t0:.1f} s at {system.url}", flush=True)
+        limits = served_limits(system, cfg)
         probes = probe(system.url, a.seed, prefill_lengths(wl, longest_prompt(wl, a.num_requests, a.seed)))
         print(f"[{name}] probes done at {time.monotonic() - t0:.1f} s", flush=True)
         real = run_serving_bench(system.url, a.rates, wl, a.num_requests, a.seed, warmup_requests=1, per_request=True)
         print(f"[{name}] sweep done at {time.monotonic() - t0:.1f} s", flush=True)
-    cal = calibrate(probes, max_batch=cfg.max_batch, kv_tokens=cfg.kv_tokens, prefill_chunk=cfg.max_prefill_chunk,
-                    machine=platform.node() or "this machine")
+    cal = calibrate(probes, max_batch=limits["max_batch"], kv_tokens=limits["decode_kv_tokens"], prefill_chunk=cfg.max_prefill_chunk,
+                    machine=platform.node() or "this machine", prefill_kv_tokens=limits["prefill_kv_tokens"])
     npu_step = None
     if paced and cfg.decode_device.startswith("npu-emu"):
         from hawk.engine.loader import load_model
@@ -141,6 +159,7 @@ def run_scenario(name: str, a: argparse.Namespace, transfer: str) -> dict[str, A
         "scenario": name,
         "timing_emulation": timing_label(cfg.npu_timing, cfg.link_gbps),
         "config": {k: v for k, v in cfg.to_dict().items() if k in ("model", "dtype", "transfer", "transport", "prefill_device", "decode_device", "npu_timing", "link_gbps", "max_batch", "kv_tokens", "kv_dtype")},
+        "served_limits": limits,
         "probes": probes.to_dict(),
         "calibration": cal.to_dict(),
         "npu_step_model": None if npu_step is None else dataclasses.asdict(npu_step),
@@ -167,8 +186,9 @@ def resimulate(path: str) -> list[dict[str, Any]]:
         cfg = s["config"]
         probes = Probes(**{k: [tuple(x) if isinstance(x, list) else x for x in v] for k, v in s["probes"].items()})
         chunk = defaults().max_prefill_chunk  # the serving default the run used (not saved with it)
-        cal = calibrate(probes, max_batch=cfg["max_batch"], kv_tokens=cfg["kv_tokens"], prefill_chunk=chunk,
-                        machine=saved.get("machine", {}).get("node", "saved run"))
+        lim = s.get("served_limits") or {"max_batch": cfg["max_batch"], "decode_kv_tokens": cfg["kv_tokens"], "prefill_kv_tokens": None}
+        cal = calibrate(probes, max_batch=lim["max_batch"], kv_tokens=lim["decode_kv_tokens"], prefill_chunk=chunk,
+                        machine=saved.get("machine", {}).get("node", "saved run"), prefill_kv_tokens=lim["prefill_kv_tokens"])
         npu_step = None if s["npu_step_model"] is None else StepModel(**s["npu_step_model"])
         sim_cfg = calibrated_config(cal, cfg["transfer"], npu_step=npu_step, link_gbps=cfg["link_gbps"])
         sim = [simulate(sim_cfg, r, wl, a["num_requests"], a["seed"], per_request=True) for r in a["rates"]]

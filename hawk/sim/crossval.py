@@ -113,17 +113,18 @@ class Calibrated:
 
 
 def calibrate(p: Probes, *, max_batch: int, kv_tokens: int, max_batch_tokens: int = 8192, prefill_chunk: int = 0,
-              machine: str = "this machine") -> Calibrated:
+              machine: str = "this machine", prefill_kv_tokens: int | None = None) -> Calibrated:
     """Fit the models (see the module docstring); ``max_batch`` / ``kv_tokens`` are the served
-    config's limits, ``max_batch_tokens`` the prefill engine's token budget and ``prefill_chunk`` its
-    ``max_prefill_chunk`` (0: whole prompts)."""
+    decode's limits (``prefill_kv_tokens`` the prefill's, when its cache is sized apart: the memory
+    rule gives a prefill instance a fixed cache), ``max_batch_tokens`` the prefill engine's token
+    budget and ``prefill_chunk`` its ``max_prefill_chunk`` (0: whole prompts)."""
     pa, pb = fit_line([n for n, _ in p.prefill], [t for _, t in p.prefill])
     da, db = fit_line([b for b, _ in p.decode], [t for _, t in p.decode])
     bpt = sum(b for _, b in p.kv_tokens) / max(1, sum(n for n, _ in p.kv_tokens))
     src = f"measured: probes of the running system on {machine}"
     curve = transfer_curve(p.transfer, src)
     return Calibrated(
-        PrefillModel(pa, pb, 0.0, max_batch_tokens, kv_tokens, f"{src}: {pa * 1e3:.1f} ms + {pb * 1e3:.3f} ms/token (least squares)",
+        PrefillModel(pa, pb, 0.0, max_batch_tokens, prefill_kv_tokens or kv_tokens, f"{src}: {pa * 1e3:.1f} ms + {pb * 1e3:.3f} ms/token (least squares)",
                      chunk_tokens=prefill_chunk),
         DecodeModel(da, db, 0.0, max_batch, kv_tokens, f"{src}: {da * 1e3:.1f} ms + {db * 1e3:.2f} ms/sequence (median TPOT at each batch)"),
         curve, int(round(bpt)), float(np.median(p.frontend)) if p.frontend else 0.0,
