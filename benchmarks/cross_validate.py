@@ -41,7 +41,15 @@ from hawk.config import defaults
 from hawk.devices.timing import engine_step_model, timing_label
 from hawk.serve.common import CLUSTER_SECRET_ENV, cluster_secret_from_env
 from hawk.sim.cluster import simulate
-from hawk.sim.crossval import Probes, calibrate, calibrated_config, compare, format_one_offs, format_table, per_request
+from hawk.sim.crossval import (
+    Probes,
+    calibrate,
+    calibrated_config,
+    compare,
+    format_one_offs,
+    format_table,
+    per_request,
+)
 from hawk.sim.workload import LengthDist, Workload, generate_requests, get_workload
 
 PREFILL_LENS = (8, 32, 64, 128)  # spans chatbot-tiny's 8..128 prompts (the default when no workload is given)
@@ -140,8 +148,8 @@ def run_scenario(name: str, a: argparse.Namespace, transfer: str) -> dict[str, A
                     machine=platform.node() or "this machine", prefill_kv_tokens=limits["prefill_kv_tokens"])
     npu_step = None
     if paced and cfg.decode_device.startswith("npu-emu"):
-        from hawk.engine.loader import load_model
         from hawk.engine.instances import compute_dtype
+        from hawk.engine.loader import load_model
 
         loaded = load_model(cfg.model, "cpu" if a.prefill_device == "cpu" else cfg.decode_compute_device, compute_dtype(cfg), cfg.seed)
         mc = loaded.config
