@@ -90,9 +90,15 @@ def longest_prompt(wl: Workload, num_requests: int, seed: int) -> int:
     return max(s.input_len for s in generate_requests(wl, num_requests, 1.0, seed))
 
 
-def probe(url: str, seed: int, lengths: tuple[int, ...] = PREFILL_LENS, repeats: int = 2) -> Probes:
+#: simultaneous pulls probed for a host-staged path's speed-up (hawk/sim/crossval.py, link_speedup)
+CONCURRENT_PULLS = (2, 4)
+
+
+def probe(url: str, seed: int, lengths: tuple[int, ...] = PREFILL_LENS, repeats: int = 2, concurrent_len: int | None = None) -> Probes:
     """Calibration probes of the running system (see the module docstring); ~15-25 s on 2 CPU cores.
-    Each probe starts with one unrecorded request: first requests of a shape compile kernels."""
+    Each probe starts with one unrecorded request: first requests of a shape compile kernels.
+    ``concurrent_len``: also send k prompts of that length at once (k in :data:`CONCURRENT_PULLS`), so
+    the simulator knows how simultaneous host-staged pulls share the decode host."""
     p = Probes()
     for n in lengths:  # sequential: nothing queues, each stage is seen alone
         recs = run_serving_bench(url, [float("inf")], fixed(f"probe-prefill-{n}", n, 2), repeats, seed + n,
@@ -109,6 +115,10 @@ def probe(url: str, seed: int, lengths: tuple[int, ...] = PREFILL_LENS, repeats:
         tpots = [h["tpot_s"] for _, h in _hawks(recs) if h.get("tpot_s")]
         if tpots:
             p.decode.append((b, float(np.median(tpots))))
+    for k in CONCURRENT_PULLS if concurrent_len else ():
+        recs = run_serving_bench(url, [float("inf")], fixed(f"probe-concurrent-{k}", concurrent_len, 2), k, seed + 200 + k,
+                                 warmup_requests=0, per_request=True)
+        p.concurrent += [(k, float(h["kv_bytes"]), h["kv_transfer_s"]) for _, h in _hawks(recs)]
     return p
 
 
@@ -140,7 +150,8 @@ def run_scenario(name: str, a: argparse.Namespace, transfer: str) -> dict[str, A
     with start_system(cfg, log_dir=a.log_dir) as system:
         print(f"[{name}] system up in {time.monotonic() - t0:.1f} s at {system.url}", flush=True)
         limits = served_limits(system, cfg)
-        probes = probe(system.url, a.seed, prefill_lengths(wl, longest_prompt(wl, a.num_requests, a.seed)))
+        probes = probe(system.url, a.seed, prefill_lengths(wl, longest_prompt(wl, a.num_requests, a.seed)),
+                       concurrent_len=int(wl.input.mean) if transfer.endswith("-host") else None)
         print(f"[{name}] probes done at {time.monotonic() - t0:.1f} s", flush=True)
         real = run_serving_bench(system.url, a.rates, wl, a.num_requests, a.seed, warmup_requests=1, per_request=True)
         print(f"[{name}] sweep done at {time.monotonic() - t0:.1f} s", flush=True)

@@ -1,11 +1,24 @@
 """Cross-validation plumbing (hawk/sim/crossval.py): fits from probes, the calibrated config, the
 comparison. The real run itself is benchmarks/cross_validate.py (too slow for the suite)."""
 
+from dataclasses import replace
+
 import pytest
+import simpy
 
 from hawk.devices.timing import StepModel
 from hawk.sim.cluster import simulate
-from hawk.sim.crossval import TOLERANCE, Probes, calibrate, calibrated_config, compare, deviation, fit_line, format_table
+from hawk.sim.crossval import (
+    TOLERANCE,
+    Probes,
+    calibrate,
+    calibrated_config,
+    compare,
+    deviation,
+    fit_line,
+    format_table,
+)
+from hawk.sim.link import SharedLink
 
 
 def test_fit_line_recovers_a_line_and_stays_non_negative():
@@ -120,3 +133,34 @@ def test_the_probes_reach_the_sweeps_longest_prompt():
     lens = prefill_lengths(wl, longest)
     assert max(lens) == max(longest, max(base)) and set(base) <= set(lens)
     assert prefill_lengths(wl, min(base)) == base  # a shorter one adds nothing
+
+
+def test_simultaneous_pull_probes_give_the_speed_up_the_simulator_shares_the_link_with():
+    """k pulls sent at once that end after fixed + k * shared / s: the calibration recovers s(k),
+    interpolates unprobed k, keeps s within [1, k], and without such probes shares fairly (s = 1)."""
+    p = probes()
+    c0 = calibrate(p, max_batch=64, kv_tokens=8192)
+    assert c0.link_speedup == (1.0, 1.0, 1.0, 1.0)
+    nbytes = 30_000 * 64
+    fixed, shared = c0.transfer.split(nbytes)
+    for k, s in ((2, 1.6), (4, 2.4)):
+        p.concurrent += [(k, nbytes, fixed + k * shared / s)] * k
+    c = calibrate(p, max_batch=64, kv_tokens=8192)
+    assert c.link_speedup == pytest.approx((1.0, 1.6, 2.0, 2.4))
+    p.concurrent.append((2, nbytes, fixed + shared / 10))  # faster than k at once can be: capped at k
+    p.concurrent = [x for x in p.concurrent if x[0] == 2][-1:]
+    assert calibrate(p, max_batch=64, kv_tokens=8192).link_speedup[1] == 2.0
+
+
+def test_two_simultaneous_pulls_end_when_the_measured_speed_up_says():
+    """Two equal pulls of 1 s of shared work on one link: with s(2) = 1 (fair sharing) both end at
+    2 s, with s(2) = 1.6 at 1.25 s, with s(2) = 2 at 1 s; a host config carries the calibrated s."""
+    for s2 in (1.0, 1.6, 2.0):
+        env = simpy.Environment()
+        link = SharedLink(env, "host", (1.0, s2))
+        done = [link.transfer(1.0), link.transfer(1.0)]
+        env.run()
+        assert all(d.processed for d in done)
+        assert env.now == pytest.approx(2.0 / s2)
+    cfg = calibrated_config(replace(calibrate(probes(), max_batch=64, kv_tokens=8192), link_speedup=(1.0, 1.6)), "gn-host")
+    assert cfg.link_speedup == (1.0, 1.6) and cfg.contention == "decode"

@@ -68,6 +68,9 @@ class SimConfig:
     host: HostStaging | None = None
     #: KV pulls a decode instance runs at once (``DecodeEngine``'s pull threads); None: one per batch slot
     transfer_slots: int | None = None
+    #: a contended link's aggregate speed with k transfers active, ``[s(1), s(2), ...]`` (``link.py``):
+    #: 1 (fair sharing) unless probes of simultaneous transfers measured more
+    link_speedup: tuple[float, ...] = (1.0,)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -92,6 +95,7 @@ class SimConfig:
             "prefill_chunk_tokens": self.prefill.chunk_tokens,
             "host_staging": None if self.host is None else self.host.source,
             "transfer_slots": self.transfer_slots,
+            "link_speedup": list(self.link_speedup),
         }
 
 
@@ -165,7 +169,7 @@ class Cluster:
     def __post_init__(self) -> None:
         env, cfg = self.env, self.cfg
         self.occupancy = _Occupancy()
-        self.transfer = KVTransferService(env, cfg.transfer, cfg.bytes_per_token, cfg.contention, cfg.link_gbps)
+        self.transfer = KVTransferService(env, cfg.transfer, cfg.bytes_per_token, cfg.contention, cfg.link_gbps, cfg.link_speedup)
         h = cfg.host or HostStaging()
         self.prefills = [PrefillInstance(env, i, cfg.prefill, self._prefilled, h.prefill_s_per_byte * cfg.bytes_per_token)
                          for i in range(cfg.num_prefill)]

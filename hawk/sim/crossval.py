@@ -48,6 +48,7 @@ class Probes:
     kv_tokens: list[tuple[int, float]] = field(default_factory=list)  # (prompt tokens, kv bytes)
     decode: list[tuple[int, float]] = field(default_factory=list)  # (batch, step s = server TPOT)
     frontend: list[float] = field(default_factory=list)  # client TTFT - server-side stages
+    concurrent: list[tuple[int, float, float]] = field(default_factory=list)  # (k sent at once, kv bytes, kv_transfer_s)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -104,11 +105,13 @@ class Calibrated:
     transfer: TransferCurve
     bytes_per_token: int
     frontend_s: float
+    link_speedup: tuple[float, ...] = (1.0,)  # s(1), s(2), ... of simultaneous pulls (link_speedup())
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "prefill": self.prefill.to_dict(), "decode": {k: v for k, v in self.decode.to_dict().items() if k != "floor"},
             "transfer": self.transfer.to_dict(), "bytes_per_token": self.bytes_per_token, "frontend_s": self.frontend_s,
+            "link_speedup": list(self.link_speedup),
         }
 
 
@@ -127,8 +130,31 @@ def calibrate(p: Probes, *, max_batch: int, kv_tokens: int, max_batch_tokens: in
         PrefillModel(pa, pb, 0.0, max_batch_tokens, prefill_kv_tokens or kv_tokens, f"{src}: {pa * 1e3:.1f} ms + {pb * 1e3:.3f} ms/token (least squares)",
                      chunk_tokens=prefill_chunk),
         DecodeModel(da, db, 0.0, max_batch, kv_tokens, f"{src}: {da * 1e3:.1f} ms + {db * 1e3:.2f} ms/sequence (median TPOT at each batch)"),
-        curve, int(round(bpt)), float(np.median(p.frontend)) if p.frontend else 0.0,
+        curve, int(round(bpt)), float(np.median(p.frontend)) if p.frontend else 0.0, link_speedup(p, curve),
     )
+
+
+def link_speedup(p: Probes, curve: TransferCurve, slots: int | None = None) -> tuple[float, ...]:
+    """``s(1..slots)``, the aggregate speed of k simultaneous pulls over one alone, from the probes
+    that sent k requests at once. Under processor sharing k equal pulls that start together all end
+    after ``fixed + k * shared / s(k)``, with (fixed, shared) the solo curve's at their size, so
+    ``s(k) = k * mean(shared) / mean(T - fixed)``, kept within [1, k]; between probed k linear, past
+    the largest its value; with no such probe 1 (fair sharing, the safe assumption). Why: on one H200
+    host, gn-host's concurrent CPU fix-ups ran faster together than fair sharing of one fix-up's speed
+    gives (``docs/reproduce.md``), and only a probe of the same system may say by how much."""
+    slots = slots or PULL_THREADS
+    groups: dict[int, tuple[list[float], list[float]]] = {}
+    for k, nbytes, t in p.concurrent:
+        fixed, shared = curve.split(nbytes)
+        g = groups.setdefault(int(k), ([], []))
+        g[0].append(shared)
+        g[1].append(t - fixed)
+    points = {1: 1.0}
+    for k, (shared, excess) in groups.items():
+        if k > 1 and float(np.mean(excess)) > 0:
+            points[k] = min(float(k), max(1.0, k * float(np.mean(shared)) / float(np.mean(excess))))
+    ks = sorted(points)
+    return tuple(float(x) for x in np.interp(range(1, slots + 1), ks, [points[k] for k in ks]))
 
 
 #: KV pulls a ``DecodeEngine`` runs at once (its ``transfer_threads`` default; a test checks they agree)
@@ -140,7 +166,8 @@ def calibrated_config(c: Calibrated, name: str, *, npu_step: StepModel | None = 
     Contention: none for the direct paths (the real run paces each batch on its own,
     ``transport/paced.py``); for the host-staged ones (``*-host``) the per-byte part of a pull is the
     decode host's CPU work (copies, and ``gn-host``'s tilize), which concurrent pulls share: ``decode``
-    scope. At most :data:`PULL_THREADS` pulls run at once. The decode admits between steps, as
+    scope, at the speed-up simultaneous pulls were measured to get (:func:`link_speedup`). At most
+    :data:`PULL_THREADS` pulls run at once. The decode admits between steps, as
     ``DecodeEngine`` does (a request that arrives during a paced 30 ms step waits for it before its
     KV pull starts)."""
     decode = replace(c.decode, floor=npu_step) if npu_step is not None else c.decode
@@ -148,7 +175,7 @@ def calibrated_config(c: Calibrated, name: str, *, npu_step: StepModel | None = 
         name=name, transfer=c.transfer, prefill=c.prefill, decode=decode, bytes_per_token=c.bytes_per_token,
         contention="decode" if name.endswith("-host") else "none", prefill_profile="here-measured", decode_profile="here-measured",
         note="calibrated from probes of the real run's machine", link_gbps=link_gbps, frontend_s=c.frontend_s,
-        admit_between_steps=True, transfer_slots=PULL_THREADS,
+        admit_between_steps=True, transfer_slots=PULL_THREADS, link_speedup=c.link_speedup,
     )
 
 

@@ -1,15 +1,19 @@
-"""A link shared by overlapping transfers: fair (processor-sharing) bandwidth division.
+"""A link shared by overlapping transfers: processor sharing, with a measured speed-up.
 
 A transfer's *shared* work is the time its bytes would take alone on the link. With k transfers
-active, each progresses at 1/k of the link's speed, so two equal transfers that start together
-both finish after twice the solo time — the total bytes/second of the link never exceeds what one
-transfer alone measured. This is the simplest model that makes concurrent transfers cost what
-they should: it does not let overlap create bandwidth that a single transfer could not use.
+active, together they progress at ``s(k)`` times the speed of one alone, each at ``s(k) / k``. The
+default, ``s = 1``, is fair division of a fixed bandwidth: two equal transfers that start together
+both finish after twice the solo time, and overlap never creates bandwidth that a single transfer
+could not use. A resource that one transfer cannot fill has ``s(k) > 1``: a host CPU running
+several host-staged fix-ups at once on its cores, where one fix-up's threads keep only some of
+them busy. Such an ``s`` is measured (probes of k simultaneous transfers, ``hawk/sim/crossval.py``),
+never assumed; it is kept within [1, k].
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import simpy
 
@@ -18,11 +22,19 @@ import simpy
 _EPS = 1e-9
 
 
-class SharedLink:
-    """Processor-sharing server over simpy time; ``transfer(work_s)`` returns an event."""
+def speedup_at(speedup: Sequence[float], k: int) -> float:
+    """``s(k)`` from ``speedup[k - 1]`` (the last entry beyond the list), kept within [1, k]."""
+    if k <= 1 or not speedup:
+        return 1.0
+    return min(float(k), max(1.0, float(speedup[min(k, len(speedup)) - 1])))
 
-    def __init__(self, env: simpy.Environment, name: str = "link"):
-        self.env, self.name = env, name
+
+class SharedLink:
+    """Processor-sharing server over simpy time; ``transfer(work_s)`` returns an event.
+    ``speedup[k - 1]``: the aggregate speed of k active transfers over one alone (default: 1)."""
+
+    def __init__(self, env: simpy.Environment, name: str = "link", speedup: Sequence[float] = (1.0,)):
+        self.env, self.name, self.speedup = env, name, tuple(speedup)
         self._active: dict[int, list] = {}  # id -> [remaining solo seconds, done event]
         self._ids = itertools.count()
         self._wake = env.event()
@@ -49,13 +61,14 @@ class SharedLink:
         return done
 
     def _advance(self) -> None:
-        """Charge the time since the last event to every active transfer, at 1/k speed each."""
+        """Charge the time since the last event to every active transfer, at s(k)/k speed each."""
         dt = self.env.now - self._last
         self._last = self.env.now
         if dt <= 0 or not self._active:
             return
         self.busy_s += dt
-        share = dt / len(self._active)
+        k = len(self._active)
+        share = dt * speedup_at(self.speedup, k) / k
         for item in self._active.values():
             item[0] -= share
 
@@ -67,7 +80,7 @@ class SharedLink:
                 continue
             k = len(self._active)
             soonest = min(item[0] for item in self._active.values())
-            yield self.env.timeout(max(0.0, soonest * k)) | self._wake
+            yield self.env.timeout(max(0.0, soonest * k / speedup_at(self.speedup, k))) | self._wake
             if self._wake.triggered:
                 self._wake = self.env.event()
             self._advance()

@@ -13,6 +13,8 @@ among overlapping transfers (``link.py``). Which transfers share a link is the `
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import simpy
 
 from hawk.devices.timing import link_time_s
@@ -25,14 +27,15 @@ SCOPES = ("decode", "prefill", "pair", "none")
 
 class KVTransferService:
     def __init__(self, env: simpy.Environment, curve: TransferCurve, bytes_per_token: int, scope: str = "decode",
-                 link_gbps: float | None = None):
+                 link_gbps: float | None = None, speedup: Sequence[float] = (1.0,)):
         """``link_gbps``: timing emulation (``--link-gbps``): the bytes' share of a transfer takes at
         least ``bytes x 8 / N`` (the real run holds each batch back that long, see transport/paced.py);
-        the fixed part (control round trips, landing) is the curve's, as in the real run."""
+        the fixed part (control round trips, landing) is the curve's, as in the real run.
+        ``speedup``: each shared link's aggregate speed with k transfers active (``link.py``)."""
         if scope not in SCOPES:
             raise ValueError(f"contention scope {scope!r}: expected one of {SCOPES}")
         self.env, self.curve, self.bytes_per_token, self.scope = env, curve, bytes_per_token, scope
-        self.link_gbps = link_gbps
+        self.link_gbps, self.speedup = link_gbps, tuple(speedup)
         self.links: dict[object, SharedLink] = {}
 
     def _link(self, r: SimRequest) -> SharedLink | None:
@@ -40,7 +43,7 @@ class KVTransferService:
         if key is None:
             return None
         if key not in self.links:
-            self.links[key] = SharedLink(self.env, f"{self.scope}:{key}")
+            self.links[key] = SharedLink(self.env, f"{self.scope}:{key}", self.speedup)
         return self.links[key]
 
     def split(self, nbytes: float) -> tuple[float, float]:
