@@ -41,6 +41,31 @@ FILES = {
 }
 
 
+def _ramp(config: str, served: tuple[float, ...]) -> dict:
+    rates = [8.0 * 1.5**i for i in range(len(served))]
+    return {"config": config, "saturation_rps": max(served), "saturation_rate": rates[served.index(max(served))], "saturation_over_bound": 0.9,
+            "bound": {"bound_rps": max(served) / 0.9}, "slo90_rate_rps": rates[0],
+            "ramp": [{"rate": r, "steady_throughput_rps": t, "ttft_median_ms": 100.0, "tpot_median_ms": 20.0, "itl_p99_ms": 50.0,
+                      "slo_attainment": 1.0 if i == 0 else 0.5, "slo_ttft_ms": 2000} for i, (r, t) in enumerate(zip(rates, served))]}
+
+
+SATURATION = {"command": "bash scripts/gpu_suite.sh saturation", "device": "one GPU", "summary": [], "records": [],
+              "runs": [_ramp("colocated", (7.9, 11.5, 12.0)), _ramp("gn-hawk_gpu0", (7.8, 11.9, 13.0))],
+              "acceptance": {"disaggregated_over_colocated": {"value": 1.08, "limit": ">= 0.9", "holds": True}}}
+
+
+def test_a_saturation_summary_gets_its_own_section(tmp_path):
+    """Not read as a serving sweep (it carries records too): its ramps, saturation and ratios."""
+    assert classify(SATURATION) == "saturation" and classify(SATURATION["runs"][0]) == "saturation"
+    _write(tmp_path, "sat.json", SATURATION)
+    md = write_report([tmp_path / "sat.json"], tmp_path / "out").read_text()
+    assert "Throughput at saturation (measured): `sat.json`" in md
+    assert "| colocated | 12 | 18 | 0.9 | 13.3 | 8 |" in md  # saturation, at offered, over bound, bound, 90 % SLO
+    assert "| gn-hawk_gpu0 | 18 | 13 | 100 | 20 | 50 | 0.5 |" in md  # one rate of a ramp
+    assert "| disaggregated_over_colocated | 1.08 | >= 0.9 | yes |" in md
+    assert (tmp_path / "out" / "sat.png").is_file()
+
+
 def test_classify_by_content():
     assert [classify(FILES[k]) for k in ("engine.json", "xfer.json", "paper.json", "serving.json", "sim.json")] == \
         ["engine", "transfer", "reproduce", "serving", "sim"]

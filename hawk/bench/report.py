@@ -61,6 +61,15 @@ def _records(data: Any) -> list[dict[str, Any]] | None:
     return None
 
 
+def _saturation_runs(data: Any) -> list[dict[str, Any]]:
+    """The ramps of a ``hawk bench serving --saturation`` file: one ramp, or the runs a summary or a
+    comparison lays side by side (``python -m hawk.bench.saturation summarize / compare``)."""
+    if not isinstance(data, dict):
+        return []
+    runs = [data] if "ramp" in data else data.get("runs") or []
+    return [r for r in runs if isinstance(r, dict) and isinstance(r.get("ramp"), list) and "saturation_rps" in r]
+
+
 def _has(rs: Sequence[dict[str, Any]], *keys: str) -> bool:
     return all(all(k in r for k in keys) for r in rs)
 
@@ -72,6 +81,8 @@ def classify(data: Any) -> str | None:
         return "reproduce"
     if isinstance(data, dict) and data.get("kind") == "plan" and isinstance(data.get("candidates"), list):
         return "plan"
+    if _saturation_runs(data):
+        return "saturation"
     rs = _records(data)
     if rs is None:
         return None
@@ -255,6 +266,34 @@ def section_serving(rep: Report, src: Source) -> None:
     rep.add(f"![serving sweep: {src.path.name}]({name})", "")
 
 
+def section_saturation(rep: Report, src: Source) -> None:
+    runs = _saturation_runs(src.data)
+    d = src.data
+    where = f" on {d['device']}" if d.get("device") else ""
+    how = f"command: `{d['command']}`" if d.get("command") else f"one ramp of `hawk bench serving --saturation`, {d.get('workload', '?')} workload"
+    rep.add(f"Measured{where}; {how}.", "")
+    rep.add(*table(["config", "saturation req/s", "at offered", "over bound", "bound req/s", "90 % SLO up to"],
+                   [[r.get("config"), r["saturation_rps"], r.get("saturation_rate"), r.get("saturation_over_bound"),
+                     (r.get("bound") or {}).get("bound_rps"), r.get("slo90_rate_rps")] for r in runs]))
+    rows = [[r.get("config"), x.get("rate"), x.get("steady_throughput_rps"), x.get("ttft_median_ms"), x.get("tpot_median_ms"),
+             x.get("itl_p99_ms"), x.get("slo_attainment")] for r in runs for x in r["ramp"]]
+    rep.add(*table(["config", "offered", "steady req/s", "TTFT p50 ms", "TPOT p50 ms", "ITL p99 ms", "SLO att."], rows))
+    if isinstance(d.get("acceptance"), dict):
+        rep.add(*table(["ratio", "value", "limit", "holds"],
+                       [[k, v.get("value"), v.get("limit"), v.get("holds")] for k, v in d["acceptance"].items() if isinstance(v, dict)]))
+
+    def draw(ax: Any) -> None:
+        for r in runs:
+            ramp = sorted(r["ramp"], key=lambda x: x["rate"])
+            ax.plot([x["rate"] for x in ramp], [x.get("steady_throughput_rps") or 0.0 for x in ramp], marker="o", label=r.get("config"))
+        top = max(x["rate"] for r in runs for x in r["ramp"])
+        ax.plot([0, top], [0, top], color="grey", linewidth=0.8, linestyle="--")
+        ax.set(xlabel="offered req/s", ylabel="steady completions req/s")
+        ax.legend(fontsize=7)
+
+    rep.add(_figure(rep, f"{src.path.stem}.png", draw, "Throughput against offered load (dashed: all served)"), "")
+
+
 def section_reproduce(rep: Report, src: Source) -> None:
     d = src.data
     rows = d["rows"]
@@ -305,6 +344,7 @@ SECTIONS: dict[str, tuple[str, Callable[[Report, Source], None]]] = {
     "transform": ("Transform benchmark", section_transform),
     "engine": ("Engine benchmark", section_engine),
     "serving": ("Serving benchmark (measured)", section_serving),
+    "saturation": ("Throughput at saturation (measured)", section_saturation),
     "sim": ("Simulated serving sweep", section_serving),
     "equivalence": ("Equivalence (end to end)", section_equivalence),
     "plan": ("Deployment planner", section_plan),
