@@ -598,6 +598,19 @@ def router_config(cfg: ServeConfig, prefill_urls: list[str], decode_urls: list[s
     )
 
 
+def serve_router(cfg: ServeConfig, router_cfg: Any, sock: socket.socket) -> None:
+    """The router on ``sock`` in the foreground: in this process, or as ``--api-server-count``
+    worker processes sharing it (``router_workers.py``)."""
+    if cfg.api_server_count == 1:
+        from hawk.serve.router import create_router_app
+
+        serve_foreground(create_router_app(router_cfg), sock, cfg.log_level)
+        return
+    from hawk.serve.router_workers import RouterWorkers
+
+    RouterWorkers(router_cfg, sock, cfg.api_server_count, cfg.log_level, cfg.max_restarts).run()
+
+
 def describe_transfer(cfg: ServeConfig) -> str:
     """How KV moves in this system, as the start-up line says it (the KV flow when it is not the
     default pull: layer-wise changes the order of a request's steps, see serve/generation.py)."""
@@ -617,8 +630,6 @@ def serve(cfg: ServeConfig) -> None:
     Every option is described once, in ``hawk/config.py``.
     """
     secret = check_serve(cfg)
-    from hawk.serve.router import create_router_app
-
     with _sigterm_as_interrupt():
         try:
             if cfg.role == "router":
@@ -626,9 +637,8 @@ def serve(cfg: ServeConfig) -> None:
                     raise ConfigError("role 'router' needs --prefill-url and --decode-url (--prefill-api vllm without "
                                       "--prefill-url: a decode front behind a P/D router such as vllm-router)")
                 sock = bind_socket(cfg.host, cfg.port)
-                app = create_router_app(router_config(cfg, cfg.prefill_urls, cfg.decode_urls, secret))
                 print(f"HAWK router on {url_of(sock)} -> prefill {cfg.prefill_urls}, decode {cfg.decode_urls}", flush=True)
-                serve_foreground(app, sock, cfg.log_level)
+                serve_router(cfg, router_config(cfg, cfg.prefill_urls, cfg.decode_urls, secret), sock)
                 return
             cfg = dataclasses.replace(cfg, kv_host=cfg.kv_host or _advertised_host(cfg.host))
             if cfg.role in ENGINE_ROLES:
@@ -641,9 +651,8 @@ def serve(cfg: ServeConfig) -> None:
             print(f"HAWK: starting {n} engine process(es) for {cfg.model} ({cfg.transfer}); the router opens {url_of(sock)} when they are up", flush=True)
             with start_cluster(cfg, secret) as cluster:
                 cluster.supervise(cfg.max_restarts)
-                app = create_router_app(router_config(cfg, cluster.prefill_urls, cluster.decode_urls, secret))
                 print(f"HAWK serving {cfg.model} ({describe_transfer(cfg)}) at {url_of(sock)}/v1", flush=True)
-                serve_foreground(app, sock, cfg.log_level)
+                serve_router(cfg, router_config(cfg, cluster.prefill_urls, cluster.decode_urls, secret), sock)
         except KeyboardInterrupt:
             pass  # Ctrl-C / SIGTERM: children were stopped by the ``with`` block
 

@@ -1,21 +1,27 @@
 """Prometheus metrics: the router's per-request histograms, and gauges of what the instances hold.
 
 Each app gets its own registry (not prometheus_client's global one) so several servers can live in
-one process (tests, the demo) without "duplicated timeseries" errors.
+one process (tests, the demo) without "duplicated timeseries" errors. Router workers sharing a port
+(``router_workers.py``) keep their values in prometheus_client's multiprocess directory, and each
+renders the sum over all of them.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.gc_collector import GCCollector
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: prometheus_client's switch to multiprocess values (read when it is first imported): set for router workers
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _TTFT = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -123,4 +129,11 @@ class RouterMetrics:
             self.kv_bytes.observe(summary["kv_bytes"])
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """This router's metrics; with several workers on one port, every worker's counts summed
+        (the instance gauges are this worker's own reading of the instances, the same for all)."""
+        if not os.environ.get(MULTIPROC_ENV):
+            return generate_latest(self.registry)
+        reg = CollectorRegistry(auto_describe=False)
+        MultiProcessCollector(reg)
+        reg.register(self.instances)
+        return generate_latest(reg)

@@ -1,0 +1,143 @@
+"""``hawk serve --api-server-count N``: N router processes on one port (hawk/serve/router_workers.py).
+
+A real launcher with the tiny model colocated on the CPU: requests on fresh connections are served,
+the workers' metrics are one sum whichever worker answers, a killed worker is started again while the
+others keep serving, and SIGTERM to the launcher ends every process and frees the port."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from hawk.config import ConfigError, defaults
+from hawk.integrations.vllm.servers import free_port, stop_group
+from hawk.serve.metrics import MULTIPROC_ENV
+
+WORKERS = 2
+
+
+def _workers_of(pid: int) -> list[int]:
+    """The launcher's router worker processes (its children running hawk.serve.router_workers)."""
+    out = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == pid and b"hawk.serve.router_workers" in (p / "cmdline").read_bytes():
+                out.append(int(p.name))
+        except (OSError, ValueError):
+            continue
+    return sorted(out)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _complete(url: str) -> dict:
+    with httpx.Client(trust_env=False, timeout=60) as c:  # a new connection each time: any worker may take it
+        r = c.post(f"{url}/v1/completions", json={"prompt": [10, 11, 12], "max_tokens": 3, "ignore_eos": True, "temperature": 0})
+        r.raise_for_status()
+        return r.json()
+
+
+def _finished(url: str) -> float:
+    with httpx.Client(trust_env=False, timeout=30) as c:
+        text = c.get(f"{url}/metrics").text
+    m = re.search(r'^hawk_request_finish_total\{reason="length"\} (\S+)$', text, re.MULTILINE)
+    return float(m.group(1)) if m else 0.0
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("workers") / "serve.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "hawk", "serve", "--model", "tiny", "--transfer", "colocated", "--port", str(port),
+                                 "--api-server-count", str(WORKERS), "--no-warmup"], stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200 and len(_workers_of(proc.pid)) == WORKERS:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_group(proc, kill=True)
+            pytest.fail(f"hawk serve --api-server-count {WORKERS} did not come up:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+    yield proc, url, port
+    stop_group(proc, kill=True)
+
+
+def _finished_by(worker: int) -> float:
+    """What one worker alone counted: its own file of the shared multiprocess directory, read apart."""
+    env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{worker}/environ").read_bytes().split(b"\0") if b"=" in kv)
+    with tempfile.TemporaryDirectory() as d:
+        shutil.copy(Path(env[MULTIPROC_ENV.encode()].decode()) / f"counter_{worker}.db", d)
+        reg = CollectorRegistry()
+        MultiProcessCollector(reg, path=d)
+        return reg.get_sample_value("hawk_request_finish_total", {"reason": "length"}) or 0.0
+
+
+def test_requests_are_served_and_the_workers_metrics_are_one_sum(system):
+    proc, url, _ = system
+    workers = _workers_of(proc.pid)
+    assert len(workers) == WORKERS
+    with ThreadPoolExecutor(16) as pool:  # at once, on fresh connections: both workers take some
+        done = list(pool.map(lambda _: _complete(url), range(32)))
+    assert all(d["usage"]["completion_tokens"] == 3 for d in done)
+    each = [_finished_by(w) for w in workers]
+    assert all(n > 0 for n in each) and sum(each) == 32, each
+    assert [_finished(url) for _ in range(6)] == [32.0] * 6  # each /metrics answer, from either worker, sums both
+
+
+def test_a_killed_worker_is_started_again_and_the_port_keeps_serving(system):
+    proc, url, _ = system
+    first, *_ = _workers_of(proc.pid)
+    os.kill(first, signal.SIGKILL)
+    for _ in range(4):  # the other worker serves meanwhile (the dead one's accepted connections are lost, not new ones)
+        assert _complete(url)["usage"]["completion_tokens"] == 3
+    deadline = time.monotonic() + 60
+    while not (len(now := _workers_of(proc.pid)) == WORKERS and first not in now):
+        assert time.monotonic() < deadline, f"worker {first} was not replaced: {now}"
+        time.sleep(0.5)
+    assert _complete(url)["usage"]["completion_tokens"] == 3
+
+
+def test_sigterm_ends_every_process_and_frees_the_port(system):
+    proc, _, port = system
+    workers = _workers_of(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 30
+    while live := [pid for pid in workers if _running(pid)]:
+        assert time.monotonic() < deadline, f"router workers {live} outlived their launcher"
+        time.sleep(0.2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # nothing holds it any more
+
+
+def test_api_server_count_below_one_is_refused():
+    with pytest.raises(ConfigError, match="api-server-count"):
+        defaults(api_server_count=0).validate()
