@@ -39,7 +39,8 @@ def cpu_s(pid: int) -> float:
 
 
 def family(pid: int) -> dict[int, str]:
-    """``pid`` and its descendants, each with its command line's module (router: the launcher)."""
+    """``pid`` and its children, each with its role: the launcher and its router workers
+    (``--api-server-count``) count as the router, engine processes as the engine."""
     out = {pid: "router"}
     for p in Path("/proc").iterdir():
         if not p.name.isdigit():
@@ -48,7 +49,7 @@ def family(pid: int) -> dict[int, str]:
             ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
             if ppid == pid:
                 cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-                out[int(p.name)] = "engine" if "launcher" in cmd else cmd[:40]
+                out[int(p.name)] = "router" if "router_workers" in cmd else "engine" if "launcher" in cmd else cmd[:40]
         except (OSError, ValueError):
             continue
     return out
