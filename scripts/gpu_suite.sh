@@ -40,7 +40,7 @@
 #     steps     - the engine's step paths on CUDA: the runner's graphs (decode, prefill, two for a large mixed batch),
 #                 async scheduling and overlapped mixed steps against the synchronous loop (pytest -m gpu)
 #     router    - CPU per streamed token in the router and the engine process (benchmarks/router_probe.py, 8B shape
-#                 colocated on GPU0, 64 and 256 streams): what the router's event loop costs per token on this host
+#                 colocated on GPU0, 64 and 256 streams), with one router process and with four (--api-server-count 4)
 #     posts     - the host work of layer-wise posts on the forward's thread: `hawk bench ttft` at 1k (both roles on GPU0)
 #                 under cProfile (--profile-posts), the profile in $OUT/ttft_posts_profile.txt
 #     vllm      - issue 30: the fused transform reading vLLM 0.32's GPU layouts (views as vLLM's create_kv_cache_views makes
@@ -79,9 +79,12 @@ if want vllm; then
       --blocks shuffled --src-layout $src --json "$OUT/transform_${src}_h200.json"
   done
 fi
-want router && \
-  step router_probe 300 python3 benchmarks/router_probe.py --streams 64,256 --tokens 300 --json "$OUT/router_probe_h200.json" \
-    -- --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --transfer colocated
+if want router; then  # one router process, then four (--api-server-count): tokens/s at 256 streams against the graph's step
+  for n in 1 4; do
+    step "router_probe_x$n" 280 python3 benchmarks/router_probe.py --streams 64,256 --tokens 300 --json "$OUT/router_probe_h200_x$n.json" \
+      -- --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --transfer colocated --api-server-count $n
+  done
+fi
 want steps && \
   step gpu_steps 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_runner.py tests/test_async_scheduling.py tests/test_mixed_steps.py
 want kernels && \
