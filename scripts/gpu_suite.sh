@@ -36,7 +36,8 @@
 #     saturation - issue 31: `hawk bench serving --saturation` (chatbot, 8B shape, bf16, default capacity) against colocated
 #                 and gn-hawk with both roles on GPU0 (transport auto), each beside its same-run bound; then
 #                 `python -m hawk.bench.saturation summarize` -> $OUT/saturation_h200.json (SAT_START rate, SAT_DURATION s or
-#                 SAT_REQUESTS per rate, SAT_CONFIGS: one server per call at 30 s a rate)
+#                 SAT_REQUESTS per rate, SAT_CONFIGS: one server per call at 30 s a rate; SAT_SERVE_ARGS: more hawk serve
+#                 flags, e.g. "--api-server-count 4")
 #     steps     - the engine's step paths on CUDA: the runner's graphs (decode, prefill, two for a large mixed batch),
 #                 async scheduling and overlapped mixed steps against the synchronous loop (pytest -m gpu)
 #     router    - CPU per streamed token in the router and the engine process (benchmarks/router_probe.py, 8B shape
@@ -239,7 +240,7 @@ sat_bench() {  # sat_bench NAME TRANSFER DECODE_DEVICE BOUND_BATCH [hawk serve a
   local name=$1 cfg=$2 dev=$3 bound=$4 port=8100; shift 4
   python3 -c 'import fastapi, uvicorn, httpx, zmq' || { echo "serving needs fastapi/uvicorn/pydantic wheels (docs/gpu.md)"; return 1; }
   python3 -m hawk serve --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device "$dev" \
-    --transfer "$cfg" --port $port "$@" > "$LOGS/serve_sat_$name.log" 2>&1 &
+    --transfer "$cfg" --port $port "$@" ${SAT_SERVE_ARGS:-} > "$LOGS/serve_sat_$name.log" 2>&1 &
   local spid=$!
   for _ in $(seq 1 300); do curl -sf 127.0.0.1:$port/health > /dev/null && break; kill -0 $spid 2> /dev/null || break; sleep 1; done
   grep "KV cache" "$LOGS/serve_sat_$name.log"
