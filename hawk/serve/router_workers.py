@@ -37,7 +37,6 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from hawk.serve.metrics import MULTIPROC_ENV
@@ -71,9 +70,6 @@ class RouterWorkers:
         for i in range(self.count):
             self.procs[i] = self._spawn(i)
         return self
-
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs if p is not None]
 
     def watch_once(self) -> None:
         """Start again a worker that exited (while restarts are left)."""
@@ -132,12 +128,6 @@ def main() -> None:
     # that second signal into a KeyboardInterrupt inside the loop, mid-shutdown. This handler keeps asyncio's out.
     signal.signal(signal.SIGINT, lambda signum, frame: None)
     serve_foreground(create_router_app(RouterConfig(**spec["config"])), sock, spec["log_level"])
-
-
-def metrics_dir() -> Path | None:
-    """The shared multiprocess metrics directory, when this process is one of several workers."""
-    d = os.environ.get(MULTIPROC_ENV)
-    return Path(d) if d else None
 
 
 if __name__ == "__main__":
