@@ -67,8 +67,10 @@ def prefill_request(body: Mapping[str, Any]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Done:
-    """The prefill's answer is the whole answer: its first token ended the request (end token, stop
-    string, one token asked for), so the prefill kept no KV and there is nothing to decode."""
+    """The prefill's answer is the whole answer: its first token ended the request (an end token, a stop
+    string, one token asked for), so there is nothing to decode. The prefill kept no KV, except after a
+    stop string: vLLM's front end matches those after its engine finished the request by length, so
+    HawkConnector holds that KV until its TTL (``answer`` then still carries the handle)."""
 
     answer: dict[str, Any]
 

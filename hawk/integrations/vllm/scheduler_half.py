@@ -9,7 +9,9 @@ The request lifecycle, once (the worker half, worker_half.py, does the moving):
     3 the next step's plan carries a SendJob; the worker hands the blocks to Algorithm 1's sender
     4 a decode pulls (D1..D9), or the TTL passes, or the worker shuts down: the sender gives the blocks
       back, the worker reports the request as finished sending, vLLM frees its blocks
-  A request that finishes otherwise (aborted, stopped on its first token) is not held: vLLM frees it.
+  A request that finishes otherwise (aborted, stopped on its first token by an end token or a stop token
+  id) is not held: vLLM frees it. A stop string is matched by vLLM's front end after its engine finished
+  the one-token request by length, so such a request is held, and its KV goes back at the TTL.
 
   decode instance (kv_role kv_consumer / kv_both), a request whose params carry a KVHandle, in one of
   two forms (``Handoff``):
