@@ -79,6 +79,12 @@ def test_a_client_asking_for_one_token_gets_the_prefills_answer():
     assert after_prefill(body, answer) == Done(answer)
 
 
+def test_a_request_without_max_tokens_gets_vllms_default():
+    body = {"model": "m", "prompt": [1, 2]}
+    c = after_prefill(body, prefill_answer([1, 2], 5))
+    assert isinstance(c, Continue) and c.body["max_tokens"] == 15
+
+
 def test_streaming_clients_get_a_plain_prefill_request():
     pre = prefill_request({"model": "m", "prompt": [1], "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}})
     assert pre["stream"] is False and "stream_options" not in pre

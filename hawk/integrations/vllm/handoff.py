@@ -30,6 +30,12 @@ from hawk.integrations.vllm.params import KVHandle, read_handle
 
 #: vLLM's finish reason of a request that stopped at max_tokens: the only prefill that leaves KV behind.
 LENGTH = "length"
+#: vLLM 0.32's completion default for a request without max_tokens.
+DEFAULT_MAX_TOKENS = 16
+
+
+def max_tokens(body: Mapping[str, Any]) -> int:
+    return int(body.get("max_tokens") or DEFAULT_MAX_TOKENS)
 
 
 def standard_only(body: Mapping[str, Any]) -> list[str]:
@@ -60,7 +66,7 @@ def prefill_request(body: Mapping[str, Any]) -> dict[str, Any]:
     out.pop("stream_options", None)
     if body.get("min_tokens"):
         out["min_tokens"] = 1  # vLLM refuses min_tokens above max_tokens; the decode keeps the rest
-    if int(body.get("max_tokens") or 16) > 1:
+    if max_tokens(body) > 1:
         out["kv_transfer_params"] = {"do_remote_decode": True}
     return out
 
@@ -126,7 +132,7 @@ def after_prefill(body: Mapping[str, Any], answer: Mapping[str, Any]) -> Done | 
     if len(choices) != 1:
         raise BadUpstream(f"the prefill answered {len(choices)} choices; the P/D handoff continues one")
     choice = choices[0]
-    if choice.get("finish_reason") != LENGTH or int(body.get("max_tokens") or 16) <= 1:
+    if choice.get("finish_reason") != LENGTH or max_tokens(body) <= 1:
         return Done(dict(answer))
     handle = read_handle(answer.get("kv_transfer_params"))
     if handle is None:
@@ -137,7 +143,7 @@ def after_prefill(body: Mapping[str, Any], answer: Mapping[str, Any]) -> Done | 
     check_ids(handle, prompt, out)
     decode = {k: v for k, v in body.items() if k != "prompt"}
     decode["prompt"] = [*map(int, prompt), handle.first_token]
-    decode["max_tokens"] = int(body["max_tokens"]) - 1
+    decode["max_tokens"] = max_tokens(body) - 1
     if body.get("min_tokens"):
         decode["min_tokens"] = int(body["min_tokens"]) - 1
     decode["kv_transfer_params"] = answer["kv_transfer_params"]
