@@ -9,12 +9,20 @@ from typing import Any
 
 import pytest
 
+from hawk.engine.sequence import SamplingParams
 from hawk.errors import BadRequest, BadUpstream
-from hawk.integrations.vllm.params import HANDLE_VERSION, KVHandle, handoff_params, read_handle, wants_remote_decode
+from hawk.integrations.vllm.params import (
+    HANDLE_VERSION,
+    Handoff,
+    KVHandle,
+    handoff_form,
+    handoff_params,
+    read_handle,
+    wants_remote_decode,
+)
 from hawk.integrations.vllm.scheduler_half import SchedulerHalf
 from hawk.integrations.vllm.settings import ConnectorSettings
 from hawk.serve.vllm_prefill import EndedAtPrefill, prefill_body, prefill_response
-from hawk.engine.sequence import SamplingParams
 
 
 class Status(enum.Enum):
@@ -109,6 +117,27 @@ def test_consumer_loads_a_handle_once_and_recomputes_what_it_cannot_pull():
     npu = handoff_params(handle(transfer="gn-hawk", num_tokens=3))
     assert s.matched_tokens(Req("npu", [1, 2, 3], npu), 0) == (0, False)  # tiles for an NPU: not loadable here
     assert s.take_plan().recvs == []
+
+
+def test_consumer_loads_the_prompt_of_a_prompt_plus_first_token_request():
+    """The decode's prompt is the prefill's plus its first token (7): the prompt's 3 tokens load, vLLM
+    computes the first token; any other fourth token is another prompt, which recomputes."""
+    s = SchedulerHalf(ConnectorSettings.from_extra({"transfer": "gg-direct"}), producer=False, consumer=True)
+    params = handoff_params(handle(num_tokens=3, first_token=7))
+    r = Req("d", [1, 2, 3, 7], params)
+    assert s.matched_tokens(r, 0) == (3, True)
+    s.allocated(r, [11], 3)
+    (job,) = s.take_plan().recvs
+    assert (job.request_id, job.block_ids, job.handle.num_tokens) == ("d", (11,), 3)
+    assert s.matched_tokens(Req("other", [1, 2, 3, 8], params), 0) == (0, False)
+    assert s.matched_tokens(Req("long", [1, 2, 3, 7, 7], params), 0) == (0, False)
+
+
+def test_handoff_form_of_a_prompt_against_its_handle():
+    h = handle(num_tokens=3, first_token=7)
+    assert handoff_form(h, [1, 2, 3]) is Handoff.STANDARD
+    assert handoff_form(h, [1, 2, 3, 7]) is Handoff.PROMPT_PLUS_FIRST_TOKEN
+    assert handoff_form(h, [1, 2, 3, 8]) is None and handoff_form(h, [1, 2]) is None and handoff_form(h, [1, 2, 3, 7, 9]) is None
 
 
 def test_the_routers_vllm_prefill_request_and_answer():

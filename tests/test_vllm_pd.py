@@ -26,6 +26,8 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (bash scripts/install.sh --with-vllm)", allow_module_level=True)
 
+from hawk.bench.vllm_pd import random_prompt  # noqa: E402
+from hawk.integrations.vllm.handoff import Continue, Done, after_prefill, prefill_request  # noqa: E402
 from hawk.integrations.vllm.params import read_handle  # noqa: E402
 from hawk.integrations.vllm.servers import VllmServer, free_port, hawk_transfer_config, inspect, kv_cache_usage, stop_group  # noqa: E402
 from hawk.transport.registry import available  # noqa: E402
@@ -39,14 +41,18 @@ PROMPTS = [
     "Explain in detail how a transformer decoder generates text, token by token, "
     "and why a KV cache makes that faster. Mention attention, keys, values and positions. " * 3,
 ]
-#: A prompt whose greedy path has near-ties. A vLLM decode recomputes the last prompt token over the pulled
-#: KV (that is how vLLM's P/D makes the first token's logits) with its one-token kernel, where one instance
-#: ran a prefill: here the first token flips ("\n" against end-of-text), with vLLM's own NixlConnector as
-#: with HawkConnector. HAWK's decode takes the prefill's first token, then computes the rest with its own
+#: A prompt whose greedy path has near-ties. In vLLM's standard handoff a vLLM decode recomputes the last
+#: prompt token over the pulled KV with its one-token kernel, where one instance ran a prefill: here the
+#: first token flips ("\n" against end-of-text), with vLLM's own NixlConnector as with HawkConnector (the
+#: prompt+first-token handoff computes what one instance does: test_..._prompt_plus_first_token_...). HAWK's decode takes the prefill's first token, then computes the rest with its own
 #: kernels, whose roundings are not vLLM's: it agrees with one instance for the first words, then a
 #: later near-tie goes the other way (docs/vllm.md). So this prompt checks the first token only.
 NEAR_TIES = "Write a haiku about the sea."
 MAX_TOKENS = 24
+#: A random-token prompt (hawk.bench.vllm_pd.random_prompt(100, 6)) on which vLLM's standard handoff, vLLM
+#: decode recomputing the last prompt token, parted from one instance at the 4th output token on the 2-core
+#: box of docs/vllm.md (an AVX-512 CPU); the prompt+first-token handoff gave one instance's 24 tokens.
+STANDARD_PARTS = random_prompt(100, 6)
 
 
 def eventually(check: Callable[[], Any], what: str, timeout_s: float = 60.0) -> Any:
@@ -219,6 +225,65 @@ def test_vllm_to_vllm_through_hawk_gives_one_instances_tokens(cluster, prompt):
     led = inspect(f"tcp://127.0.0.1:{cluster.d_port}")
     assert led["pulled"] >= 1 and led["pull_failures"] == 0  # the decode used the pulled KV, not a recompute
     eventually(lambda: cluster.idle(cluster.p2) and cluster.idle(cluster.d), "vLLM prefill and decode idle after success")
+
+
+def exact_handoff(cluster: Cluster, ids: list[int], max_tokens: int, **extra: Any) -> tuple[Continue | Done, dict[str, Any]]:
+    """The prompt+first-token handoff from P2 to D, as a router drives it: the step and the client's answer."""
+    body = {"model": cluster.p2.served_name, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True, **extra}
+    r = httpx.post(f"{cluster.p2.url}/v1/completions", json=prefill_request(body), timeout=300)
+    assert r.status_code == 200, r.text
+    step = after_prefill(body, r.json())
+    if isinstance(step, Done):
+        return step, step.answer
+    cluster.address[cluster.p2.port] = step.handle.address
+    d = httpx.post(f"{cluster.d.url}/v1/completions", json=step.body, timeout=300)
+    assert d.status_code == 200, d.text
+    assert d.json()["usage"]["prompt_tokens"] == len(ids) + 1  # the decode's prompt was the prompt plus the first token
+    return step, step.answer(d.json())
+
+
+@pytest.mark.parametrize("case", ["natural", "haiku", "near-tie", "127", "128", "129"])
+def test_vllm_to_vllm_prompt_plus_first_token_gives_one_instances_tokens(cluster, case):
+    """The decode loads the prompt's KV and computes only the first token, as one instance does after its
+    prefill: one instance's tokens, also where the standard handoff parts, and for prompts ending one
+    short of, at, and one past the CPU's 128-token block."""
+    ids = {"natural": cluster.ids(PROMPTS[3]), "haiku": cluster.ids(NEAR_TIES), "near-tie": STANDARD_PARTS}.get(case) or random_prompt(int(case), 0)
+    ref = cluster.complete(cluster.p1, ids, MAX_TOKENS)["choices"][0]  # one instance (P1: no prefix-cache hit on P2's prefill)
+    before = inspect(f"tcp://127.0.0.1:{cluster.d_port}")["pulled"]
+    step, out = exact_handoff(cluster, ids, MAX_TOKENS)
+    assert isinstance(step, Continue)
+    (choice,) = out["choices"]
+    assert choice["token_ids"] == ref["token_ids"] and choice["text"] == ref["text"], (choice["text"], ref["text"])
+    assert out["usage"]["prompt_tokens"] == len(ids) and out["usage"]["completion_tokens"] == len(ref["token_ids"])
+    led = inspect(f"tcp://127.0.0.1:{cluster.d_port}")
+    assert led["pulled"] == before + 1 and led["pull_failures"] == 0  # the decode loaded the prompt, not recomputed it
+    eventually(lambda: cluster.idle(cluster.p2) and cluster.idle(cluster.d), "vLLM prefill and decode idle after the handoff")
+
+
+def test_the_standard_handoff_parts_on_the_near_tie_prompt(cluster):
+    """The control for the case above: the same pair in vLLM's standard handoff (the decode recomputes the
+    last prompt token) parts from one instance on STANDARD_PARTS. Should vLLM's CPU kernels round alike
+    on another machine, this fails: the prompt then no longer tells the two handoffs apart there."""
+    ref = cluster.complete(cluster.p1, STANDARD_PARTS, MAX_TOKENS)["choices"][0]
+    params = cluster.prefill(cluster.p2, STANDARD_PARTS)
+    out = cluster.complete(cluster.d, STANDARD_PARTS, MAX_TOKENS, params)["choices"][0]
+    assert inspect(f"tcp://127.0.0.1:{cluster.d_port}")["pull_failures"] == 0  # it loaded the KV, then recomputed one token
+    assert out["token_ids"] != ref["token_ids"], "the standard handoff gave one instance's tokens on STANDARD_PARTS here"
+    eventually(lambda: cluster.idle(cluster.p2) and cluster.idle(cluster.d), "vLLM prefill and decode idle after the handoff")
+
+
+def test_a_first_token_that_matches_a_stop_string_needs_no_decode(cluster):
+    """The first token's text matches a stop string: the prefill's answer is the whole answer. vLLM matches
+    stop strings in its front end, after its engine finished the one-token request by length, so
+    HawkConnector was told of a length-capped request and holds its KV: it goes back at the TTL."""
+    ids = cluster.ids(NEAR_TIES)
+    first = cluster.complete(cluster.p1, ids, 1)["choices"][0]
+    step, out = exact_handoff(cluster, ids, MAX_TOKENS, stop=[first["text"][-1]])
+    assert isinstance(step, Done) and out["choices"][0]["finish_reason"] == "stop"
+    held = read_handle(out["kv_transfer_params"])
+    assert held is not None and kv_cache_usage(cluster.p2.url) > 0.0
+    cluster.address[cluster.p2.port] = held.address
+    eventually(lambda: cluster.idle(cluster.p2), "vLLM prefill idle at the TTL", timeout_s=TTL_S + 30)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

@@ -3,8 +3,9 @@
 Configurations (each started, warmed, measured, stopped in turn; the same model folder for all):
 
   vllm-single        one stock vLLM server
-  vllm-nixl          vLLM prefill -> vLLM decode over vLLM's NixlConnector (vLLM's own P/D)
-  hawk-gg-direct     vLLM prefill -> vLLM decode over HawkConnector (gg-direct: blocks read in place)
+  vllm-nixl          vLLM prefill -> vLLM decode over vLLM's NixlConnector (vLLM's own P/D, its standard handoff)
+  hawk-gg-direct     vLLM prefill -> vLLM decode over HawkConnector (gg-direct: blocks read in place), in the
+                     prompt+first-token handoff (hawk/integrations/vllm/handoff.py; ``--gg-handoff standard``: vLLM's)
   hawk-gn-hawk       vLLM prefill (HawkConnector) -> HAWK's decode on the emulated NPU, bf16 tiles, HAWK's router
   hawk-gn-hawk-bfp8  the same with bfloat8_b tiles (lossy: token agreement, not identity)
   hawk-colocated     HAWK's own engine, prefill and decode in one process (no transfer)
@@ -15,7 +16,12 @@ cut from :mod:`hawk.bench.prompt_text`, or ``--prompt-text random`` token ids; s
 the decode side reports it (NixlConnector's ``vllm:nixl_xfer_time_seconds``, HawkConnector's pull time,
 HAWK's ``kv_transfer_s``), and whether the text equals vllm-single's. P/D pairs are driven the way a P/D
 router drives them (prefill with ``max_tokens: 1`` and ``do_remote_decode``, then the decode with the
-prefill's ``kv_transfer_params``); TTFT runs from the prefill call to the decode's first token.
+prefill's ``kv_transfer_params``), in one of two handoffs (each record's ``handoff``): ``standard`` (vLLM's:
+the decode gets the original prompt, recomputes its last token and streams every output token; TTFT runs
+from the prefill call to the decode's first token) or ``prompt+first-token`` (the decode gets the prompt
+plus the prefill's first token and streams from the second; the client has the first token when the
+prefill answers, which is its TTFT). ``decode_first_ms`` is the decode's first streamed token in both;
+TPOT is the decode's own stream.
 With ``--rates``, ``hawk bench serving`` then runs against each configuration's front door (vllm-router
 in P/D mode for the vLLM pairs).
 
@@ -42,6 +48,8 @@ import httpx
 import numpy as np
 
 from hawk.bench.prompt_text import natural_prompt
+from hawk.integrations.vllm.handoff import Continue, after_prefill, prefill_request
+from hawk.integrations.vllm.params import Handoff
 from hawk.integrations.vllm.servers import VllmServer, free_port, hawk_transfer_config, inspect, nixl_transfer_config, stop_group
 
 CONFIGS = ("vllm-single", "vllm-nixl", "hawk-gg-direct", "hawk-gn-hawk", "hawk-gn-hawk-bfp8", "hawk-colocated")
@@ -56,6 +64,7 @@ class Front:
     prefill_url: str | None = None  # set for P/D pairs
     transfer_ms: Any = None  # () -> the last request's KV transfer time in ms, or None
     serving_url: str | None = None  # the front door for --rates (vllm-router for a P/D pair)
+    handoff: str | None = None  # how a P/D pair's decode continues the prefill (a Handoff value), or who hands off
 
 
 def stream_completion(client: httpx.Client, url: str, body: dict[str, Any]) -> tuple[str, list[float], dict[str, Any]]:
@@ -79,17 +88,30 @@ def stream_completion(client: httpx.Client, url: str, body: dict[str, Any]) -> t
 def one_request(client: httpx.Client, front: Front, ids: list[int], max_tokens: int) -> dict[str, Any]:
     body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     t0 = time.perf_counter()
-    if front.prefill_url is not None:  # what a P/D router does
+    first: list[float] = []  # the client's first token's arrival, when the prefill's answer is it
+    step: Continue | None = None
+    if front.handoff == Handoff.PROMPT_PLUS_FIRST_TOKEN.value:
+        r = client.post(f"{front.prefill_url}/v1/completions", json=prefill_request(body))
+        r.raise_for_status()
+        first.append(time.perf_counter())
+        step = after_prefill(body, r.json())
+        assert isinstance(step, Continue), "ignore_eos and max_tokens > 1: the prefill's first token cannot end the request"
+        body = step.body
+    elif front.prefill_url is not None:  # vLLM's standard P/D handoff
         r = client.post(f"{front.prefill_url}/v1/completions", json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
         r.raise_for_status()
         body["kv_transfer_params"] = r.json()["kv_transfer_params"]
     text, times, last = stream_completion(client, front.url, body)
-    n = (last.get("usage") or {}).get("completion_tokens") or len(times)
+    n = (last.get("usage") or {}).get("completion_tokens") or len(times)  # the decode's own tokens
+    if step is not None:
+        text = step.text(text)
     hawk = last.get("hawk") or {}
     kv_ms = front.transfer_ms() if front.transfer_ms else (None if hawk.get("kv_transfer_s") is None else 1e3 * hawk["kv_transfer_s"])
+    client_times = first + times
     return {
         "text": text,
-        "ttft_ms": 1e3 * (times[0] - t0) if times else None,
+        "ttft_ms": 1e3 * (client_times[0] - t0) if client_times else None,
+        "decode_first_ms": 1e3 * (times[0] - t0) if times and front.prefill_url is not None else None,
         "tpot_ms": 1e3 * (times[-1] - times[0]) / (n - 1) if len(times) > 1 and n > 1 else None,
         "kv_transfer_ms": kv_ms,
     }
@@ -179,7 +201,7 @@ class Launcher:
 
 
 @contextlib.contextmanager
-def launch(config: str, model: str, logs: Path, threads: int | None) -> Iterator[Front]:
+def launch(config: str, model: str, logs: Path, threads: int | None, gg_handoff: str = Handoff.PROMPT_PLUS_FIRST_TOKEN.value) -> Iterator[Front]:
     L = Launcher(model, logs, threads)
     extra = {"ttl_s": 60.0}
     try:
@@ -202,7 +224,8 @@ def launch(config: str, model: str, logs: Path, threads: int | None) -> Iterator
             front = L.router(f"{config}-router", p.url, d.url) if shutil.which("vllm-router") else None
             if front:
                 L.wait(front)
-            yield Front(d.url, prefill_url=p.url, transfer_ms=xfer, serving_url=front)
+            handoff = Handoff.STANDARD.value if config == "vllm-nixl" else gg_handoff
+            yield Front(d.url, prefill_url=p.url, transfer_ms=xfer, serving_url=front, handoff=handoff)
         elif config.startswith("hawk-gn-hawk"):
             p = L.vllm(f"{config}-prefill", kv_transfer=hawk_transfer_config("kv_producer", transfer="gn-hawk", **extra))
             kv = ["--kv-dtype", "bfp8_b"] if config.endswith("bfp8") else []
@@ -212,7 +235,7 @@ def launch(config: str, model: str, logs: Path, threads: int | None) -> Iterator
             router = L.hawk(f"{config}-router", ["--role", "router", "--prefill-api", "vllm", "--prefill-url", p.url, "--decode-url", dec,
                                                  "--served-model-name", MODEL_NAME])
             L.wait(router)
-            yield Front(router, serving_url=router)
+            yield Front(router, serving_url=router, handoff="hawk-router")  # HAWK's decode starts from the first token
         elif config == "hawk-colocated":
             url = L.hawk(config, ["--transfer", "colocated", "--model", model, "--dtype", "bf16", "--served-model-name", MODEL_NAME,
                                   *(["--threads", str(threads)] if threads else [])])
@@ -264,14 +287,15 @@ def agreement(a: str, b: str) -> float:
 
 
 def run(configs: Sequence[str], lens: Sequence[int], repeats: int, max_tokens: int, model: str, logs: Path,
-        threads: int | None, rates: Sequence[str], num_requests: int, prompt_text: str = "natural") -> dict[str, Any]:
+        threads: int | None, rates: Sequence[str], num_requests: int, prompt_text: str = "natural",
+        gg_handoff: str = Handoff.PROMPT_PLUS_FIRST_TOKEN.value) -> dict[str, Any]:
     prompts = Prompts(prompt_text, model, lens, repeats)
     records: list[dict[str, Any]] = []
     reference: dict[tuple[int, int], str] = {}
     serving: list[dict[str, Any]] = []
     order = ["vllm-single", *[c for c in configs if c != "vllm-single"]]  # the reference first
     for config in order:
-        with launch(config, model, logs, threads) as front, httpx.Client(timeout=600, trust_env=False) as client:
+        with launch(config, model, logs, threads, gg_handoff) as front, httpx.Client(timeout=600, trust_env=False) as client:
             one_request(client, front, prompts.warmup(), 4)  # warm-up: first plans, registrations, handshakes
             for n in lens:
                 for rep in range(repeats):  # another prompt each time: no prefix-cache hit flatters a repeat
@@ -279,8 +303,9 @@ def run(configs: Sequence[str], lens: Sequence[int], repeats: int, max_tokens: i
                     if config == "vllm-single":
                         reference[(n, rep)] = r["text"]
                     ref = reference.get((n, rep))
-                    rec = {"config": config, "prompt_tokens": n, "repeat": rep, "identical": r["text"] == ref,
-                           "agreement": agreement(r["text"], ref or ""), **{k: r[k] for k in ("ttft_ms", "tpot_ms", "kv_transfer_ms")}}
+                    rec = {"config": config, "handoff": front.handoff, "prompt_tokens": n, "repeat": rep, "identical": r["text"] == ref,
+                           "agreement": agreement(r["text"], ref or ""),
+                           **{k: r[k] for k in ("ttft_ms", "decode_first_ms", "tpot_ms", "kv_transfer_ms")}}
                     records.append(rec)
                     print(json.dumps(rec), flush=True)
             if rates and front.serving_url:
@@ -301,8 +326,8 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in records:
         groups.setdefault((r["config"], r["prompt_tokens"]), []).append(r)
     for (config, n), rs in groups.items():
-        med = {k: _median([r[k] for r in rs]) for k in ("ttft_ms", "tpot_ms", "kv_transfer_ms")}
-        out.append({"config": config, "prompt_tokens": n, "identical": all(r["identical"] for r in rs),
+        med = {k: _median([r.get(k) for r in rs]) for k in ("ttft_ms", "decode_first_ms", "tpot_ms", "kv_transfer_ms")}
+        out.append({"config": config, "handoff": rs[0].get("handoff"), "prompt_tokens": n, "identical": all(r["identical"] for r in rs),
                     "agreement": min(r["agreement"] for r in rs), **med})
     nixl = {s["prompt_tokens"]: s["ttft_ms"] for s in out if s["config"] == "vllm-nixl"}
     for s in out:
@@ -324,6 +349,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prompt-text", choices=("natural", "random"), default="natural",
                    help="prompts cut from HAWK's English corpus (default) or random token ids (near-ties' worst case)")
+    p.add_argument("--gg-handoff", choices=[h.value for h in Handoff], default=Handoff.PROMPT_PLUS_FIRST_TOKEN.value,
+                   help="how hawk-gg-direct's decode continues its prefill (vllm-nixl runs vLLM's standard handoff)")
     p.add_argument("--model", default=None, help="an HF model folder (default: the embedded SmolLM2 exported to bf16)")
     p.add_argument("--threads", type=int, default=None, help="threads per server (default: each server's own choice)")
     p.add_argument("--rates", default="", help="comma-separated request rates for hawk bench serving against each front (empty: skip)")
@@ -347,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         save_hf_dir(load_model("smollm2-135m", dtype=torch.bfloat16), model)
     t0 = time.time()
     out = run(configs, [int(x) for x in a.prompt_lens.split(",")], a.repeats, a.max_tokens, model, logs, a.threads,
-              [r for r in a.rates.split(",") if r], a.num_requests, a.prompt_text)
+              [r for r in a.rates.split(",") if r], a.num_requests, a.prompt_text, a.gg_handoff)
     out["settings"] = {**vars(a), "model": model, "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
                        "wall_s": time.time() - t0, "cpus": os.cpu_count(), "load_avg": os.getloadavg()}
     for s in out["summary"]:

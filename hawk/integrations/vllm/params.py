@@ -10,6 +10,8 @@ Algorithm 1 (a vLLM instance with HawkConnector, or HAWK's own NPU decode) can p
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -39,6 +41,24 @@ class KVHandle(BaseModel):
         if v != HANDLE_VERSION:
             raise ValueError(f"HAWK KV handle version {v} is not this side's {HANDLE_VERSION}: run the same HAWK on both sides")
         return v
+
+
+class Handoff(enum.Enum):
+    """How a decode request continues a prefilled one (scheduler_half.py says what vLLM computes in each)."""
+
+    STANDARD = "standard"  # the prefill's prompt: vLLM's P/D protocol (the decode recomputes the last prompt token)
+    PROMPT_PLUS_FIRST_TOKEN = "prompt+first-token"  # the prompt and the prefill's first token: nothing recomputed
+
+
+def handoff_form(handle: KVHandle, prompt_token_ids: Sequence[int]) -> Handoff | None:
+    """Which form a decode request's prompt takes against its handle; None when it continues neither
+    (another prompt: the handle's KV is not this prompt's)."""
+    n = len(prompt_token_ids)
+    if n == handle.num_tokens:
+        return Handoff.STANDARD
+    if n == handle.num_tokens + 1 and int(prompt_token_ids[-1]) == handle.first_token:
+        return Handoff.PROMPT_PLUS_FIRST_TOKEN
+    return None
 
 
 def wants_remote_decode(params: dict[str, Any] | None) -> bool:

@@ -9,9 +9,18 @@ The request lifecycle, once (the worker half, worker_half.py, does the moving):
     3 the next step's plan carries a SendJob; the worker hands the blocks to Algorithm 1's sender
     4 a decode pulls (D1..D9), or the TTL passes, or the worker shuts down: the sender gives the blocks
       back, the worker reports the request as finished sending, vLLM frees its blocks
-  A request that finishes otherwise (aborted, stopped on its first token) is not held: vLLM frees it.
+  A request that finishes otherwise (aborted, stopped on its first token by an end token or a stop token
+  id) is not held: vLLM frees it. A stop string is matched by vLLM's front end after its engine finished
+  the one-token request by length, so such a request is held, and its KV goes back at the TTL.
 
-  decode instance (kv_role kv_consumer / kv_both), a request whose params carry a KVHandle:
+  decode instance (kv_role kv_consumer / kv_both), a request whose params carry a KVHandle, in one of
+  two forms (``Handoff``):
+    standard                 its prompt is the prefill's prompt (vLLM's P/D protocol): all of it loads, and
+                             vLLM recomputes the last prompt token with its one-token step (its scheduler
+                             counts a fully loaded prompt as one token short) to sample the first token again
+    prompt+first-token       its prompt is the prefill's prompt plus the handle's ``first_token``
+                             (handoff.py builds it): the prompt's KV loads and vLLM computes only the first
+                             token, as a one-token step, sampling the second: what one instance computes
     1 ``get_num_new_matched_tokens``: the handle's prompt tokens load asynchronously
     2 ``update_state_after_alloc``: vLLM allocated the blocks; the next step's plan carries a RecvJob
     3 the worker pulls into them (D1..D9) and reports the request as finished receiving (a failed pull
@@ -26,7 +35,14 @@ import logging
 from typing import Any
 
 from hawk.connector.configs import CONFIGS
-from hawk.integrations.vllm.params import HANDLE_VERSION, KVHandle, handoff_params, read_handle, wants_remote_decode
+from hawk.integrations.vllm.params import (
+    HANDLE_VERSION,
+    KVHandle,
+    handoff_form,
+    handoff_params,
+    read_handle,
+    wants_remote_decode,
+)
 from hawk.integrations.vllm.plan import RecvJob, SendJob, StepPlan
 from hawk.integrations.vllm.settings import ConnectorSettings
 
@@ -66,9 +82,9 @@ class SchedulerHalf:
             log.info("request %s: %d prompt tokens hit the local prefix cache; recomputing the rest, not pulling",
                      request.request_id, num_computed_tokens)
             return 0, False
-        if handle.num_tokens != len(request.prompt_token_ids):
-            log.warning("request %s: the handle holds %d tokens, the prompt has %d; recomputing", request.request_id,
-                        handle.num_tokens, len(request.prompt_token_ids))
+        if handoff_form(handle, request.prompt_token_ids) is None:
+            log.warning("request %s: the handle holds %d tokens (first token %d), the prompt has %d; recomputing",
+                        request.request_id, handle.num_tokens, handle.first_token, len(request.prompt_token_ids))
             return 0, False
         self._loading[request.request_id] = handle
         self._tried.add(request.request_id)
