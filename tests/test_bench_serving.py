@@ -185,6 +185,8 @@ def test_prompts_are_deterministic_and_in_range():
     a, b = prompt_ids(s, 0, (100, 200)), prompt_ids(s, 0, (100, 200))
     assert a == b and len(a) == 50 and all(100 <= t < 200 for t in a)
     assert prompt_ids(s, 1, (100, 200)) != a
+    # a ramp's rates never repeat a prompt (a prefix cache would prefill it for free)
+    assert len({tuple(prompt_ids(s, 0, (100, 200), rate)) for rate in (0.5, 0.75, 1.125, 1.6875)}) == 4
     body = completion_body(s, a, None)
     assert "model" not in body and body["max_tokens"] == 5 and body["ignore_eos"] is True
 

@@ -47,9 +47,11 @@ from hawk.sim.traces import TraceWorkload
 from hawk.sim.workload import RequestSource, RequestSpec, Workload, generate_requests, get_workload
 
 
-def prompt_ids(spec: RequestSpec, seed: int, token_id_range: tuple[int, int]) -> list[int]:
-    """The request's prompt: ``input_len`` token ids, fixed by (seed, request index)."""
-    rng = np.random.default_rng([seed, 7, spec.index])
+def prompt_ids(spec: RequestSpec, seed: int, token_id_range: tuple[int, int], rate: float = 0.0) -> list[int]:
+    """The request's prompt: ``input_len`` token ids, fixed by (seed, rate, request index). The rate
+    is in it so that a sweep or a ramp never sends a prompt twice: a server with a prefix cache (vLLM's
+    is on by default) would otherwise prefill each repeated prompt for free at every later rate."""
+    rng = np.random.default_rng([seed, 7, round(rate * 1000) if math.isfinite(rate) else 1 << 40, spec.index])
     lo, hi = token_id_range
     return rng.integers(lo, hi, spec.input_len).tolist()
 
@@ -289,7 +291,7 @@ async def _bench(
                 s2, c = _fit(s, max_len)
                 specs.append(s2)
                 clipped += c
-            bodies = [completion_body(s, prompt_ids(s, seed, token_id_range), model, ignore_eos, temperature) for s in specs]
+            bodies = [completion_body(s, prompt_ids(s, seed, token_id_range, rate), model, ignore_eos, temperature) for s in specs]
             t_wall = time.time()
             results = await run_rate(client, url, specs, bodies, max_concurrency)
             rec: dict[str, Any] = {
