@@ -117,9 +117,6 @@ def attend(
         raise ValueError(f"causal_offset must be >= 0 (Tq={tq}, Tk={tk}), got {causal_offset}")
     if q.shape[1] % k_ctx.shape[1]:
         raise ValueError(f"query heads {q.shape[1]} not a multiple of kv heads {k_ctx.shape[1]}")
-    if widens(q):  # a causal offset, not a mask: it computes only the keys each block of rows sees
-        sees_all = tq == 1 and causal_offset >= tk - 1
-        return attend_widened(q, k_ctx, v_ctx, None, None if sees_all else causal_offset)
     # SDPA's is_causal is top-left aligned: right only when the context is just the new tokens.
     # A single query that sees the whole context needs no mask; otherwise build a
     # bottom-right-aligned one (the fused kernels take it too).
@@ -130,6 +127,10 @@ def attend(
         i = torch.arange(tq, device=q.device)[:, None]
         j = torch.arange(tk, device=q.device)[None, :]
         mask = j <= i + causal_offset
+    if widens(q):
+        if is_causal:
+            mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril()
+        return attend_widened(q, k_ctx, v_ctx, mask)
     # [1, H, T, D]: with a batch dim SDPA picks its fused CPU/GPU kernels, not the math path.
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),

@@ -24,9 +24,6 @@ import torch
 
 #: Query rows per fp32 score block in :func:`attend_widened` (bounds its ``[H, rows, Tk]`` buffer).
 QUERY_CHUNK = 256
-#: The same for causal attention, smaller: a block computes the keys its last row sees, so smaller blocks
-#: skip more of the hidden triangle (64: 5/8 of a 256-token prompt's scores; 32 would be 9/16 in twice the ops).
-CAUSAL_QUERY_CHUNK = 64
 
 
 def rope_widened(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -57,60 +54,31 @@ def add_rms_norm_widened(
     return weight * normed.to(x.dtype), residual
 
 
-def attend_widened(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                   causal_offset: int | None = None) -> torch.Tensor:
+def attend_widened(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Attention of ``q [Tq, Hq, D]`` over ``k, v [Tk, Hkv, D]`` in fp32, rounded once to ``q``'s dtype.
 
     ``mask [Tq, Tk]`` (True: may attend) or None (every query sees every key). Grouped heads share
     their K/V without copies: each KV head's queries are one ``[G * rows, D]`` matrix.
-
-    ``causal_offset`` (instead of a mask): query ``i`` sees keys ``0 .. causal_offset + i``. Then each
-    block of :data:`CAUSAL_QUERY_CHUNK` query rows computes scores only for the keys its last row sees
-    and masks only the columns some of its rows do not: a fresh 256-token prompt computes 5/8 of the
-    full score matrix and masks a diagonal strip, where a ``[Tq, Tk]`` mask computed and masked all of
-    it (the prompt chunk's attention was a third of a CPU prefill step, ``benchmarks/cpu_step_probe.py
-    --profile``). A score is the same dot product either way; the softmax sum and the weighted sum of V
-    run over the seen keys only, so their fp32 summation order (not the keys summed) can differ from the
-    masked full row's.
     """
-    if mask is not None and causal_offset is not None:
-        raise ValueError("give a mask or a causal offset, not both")
     tq, hq, d = q.shape
     tk, hkv = k.shape[0], k.shape[1]
     g = hq // hkv
     kf = k.float().permute(1, 2, 0)  # [Hkv, D, Tk]
     vf = v.float().transpose(0, 1)  # [Hkv, Tk, D]
     scale = d ** -0.5
-    chunk = QUERY_CHUNK if causal_offset is None else CAUSAL_QUERY_CHUNK
     outs = []
-    for r0 in range(0, tq, chunk):
-        qc = q[r0 : r0 + chunk].float()
+    for r0 in range(0, tq, QUERY_CHUNK):
+        qc = q[r0 : r0 + QUERY_CHUNK].float()
         rows = qc.shape[0]
-        # the keys this block's last row sees (all of them without a causal offset)
-        kend = tk if causal_offset is None else min(tk, causal_offset + r0 + rows)
         qg = qc.view(rows, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * rows, d)
-        scores = torch.bmm(qg, kf[:, :, :kend]).mul_(scale)  # [Hkv, G * rows, kend]
+        scores = torch.bmm(qg, kf) * scale  # [Hkv, G * rows, Tk]
         if mask is not None:
             m = mask[r0 : r0 + rows]
-            scores.view(hkv, g, rows, tk).masked_fill_(~m, float("-inf"))
-        elif causal_offset is not None:
-            _mask_causal_tail(scores.view(hkv, g, rows, kend), causal_offset + r0)
-        scores.sub_(scores.amax(-1, keepdim=True)).exp_()  # the softmax's weights, unnormalised
-        o = torch.bmm(scores, vf[:, :kend]).div_(scores.sum(-1, keepdim=True))  # [Hkv, G * rows, D], normalised last
+            scores = scores.view(hkv, g, rows, tk).masked_fill(~m, float("-inf")).view(hkv, g * rows, tk)
+        weights = torch.exp(scores - scores.amax(-1, keepdim=True))
+        o = torch.bmm(weights, vf) / weights.sum(-1, keepdim=True)  # [Hkv, G * rows, D], normalised last
         outs.append(o.view(hkv, g, rows, d).permute(2, 0, 1, 3).reshape(rows, hq, d))
     return torch.cat(outs).to(q.dtype)
-
-
-def _mask_causal_tail(scores: torch.Tensor, first: int) -> None:
-    """Hide, in ``scores [Hkv, G, rows, K]`` (in place), the keys after each row's own: row ``i`` sees
-    keys ``0 .. first + i``. Only the columns after ``first`` can be hidden, so only they are touched."""
-    rows, kend = scores.shape[2], scores.shape[3]
-    lo = first + 1
-    if lo >= kend:
-        return
-    i = torch.arange(rows)[:, None]
-    j = torch.arange(lo, kend)[None, :]
-    scores[..., lo:].masked_fill_(j > first + i, float("-inf"))
 
 
 def widens(t: torch.Tensor) -> bool:
