@@ -6,11 +6,14 @@ learns the real port without racing another process for it.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
 import os
+import signal
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -59,6 +62,40 @@ def engine_alive(engine: Any) -> bool:
         return bool(probe())
     thread = getattr(engine, "_thread", None)
     return thread is None or thread.is_alive()
+
+
+# ============================================================================ child processes
+
+
+def watch_parent(parent_pid: int) -> None:
+    """SIGTERM this process (its server stops gracefully) once its launcher ``parent_pid`` is gone:
+    a launcher killed without stopping its children must not leave them serving."""
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent_pid:
+                log.warning("launcher %d is gone: shutting down", parent_pid)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    threading.Thread(target=watch, name="hawk-parent-watch", daemon=True).start()
+
+
+def stop_processes(procs: Sequence[tuple[str, subprocess.Popen[Any]]], sig: int, timeout_s: float) -> None:
+    """Send ``sig`` to each live (name, process), wait for all of them until one shared deadline,
+    then SIGKILL any that hang; every one is reaped."""
+    for _, p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(sig)
+    deadline = time.monotonic() + timeout_s
+    for name, p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s %d did not stop; killing it", name, p.pid)
+            p.kill()
+            p.wait(5)
 
 
 # ============================================================================ ASGI guards

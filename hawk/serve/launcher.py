@@ -58,7 +58,9 @@ from hawk.serve.common import (
     is_loopback,
     serve_foreground,
     set_torch_threads,
+    stop_processes,
     url_of,
+    watch_parent,
 )
 
 log = logging.getLogger("hawk.serve")
@@ -288,7 +290,7 @@ def run_instance(
     stopping = threading.Event()
     _watch_engines(role, instance_engines(role, instance), instance, stopping)
     if parent_pid is not None:
-        _watch_parent(parent_pid)
+        watch_parent(parent_pid)
     if cfg.gc_freeze:
         log.info("%s instance: %d startup objects frozen out of garbage collection", role, freeze_startup_heap())
     if ready_file:
@@ -303,18 +305,6 @@ def run_instance(
         stopping.set()
         log.info("%s instance shutting down: closing engine and releasing buffers", role)
         instance.close()
-
-
-def _watch_parent(parent_pid: int) -> None:
-    def watch() -> None:
-        while True:
-            time.sleep(0.5)
-            if os.getppid() != parent_pid:
-                log.warning("launcher %d is gone: shutting down", parent_pid)
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
-
-    threading.Thread(target=watch, name="hawk-parent-watch", daemon=True).start()
 
 
 # ============================================================================ children (the cluster)
@@ -401,18 +391,8 @@ class Cluster:
         self._stop.set()
         if self._supervisor is not None:
             self._supervisor.join(timeout_s)
+        stop_processes([(f"{c.role} child", c.proc) for c in self.children], signal.SIGTERM, timeout_s)
         for c in self.children:
-            if c.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    c.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for c in self.children:
-            try:
-                c.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s child %d did not stop; killing it", c.role, c.proc.pid)
-                c.proc.kill()
-                c.proc.wait(5)
             c.ready_file.unlink(missing_ok=True)
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)

@@ -35,10 +35,10 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from typing import Any
 
+from hawk.serve.common import serve_foreground, stop_processes, watch_parent
 from hawk.serve.metrics import MULTIPROC_ENV
 
 log = logging.getLogger(__name__)
@@ -94,35 +94,18 @@ class RouterWorkers:
             self.stop()
 
     def stop(self) -> None:
-        live = [p for p in self.procs if p is not None and p.poll() is None]
-        for p in live:
-            p.send_signal(signal.SIGINT)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for p in live:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes([(f"router worker {i}", p) for i, p in enumerate(self.procs) if p is not None], signal.SIGINT, STOP_GRACE_S)
         shutil.rmtree(self.metrics_dir, ignore_errors=True)
-
-
-def _watch_parent(parent: int) -> None:
-    """Stop this worker (SIGINT: uvicorn's graceful stop) when its launcher is gone."""
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    os.kill(os.getpid(), signal.SIGINT)
 
 
 def main() -> None:
     """A worker: the router app on the inherited socket, in the foreground."""
-    from hawk.serve.common import serve_foreground
     from hawk.serve.router import RouterConfig, create_router_app
 
     spec = json.loads(os.environ.pop(WORKER_SPEC_ENV))
     logging.basicConfig(level=getattr(logging, spec["log_level"].upper(), logging.WARNING))
     sock = socket.socket(fileno=spec["fd"])
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), name="hawk-parent-watch", daemon=True).start()
+    watch_parent(os.getppid())  # SIGTERM: uvicorn's graceful stop, as on SIGINT
     # uvicorn handles SIGINT while it serves, then raises it again; a Ctrl-C reaches the launcher's whole
     # process group and the launcher then signals each worker too, and asyncio's own handler would turn
     # that second signal into a KeyboardInterrupt inside the loop, mid-shutdown. This handler keeps asyncio's out.
