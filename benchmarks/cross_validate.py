@@ -125,14 +125,14 @@ def probe(url: str, seed: int, lengths: tuple[int, ...] = PREFILL_LENS, repeats:
 def served_limits(system: Any, cfg: Any) -> dict[str, int]:
     """The batch and KV capacities the running system resolved (``hawk/engine/capacity.py``'s memory
     rule where the config leaves them open): the simulator admits requests against the same ones."""
-    from hawk.engine.capacity import CPU_KV_TOKENS, default_max_num_seqs
+    from hawk.engine.capacity import default_max_num_seqs, prefill_capacity
 
     secret = cluster_secret_from_env()
     headers = {"Authorization": f"Bearer {secret}"} if secret else {}
     info = httpx.get(f"{system.cluster.decode_urls[0]}/internal/info", headers=headers, timeout=10.0, trust_env=False)
     info.raise_for_status()
     return {"max_batch": default_max_num_seqs(cfg), "decode_kv_tokens": int(info.json()["max_kv_tokens"]),
-            "prefill_kv_tokens": cfg.kv_tokens or CPU_KV_TOKENS}
+            "prefill_kv_tokens": prefill_capacity(cfg).kv_tokens}
 
 
 def run_scenario(name: str, a: argparse.Namespace, transfer: str) -> dict[str, Any]:

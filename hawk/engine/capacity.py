@@ -102,15 +102,23 @@ def _gpu_bytes(cfg: ServeConfig, mc: Any, device: torch.device, weight_bytes: in
     return int(total * cfg.gpu_memory_utilization) - taken, how
 
 
+def prefill_capacity(cfg: ServeConfig) -> Capacity:
+    """A prefill instance's: ``--kv-tokens``, else :data:`CPU_KV_TOKENS` on any device (its cache only
+    holds prompts until they are pulled, so no memory rule sizes it); needs no model."""
+    if cfg.kv_tokens is not None:
+        return Capacity(cfg.kv_tokens, default_max_num_seqs(cfg), "--kv-tokens")
+    return Capacity(CPU_KV_TOKENS, default_max_num_seqs(cfg), "a prefill instance's default: it holds prompts until they are pulled")
+
+
 def resolve(cfg: ServeConfig, mc: Any, role: str, weight_bytes: int, heads: int | None = None, rx_bytes: int = 0) -> Capacity:
     """The KV tokens and batch of an instance of ``role`` ("colocated", "decode", "prefill") whose
     model (``mc``, ``weight_bytes`` on its device) is loaded; ``heads``: this rank's KV heads."""
     seqs = default_max_num_seqs(cfg)
     if cfg.kv_tokens is not None:
         return Capacity(cfg.kv_tokens, seqs, "--kv-tokens")
-    heads = heads or mc.num_kv_heads
     if role == "prefill":
-        return Capacity(CPU_KV_TOKENS, seqs, "a prefill instance's default: it holds prompts until they are pulled")
+        return prefill_capacity(cfg)
+    heads = heads or mc.num_kv_heads
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
     spec = parse_device(cfg.prefill_device if role == "colocated" else cfg.decode_device)
     compute = torch.device(spec.torch_device)
