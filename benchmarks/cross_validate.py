@@ -129,10 +129,13 @@ def served_limits(system: Any, cfg: Any) -> dict[str, int]:
 
     secret = cluster_secret_from_env()
     headers = {"Authorization": f"Bearer {secret}"} if secret else {}
-    info = httpx.get(f"{system.cluster.decode_urls[0]}/internal/info", headers=headers, timeout=10.0, trust_env=False)
-    info.raise_for_status()
-    return {"max_batch": default_max_num_seqs(cfg), "decode_kv_tokens": int(info.json()["max_kv_tokens"]),
-            "prefill_kv_tokens": prefill_capacity(cfg).kv_tokens}
+    def info(url: str) -> dict[str, Any]:
+        r = httpx.get(f"{url}/internal/info", headers=headers, timeout=10.0, trust_env=False)
+        r.raise_for_status()
+        return r.json()
+
+    return {"max_batch": default_max_num_seqs(cfg), "decode_kv_tokens": int(info(system.cluster.decode_urls[0])["max_kv_tokens"]),
+            "prefill_kv_tokens": prefill_capacity(cfg).kv_tokens, "prefill_staging_bytes": info(system.cluster.prefill_urls[0]).get("staging_bytes")}
 
 
 def run_scenario(name: str, a: argparse.Namespace, transfer: str) -> dict[str, Any]:
@@ -167,7 +170,7 @@ def run_scenario(name: str, a: argparse.Namespace, transfer: str) -> dict[str, A
         params = sum(t.numel() for t in loaded.model.parameters())
         npu_step = engine_step_model("p150a", params, mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.kv_dtype)
         del loaded
-    sim_cfg = calibrated_config(cal, cfg.transfer, npu_step=npu_step, link_gbps=cfg.link_gbps)
+    sim_cfg = calibrated_config(cal, cfg.transfer, npu_step=npu_step, link_gbps=cfg.link_gbps, staging_bytes=limits["prefill_staging_bytes"])
     sim = [simulate(sim_cfg, r, wl, a.num_requests, a.seed, per_request=True) for r in a.rates]
     sims = {round(s["rate"], 9): s for s in sim}
     pairs = [row for m in real if round(m["rate"], 9) in sims for row in per_request(m, sims[round(m["rate"], 9)])]
@@ -209,7 +212,8 @@ def resimulate(path: str) -> list[dict[str, Any]]:
         cal = calibrate(probes, max_batch=lim["max_batch"], kv_tokens=lim["decode_kv_tokens"], prefill_chunk=chunk,
                         machine=saved.get("machine", {}).get("node", "saved run"), prefill_kv_tokens=lim["prefill_kv_tokens"])
         npu_step = None if s["npu_step_model"] is None else StepModel(**s["npu_step_model"])
-        sim_cfg = calibrated_config(cal, cfg["transfer"], npu_step=npu_step, link_gbps=cfg["link_gbps"])
+        sim_cfg = calibrated_config(cal, cfg["transfer"], npu_step=npu_step, link_gbps=cfg["link_gbps"],
+                                    staging_bytes=lim.get("prefill_staging_bytes"))
         sim = [simulate(sim_cfg, r, wl, a["num_requests"], a["seed"], per_request=True) for r in a["rates"]]
         rows += compare(s["real"], sim, f"{cfg['transfer']} {s['scenario']}")
     return rows

@@ -91,17 +91,17 @@ def sources(config: str, seed: int = 0, device: str = "cpu"):
     return src, caches, src_kv
 
 
-def make_source_sender(config: str, tp, src, caches, src_kv, **kw):
+def make_source_sender(config: str, tp, src, caches, src_kv, staging_bytes: int = 1 << 20, **kw):
     if src_kv is not None:
-        return make_npu_sender(config, tp, src_kv, 1 << 20, **kw)
-    return make_sender(config, tp, caches, src, 1 << 20, **kw)
+        return make_npu_sender(config, tp, src_kv, staging_bytes, **kw)
+    return make_sender(config, tp, caches, src, staging_bytes, **kw)
 
 
 def make_pair(config: str, tp, td, ttl_s: float = 30.0, timeout_s: float = 5.0, rx_bytes: int = 1 << 20, post: str = "pull", seed: int = 0,
-              device: str = "cpu") -> Pair:
+              device: str = "cpu", staging_bytes: int = 1 << 20) -> Pair:
     """Both sides in this process; their KV memory (caches, the emulated NPU's DRAM) on ``device``."""
     src, caches, src_kv = sources(config, seed, device)
-    sender = make_source_sender(config, tp, src, caches, src_kv, ttl_s=ttl_s, reap_every_s=0.02)
+    sender = make_source_sender(config, tp, src, caches, src_kv, staging_bytes, ttl_s=ttl_s, reap_every_s=0.02)
     kv, dcaches = None, []
     if get_config(config).decode_on == "npu":
         npu = open_npu(f"npu-emu:{device}", "blackhole-p150a", bank_capacity=4 << 20)

@@ -144,11 +144,11 @@ def test_reservations_released_after_many_faulty_transfers(staged):
         assert all(seen.values()), seen
         time.sleep(0.6)  # past the TTL: un-pulled and abandoned requests expire
         s, r = _settled(pair, timeout=5)
-        assert s == {"staging": [], "waiting": [], "in_flight": [], "draining": 0, "pushes": [], "expected": []}, s
+        assert s == {"staging": [], "waiting": [], "staging_queue": [], "in_flight": [], "draining": 0, "pushes": [], "expected": []}, s
         assert r == {"reservations": [], "draining": 0, "expecting": []}, r
         assert len(pair.dead_senders) == seen["prefill-dies"]
         for dead in pair.dead_senders:
-            assert dead.accounting() == {"staging": [], "waiting": [], "in_flight": [], "draining": 0, "pushes": [], "expected": []}
+            assert dead.accounting() == {"staging": [], "waiting": [], "staging_queue": [], "in_flight": [], "draining": 0, "pushes": [], "expected": []}
         # Every prefill's blocks came back exactly once, whatever happened to its transfer.
         added = [f"q{i}" for i in range(220)]
         assert sorted(pair.freed) == sorted(x for x in added if x in pair.freed)

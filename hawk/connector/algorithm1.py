@@ -37,6 +37,10 @@ for it (about four per TTL); each extends the un-pulled KV's deadline by one TTL
 delays a request instead of letting it expire into an error, while an aborted request, or a dead
 or closed decode, stops the keep-alives and the TTL still releases the KV. The prefill offers this
 in its handshake (``keepalive``, ``ttl_s``), and a decode sends it to no prefill that did not.
+Staging is back-pressure too: a pull that finds P4's buffer full waits, in arrival order, for D9s
+and expiries to make room (the stager thread answers its D1 then), rather than failing or holding a
+control thread (the D9s that free staging arrive on those threads). It waits at most one TTL; a
+decode that stops waiting for D2 sends D9 not ok, which drops it from the queue.
 
 Layer-wise flow (``kv_flow=layerwise``; the prefill offers ``layerwise`` in its handshake). The same
 steps, reordered so that the transfer hides behind prefill: the decode allocates the request's
@@ -79,6 +83,7 @@ blocks as possibly still written for the transport's drain time (:class:`PushFai
 from __future__ import annotations
 
 import contextlib
+import collections
 import logging
 import os
 import queue
@@ -159,6 +164,23 @@ class _Sent:
     held: Held
     held_blocks: _Prefilled | None  # the paged blocks, kept until D9 where they are read after P7 (gg-direct, landed pulls)
     deadline: float
+
+
+@dataclass(eq=False)
+class _StagingWait:
+    """A pull that found staging full (P4): it waits in the queue for room, holding its blocks, and
+    its D1 is answered by the stager. ``staging``: the stager is inside P3-P5 for it (a D9 or the
+    reaper then only marks ``cancelled``; the stager releases)."""
+
+    msg: PullRequest
+    job: _Prefilled
+    plan: Any
+    reply: Deferred
+    t0: float
+    t_plan: float
+    deadline: float
+    staging: bool = False
+    cancelled: str = ""
 
 
 def _device_of(fmt: SendFormat) -> Any:
@@ -314,6 +336,8 @@ class KVSender:
         self._receivers: dict[str, _Receiver] = {}
         self._drain: list[tuple[float, Held]] = []
         self._pushes: dict[str, _Push] = {}
+        self._staging_queue: collections.deque[_StagingWait] = collections.deque()  # pulls waiting for room, in arrival order
+        self._room = threading.Condition(self._lock)  # something released staging (or the queue changed)
         self.device = _device_of(fmt)
         self._side = SideStream(self.device)
         self._events = EventRecorder()  # landed pulls' "bytes are there" events, for decodes in other processes
@@ -325,6 +349,8 @@ class KVSender:
         self._pusher.start()
         self._reaper = threading.Thread(target=self._reap_loop, args=(reap_every_s,), name="hawk-kv-reaper", daemon=True)
         self._reaper.start()
+        self._stager = threading.Thread(target=self._stage_loop, name="hawk-kv-stager", daemon=True)
+        self._stager.start()
         self.server = ControlServer(self._handle, host, port)
 
     @property
@@ -808,27 +834,35 @@ class KVSender:
             plan = self.fmt.plan(job.num_tokens, job.block_ids, receiver.info, msg.destination())
             t_plan = time.perf_counter()
             staged = self._land(plan, receiver, msg.ready_event_ok) if msg.land else None  # P3 + P5 into the decode's pages
+            if staged is None and not self.fmt.fits_empty(plan):
+                raise BufferFull(f"request {msg.request_id}: its {self.fmt.size(plan)} B never fit the prefill's staging")
             if staged is None:
-                staged = self._stage(plan, msg.request_id)  # P3 + P4 + P5: reserve, transform into it
+                staged = self._stage_now(plan, msg.request_id)  # P3 + P4 + P5: reserve, transform into it
+            if staged is None:  # staging is full (or others wait for it): answered by the stager
+                return self._wait_for_room(_StagingWait(msg, job, plan, Deferred(), t0, t_plan, time.monotonic() + self.ttl_s))
         except BaseException as e:  # the request fails; nothing it held may stay held
             self._give_back_blocks(job)
             if isinstance(e, (ValueError, BufferFull)):
                 return Error(msg.request_id, str(e))
             raise
+        return self._ready(msg.request_id, job, plan, staged, t0, t_plan)
+
+    def _ready(self, request_id: str, job: _Prefilled, plan: Any, staged: Staged, t0: float, t_plan: float) -> KVReady:
+        """P6 + P7 of a pull whose bytes are staged (or landed): keep what D9 releases, answer with the metadata."""
         landed = staged.held.mode == "landed"
         keep = landed or self.fmt.reads_cache_in_place  # read after P7 (in place, or by a transform still running)
         if not keep:
             self._give_back_blocks(job)  # P6: the KV now lives in staging; the paged blocks can be reused
         with self._lock:
-            self._sent[msg.request_id] = _Sent(staged.held, job if keep else None, time.monotonic() + self.ttl_s)
+            self._sent[request_id] = _Sent(staged.held, job if keep else None, time.monotonic() + self.ttl_s)
         # P7: send metadata: where the bytes are and how many (and what this side's host work cost).
         timings = {"plan_s": t_plan - t0, **staged.timings}
         timings["handler_s"] = time.perf_counter() - t0
         if landed:  # nothing for the decode to pair: no block ids, no extents (1024 ids cost ~65 us to list and encode)
-            return KVReady(msg.request_id, self.fmt.name, job.num_tokens, [], "", 0, self.fmt.size(plan), [], [], timings,
+            return KVReady(request_id, self.fmt.name, job.num_tokens, [], "", 0, self.fmt.size(plan), [], [], timings,
                            landed=True, ready_event=staged.ready_event)
         return KVReady(
-            msg.request_id,
+            request_id,
             self.fmt.name,
             job.num_tokens,
             job.block_ids.tolist(),
@@ -885,6 +919,7 @@ class KVSender:
             self._fail_push(push, f"request {msg.request_id}: cancelled by the decode: {msg.error}")
             self._settle(push)
             return
+        self._cancel_waits(lambda w: f"request {w.msg.request_id}: cancelled by the decode: {msg.error}" if w.msg.request_id == msg.request_id else "")
         with self._lock:
             sent = self._sent.pop(msg.request_id, None)
         if sent is None:
@@ -896,19 +931,84 @@ class KVSender:
                 self._drain.append((time.monotonic() + self.transport.drain_s, sent.held))
         if sent.held_blocks is not None:
             self._give_back_blocks(sent.held_blocks)
+        with self._lock:
+            self._room.notify_all()
 
     # -- reservations and expiry -------------------------------------------------------------
 
-    def _stage(self, plan: Any, owner: str) -> Staged:
-        """Reserve and fill, waiting a while for room when staging is full (pulls free it)."""
-        deadline = time.monotonic() + self.staging_wait_s
-        while True:
+    def _stage_now(self, plan: Any, owner: str) -> Staged | None:
+        """P3 + P4 + P5 if staging has room now and no earlier pull waits for it (arrival order: a large
+        request is not overtaken forever by small ones); None otherwise."""
+        with self._lock:
+            if self._staging_queue:
+                return None
+        try:
+            return self.fmt.stage(plan, owner, ttl_s=self.ttl_s)
+        except BufferFull:
+            return None
+
+    def _wait_for_room(self, w: _StagingWait) -> Deferred:
+        with self._lock:
+            self._staging_queue.append(w)
+            self._room.notify_all()
+        return w.reply
+
+    def _stage_loop(self) -> None:
+        """The stager: the queue's head is staged as soon as releases make room for it; it alone
+        touches a waiting pull's blocks while P3-P5 run (a D9 or the reaper meanwhile only marks it)."""
+        while not self._stop.is_set():
+            with self._lock:
+                if not self._staging_queue:
+                    self._room.wait(0.05)
+                    continue
+                w = self._staging_queue[0]
+                w.staging = True
+            staged: Staged | None = None
+            error = ""
+            t_try = time.perf_counter()
             try:
-                return self.fmt.stage(plan, owner, ttl_s=self.ttl_s)
+                staged = self.fmt.stage(w.plan, w.msg.request_id, ttl_s=self.ttl_s)
             except BufferFull:
-                if time.monotonic() >= deadline:
-                    raise
-                time.sleep(0.005)
+                pass
+            except Exception as e:  # noqa: BLE001 - this request fails; the stager goes on
+                error = f"request {w.msg.request_id}: staging failed: {type(e).__name__}: {e}"
+            with self._lock:
+                w.staging = False
+                done = bool(staged or error or w.cancelled)
+                if done and self._staging_queue and self._staging_queue[0] is w:
+                    self._staging_queue.popleft()
+                if not done:
+                    self._room.wait(0.05)  # until a release (or the poll: expiries do not notify)
+                    continue
+            if w.cancelled:
+                if staged is not None:
+                    self.fmt.release(staged.held)
+                self._give_back_blocks(w.job)
+                w.reply.resolve(Error(w.msg.request_id, w.cancelled))
+            elif error:
+                self._give_back_blocks(w.job)
+                w.reply.resolve(Error(w.msg.request_id, error))
+            else:
+                assert staged is not None
+                staged.timings["staging_queue_s"] = t_try - w.t_plan
+                w.reply.resolve(self._ready(w.msg.request_id, w.job, w.plan, staged, w.t0, w.t_plan))
+
+    def _cancel_waits(self, why: Callable[[_StagingWait], str]) -> int:
+        """Drop queued pulls ``why`` names a reason for (its blocks back, its D1 answered with the reason);
+        one the stager is inside is marked, and the stager finishes it."""
+        with self._lock:
+            marked = [(w, why(w)) for w in self._staging_queue]
+            marked = [(w, r) for w, r in marked if r]
+            for w, r in marked:
+                w.cancelled = r
+                if not w.staging:
+                    self._staging_queue.remove(w)
+            self._room.notify_all()
+        for w, r in marked:
+            if not w.staging:
+                self._give_back_blocks(w.job)
+                w.reply.resolve(Error(w.msg.request_id, r))
+        return len(marked)
 
     def _give_back_blocks(self, job: _Prefilled) -> None:
         if job.release_blocks is not None:
@@ -956,7 +1056,8 @@ class KVSender:
         for h in ready:
             self.fmt.release(h)
         expired = self.fmt.expire(now)
-        return len(jobs) + len(sent) + len(ready) + len(expired) + len(stale_pushes)
+        waited = self._cancel_waits(lambda w: f"request {w.msg.request_id}: staging stayed full for {self.ttl_s:g} s" if w.deadline <= now else "")
+        return len(jobs) + len(sent) + len(ready) + len(expired) + len(stale_pushes) + waited
 
     def _reap_loop(self, every_s: float) -> None:
         while not self._stop.wait(every_s):
@@ -971,6 +1072,7 @@ class KVSender:
             return {
                 "staging": self.fmt.live(),
                 "waiting": sorted(self._prefilled),
+                "staging_queue": [w.msg.request_id for w in self._staging_queue],
                 "in_flight": sorted(self._sent),
                 "draining": len(self._drain),
                 "pushes": sorted(self._pushes),
@@ -990,8 +1092,10 @@ class KVSender:
             p.abandoned, p.handoff_expected = True, False
             self._fail_push(p, f"request {p.request_id}: the prefill is shutting down")
         self._pusher.join(timeout=5)
+        self._cancel_waits(lambda w: f"request {w.msg.request_id}: the prefill is shutting down")
         self.server.close()
         self._reaper.join(timeout=2)
+        self._stager.join(timeout=5)
         with self._lock:
             jobs = list(self._prefilled.values()) + [s.held_blocks for s in self._sent.values() if s.held_blocks]
             held = [s.held for s in self._sent.values()] + [h for _, h in self._drain]
@@ -1057,7 +1161,7 @@ def _pull_timings(t: _Clock, t_stored: float, ready: Any) -> dict[str, float]:
     """The pull's laps plus the sender's own steps, and the legacy coarse keys (ready/pair/transfer/finish)."""
     lap = t.laps
     handler = min(_sender_time(ready, "handler_s"), lap.get("wait_ready_s", 0.0))
-    sender = {f"sender_{k}": _sender_time(ready, f"{k}_s") for k in ("plan", "reserve", "transform", "transform_wait")}
+    sender = {f"sender_{k}": _sender_time(ready, f"{k}_s") for k in ("plan", "staging_queue", "reserve", "transform", "transform_wait")}
     sender = {k + "_s": v for k, v in sender.items()}
     inside = sum(sender.values())
     if inside > handler > 0:  # D1 reached the sender while this side still planned ahead: the handler
@@ -1230,6 +1334,8 @@ class KVReceiver:
             t.lap("plan_overlap_s")
             ready = pending.result(timeout)
         except PeerUnreachable as e:
+            with contextlib.suppress(Exception):  # a slow prefill (staging full) drops the request then; a dead one hears nothing
+                s.client.send(Done(request_id, False, f"no answer to D1 within {timeout:g} s"))
             raise KVTransferFailed(f"request {request_id}: prefill at {address} did not answer: {e}") from e
         t.lap("wait_ready_s")
         if isinstance(ready, Error):

@@ -142,6 +142,11 @@ class SendFormat(ABC):
     def stage(self, plan: Any, owner: str, ttl_s: float) -> Staged:
         """P4 + P3/P5: reserve and fill; raises BufferFull when there is no room (yet)."""
 
+    def fits_empty(self, plan: Any) -> bool:
+        """Whether :meth:`stage` could take ``plan`` with nothing else held (a pull that never can is
+        refused at once instead of waiting for room)."""
+        return True
+
     def release(self, held: Held) -> None:
         """P9: give back what ``stage`` reserved."""
 
@@ -226,6 +231,9 @@ class _InStagingBuffer(SendFormat):
             raise
         t3 = time.perf_counter()
         return Staged(Held("staging", {0: res}), STAGING_REGION, res.offset, timings={"reserve_s": t1 - t0, "transform_s": t2 - t1, "transform_wait_s": t3 - t2})
+
+    def fits_empty(self, plan: Any) -> bool:
+        return self.staging.ledger.fits_empty(self.size(plan))
 
     def release(self, held: Held) -> None:
         for r in held.reservations.values():
@@ -584,6 +592,10 @@ class NpuPages(SendFormat):
         t3 = time.perf_counter()
         sources = [[channel_region(c), addr[c], n] for c, _, n in plan.channel_extents]
         return Staged(held, sources=sources, timings={"reserve_s": t1 - t0, "transform_s": t2 - t1, "transform_wait_s": t3 - t2})
+
+    def fits_empty(self, plan: KVTransferPlan) -> bool:
+        ledgers = self.buffers.ledgers
+        return all(c in ledgers and ledgers[c].fits_empty(n) for c, n in plan.channel_bytes().items())
 
     def release(self, held: Held) -> None:
         self.buffers.release(held.reservations)

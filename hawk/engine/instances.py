@@ -228,6 +228,7 @@ class PrefillInstance(_FollowedRanks):
             "staging_bytes": sum(r.size for r in a["staging"]),
             "staging_held": held(a["staging"]),
             "kv_waiting": a["waiting"],
+            "kv_staging_queue": a["staging_queue"],
             "kv_in_flight": a["in_flight"],
             "kv_pushes": a.get("pushes", []),
             "draining": a["draining"],
@@ -239,7 +240,8 @@ class PrefillInstance(_FollowedRanks):
 
 def _prefill_empty(a: dict[str, Any]) -> bool:
     """A prefill rank's ledger holds nothing (staging, waiting, in flight, draining)."""
-    return a["staging_reservations"] == 0 and not a["kv_waiting"] and not a["kv_in_flight"] and not a.get("kv_pushes") and a["draining"] == 0
+    return (a["staging_reservations"] == 0 and not a["kv_waiting"] and not a.get("kv_staging_queue") and not a["kv_in_flight"]
+            and not a.get("kv_pushes") and a["draining"] == 0)
 
 
 class TPReceiver:

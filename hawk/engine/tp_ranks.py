@@ -266,7 +266,7 @@ def rank_main(role: str, cfg_json: str, rank: int, tp: int, port: int, backend: 
             elif cmd == "accounting":
                 if role == "prefill":
                     a = part.sender.accounting()
-                    send("ok", msg[1], {"staging_reservations": len(a["staging"]), "staging_held": held(a["staging"]), "kv_waiting": a["waiting"], "kv_in_flight": a["in_flight"], "draining": a["draining"]})
+                    send("ok", msg[1], {"staging_reservations": len(a["staging"]), "staging_held": held(a["staging"]), "kv_waiting": a["waiting"], "kv_staging_queue": a["staging_queue"], "kv_in_flight": a["in_flight"], "draining": a["draining"]})
                 else:
                     send("ok", msg[1], ledger(part))
         except Exception as e:  # noqa: BLE001 - report to rank 0, keep following

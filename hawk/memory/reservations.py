@@ -66,6 +66,10 @@ class RangeReservations:
             self._live[res.id] = res
             return res
 
+    def fits_empty(self, size: int) -> bool:
+        """Whether ``size`` bytes fit this buffer once everything is released (else waiting never helps)."""
+        return -(-size // self.alignment) * self.alignment <= self.capacity
+
     def release(self, res: Reservation) -> bool:
         """Give ``res`` back; False if it was already released (by expiry or another path)."""
         with self._lock:

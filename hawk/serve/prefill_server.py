@@ -188,7 +188,7 @@ def create_prefill_app(instance: PrefillInstance, close_on_shutdown: bool = True
     info = InstanceInfo.of(
         role="prefill", model=instance.loaded.name, transfer=cfg.transfer, transport=cfg.transport, device=cfg.prefill_device,
         kv_address=instance.kv_address, max_prompt_tokens=instance.engine.max_prompt_tokens,
-        max_model_len=mc.max_position_embeddings, vocab_size=mc.vocab_size, kv_flow=cfg.kv_flow,
+        max_model_len=mc.max_position_embeddings, vocab_size=mc.vocab_size, kv_flow=cfg.kv_flow, staging_bytes=instance.rank.staging_bytes,
     )
     return build_instance_app(
         "prefill", [prefill_routes(svc)], info, lambda: {**instance.accounting(), **svc.aborts}, instance.loaded.tokenizer,

@@ -71,6 +71,9 @@ class SimConfig:
     #: a contended link's aggregate speed with k transfers active, ``[s(1), s(2), ...]`` (``link.py``):
     #: 1 (fair sharing) unless probes of simultaneous transfers measured more
     link_speedup: tuple[float, ...] = (1.0,)
+    #: each prefill instance's staging buffer in bytes, which a pull's KV holds until it has landed
+    #: (``staging.py``); None: unlimited (the testbeds, and paths that stage nothing)
+    staging_bytes: float | None = None
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -96,6 +99,7 @@ class SimConfig:
             "host_staging": None if self.host is None else self.host.source,
             "transfer_slots": self.transfer_slots,
             "link_speedup": list(self.link_speedup),
+            "staging_bytes": self.staging_bytes,
         }
 
 
@@ -169,7 +173,8 @@ class Cluster:
     def __post_init__(self) -> None:
         env, cfg = self.env, self.cfg
         self.occupancy = _Occupancy()
-        self.transfer = KVTransferService(env, cfg.transfer, cfg.bytes_per_token, cfg.contention, cfg.link_gbps, cfg.link_speedup)
+        self.transfer = KVTransferService(env, cfg.transfer, cfg.bytes_per_token, cfg.contention, cfg.link_gbps, cfg.link_speedup,
+                                          cfg.staging_bytes)
         h = cfg.host or HostStaging()
         self.prefills = [PrefillInstance(env, i, cfg.prefill, self._prefilled, h.prefill_s_per_byte * cfg.bytes_per_token)
                          for i in range(cfg.num_prefill)]

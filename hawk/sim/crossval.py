@@ -161,7 +161,8 @@ def link_speedup(p: Probes, curve: TransferCurve, slots: int | None = None) -> t
 PULL_THREADS = 4
 
 
-def calibrated_config(c: Calibrated, name: str, *, npu_step: StepModel | None = None, link_gbps: float | None = None) -> SimConfig:
+def calibrated_config(c: Calibrated, name: str, *, npu_step: StepModel | None = None, link_gbps: float | None = None,
+                      staging_bytes: float | None = None) -> SimConfig:
     """One prefill + one decode instance on the calibrated models, paced as the real run was.
     Contention: none for the direct paths (the real run paces each batch on its own,
     ``transport/paced.py``); for the host-staged ones (``*-host``) the per-byte part of a pull is the
@@ -169,13 +170,15 @@ def calibrated_config(c: Calibrated, name: str, *, npu_step: StepModel | None = 
     scope, at the speed-up simultaneous pulls were measured to get (:func:`link_speedup`). At most
     :data:`PULL_THREADS` pulls run at once. The decode admits between steps, as
     ``DecodeEngine`` does (a request that arrives during a paced 30 ms step waits for it before its
-    KV pull starts)."""
+    KV pull starts). ``staging_bytes``: the served prefill's staging buffer, which a host-staged
+    pull's KV holds until it has landed (``staging.py``); the other paths land in place."""
     decode = replace(c.decode, floor=npu_step) if npu_step is not None else c.decode
     return SimConfig(
         name=name, transfer=c.transfer, prefill=c.prefill, decode=decode, bytes_per_token=c.bytes_per_token,
         contention="decode" if name.endswith("-host") else "none", prefill_profile="here-measured", decode_profile="here-measured",
         note="calibrated from probes of the real run's machine", link_gbps=link_gbps, frontend_s=c.frontend_s,
         admit_between_steps=True, transfer_slots=PULL_THREADS, link_speedup=c.link_speedup,
+        staging_bytes=staging_bytes if name.endswith("-host") else None,
     )
 
 

@@ -21,22 +21,27 @@ from hawk.devices.timing import link_time_s
 from hawk.sim.calibration import TransferCurve
 from hawk.sim.link import SharedLink
 from hawk.sim.request import SimRequest
+from hawk.sim.staging import StagingPool
 
 SCOPES = ("decode", "prefill", "pair", "none")
 
 
 class KVTransferService:
     def __init__(self, env: simpy.Environment, curve: TransferCurve, bytes_per_token: int, scope: str = "decode",
-                 link_gbps: float | None = None, speedup: Sequence[float] = (1.0,)):
+                 link_gbps: float | None = None, speedup: Sequence[float] = (1.0,), staging_bytes: float | None = None):
         """``link_gbps``: timing emulation (``--link-gbps``): the bytes' share of a transfer takes at
         least ``bytes x 8 / N`` (the real run holds each batch back that long, see transport/paced.py);
         the fixed part (control round trips, landing) is the curve's, as in the real run.
-        ``speedup``: each shared link's aggregate speed with k transfers active (``link.py``)."""
+        ``speedup``: each shared link's aggregate speed with k transfers active (``link.py``).
+        ``staging_bytes``: each prefill instance's staging buffer, held by a transfer's KV until it has
+        landed (``staging.py``); None: unlimited."""
         if scope not in SCOPES:
             raise ValueError(f"contention scope {scope!r}: expected one of {SCOPES}")
         self.env, self.curve, self.bytes_per_token, self.scope = env, curve, bytes_per_token, scope
         self.link_gbps, self.speedup = link_gbps, tuple(speedup)
         self.links: dict[object, SharedLink] = {}
+        self.staging_bytes = staging_bytes
+        self.staging: dict[int, StagingPool] = {}
 
     def _link(self, r: SimRequest) -> SharedLink | None:
         key = {"decode": r.decode, "prefill": r.prefill, "pair": (r.prefill, r.decode), "none": None}[self.scope]
@@ -56,8 +61,24 @@ class KVTransferService:
     def solo_latency(self, r: SimRequest) -> float:
         return sum(self.split(r.input_len * self.bytes_per_token))
 
+    def _pool(self, r: SimRequest) -> StagingPool | None:
+        if self.staging_bytes is None:
+            return None
+        if r.prefill not in self.staging:
+            self.staging[r.prefill] = StagingPool(self.env, self.staging_bytes)
+        return self.staging[r.prefill]
+
     def move(self, r: SimRequest):  # simpy process body: yields until the KV has landed
-        fixed, shared = self.split(r.input_len * self.bytes_per_token)
+        nbytes = r.input_len * self.bytes_per_token
+        pool = self._pool(r)
+        if pool is not None:
+            yield pool.acquire(nbytes)  # P4: room in the prefill's staging, in arrival order
+        yield from self._cross(r, nbytes)
+        if pool is not None:
+            pool.release(nbytes)  # D9: the decode has it
+
+    def _cross(self, r: SimRequest, nbytes: float):
+        fixed, shared = self.split(nbytes)
         if fixed > 0:
             yield self.env.timeout(fixed)
         link = self._link(r)
