@@ -39,8 +39,9 @@ or closed decode, stops the keep-alives and the TTL still releases the KV. The p
 in its handshake (``keepalive``, ``ttl_s``), and a decode sends it to no prefill that did not.
 Staging is back-pressure too: a pull that finds P4's buffer full waits, in arrival order, for D9s
 and expiries to make room (the stager thread answers its D1 then), rather than failing or holding a
-control thread (the D9s that free staging arrive on those threads). It waits at most one TTL; a
-decode that stops waiting for D2 sends D9 not ok, which drops it from the queue.
+control thread (the D9s that free staging arrive on those threads). It waits at most one TTL, and
+no longer than its decode waits for D2: a decode that stops waiting sends D9 not ok, which drops it
+from the queue (so a dead prefill is still noticed within the decode's own timeout).
 
 Layer-wise flow (``kv_flow=layerwise``; the prefill offers ``layerwise`` in its handshake). The same
 steps, reordered so that the transfer hides behind prefill: the decode allocates the request's
