@@ -148,7 +148,7 @@ class ServeConfig:
     allow_remote: bool = opt(False, "allow --host/--kv-host beyond loopback (listens on the network; use --api-key)", flags=("--allow-remote",), commands=SERVE)
     max_body_mb: float | None = opt(None, "router request-size limit in MiB (default: 4, more for long-context models)", positive=True, commands=SERVE)
     max_restarts: int = opt(5, "how often a crashed engine process is restarted before the launcher gives up", min=0, commands=SERVE)
-    api_server_count: int = opt(1, "router processes sharing the port (vLLM's name; role all or router): the router relays every token of every stream on one event loop, the first thing to saturate on a many-core GPU host; their metrics are summed (hawk/serve/router_workers.py)", min=1, commands=SERVE)
+    api_server_count: int | None = opt(None, "router processes sharing the port (vLLM's name; role all or router): the router relays every token of every stream on one event loop, the first thing to saturate on a many-core GPU host; their metrics are summed (default: 4 where an engine computes on a GPU and the host has at least 16 cores, else 1; printed at start; hawk/serve/router_workers.py)", min=1, commands=SERVE)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # a path given as a Path: the config stays plain JSON data

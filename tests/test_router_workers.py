@@ -6,6 +6,7 @@ others keep serving, and SIGTERM to the launcher ends every process and frees th
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -141,3 +142,17 @@ def test_sigterm_ends_every_process_and_frees_the_port(system):
 def test_api_server_count_below_one_is_refused():
     with pytest.raises(ConfigError, match="api-server-count"):
         defaults(api_server_count=0).validate()
+
+
+def test_router_processes_default_to_four_on_a_many_core_gpu_host_and_one_elsewhere(monkeypatch):
+    from hawk.serve.router_workers import GPU_ROUTER_PROCESSES, router_processes
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    gpu = defaults(prefill_device="cuda:0", decode_device="npu-emu:cuda:0")
+    assert router_processes(gpu)[0] == GPU_ROUTER_PROCESSES
+    assert router_processes(defaults(prefill_device="cuda:0", transfer="colocated"))[0] == GPU_ROUTER_PROCESSES
+    assert router_processes(defaults(api_server_count=2, prefill_device="cuda:0"))[0] == 2  # given wins
+    assert router_processes(defaults())[0] == 1  # the CPU default
+    assert router_processes(dataclasses.replace(gpu, role="router"))[0] == 1  # a router alone knows no engine
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert router_processes(gpu)[0] == 1

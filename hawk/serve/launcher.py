@@ -581,14 +581,18 @@ def router_config(cfg: ServeConfig, prefill_urls: list[str], decode_urls: list[s
 def serve_router(cfg: ServeConfig, router_cfg: Any, sock: socket.socket) -> None:
     """The router on ``sock`` in the foreground: in this process, or as ``--api-server-count``
     worker processes sharing it (``router_workers.py``)."""
-    if cfg.api_server_count == 1:
+    from hawk.serve.router_workers import router_processes
+
+    n, why = router_processes(cfg)
+    print(f"HAWK router processes: {n} ({why})", flush=True)
+    if n == 1:
         from hawk.serve.router import create_router_app
 
         serve_foreground(create_router_app(router_cfg), sock, cfg.log_level)
         return
     from hawk.serve.router_workers import RouterWorkers
 
-    RouterWorkers(router_cfg, sock, cfg.api_server_count, cfg.log_level, cfg.max_restarts).run()
+    RouterWorkers(router_cfg, sock, n, cfg.log_level, cfg.max_restarts).run()
 
 
 def describe_transfer(cfg: ServeConfig) -> str:
