@@ -105,14 +105,36 @@ def test_summary_rows_and_acceptance():
     assert math.isclose(worse["colocated_saturation_over_bound"]["value"], 10 / 24)
 
 
+def _streamed(sent: float, tokens_at: list[float]) -> dict:
+    """A finished request that streamed one token at each of ``tokens_at``."""
+    gaps = [b - a for a, b in zip(tokens_at, tokens_at[1:])]
+    return {"sent_s": sent, "ok": True, "first_s": tokens_at[0], "last_s": tokens_at[-1], "itl_s": gaps, "output_tokens": len(tokens_at)}
+
+
 def test_steady_throughput_ignores_the_ramp_up_and_the_drain():
-    """40 requests at 10 req/s into a server that finishes one every 0.25 s once full (4 req/s),
-    after a 2-s ramp-up: completed / duration says 40 / 12 = 3.3; the middle of the completions says 4.
-    Below saturation completions follow arrivals: 2 req/s."""
+    """40 requests of 10 tokens at 10 req/s into a server that streams 40 tokens/s (4 req/s):
+    queued one after another (FIFO), or all admitted at once and sharing its steps (each step one
+    token to every running request, 40 tokens/s in all). Both sustain 4 req/s while the load lasts,
+    though the second finishes nothing until the end (its middle completions are a burst: counting them
+    read far more than 4). Below saturation the tokens follow the arrivals: 2 req/s."""
     from hawk.bench.saturation import steady_throughput
 
-    over = [{"sent_s": i / 10, "ok": True, "last_s": 2.0 + i / 4} for i in range(40)]
-    assert steady_throughput(over) == pytest.approx(4.0)
-    under = [{"sent_s": i / 2, "ok": True, "last_s": 1.0 + i / 2} for i in range(40)]
-    assert steady_throughput(under) == pytest.approx(2.0)
-    assert steady_throughput(over[:3]) is None
+    fifo = [_streamed(i / 10, [i / 4 + k / 40 for k in range(1, 11)]) for i in range(40)]
+    assert steady_throughput(fifo) == pytest.approx(4.0, rel=0.03)
+    shared, t, left = [], 0.0, {i: 10 for i in range(40)}
+    times: dict[int, list[float]] = {i: [] for i in range(40)}
+    while left:  # steps of the running requests (those arrived), 1/40 s per token produced
+        running = [i for i in left if i / 10 <= t] or [min(left)]
+        t = max(t, min(running) / 10)
+        for i in running:
+            t += 1 / 40
+            times[i].append(t)
+            left[i] -= 1
+            if not left[i]:
+                del left[i]
+    shared = [_streamed(i / 10, times[i]) for i in range(40)]
+    assert max(r["last_s"] for r in shared[:30]) > 9.0  # finished in the drain, nearly all
+    assert steady_throughput(shared) == pytest.approx(4.0, rel=0.03)
+    under = [_streamed(i / 2, [i / 2 + k / 40 for k in range(1, 11)]) for i in range(40)]
+    assert steady_throughput(under) == pytest.approx(2.0, rel=0.03)
+    assert steady_throughput(fifo[:3]) is None
