@@ -26,32 +26,20 @@ from typing import Any
 
 import httpx
 
+from hawk.bench.procs import children, cmdline, cpu_seconds
 from hawk.integrations.vllm.servers import free_port
 
 DEFAULT_SERVE = ["--model", "tiny", "--transfer", "colocated", "--max-num-seqs", "256", "--kv-tokens", "131072"]
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pid: int) -> float:
-    """User + system seconds of one process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
-
-
 def family(pid: int) -> dict[int, str]:
     """``pid`` and its children, each with its role: the launcher and its router workers
     (``--api-server-count``) count as the router, engine processes as the engine."""
     out = {pid: "router"}
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit():
-            continue
+    for child in children(pid):
         try:
-            ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == pid:
-                cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-                out[int(p.name)] = "router" if "router_workers" in cmd else "engine" if "launcher" in cmd else cmd[:40]
-        except (OSError, ValueError):
+            cmd = cmdline(child)
+        except OSError:
             continue
+        out[child] = "router" if "router_workers" in cmd else "engine" if "launcher" in cmd else cmd[:40]
     return out
 
 
@@ -74,11 +62,11 @@ async def _streams(url: str, streams: int, tokens: int) -> tuple[float, int]:
 
 
 def probe(url: str, pids: dict[int, str], streams: int, tokens: int) -> dict[str, Any]:
-    before = {p: cpu_s(p) for p in pids}
+    before = {p: cpu_seconds(p) for p in pids}
     wall, n = asyncio.run(_streams(url, streams, tokens))
     spent: dict[str, float] = {}
     for p, role in pids.items():
-        spent[role] = spent.get(role, 0.0) + cpu_s(p) - before[p]
+        spent[role] = spent.get(role, 0.0) + cpu_seconds(p) - before[p]
     return {"streams": streams, "tokens": tokens, "delivered": n, "wall_s": wall, "tokens_per_s": n / wall,
             "cpu_us_per_token": {role: 1e6 * s / max(1, n) for role, s in spent.items()},
             "cpu_cores_busy": {role: s / wall for role, s in spent.items()}}

@@ -24,6 +24,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from hawk.bench.procs import children, cmdline, running
 from hawk.config import ConfigError, defaults
 from hawk.integrations.vllm.servers import free_port, stop_group
 from hawk.serve.metrics import MULTIPROC_ENV
@@ -34,24 +35,13 @@ WORKERS = 2
 def _workers_of(pid: int) -> list[int]:
     """The launcher's router worker processes (its children running hawk.serve.router_workers)."""
     out = []
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit():
-            continue
+    for child in children(pid):
         try:
-            ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == pid and b"hawk.serve.router_workers" in (p / "cmdline").read_bytes():
-                out.append(int(p.name))
-        except (OSError, ValueError):
+            if "hawk.serve.router_workers" in cmdline(child):
+                out.append(child)
+        except OSError:
             continue
-    return sorted(out)
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return out
 
 
 def _complete(url: str) -> dict:
@@ -132,7 +122,7 @@ def test_sigterm_ends_every_process_and_frees_the_port(system):
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=60)
     deadline = time.monotonic() + 30
-    while live := [pid for pid in workers if _running(pid)]:
+    while live := [pid for pid in workers if running(pid)]:
         assert time.monotonic() < deadline, f"router workers {live} outlived their launcher"
         time.sleep(0.2)
     with socket.socket() as s:

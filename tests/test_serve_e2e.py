@@ -10,10 +10,11 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
+
+from hawk.bench.procs import children, running
 
 openai = pytest.importorskip("openai")
 
@@ -24,26 +25,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.fixture(scope="module")
@@ -136,11 +117,11 @@ def test_errors_through_the_client(client):
 
 def test_sigterm_stops_everything(served):
     proc = served["proc"]
-    kids = _children(proc.pid)
+    kids = children(proc.pid)
     assert len(kids) == 2, kids  # one prefill, one decode
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0
     deadline = time.monotonic() + 10
-    while any(_alive(k) for k in kids) and time.monotonic() < deadline:
+    while any(running(k) for k in kids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(k) for k in kids), "engine children outlived the launcher"
+    assert not any(running(k) for k in kids), "engine children outlived the launcher"
