@@ -331,8 +331,8 @@ class DecodeEngine:
         ``prefill``: a stepped prefill engine whose chunks ride in this engine's steps (mixed steps,
         see the module docstring), at most ``max_num_batched_tokens`` tokens per step, decode
         tokens included; ``mixed_graph_tokens`` > 0: mixed and prefill-only steps of at most that
-        many tokens replay CUDA graphs (the runner's prefill graphs; ``attn`` must hold
-        ``max_batch + MIXED_PREFILL_SEQS + 1`` rows)."""
+        many tokens replay CUDA graphs (the runner's prefill graphs, and past MIXED_PREFILL_SEQS
+        sequences its graph pieces; ``attn`` must hold ``max_batch + MIXED_PREFILL_SEQS + 1`` rows)."""
         if prefill is not None and max_num_batched_tokens <= max_batch:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must exceed max_batch ({max_batch}): "
                              "decode tokens go first, and prefill needs what they leave")
@@ -340,7 +340,7 @@ class DecodeEngine:
         self.prefill = prefill
         self.max_num_batched_tokens = max_num_batched_tokens
         # Mixed and prefill-only steps of up to MIXED_PREFILL_SEQS sequences replay a prefill graph;
-        # larger mixed batches replay their decode rows' graph and their prompts' graph (runner.py).
+        # larger mixed batches run as one forward of graph pieces, attention between them (runner.py).
         self.runner = ModelRunner(model, attn, max_batch=max_batch, graphs=graphs, max_model_len=self.max_len,
                                   prefill_graph_tokens=mixed_graph_tokens if prefill is not None else 0, prefill_graph_seqs=MIXED_PREFILL_SEQS)
         self.kv = kv
