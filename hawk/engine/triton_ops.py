@@ -220,7 +220,7 @@ def qkv_rope(
                qkv, positions, cos, sin_signed, out, t, HQ=n_heads, HKV=n_kv_heads, D=d, num_warps=1)
     q_end, k_end = t * n_heads * d, t * (n_heads + n_kv_heads) * d
     return (out[:q_end].view(t, n_heads, d), out[q_end:k_end].view(t, n_kv_heads, d),
-            out[k_end:].view(t, n_kv_heads, d))
+            out[k_end:size].view(t, n_kv_heads, d))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
