@@ -238,6 +238,43 @@ def test_on_a_gpu_overlapped_mixed_steps_give_the_synchronous_tokens(monkeypatch
         inst.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_mixed_steps_past_16_sequences_run_as_graph_pieces_with_the_tokens_of_separate_forwards(monkeypatch):
+    """Twenty requests under a batch of 32: steps carrying a prompt chunk beside the running rows hold
+    more sequences than a prefill graph does and run as one forward of graph pieces (overlapped, the
+    running rows' ids from the device); every request gets the tokens of prefill and decode run as
+    separate forwards. fp32, where a padded GEMM's rounding cannot flip a greedy token."""
+    from hawk.engine.runner import StepPath
+
+    cfg = InstanceConfig(model="tiny", transfer="colocated", kv_tokens=16384, dtype="fp32", gpu_kv_dtype="fp32",
+                         prefill_device="cuda:0", mixed_steps=True, max_num_batched_tokens=BUDGET, max_batch=32)
+    ref = ColocatedInstance(replace(cfg, mixed_steps=False))
+    try:
+        want = _serve(ref, 20)
+    finally:
+        ref.close()
+    inst = ColocatedInstance(cfg)
+    try:
+        runner = inst.decode.runner
+        assert inst.decode.overlap and sorted(runner._piecewise) == runner.prefill_tokens  # captured at start
+        paths: list[tuple[int, bool, StepPath]] = []  # (sequences, carries a chunk, path) per step
+        real = runner.step
+
+        def step(tokens, slices, ids=None):
+            out = real(tokens, slices, ids=ids)
+            paths.append((len(slices), any(s.q_len > 1 for s in slices), out.path))
+            return out
+
+        monkeypatch.setattr(runner, "step", step)
+        assert _serve(inst, 20) == want
+        assert {p for n, chunk, p in paths if n > 16 and chunk} == {StepPath.PIECEWISE}
+        assert inst.decode.stats()["steps_piecewise"] == sum(p is StepPath.PIECEWISE for *_, p in paths) > 0
+        assert blocks_back(inst, 10) and inst.prefill.stats()["prefilling"] == 0
+    finally:
+        inst.close()
+
+
 def test_closing_with_a_mixed_step_in_flight_fails_its_prompts_and_frees_their_blocks(loaded):
     inst = _instance(loaded, overlap=True)
     running = _decoding(inst, 400, 2)

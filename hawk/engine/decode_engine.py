@@ -357,8 +357,9 @@ class DecodeEngine:
         self._inflight: _Launched | None = None  # engine thread only
         #: steps with decode rows launched on the previous step's device tokens / from host ids only
         #: (the first of a batch, after a change or a drain): how much of the decode the overlap
-        #: covers; and steps that carried prefill chunks (either way, or alone)
-        self.steps = {"overlapped": 0, "synchronous": 0, "mixed": 0}
+        #: covers; steps that carried prefill chunks (either way, or alone); and steps that ran as
+        #: graph pieces (runner.py: mixed steps past MIXED_PREFILL_SEQS sequences)
+        self.steps = {"overlapped": 0, "synchronous": 0, "mixed": 0, "piecewise": 0}
         self.preemptions = 0
         self._lock = threading.Condition()
         self._waiting: deque[_Entry] = deque()
@@ -832,6 +833,8 @@ class DecodeEngine:
             self.steps["overlapped" if k else "synchronous"] += 1
         if pieces:
             self.steps["mixed"] += 1
+        if out.path is StepPath.PIECEWISE:
+            self.steps["piecewise"] += 1
         greedy = None if out.greedy is None else out.greedy[:n]
         fetch = self._sample(batch, StepOutput(out.logits[:n], greedy, out.path)) if n else TokenFetch.ready([])
         if not pieces:
@@ -935,6 +938,7 @@ class DecodeEngine:
                 "steps_overlapped": self.steps["overlapped"],
                 "steps_synchronous": self.steps["synchronous"],
                 "steps_mixed": self.steps["mixed"],
+                "steps_piecewise": self.steps["piecewise"],
             }
 
     def close(self) -> None:
