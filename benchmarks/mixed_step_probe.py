@@ -100,7 +100,7 @@ def main() -> None:
     top = max(batches)
     case = StepCase.build(a.model, device, torch.bfloat16, top, a.context, a.chunk)
     attn = PagedAttention(case.layout, case.caches, max_batch=top + 17, max_model_len=a.context + a.chunk + 8)
-    runner = ModelRunner(case.loaded.model, attn, max_batch=top, prefill_graph_tokens=a.prefill_graph_tokens or top + a.chunk)
+    runner = ModelRunner(case.loaded.model, attn, max_batch=top, prefill_graph_tokens=a.prefill_graph_tokens or top + a.chunk, piecewise_graphs=True)
     runner.warmup()
     torch.cuda.synchronize(device)
     before, t0 = torch.cuda.memory_allocated(device), time.perf_counter()

@@ -376,7 +376,7 @@ def test_prefill_graphs_match_eager_on_the_cpu(tiny: LlamaModel) -> None:
     le, pe, ce = _run_prefills(eager, tiny)
     lg, pg, cg = _run_prefills(graphed, tiny)
     assert pe == [StepPath.EAGER] * 5
-    assert pg == [StepPath.GRAPH, StepPath.GRAPH, StepPath.GRAPH, StepPath.EAGER, StepPath.PIECEWISE]
+    assert pg == [StepPath.GRAPH, StepPath.GRAPH, StepPath.GRAPH, StepPath.EAGER, StepPath.EAGER]
     for a, b in zip(le, lg):
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
     assert sorted(graphed._prefill_graphs) == [(16, 2), (32, 1), (64, 2)]
@@ -384,7 +384,6 @@ def test_prefill_graphs_match_eager_on_the_cpu(tiny: LlamaModel) -> None:
     assert ce[0] == [(i, None) for i in range(n)]  # eager: called between layers, no marker
     assert cg[0] == [(i, f"layer {i}") for i in range(n)]  # graph: after the replay, each layer's event
     assert cg[3] == ce[3]
-    assert cg[4] == ce[4]  # pieces: attention runs eagerly, so the hook is called between layers too
     for a, b in zip(eager.attn.caches, graphed.attn.caches):
         assert torch.allclose(a, b, atol=1e-5)  # the same K/V in the same slots, nothing for the pads
 
@@ -456,7 +455,7 @@ def test_mixed_batches_past_the_prefill_graphs_run_as_graph_pieces_on_the_cpu(ti
     runner's logits, greedy tokens, layer-hook calls and cache (the pads write no KV); one whose tokens
     exceed the buckets stays eager. Each bucket's pieces are captured once and replayed after."""
     eager = ModelRunner(tiny, _paged(tiny), max_batch=8, graphs=False)
-    pw = CpuStepRunner(tiny, _paged(tiny), max_batch=8, prefill_graph_tokens=64, prefill_graph_seqs=2)
+    pw = CpuStepRunner(tiny, _paged(tiny), max_batch=8, prefill_graph_tokens=64, prefill_graph_seqs=2, piecewise_graphs=True)
     le, pe, _, ce = _run_mixed(eager, tiny, hook=True)
     lp, pp, gp, cp = _run_mixed(pw, tiny, hook=True)
     assert pe == [StepPath.EAGER] * 4
@@ -479,7 +478,7 @@ def test_piecewise_buckets_share_their_buffers_and_recapture_when_rope_grows(tin
     not per bucket); warming up captures each bucket once and writes no KV; a RoPE table that grows
     (the pieces read it) drops them, the next step captures again."""
     model = LlamaModel.from_config(preset("tiny"), seed=0)  # its RoPE table grows here
-    runner = CpuStepRunner(model, _paged(model, blocks=80), max_batch=8, prefill_graph_tokens=64, prefill_graph_seqs=1)
+    runner = CpuStepRunner(model, _paged(model, blocks=80), max_batch=8, prefill_graph_tokens=64, prefill_graph_seqs=1, piecewise_graphs=True)
     assert runner.warmup_piecewise() == [64, 32, 16]
     assert all(not c.any() for c in runner.attn.caches)
     fwds = runner._piecewise
@@ -501,7 +500,7 @@ def test_piecewise_pads_never_change_a_real_row(tiny: LlamaModel) -> None:
     """The same batch in a bucket with 1 pad token and after a larger batch left stale rows in the
     static buffers (pads' ids and attention output): the same logits, and the pad rows' hidden states
     never leak into the cache."""
-    runner = CpuStepRunner(tiny, _paged(tiny, blocks=80), max_batch=8, prefill_graph_tokens=64, prefill_graph_seqs=1)
+    runner = CpuStepRunner(tiny, _paged(tiny, blocks=80), max_batch=8, prefill_graph_tokens=64, prefill_graph_seqs=1, piecewise_graphs=True)
     ref = ModelRunner(tiny, _paged(tiny, blocks=80), max_batch=8, graphs=False)
     small = [SeqSlice([0, 1], 0, 15), SeqSlice([2, 3], 0, 16)]  # 31 tokens: bucket 32
     big = [SeqSlice([10 + i, 20 + i], 0, 12) for i in range(5)]  # 60 tokens: bucket 64
@@ -522,7 +521,7 @@ def test_device_ids_replace_the_tokens_of_a_batchs_leading_rows(tiny: LlamaModel
     as host tokens throughout, on every path (decode graph, prefill graph, pieces, eager)."""
     def runner() -> ModelRunner:
         if graphed:
-            return CpuStepRunner(tiny, _paged(tiny, blocks=40), max_batch=8, prefill_graph_tokens=64, prefill_graph_seqs=4)
+            return CpuStepRunner(tiny, _paged(tiny, blocks=40), max_batch=8, prefill_graph_tokens=64, prefill_graph_seqs=4, piecewise_graphs=True)
         return ModelRunner(tiny, _paged(tiny, blocks=40), max_batch=8, graphs=False)
 
     host, dev = runner(), runner()
@@ -608,7 +607,7 @@ def test_cuda_mixed_batches_run_as_graph_pieces(dtype: torch.dtype) -> None:
     logits, greedy tokens, layer-hook calls (between layers, no marker) and cache."""
     model = LlamaModel.from_config(preset("tiny"), seed=0, dtype=dtype, device="cuda")
     eager = ModelRunner(model, _paged(model, "cuda"), max_batch=8, graphs=False)
-    pw = ModelRunner(model, _paged(model, "cuda"), max_batch=8, prefill_graph_tokens=64, prefill_graph_seqs=2)
+    pw = ModelRunner(model, _paged(model, "cuda"), max_batch=8, prefill_graph_tokens=64, prefill_graph_seqs=2, piecewise_graphs=True)
     le, _, _, ce = _run_mixed(eager, model, hook=True)
     lp, pp, gp, cp = _run_mixed(pw, model, hook=True)
     assert pp == [StepPath.PIECEWISE, StepPath.PIECEWISE, StepPath.PIECEWISE, StepPath.EAGER]
@@ -666,7 +665,7 @@ def test_cuda_piecewise_step_of_decode_rows_beside_a_512_token_chunk(rows: int, 
         return [c.flatten(1, 2)[:, new_slots].clone() for c in caches]
 
     eager = ModelRunner(model, paged(), max_batch=rows, graphs=False, max_model_len=1024)
-    pw = ModelRunner(model, paged(), max_batch=rows, max_model_len=1024, prefill_graph_tokens=rows + 512)
+    pw = ModelRunner(model, paged(), max_batch=rows, max_model_len=1024, prefill_graph_tokens=rows + 512, piecewise_graphs=True)
     assert pw.warmup_piecewise() == list(reversed(pw.prefill_tokens))
     assert sum(len(f.pieces) for f in pw._piecewise.values()) == (cfg.num_layers + 1) * len(pw.prefill_tokens)
     want = eager.step([[int(t)] for t in ids] + [prompt], slices).logits.clone()

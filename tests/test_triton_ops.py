@@ -160,7 +160,7 @@ def run_piecewise_case(dt: torch.dtype, device: str) -> dict:
         return PagedAttention(lay, lay.allocate(device), max_batch=16, use_triton=True)
 
     eager = ModelRunner(model, paged(), max_batch=8, graphs=False)
-    pieces = PieceRunner(model, paged(), max_batch=8, graphs=False, prefill_graph_tokens=64, prefill_graph_seqs=2)
+    pieces = PieceRunner(model, paged(), max_batch=8, graphs=False, prefill_graph_tokens=64, prefill_graph_seqs=2, piecewise_graphs=True)
     g, blocks = _gen(1), [[2 * i, 2 * i + 1] for i in range(5)]
     steps = [[(b, 0, 4 + i) for i, b in enumerate(blocks)],
              [(b, 4 + i, 1) for i, b in enumerate(blocks)] + [([10, 11], 0, 9), ([12, 13], 0, 20)]]

@@ -19,21 +19,23 @@ write nothing and attend nothing), the LM head runs on each sequence's last row,
 records an external event in the graph, which a layer-wise KV push waits on after the replay is
 launched (``attn.after_layer(layer, event)``) instead of being called between layers.
 
-A batch with more sequences than a prefill graph holds, typically a decode engine's mixed step (its
-running rows first, prompt chunks after them), runs as one forward of graph pieces (piecewise.py): per
-token bucket (the prefill graphs' buckets) the non-attention work between two layers' attentions is
-one captured graph, ``num_layers + 1`` of them, and attention runs eagerly between them over the real
-tokens (the decode kernel for the leading one-token rows, the prefill kernel for the chunks; the
-layer-wise hook is called between layers, as in an eager forward). So the decode rows ride along the
-chunks' GEMMs: one weight read per step, where the decode graph and the prefill graph read them twice.
-At most ``(num_layers + 1) * len(prefill token buckets)`` piece graphs are captured (8B at the
-colocated default of 640 tokens: 33 * 8), in one pool shared with nothing else.
+With ``piecewise_graphs`` (the decode engine's runner), a batch with more sequences than a prefill
+graph holds, a mixed step (the running rows first, prompt chunks after them), runs as one forward of
+graph pieces (piecewise.py): per token bucket (the prefill graphs' buckets) the non-attention work
+between two layers' attentions is one captured graph, ``num_layers + 1`` of them, and attention runs
+eagerly between them over the real tokens (the decode kernel for the leading one-token rows, the
+prefill kernel for the chunks; the layer-wise hook is called between layers, as in an eager forward).
+So the decode rows ride along the chunks' GEMMs: one weight read per step, where the decode graph and
+the prefill graph read them twice. At most ``(num_layers + 1) * len(prefill token buckets)`` piece
+graphs are captured (8B at the colocated default of 640 tokens: 33 * 8), in one pool of their own.
+A prefill engine's runner leaves them off: its batches past 16 prompts stay eager rather than
+capture up to 33 * 16 graphs (2048 tokens) on a first use while serving.
 
 Paths, in the order :meth:`ModelRunner.step` tries them:
 
 * decode graph: every row one token, at most ``max_batch`` rows (``StepPath.GRAPH``)
 * prefill graph: at most ``prefill_graph_tokens`` tokens and ``prefill_graph_seqs`` sequences (``GRAPH``)
-* piecewise: at most ``prefill_graph_tokens`` tokens, any number of sequences (``PIECEWISE``)
+* piecewise: at most ``prefill_graph_tokens`` tokens, any number of sequences, ``piecewise_graphs`` (``PIECEWISE``)
 * eager: everything else, and everything on a CPU or without graph-safe backends (``EAGER``)
 """
 
@@ -156,6 +158,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         prefill_graph_tokens: int = 0,
         prefill_graph_seqs: int = 16,
+        piecewise_graphs: bool = False,
     ) -> None:
         """``graphs``: None = use CUDA graphs when possible, False = never, True = required
         (raises :class:`GraphsUnavailable` otherwise); decode steps. ``max_model_len`` (default: the
@@ -163,9 +166,9 @@ class ModelRunner:
         ``prefill_graph_tokens`` > 0: prefill and mixed batches of at most that many tokens and
         ``prefill_graph_seqs`` sequences replay a CUDA graph per (token, sequence) bucket where the
         backend can pad a prefill (``begin(..., pad_tokens=)``), one model without a step hook (not
-        tensor-parallel); captured on first use or by :meth:`warmup_prefill`. Such batches with more
-        sequences run as graph pieces per token bucket (captured on first use or by
-        :meth:`warmup_piecewise`)."""
+        tensor-parallel); captured on first use or by :meth:`warmup_prefill`. ``piecewise_graphs``: such
+        batches with more sequences run as graph pieces per token bucket (captured on first use or by
+        :meth:`warmup_piecewise`) rather than eagerly."""
         self.model, self.attn = model.fuse_projections(), attn
         self.device = model.device
         self.max_batch = max_batch
@@ -199,14 +202,15 @@ class ModelRunner:
             self._pio = torch.zeros(2 * self.prefill_tokens[-1] + self.prefill_seqs[-1] + 1, dtype=torch.int64, device=self.device)
             self._pio_stage = HostStaging([self._pio])
         # Piecewise forwards, one per prefill token bucket (batches past the prefill graphs' sequences).
+        self.piecewise_tokens = self.prefill_tokens if piecewise_graphs else []
         self._piecewise: dict[int, PiecewiseForward] = {}
         self._piece_pool: Any = None
         self._piece_rope_version = -1
         self._piece_bufs: PieceBuffers | None = None  # allocated with the first bucket
         self._wio: torch.Tensor | None = None  # ids [T] | positions [T] | last rows [n <= T], per bucket
         self._wio_stage: HostStaging | None = None
-        if self.prefill_tokens:
-            self._wio = torch.zeros(3 * self.prefill_tokens[-1], dtype=torch.int64, device=self.device)
+        if self.piecewise_tokens:
+            self._wio = torch.zeros(3 * self.piecewise_tokens[-1], dtype=torch.int64, device=self.device)
             self._wio_stage = HostStaging([self._wio])
 
     def _on_device(self) -> contextlib.AbstractContextManager[Any]:
@@ -519,9 +523,9 @@ class ModelRunner:
         """The token bucket of a batch no prefill graph takes (more sequences than they hold) that runs
         as graph pieces, or None: eager (no prefill graphs here, more tokens than their largest bucket,
         or a step hook: tensor parallel)."""
-        if not self.prefill_tokens or t > self.prefill_tokens[-1] or self.model.step_hook is not None:
+        if not self.piecewise_tokens or t > self.piecewise_tokens[-1] or self.model.step_hook is not None:
             return None
-        return next(b for b in self.prefill_tokens if b >= t)
+        return next(b for b in self.piecewise_tokens if b >= t)
 
     def _run_piecewise(self, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice], q_lens: list[int], t: int,
                        device_ids: torch.Tensor | None = None) -> StepOutput:
@@ -561,7 +565,7 @@ class ModelRunner:
         if fwd is None:
             assert self._wio is not None
             if self._piece_bufs is None:
-                self._piece_bufs = PieceBuffers.for_model(self.model, self.prefill_tokens[-1])
+                self._piece_bufs = PieceBuffers.for_model(self.model, self.piecewise_tokens[-1])
             fwd = self._piecewise[t] = PiecewiseForward(self.model, t, self._wio[:t], self._wio[t : 2 * t],
                                                         self._piece_bufs, self._capture_piece)
         return fwd
@@ -578,12 +582,12 @@ class ModelRunner:
         """Capture every token bucket's pieces now (largest first, so the smaller ones reuse its pool
         memory) rather than on a mixed step's first use; they read only static buffers, so nothing is
         written to the KV cache. Returns the buckets: ``(num_layers + 1) * len(buckets)`` graphs."""
-        if not self.prefill_tokens or self.model.step_hook is not None:
+        if not self.piecewise_tokens or self.model.step_hook is not None:
             return []
         with self._lock, self._on_device():
-            for t in reversed(self.prefill_tokens):
+            for t in reversed(self.piecewise_tokens):
                 self._piecewise_for(t)
-        return list(reversed(self.prefill_tokens))
+        return list(reversed(self.piecewise_tokens))
 
 
 #: The placeholder token list of a step whose ids come as a device tensor (overwritten on the device).
