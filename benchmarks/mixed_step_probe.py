@@ -11,7 +11,9 @@ sequences, two graph replays), ``mixed`` (both in one forward, the runner's choi
 graph pieces with attention between them, where the batch has more than 16 sequences), ``eager``
 (``--eager``: the one-forward step launched eagerly) and ``sum`` (decode + prefill, with the ratios
 mixed / split and mixed / decode: issue 31 wants the TPOT of a step carrying a chunk near the decode
-step). A first ``capture`` line: the piece graphs captured, the seconds and GPU memory it took.
+step). A first ``capture`` line: the piece graphs captured, the seconds and GPU memory it took. The
+pieces run a bucket of tokens (multiples of 128 past 128): 48 rows + 512 tokens run as 640, where the
+engine's steps that carry a chunk fill their token budget (640 by default) and pad nothing.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def _time(fn, device: torch.device, reps: int) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama-3.1-8b")
-    ap.add_argument("--batches", default="16,64,128,256")
+    ap.add_argument("--batches", default="16,48,64,128,256")
     ap.add_argument("--context", type=int, default=850)
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--prefill-graph-tokens", type=int, default=0,
@@ -103,12 +105,13 @@ def main() -> None:
     runner = ModelRunner(case.loaded.model, attn, max_batch=top, prefill_graph_tokens=a.prefill_graph_tokens or top + a.chunk, piecewise_graphs=True)
     runner.warmup()
     torch.cuda.synchronize(device)
-    before, t0 = torch.cuda.memory_allocated(device), time.perf_counter()
+    alloc, reserved, t0 = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device), time.perf_counter()
     buckets = runner.warmup_piecewise()
     torch.cuda.synchronize(device)
+    mib = lambda n: round(n / 2**20, 1)  # noqa: E731
     print(json.dumps({"kind": "capture", "token_buckets": buckets, "graphs": (case.loaded.config.num_layers + 1) * len(buckets),
-                      "seconds": round(time.perf_counter() - t0, 2),
-                      "gpu_mb": round((torch.cuda.memory_allocated(device) - before) / 2**20, 1)}), flush=True)
+                      "seconds": round(time.perf_counter() - t0, 2), "allocated_mib": mib(torch.cuda.memory_allocated(device) - alloc),
+                      "reserved_mib": mib(torch.cuda.memory_reserved(device) - reserved)}), flush=True)
     eager = ModelRunner(case.loaded.model, PagedAttention(case.layout, case.caches, max_batch=top + 17, max_model_len=a.context + a.chunk + 8),
                         max_batch=top, graphs=False) if a.eager else None
     ptok, pre = case.prefill()
