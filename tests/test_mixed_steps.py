@@ -13,11 +13,14 @@ import pytest
 import torch
 
 from hawk.config import ConfigError
-from hawk.engine.decode_engine import DecodeEngine, LocalKV, TokenEvent
+from hawk.engine import decode_engine
+from hawk.engine.decode_engine import MIXED_PREFILL_SEQS, DecodeEngine, LocalKV, TokenEvent
 from hawk.engine.instances import ColocatedInstance, InstanceConfig
 from hawk.engine.loader import load_model
+from hawk.engine.runner import StepPath
 from hawk.engine.sequence import SamplingParams
 from tests.blocks import blocks_back
+from tests.test_runner import CpuStepRunner
 
 BUDGET = 96
 
@@ -238,23 +241,17 @@ def test_on_a_gpu_overlapped_mixed_steps_give_the_synchronous_tokens(monkeypatch
         inst.close()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_on_a_gpu_mixed_steps_past_16_sequences_run_as_graph_pieces_with_the_tokens_of_separate_forwards(monkeypatch):
-    """Twenty requests under a batch of 32: steps carrying a prompt chunk beside the running rows hold
-    more sequences than a prefill graph does and run as one forward of graph pieces (overlapped, the
-    running rows' ids from the device); every request gets the tokens of prefill and decode run as
-    separate forwards. fp32, where a padded GEMM's rounding cannot flip a greedy token."""
-    from hawk.engine.runner import StepPath
-
-    cfg = InstanceConfig(model="tiny", transfer="colocated", kv_tokens=16384, dtype="fp32", gpu_kv_dtype="fp32",
-                         prefill_device="cuda:0", mixed_steps=True, max_num_batched_tokens=BUDGET, max_batch=32)
-    ref = ColocatedInstance(replace(cfg, mixed_steps=False))
+def _pieces_serve_like_separate_forwards(cfg: InstanceConfig, monkeypatch, loaded=None) -> None:
+    """Twenty requests of 128 tokens under a batch of 32: once enough of them run, the steps carrying a
+    prompt chunk beside the running rows hold more sequences than a prefill graph does and run as one
+    forward of graph pieces (overlapped: the running rows' ids from the device); every request gets
+    the tokens of prefill and decode run as separate forwards (``mixed_steps=False``)."""
+    ref = ColocatedInstance(replace(cfg, mixed_steps=False), loaded=loaded)
     try:
-        want = _serve(ref, 20)
+        want = _serve(ref, 20, max_tokens=128)
     finally:
         ref.close()
-    inst = ColocatedInstance(cfg)
+    inst = ColocatedInstance(cfg, loaded=loaded)
     try:
         runner = inst.decode.runner
         assert inst.decode.overlap and sorted(runner._piecewise) == runner.prefill_tokens  # captured at start
@@ -267,12 +264,30 @@ def test_on_a_gpu_mixed_steps_past_16_sequences_run_as_graph_pieces_with_the_tok
             return out
 
         monkeypatch.setattr(runner, "step", step)
-        assert _serve(inst, 20) == want
-        assert {p for n, chunk, p in paths if n > 16 and chunk} == {StepPath.PIECEWISE}
+        assert _serve(inst, 20, max_tokens=128) == want
+        assert {p for n, chunk, p in paths if n > MIXED_PREFILL_SEQS and chunk} == {StepPath.PIECEWISE}
         assert inst.decode.stats()["steps_piecewise"] == sum(p is StepPath.PIECEWISE for *_, p in paths) > 0
         assert blocks_back(inst, 10) and inst.prefill.stats()["prefilling"] == 0
     finally:
         inst.close()
+
+
+def test_mixed_steps_past_16_sequences_run_as_graph_pieces_with_the_tokens_of_separate_forwards(loaded, monkeypatch):
+    """On the CPU with the runner's graph paths enabled by their stand-ins (tests/test_runner.py: decode
+    and prefill "graphs" replayed eagerly; pieces are called where graphs cannot run)."""
+    monkeypatch.setattr(decode_engine, "ModelRunner", CpuStepRunner)
+    cfg = InstanceConfig(model="tiny", transfer="colocated", kv_tokens=16384, gpu_kv_dtype="fp32", mixed_steps=True,
+                         max_num_batched_tokens=BUDGET, max_batch=32, async_scheduling=True)
+    _pieces_serve_like_separate_forwards(cfg, monkeypatch, loaded)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_mixed_steps_past_16_sequences_run_as_graph_pieces_with_the_tokens_of_separate_forwards(monkeypatch):
+    """The same with CUDA graphs, fp32 (where a padded GEMM's rounding cannot flip a greedy token)."""
+    cfg = InstanceConfig(model="tiny", transfer="colocated", kv_tokens=16384, dtype="fp32", gpu_kv_dtype="fp32",
+                         prefill_device="cuda:0", mixed_steps=True, max_num_batched_tokens=BUDGET, max_batch=32)
+    _pieces_serve_like_separate_forwards(cfg, monkeypatch)
 
 
 def test_closing_with_a_mixed_step_in_flight_fails_its_prompts_and_frees_their_blocks(loaded):
