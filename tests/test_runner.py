@@ -488,7 +488,11 @@ def test_piecewise_buckets_share_their_buffers_and_recapture_when_rope_grows(tin
     first = fwds[16]
     two = [SeqSlice([0, 1], 0, 3), SeqSlice([2, 3], 0, 4)]
     assert runner.step([[1, 2, 3], [4, 5, 6, 7]], two).path is StepPath.PIECEWISE
-    assert runner._piecewise[16] is first and first.pieces[0].replays == 1
+    assert runner._piecewise[16] is first and first.pieces[0].replays == 1  # (the failing steps below replay nothing)
+    with pytest.raises(ValueError, match="2 tokens given for a slice of 3"):
+        runner.step([[1, 2], [4, 5, 6, 7]], two)
+    with pytest.raises(ValueError, match="one-token slice"):
+        runner.step([[1, 2], [4, 5, 6, 7]], [SeqSlice([0, 1], 3, 1), two[1]])
     runner.model.reserve_positions(len(runner.model.rope) + 1)  # the table doubles
     assert runner.step([[1, 2, 3], [4, 5, 6, 7]], two).path is StepPath.PIECEWISE
     assert list(runner._piecewise) == [16] and runner._piecewise[16] is not first

@@ -52,10 +52,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from hawk.devices.staging import HostStaging
-from hawk.engine.attention import SeqSlice
+from hawk.engine.attention import SeqSlice, leading_decode_rows
 from hawk.engine.model import LlamaModel
 from hawk.engine.piecewise import Body, CalledPiece, GraphPiece, Piece, PieceBuffers, PiecewiseForward
 from hawk.engine.sampler import NO_TOKEN
@@ -536,17 +537,11 @@ class ModelRunner:
         self.attn.begin(slices)
         assert self._wio_stage is not None and self._wio is not None
         (io,) = self._wio_stage.next()
-        at = 0
-        for seq, s in zip(tokens, slices):
-            k = len(seq)
-            if k != s.q_len:
-                raise ValueError(f"{k} tokens given for a slice of {s.q_len}")
-            io[at : at + k] = seq
-            io[t + at : t + at + k] = range(s.start, s.start + k)
-            at += k
+        _write_ids(io[:t], io[t : 2 * t], tokens, slices, leading_decode_rows(q_lens))
         io[t_real:t] = 0
         io[t + t_real : 2 * t] = 0
-        io[2 * t : 2 * t + n] = [x - 1 for x in itertools.accumulate(q_lens)]
+        np.cumsum(q_lens, out=io[2 * t : 2 * t + n])
+        io[2 * t : 2 * t + n] -= 1
         self._wio_stage.upload((2 * t + n,))
         if device_ids is not None:  # leading one-token rows: token i is row i's
             self._wio[: device_ids.shape[0]].copy_(device_ids).clamp_(min=0)
@@ -588,6 +583,25 @@ class ModelRunner:
             for t in reversed(self.piecewise_tokens):
                 self._piecewise_for(t)
         return list(reversed(self.piecewise_tokens))
+
+
+def _write_ids(ids: np.ndarray, pos: np.ndarray, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice], n_dec: int) -> None:
+    """The batch's token ids and positions, back to back from the front of ``ids`` and ``pos``: its
+    ``n_dec`` leading one-token rows in one assignment each (a mixed step's hundreds of decode rows
+    cost a few microseconds, not one slice assignment per row), the prompt chunks after them row by row."""
+    try:
+        ids[:n_dec] = [tok for (tok,) in tokens[:n_dec]]
+    except ValueError:
+        raise ValueError("a one-token slice was given another number of tokens") from None
+    pos[:n_dec] = [s.start for s in slices[:n_dec]]
+    at = n_dec
+    for seq, s in zip(tokens[n_dec:], slices[n_dec:]):
+        k = len(seq)
+        if k != s.q_len:
+            raise ValueError(f"{k} tokens given for a slice of {s.q_len}")
+        ids[at : at + k] = seq
+        pos[at : at + k] = range(s.start, s.start + k)
+        at += k
 
 
 #: The placeholder token list of a step whose ids come as a device tensor (overwritten on the device).
