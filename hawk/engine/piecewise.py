@@ -3,8 +3,8 @@
 Why: a colocated mixed step (the running batch's one-token decode rows, then prompt chunks) with more
 sequences than a prefill graph holds ran as two graph replays, its decode rows' decode graph and its
 chunks' prefill graph, and each reads every weight: at ~48 rows beside a 512-token chunk (8B, H200) the
-rows paid a whole 6 ms decode step on top of the 13 ms chunk, where riding along the chunk's GEMMs
-costs them ~10 % (issue 31). Run eagerly as one forward, the same step is launch-bound (14-26 ms of
+rows paid a whole 6 ms decode step on top of the 13 ms chunk, where riding along the chunk's
+compute-bound GEMMs should cost them about 10 % (issue 31). Run eagerly as one forward, the same step is launch-bound (14-26 ms of
 host time, ``benchmarks/results/mixed_step_h200.json``).
 
 A graph replays one fixed shape, and a mixed batch's attention is shaped by its sequences (how many
@@ -27,9 +27,10 @@ they share the buffers and one graph pool, whose memory is the temporaries of th
 Pad tokens (the bucket's tail: id 0, position 0) never reach attention, so they write no KV and
 attend nothing, and since every op in a piece is row-wise they change no real row.
 
-Host launches per step: ``L + 1`` graph replays, and per layer the attention's launches (the paged
-backend: K/V write, decode, prefill) and one copy of its output; the 8B shape: 33 replays and ~130
-launches, against ~350 kernels in the eager forward.
+Host launches per step: ``L + 1`` graph replays, per layer the attention's launches (the paged
+backend: K/V write, decode and its split reduce where there is one, prefill) and one copy of its
+output, and the LM head's few: for the 8B shape 33 replays and about 150 launches, where the eager
+forward launches about 15 kernels a layer (about 480).
 
 On a device without CUDA graphs the pieces are called (:class:`CalledPiece`) rather than replayed: the
 same bodies over the same static buffers, which is how the CPU tests check what the GPU replays.
