@@ -501,9 +501,9 @@ def test_piecewise_buckets_share_their_buffers_and_recapture_when_rope_grows(tin
 
 
 def test_piecewise_pads_never_change_a_real_row(tiny: LlamaModel) -> None:
-    """The same batch in a bucket with 1 pad token and after a larger batch left stale rows in the
-    static buffers (pads' ids and attention output): the same logits, and the pad rows' hidden states
-    never leak into the cache."""
+    """A batch in a bucket with one pad token, run after a larger batch left its rows in the static
+    buffers (the pad row's attention output is that batch's): the eager runner's logits, and its K/V
+    in the batch's blocks."""
     runner = CpuStepRunner(tiny, _paged(tiny, blocks=80), max_batch=8, prefill_graph_tokens=64, prefill_graph_seqs=1, piecewise_graphs=True)
     ref = ModelRunner(tiny, _paged(tiny, blocks=80), max_batch=8, graphs=False)
     small = [SeqSlice([0, 1], 0, 15), SeqSlice([2, 3], 0, 16)]  # 31 tokens: bucket 32
