@@ -85,6 +85,27 @@ def _time(fn, device: torch.device, reps: int) -> tuple[float, float]:
     return statistics.median(gpu), statistics.median(host)
 
 
+Batch = tuple[list[list[int]], list[SeqSlice]]
+
+
+def _steps(runner: ModelRunner, eager: ModelRunner | None, dec: Batch, pre: Batch, path: list[str]) -> dict[str, Any]:
+    """The timed calls of one batch size, each appending the path(s) its steps took to ``path``."""
+    (dtok, dslices), (ptok, pslices) = dec, pre
+
+    def run(r: ModelRunner, toks: list[list[int]], slices: list[SeqSlice]) -> str:
+        return r.step(toks, slices).path.name
+
+    steps = {
+        "decode": lambda: path.append(run(runner, dtok, dslices)),
+        "prefill": lambda: path.append(run(runner, ptok, pslices)),
+        "split": lambda: path.append(run(runner, dtok, dslices) + "+" + run(runner, ptok, pslices)),
+        "mixed": lambda: path.append(run(runner, dtok + ptok, dslices + pslices)),
+    }
+    if eager is not None:
+        steps["eager"] = lambda: path.append(run(eager, dtok + ptok, dslices + pslices))
+    return steps
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama-3.1-8b")
@@ -108,28 +129,16 @@ def main() -> None:
     alloc, reserved, t0 = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device), time.perf_counter()
     buckets = runner.warmup_piecewise()
     torch.cuda.synchronize(device)
-    mib = lambda n: round(n / 2**20, 1)  # noqa: E731
     print(json.dumps({"kind": "capture", "token_buckets": buckets, "graphs": (case.loaded.config.num_layers + 1) * len(buckets),
-                      "seconds": round(time.perf_counter() - t0, 2), "allocated_mib": mib(torch.cuda.memory_allocated(device) - alloc),
-                      "reserved_mib": mib(torch.cuda.memory_reserved(device) - reserved)}), flush=True)
+                      "seconds": round(time.perf_counter() - t0, 2), "allocated_mib": round((torch.cuda.memory_allocated(device) - alloc) / 2**20, 1),
+                      "reserved_mib": round((torch.cuda.memory_reserved(device) - reserved) / 2**20, 1)}), flush=True)
     eager = ModelRunner(case.loaded.model, PagedAttention(case.layout, case.caches, max_batch=top + 17, max_model_len=a.context + a.chunk + 8),
                         max_batch=top, graphs=False) if a.eager else None
     ptok, pre = case.prefill()
     for b in batches:
         dtok, dec = case.decode(b)
         path: list[str] = []
-
-        def split() -> None:
-            path.append(runner.step(dtok, dec).path.name + "+" + runner.step(ptok, pre).path.name)
-
-        steps = {
-            "decode": lambda: path.append(runner.step(dtok, dec).path.name),
-            "prefill": lambda: path.append(runner.step(ptok, pre).path.name),
-            "split": split,
-            "mixed": lambda: path.append(runner.step(dtok + ptok, dec + pre).path.name),
-        }
-        if eager is not None:
-            steps["eager"] = lambda: path.append(eager.step(dtok + ptok, dec + pre).path.name)
+        steps = _steps(runner, eager, (dtok, dec), (ptok, pre), path)
         rows = {}
         for kind, fn in steps.items():
             gpu, host = _time(fn, device, a.reps)

@@ -15,7 +15,12 @@ import torch
 
 from hawk.config import ConfigError
 from hawk.engine import decode_engine
-from hawk.engine.decode_engine import MIXED_PREFILL_SEQS, DecodeEngine, LocalKV, TokenEvent
+from hawk.engine.decode_engine import (
+    MIXED_PREFILL_SEQS,
+    DecodeEngine,
+    LocalKV,
+    TokenEvent,
+)
 from hawk.engine.instances import ColocatedInstance, InstanceConfig
 from hawk.engine.loader import load_model
 from hawk.engine.runner import StepPath

@@ -94,7 +94,9 @@ class PieceBuffers:
     def for_model(cls, model: LlamaModel, tokens: int) -> PieceBuffers:
         a = model.layers[0].attn
         h, qkv = model.config.hidden_size, (a.n_heads + 2 * a.n_kv_heads) * a.head_dim
-        new = lambda n: torch.zeros(n, dtype=model.dtype, device=model.device)  # noqa: E731
+        def new(n: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=model.dtype, device=model.device)
+
         return cls(tokens, new(tokens * h), new(tokens * qkv), new(tokens * a.n_heads * a.head_dim), new(tokens * h))
 
 
