@@ -2,11 +2,18 @@
 one forward (as the colocated engine's mixed steps run them), each timed on the device (CUDA events)
 and on the host (the launch: the call until it returns, before any sync).
 
-    python benchmarks/mixed_step_probe.py --model llama-3.1-8b --batches 16,64,128 --context 850 --chunk 512
+    python benchmarks/mixed_step_probe.py --model llama-3.1-8b --batches 16,48,64,128,256 --context 850 --chunk 512
 
 One JSON line per point: ``{kind, batch, chunk, gpu_ms, host_ms, path}``; kind is ``decode`` (the batch
-alone, as the engine runs it: graphs where captured), ``prefill`` (the chunk alone, eager),
-``mixed`` (both, the runner's choice of path) and ``sum`` (decode + prefill).
+alone, as the engine runs it: its decode graph), ``prefill`` (the chunk alone: its prefill graph),
+``split`` (both parts back to back in one timed call: the former path of a mixed batch past 16
+sequences, two graph replays), ``mixed`` (both in one forward, the runner's choice of path: PIECEWISE,
+graph pieces with attention between them, where the batch has more than 16 sequences), ``eager``
+(``--eager``: the one-forward step launched eagerly) and ``sum`` (decode + prefill, with the ratios
+mixed / split and mixed / decode: issue 31 wants the TPOT of a step carrying a chunk near the decode
+step). A first ``capture`` line: the piece graphs captured, the seconds and GPU memory it took. The
+pieces run a bucket of tokens (multiples of 128 past 128): 48 rows + 512 tokens run as 640, where the
+engine's steps that carry a chunk fill their token budget (640 by default) and pad nothing.
 """
 
 from __future__ import annotations
@@ -78,13 +85,36 @@ def _time(fn, device: torch.device, reps: int) -> tuple[float, float]:
     return statistics.median(gpu), statistics.median(host)
 
 
+Batch = tuple[list[list[int]], list[SeqSlice]]
+
+
+def _steps(runner: ModelRunner, eager: ModelRunner | None, dec: Batch, pre: Batch, path: list[str]) -> dict[str, Any]:
+    """The timed calls of one batch size, each appending the path(s) its steps took to ``path``."""
+    (dtok, dslices), (ptok, pslices) = dec, pre
+
+    def run(r: ModelRunner, toks: list[list[int]], slices: list[SeqSlice]) -> str:
+        return r.step(toks, slices).path.name
+
+    steps = {
+        "decode": lambda: path.append(run(runner, dtok, dslices)),
+        "prefill": lambda: path.append(run(runner, ptok, pslices)),
+        "split": lambda: path.append(run(runner, dtok, dslices) + "+" + run(runner, ptok, pslices)),
+        "mixed": lambda: path.append(run(runner, dtok + ptok, dslices + pslices)),
+    }
+    if eager is not None:
+        steps["eager"] = lambda: path.append(run(eager, dtok + ptok, dslices + pslices))
+    return steps
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama-3.1-8b")
-    ap.add_argument("--batches", default="16,64,128,256")
+    ap.add_argument("--batches", default="16,48,64,128,256")
     ap.add_argument("--context", type=int, default=850)
     ap.add_argument("--chunk", type=int, default=512)
-    ap.add_argument("--prefill-graph-tokens", type=int, default=640)
+    ap.add_argument("--prefill-graph-tokens", type=int, default=0,
+                    help="the runner's prefill graph / graph piece token limit (0: the largest batch plus the chunk)")
+    ap.add_argument("--eager", action="store_true", help="also time the mixed step as one eager forward")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--device", default="cuda:0")
     a = ap.parse_args()
@@ -93,20 +123,32 @@ def main() -> None:
     top = max(batches)
     case = StepCase.build(a.model, device, torch.bfloat16, top, a.context, a.chunk)
     attn = PagedAttention(case.layout, case.caches, max_batch=top + 17, max_model_len=a.context + a.chunk + 8)
-    runner = ModelRunner(case.loaded.model, attn, max_batch=top, prefill_graph_tokens=a.prefill_graph_tokens)
+    runner = ModelRunner(case.loaded.model, attn, max_batch=top, prefill_graph_tokens=a.prefill_graph_tokens or top + a.chunk, piecewise_graphs=True)
     runner.warmup()
+    torch.cuda.synchronize(device)
+    alloc, reserved, t0 = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device), time.perf_counter()
+    buckets = runner.warmup_piecewise()
+    torch.cuda.synchronize(device)
+    print(json.dumps({"kind": "capture", "token_buckets": buckets, "graphs": (case.loaded.config.num_layers + 1) * len(buckets),
+                      "seconds": round(time.perf_counter() - t0, 2), "allocated_mib": round((torch.cuda.memory_allocated(device) - alloc) / 2**20, 1),
+                      "reserved_mib": round((torch.cuda.memory_reserved(device) - reserved) / 2**20, 1)}), flush=True)
+    eager = ModelRunner(case.loaded.model, PagedAttention(case.layout, case.caches, max_batch=top + 17, max_model_len=a.context + a.chunk + 8),
+                        max_batch=top, graphs=False) if a.eager else None
     ptok, pre = case.prefill()
     for b in batches:
         dtok, dec = case.decode(b)
+        path: list[str] = []
+        steps = _steps(runner, eager, (dtok, dec), (ptok, pre), path)
         rows = {}
-        for kind, toks, slices in (("decode", dtok, dec), ("prefill", ptok, pre), ("mixed", dtok + ptok, dec + pre)):
-            path = []
-            gpu, host = _time(lambda: path.append(runner.step(toks, slices).path.name), device, a.reps)
-            rows[kind] = (gpu, host)
+        for kind, fn in steps.items():
+            gpu, host = _time(fn, device, a.reps)
+            rows[kind] = gpu
             print(json.dumps({"kind": kind, "batch": b, "chunk": a.chunk, "context": a.context, "gpu_ms": round(gpu, 3),
                               "host_ms": round(host, 3), "path": path[-1]}), flush=True)
-        print(json.dumps({"kind": "sum", "batch": b, "chunk": a.chunk, "gpu_ms": round(rows["decode"][0] + rows["prefill"][0], 3),
-                          "mixed_over_sum": round(rows["mixed"][0] / (rows["decode"][0] + rows["prefill"][0]), 3)}), flush=True)
+        parts = rows["decode"] + rows["prefill"]
+        print(json.dumps({"kind": "sum", "batch": b, "chunk": a.chunk, "gpu_ms": round(parts, 3),
+                          "mixed_over_sum": round(rows["mixed"] / parts, 3), "mixed_over_split": round(rows["mixed"] / rows["split"], 3),
+                          "mixed_over_decode": round(rows["mixed"] / rows["decode"], 3)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -7,17 +7,26 @@ batch still yields the tokens of the threaded engines (prefill and decode as sep
 """
 
 import threading
+import time
 from dataclasses import replace
 
 import pytest
 import torch
 
 from hawk.config import ConfigError
-from hawk.engine.decode_engine import DecodeEngine, LocalKV, TokenEvent
+from hawk.engine import decode_engine
+from hawk.engine.decode_engine import (
+    MIXED_PREFILL_SEQS,
+    DecodeEngine,
+    LocalKV,
+    TokenEvent,
+)
 from hawk.engine.instances import ColocatedInstance, InstanceConfig
 from hawk.engine.loader import load_model
+from hawk.engine.runner import StepPath
 from hawk.engine.sequence import SamplingParams
 from tests.blocks import blocks_back
+from tests.test_runner import CpuStepRunner
 
 BUDGET = 96
 
@@ -236,6 +245,70 @@ def test_on_a_gpu_overlapped_mixed_steps_give_the_synchronous_tokens(monkeypatch
         assert blocks_back(inst, 10) and inst.prefill.stats()["prefilling"] == 0
     finally:
         inst.close()
+
+
+def _seventeen_then_a_long_prompt(inst: ColocatedInstance, max_tokens: int) -> dict[str, list[int]]:
+    """Seventeen requests decoding, then a 400-token prompt whose chunks ride beside all of them: steps
+    of 18 sequences and more, past what a prefill graph holds (MIXED_PREFILL_SEQS). ``max_tokens``
+    keeps the seventeen running while those chunks are prefilled (the prompt is submitted from this
+    thread once they all decode: a fast device needs more steps of margin)."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    clients = [Client(inst, f"r{i}", _prompt(20 + i, i), params) for i in range(MIXED_PREFILL_SEQS + 1)]
+    deadline = time.monotonic() + 120
+    while min(len(c.tokens) for c in clients) < 1:  # every prompt done: all seventeen decode
+        assert time.monotonic() < deadline and not any(c.done.is_set() for c in clients)
+        time.sleep(0.005)
+    late = Client(inst, "late", _prompt(400, 3), params)
+    return {c.rid: c.wait() for c in [*clients, late]}
+
+
+def _pieces_serve_like_separate_forwards(cfg: InstanceConfig, monkeypatch, max_tokens: int, loaded=None) -> None:
+    """The steps carrying the long prompt's chunks beside the seventeen running rows run as one forward
+    of graph pieces (overlapped: the running rows' ids from the device); every request gets the tokens
+    of prefill and decode run as separate forwards (``mixed_steps=False``)."""
+    ref = ColocatedInstance(replace(cfg, mixed_steps=False), loaded=loaded)
+    try:
+        want = _seventeen_then_a_long_prompt(ref, max_tokens)
+    finally:
+        ref.close()
+    inst = ColocatedInstance(cfg, loaded=loaded)
+    try:
+        runner = inst.decode.runner
+        assert inst.decode.overlap and sorted(runner._piecewise) == runner.prefill_tokens  # captured at start
+        paths: list[tuple[int, bool, StepPath]] = []  # (sequences, carries a chunk, path) per step
+        real = runner.step
+
+        def step(tokens, slices, ids=None):
+            out = real(tokens, slices, ids=ids)
+            paths.append((len(slices), any(s.q_len > 1 for s in slices), out.path))
+            return out
+
+        monkeypatch.setattr(runner, "step", step)
+        assert _seventeen_then_a_long_prompt(inst, max_tokens) == want
+        past = [p for n, chunk, p in paths if n > MIXED_PREFILL_SEQS and chunk]
+        assert len(past) >= 400 // BUDGET and set(past) == {StepPath.PIECEWISE}
+        assert inst.decode.stats()["steps_piecewise"] == sum(p is StepPath.PIECEWISE for *_, p in paths)
+        assert blocks_back(inst, 10) and inst.prefill.stats()["prefilling"] == 0
+    finally:
+        inst.close()
+
+
+def test_mixed_steps_past_16_sequences_run_as_graph_pieces_with_the_tokens_of_separate_forwards(loaded, monkeypatch):
+    """On the CPU with the runner's graph paths enabled by their stand-ins (tests/test_runner.py: decode
+    and prefill "graphs" replayed eagerly; pieces are called where graphs cannot run)."""
+    monkeypatch.setattr(decode_engine, "ModelRunner", CpuStepRunner)
+    cfg = InstanceConfig(model="tiny", transfer="colocated", kv_tokens=16384, gpu_kv_dtype="fp32", mixed_steps=True,
+                         max_num_batched_tokens=BUDGET, max_batch=32, async_scheduling=True)
+    _pieces_serve_like_separate_forwards(cfg, monkeypatch, 48, loaded)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_mixed_steps_past_16_sequences_run_as_graph_pieces_with_the_tokens_of_separate_forwards(monkeypatch):
+    """The same with CUDA graphs, fp32 (where a padded GEMM's rounding cannot flip a greedy token)."""
+    cfg = InstanceConfig(model="tiny", transfer="colocated", kv_tokens=16384, dtype="fp32", gpu_kv_dtype="fp32",
+                         prefill_device="cuda:0", mixed_steps=True, max_num_batched_tokens=BUDGET, max_batch=32)
+    _pieces_serve_like_separate_forwards(cfg, monkeypatch, 160)
 
 
 def test_closing_with_a_mixed_step_in_flight_fails_its_prompts_and_frees_their_blocks(loaded):

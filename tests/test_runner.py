@@ -10,6 +10,7 @@ path, with a small graph-safe backend of this file and with the real PagedAttent
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -20,6 +21,7 @@ from hawk.engine.attention import ContiguousKVAttention, SeqSlice, attend
 from hawk.engine.config import ModelConfig, preset
 from hawk.engine.model import LlamaModel
 from hawk.engine.paged_attention import PagedAttention
+from hawk.engine.piecewise import GraphPiece
 from hawk.engine.runner import (
     GraphsUnavailable,
     ModelRunner,
@@ -407,14 +409,14 @@ def test_prefill_graph_warmup_writes_nothing_and_replays_after(tiny: LlamaModel)
         tiny.step_hook = None
 
 
-class CpuSplitRunner(CpuGraphRunner, CpuPrefillGraphRunner):
-    """Both stand-ins: decode graphs and prefill graphs, as a mixed step's two replays use them."""
+class CpuStepRunner(CpuGraphRunner, CpuPrefillGraphRunner):
+    """Both stand-ins: decode graphs and prefill graphs (pieces need none: on a CPU they are called)."""
 
 
 def _mixed_script() -> list[list[tuple[list[int], int, int]]]:
     """Five prompts prefilled, then steps of their five decode rows beside prompt chunks (blocks,
-    start, q_len): a fresh prompt and a continuing chunk (two graphs), then a chunk past the prefill
-    graphs' token limit (eager)."""
+    start, q_len): a fresh prompt and a continuing chunk, then a chunk past the prefill graphs' token
+    limit (eager)."""
     blocks = [[2 * i, 2 * i + 1] for i in range(5)]
     prompts = [(b, 0, 4 + i) for i, b in enumerate(blocks)]
     def dec(k: int) -> list[tuple[list[int], int, int]]:
@@ -426,45 +428,104 @@ def _mixed_script() -> list[list[tuple[list[int], int, int]]]:
             dec(2) + [([14, 15, 16, 17, 18], 0, 70)]]
 
 
-def _run_mixed(runner: ModelRunner, model: LlamaModel) -> tuple[list[torch.Tensor], list[StepPath], list[torch.Tensor | None]]:
+def _run_mixed(runner: ModelRunner, model: LlamaModel, hook: bool = False
+               ) -> tuple[list[torch.Tensor], list[StepPath], list[torch.Tensor | None], list[list]]:
+    """Each step of ``_mixed_script``: logits, paths, greedy tokens and (``hook``) the layer hook's calls."""
     g = torch.Generator().manual_seed(11)
-    logits, paths, greedy = [], [], []
+    logits, paths, greedy, calls = [], [], [], []
     for batch in _mixed_script():
         toks = [torch.randint(0, model.config.vocab_size, (q,), generator=g).tolist() for _, _, q in batch]
-        out = runner.step(toks, [SeqSlice(b, start, q) for b, start, q in batch])
+        seen: list = []
+        if hook:
+            runner.attn.after_layer = lambda layer, marker, seen=seen: seen.append((layer, marker))
+        try:
+            out = runner.step(toks, [SeqSlice(b, start, q) for b, start, q in batch])
+        finally:
+            runner.attn.after_layer = None
         logits.append(out.logits.clone())
         paths.append(out.path)
         greedy.append(None if out.greedy is None else out.greedy.clone())
-    return logits, paths, greedy
+        calls.append(seen)
+    return logits, paths, greedy, calls
 
 
-def test_mixed_batches_past_the_prefill_graphs_replay_two_graphs_on_the_cpu(tiny: LlamaModel) -> None:
-    """A mixed batch with more sequences than a prefill graph holds: its decode rows through their
-    decode graph and its prompt chunks through their prefill graph give the eager runner's logits,
-    greedy tokens and cache; one whose chunks exceed the prefill graphs' tokens stays eager."""
+def test_mixed_batches_past_the_prefill_graphs_run_as_graph_pieces_on_the_cpu(tiny: LlamaModel) -> None:
+    """Batches with more sequences than a prefill graph holds (five prompts; five decode rows beside
+    chunks) run as one forward of pieces per token bucket with attention between them: the eager
+    runner's logits, greedy tokens, layer-hook calls and cache (the pads write no KV); one whose tokens
+    exceed the buckets stays eager. Each bucket's pieces are captured once and replayed after."""
     eager = ModelRunner(tiny, _paged(tiny), max_batch=8, graphs=False)
-    split = CpuSplitRunner(tiny, _paged(tiny), max_batch=8, prefill_graph_tokens=64, prefill_graph_seqs=2)
-    le, pe, _ = _run_mixed(eager, tiny)
-    ls, ps, gs = _run_mixed(split, tiny)
+    pw = CpuStepRunner(tiny, _paged(tiny), max_batch=8, prefill_graph_tokens=64, prefill_graph_seqs=2, piecewise_graphs=True)
+    le, pe, _, ce = _run_mixed(eager, tiny, hook=True)
+    lp, pp, gp, cp = _run_mixed(pw, tiny, hook=True)
     assert pe == [StepPath.EAGER] * 4
-    assert ps == [StepPath.EAGER, StepPath.SPLIT, StepPath.SPLIT, StepPath.EAGER]
-    for a, b in zip(le, ls):
+    assert pp == [StepPath.PIECEWISE, StepPath.PIECEWISE, StepPath.PIECEWISE, StepPath.EAGER]
+    for a, b in zip(le, lp):
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
-    for logits, greedy in zip(ls[1:3], gs[1:3]):
+    for logits, greedy in zip(lp[:3], gp[:3]):
         assert greedy is not None and torch.equal(greedy, greedy_tokens(logits))
-    assert sorted(split._graphs) == [8] and sorted(split._prefill_graphs) == [(16, 1), (32, 2)]
-    for a, b in zip(eager.attn.caches, split.attn.caches):
+    n = tiny.config.num_layers
+    assert cp == ce and cp[1] == [(i, None) for i in range(n)]
+    # tokens 30, 34, 17: buckets 32, 64, 32; L + 1 pieces each, every piece run once per step
+    assert sorted(pw._piecewise) == [32, 64] and not pw._graphs and not pw._prefill_graphs
+    assert [[p.replays for p in pw._piecewise[t].pieces] for t in (32, 64)] == [[2] * (n + 1), [1] * (n + 1)]
+    for a, b in zip(eager.attn.caches, pw.attn.caches):
         assert torch.allclose(a, b, atol=1e-5)  # the same K/V in the same slots, nothing for the pads
+
+
+def test_piecewise_buckets_share_their_buffers_and_recapture_when_rope_grows(tiny: LlamaModel) -> None:
+    """Every bucket's pieces use the fronts of one set of static buffers (memory for the largest bucket,
+    not per bucket); warming up captures each bucket once and writes no KV; a RoPE table that grows
+    (the pieces read it) drops them, the next step captures again."""
+    model = LlamaModel.from_config(preset("tiny"), seed=0)  # its RoPE table grows here
+    runner = CpuStepRunner(model, _paged(model, blocks=80), max_batch=8, prefill_graph_tokens=64, prefill_graph_seqs=1, piecewise_graphs=True)
+    assert runner.warmup_piecewise() == [64, 32, 16]
+    assert all(not c.any() for c in runner.attn.caches)
+    fwds = runner._piecewise
+    assert {f.q.data_ptr() for f in fwds.values()} == {runner._piece_bufs.qkv.data_ptr()}
+    assert {f.hidden.data_ptr() for f in fwds.values()} == {runner._piece_bufs.hidden.data_ptr()}
+    assert runner._piece_bufs.tokens == 64 and all(len(f.pieces) == model.config.num_layers + 1 for f in fwds.values())
+    first = fwds[16]
+    two = [SeqSlice([0, 1], 0, 3), SeqSlice([2, 3], 0, 4)]
+    assert runner.step([[1, 2, 3], [4, 5, 6, 7]], two).path is StepPath.PIECEWISE
+    assert runner._piecewise[16] is first and first.pieces[0].replays == 1  # (the failing steps below replay nothing)
+    with pytest.raises(ValueError, match="2 tokens given for a slice of 3"):
+        runner.step([[1, 2], [4, 5, 6, 7]], two)
+    with pytest.raises(ValueError, match="one-token slice"):
+        runner.step([[1, 2], [4, 5, 6, 7]], [SeqSlice([0, 1], 3, 1), two[1]])
+    runner.model.reserve_positions(len(runner.model.rope) + 1)  # the table doubles
+    assert runner.step([[1, 2, 3], [4, 5, 6, 7]], two).path is StepPath.PIECEWISE
+    assert list(runner._piecewise) == [16] and runner._piecewise[16] is not first
+    model.step_hook = lambda ids, pos: None  # tensor parallel: the other ranks run whole forwards
+    assert runner.step([[1, 2, 3], [4, 5, 6, 7]], two).path is StepPath.EAGER and runner.warmup_piecewise() == []
+
+
+def test_piecewise_pads_never_change_a_real_row(tiny: LlamaModel) -> None:
+    """A batch in a bucket with one pad token, run after a larger batch left its rows in the static
+    buffers (the pad row's attention output is that batch's): the eager runner's logits, and its K/V
+    in the batch's blocks."""
+    runner = CpuStepRunner(tiny, _paged(tiny, blocks=80), max_batch=8, prefill_graph_tokens=64, prefill_graph_seqs=1, piecewise_graphs=True)
+    ref = ModelRunner(tiny, _paged(tiny, blocks=80), max_batch=8, graphs=False)
+    small = [SeqSlice([0, 1], 0, 15), SeqSlice([2, 3], 0, 16)]  # 31 tokens: bucket 32
+    big = [SeqSlice([10 + i, 20 + i], 0, 12) for i in range(5)]  # 60 tokens: bucket 64
+    toks_small = [list(range(3, 18)), list(range(40, 56))]
+    toks_big = [[7 * i + j for j in range(12)] for i in range(5)]
+    want = ref.step(toks_small, small).logits
+    runner.step(toks_big, big)
+    got = runner.step(toks_small, small)
+    assert got.path is StepPath.PIECEWISE and torch.allclose(got.logits, want, atol=1e-5)
+    for a, b in zip(ref.attn.caches, runner.attn.caches):
+        assert torch.allclose(a[:, :4], b[:, :4], atol=1e-5)
 
 
 @pytest.mark.parametrize("graphed", [False, True])
 def test_device_ids_replace_the_tokens_of_a_batchs_leading_rows(tiny: LlamaModel, graphed: bool) -> None:
     """Async scheduling's steps: the first rows' ids come from the device (the previous step's
     tokens), the rest of the batch (rows that joined, prompt chunks) from the host; the same logits
-    as host tokens throughout, on every path (decode graph, prefill graph, two graphs, eager)."""
+    as host tokens throughout, on every path (decode graph, prefill graph, pieces, eager)."""
     def runner() -> ModelRunner:
         if graphed:
-            return CpuSplitRunner(tiny, _paged(tiny, blocks=40), max_batch=8, prefill_graph_tokens=64, prefill_graph_seqs=4)
+            return CpuStepRunner(tiny, _paged(tiny, blocks=40), max_batch=8, prefill_graph_tokens=64, prefill_graph_seqs=4, piecewise_graphs=True)
         return ModelRunner(tiny, _paged(tiny, blocks=40), max_batch=8, graphs=False)
 
     host, dev = runner(), runner()
@@ -488,7 +549,7 @@ def test_device_ids_replace_the_tokens_of_a_batchs_leading_rows(tiny: LlamaModel
         paths.append(got.path)
         assert torch.allclose(want, got.logits, atol=1e-5)
     if graphed:
-        assert paths == [StepPath.GRAPH, StepPath.GRAPH, StepPath.SPLIT]
+        assert paths == [StepPath.GRAPH, StepPath.GRAPH, StepPath.PIECEWISE]
     with pytest.raises(ValueError, match="first rows"):
         dev.step([[1] * 9], [SeqSlice([10, 11], 0, 9)], ids=torch.tensor([1]))
 
@@ -544,22 +605,107 @@ def test_cuda_prefill_graphs_match_eager(dtype: torch.dtype) -> None:
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_mixed_batches_replay_two_graphs(dtype: torch.dtype) -> None:
-    """Real decode and prefill graphs over the Triton paged attention for mixed batches past the
-    prefill graphs' sequences, against the eager runner (whose mixed step splits its attention)."""
+def test_cuda_mixed_batches_run_as_graph_pieces(dtype: torch.dtype) -> None:
+    """Real piece graphs over the Triton paged attention for batches past the prefill graphs'
+    sequences, against the eager runner (whose mixed step splits its attention the same way): the
+    logits, greedy tokens, layer-hook calls (between layers, no marker) and cache."""
     model = LlamaModel.from_config(preset("tiny"), seed=0, dtype=dtype, device="cuda")
     eager = ModelRunner(model, _paged(model, "cuda"), max_batch=8, graphs=False)
-    split = ModelRunner(model, _paged(model, "cuda"), max_batch=8, prefill_graph_tokens=64, prefill_graph_seqs=2)
-    le, _, _ = _run_mixed(eager, model)
-    ls, ps, gs = _run_mixed(split, model)
-    assert ps == [StepPath.EAGER, StepPath.SPLIT, StepPath.SPLIT, StepPath.EAGER]
+    pw = ModelRunner(model, _paged(model, "cuda"), max_batch=8, prefill_graph_tokens=64, prefill_graph_seqs=2, piecewise_graphs=True)
+    le, _, _, ce = _run_mixed(eager, model, hook=True)
+    lp, pp, gp, cp = _run_mixed(pw, model, hook=True)
+    assert pp == [StepPath.PIECEWISE, StepPath.PIECEWISE, StepPath.PIECEWISE, StepPath.EAGER]
+    assert sorted(pw._piecewise) == [32, 64]
+    assert all(isinstance(p, GraphPiece) for f in pw._piecewise.values() for p in f.pieces)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
-    for a, b in zip(le, ls):
+    for a, b in zip(le, lp):
         assert torch.allclose(a, b, atol=tol) and torch.equal(greedy_tokens(a), greedy_tokens(b))
-    for logits, greedy in zip(ls[1:3], gs[1:3]):
+    for logits, greedy in zip(lp[:3], gp[:3]):
         assert greedy is not None and torch.equal(greedy, greedy_tokens(logits))
-    for a, b in zip(eager.attn.caches, split.attn.caches):
+    assert cp == ce
+    for a, b in zip(eager.attn.caches, pw.attn.caches):
         assert torch.allclose(a.float(), b.float(), atol=tol)
+
+
+def _tokens_agree_but_near_ties(want: torch.Tensor, got: torch.Tensor, tol: float) -> bool:
+    """Greedy tokens of ``got`` are ``want``'s wherever ``want``'s best two logits are more than ``tol`` apart."""
+    top2 = want.topk(2, dim=-1).values
+    clear = top2[:, 0] - top2[:, 1] > tol
+    return bool(clear.float().mean() > 0.25) and torch.equal(greedy_tokens(want)[clear], greedy_tokens(got)[clear])
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [48, 256])
+def test_cuda_piecewise_step_of_decode_rows_beside_a_512_token_chunk(rows: int, dtype: torch.dtype) -> None:
+    """Issue 31's step on the 8B layer shapes (two layers): ``rows`` decode rows at contexts of 100-900
+    tokens beside a 512-token prompt chunk, as one forward of piece graphs against the eager forward:
+    the logits within tolerance, the same greedy tokens (but near ties), the same K/V written, the
+    decode rows' ids from the device (async scheduling)."""
+    cfg = preset("llama-3.1-8b").replace(num_layers=2)
+    model = LlamaModel.from_config(cfg, seed=0, dtype=dtype, device="cuda")
+    ctx = [100 + (37 * i) % 800 for i in range(rows)]
+    first = list(itertools.accumulate([0] + [-(-(c + 1) // BLOCK) for c in ctx]))
+    chunk_blocks = 512 // BLOCK
+    lay = GpuKVLayout(cfg.num_layers, first[-1] + chunk_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim,
+                      "fp32" if dtype == torch.float32 else "bf16")
+    assert lay.order == "NHD"  # caches [2, blocks, BLOCK, Hkv, D]
+    caches = lay.allocate("cuda")
+    for c in caches:  # the rows' contexts
+        c.normal_()
+    slices = [SeqSlice(list(range(first[i], first[i + 1])), ctx[i], 1) for i in range(rows)]
+    slices.append(SeqSlice(list(range(first[-1], first[-1] + chunk_blocks)), 0, 512))
+    new_slots = torch.tensor([sl.block_ids[sl.start // BLOCK] * BLOCK + sl.start % BLOCK for sl in slices[:-1]]
+                             + list(range(first[-1] * BLOCK, (first[-1] + chunk_blocks) * BLOCK)), device="cuda")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (rows,), generator=g)
+    prompt = torch.randint(0, cfg.vocab_size, (512,), generator=g).tolist()
+
+    def paged() -> PagedAttention:  # both runners over the same cache: each step writes the new K/V before reading them
+        return PagedAttention(lay, caches, max_batch=rows + 17, max_model_len=1024)
+
+    def written() -> list[torch.Tensor]:  # [2, new tokens, Hkv, D] per layer
+        return [c.flatten(1, 2)[:, new_slots].clone() for c in caches]
+
+    eager = ModelRunner(model, paged(), max_batch=rows, graphs=False, max_model_len=1024)
+    pw = ModelRunner(model, paged(), max_batch=rows, max_model_len=1024, prefill_graph_tokens=rows + 512, piecewise_graphs=True)
+    assert pw.warmup_piecewise() == list(reversed(pw.prefill_tokens))
+    assert sum(len(f.pieces) for f in pw._piecewise.values()) == (cfg.num_layers + 1) * len(pw.prefill_tokens)
+    want = eager.step([[int(t)] for t in ids] + [prompt], slices).logits.clone()
+    kv_want = written()
+    for c in caches:  # what the pieces' step does not write stays NaN, and reading it would show
+        c.flatten(1, 2)[:, new_slots] = float("nan")
+    out = pw.step([[0]] * rows + [prompt], slices, ids=ids.to("cuda"))
+    assert out.path is StepPath.PIECEWISE and out.logits.shape == want.shape
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    assert torch.allclose(want, out.logits, atol=tol, rtol=tol), (want - out.logits).abs().max()
+    assert out.greedy is not None and torch.equal(out.greedy, greedy_tokens(out.logits))
+    assert _tokens_agree_but_near_ties(want, out.logits, tol)
+    for a, b in zip(kv_want, written()):
+        assert torch.allclose(a.float(), b.float(), atol=tol)
+
+
+@gpu
+@needs_cuda
+def test_cuda_piecewise_step_does_not_sync() -> None:
+    """Once a bucket's pieces are captured, a mixed step through them (metadata, ids from the device,
+    replays, eager attention, the LM head and greedy tokens) runs with sync debugging set to error."""
+    model = LlamaModel.from_config(preset("tiny"), seed=0, dtype=torch.bfloat16, device="cuda")
+    runner = ModelRunner(model, _paged(model, "cuda"), max_batch=8, prefill_graph_tokens=64, prefill_graph_seqs=2,
+                         piecewise_graphs=True)
+    rows = [SeqSlice([2 * i, 2 * i + 1], 0, 4) for i in range(5)]
+    runner.step([[5, 6, 7, 8]] * 5, rows)
+    slices = [SeqSlice(s.block_ids, 4, 1) for s in rows] + [SeqSlice([10, 11], 0, 9)]
+    ids = torch.tensor([1, 2, 3, 4, 5], device="cuda")
+    runner.step([[0]] * 5 + [[9] * 9], slices, ids=ids)  # captures bucket 16
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = runner.step([[0]] * 5 + [[9] * 9], slices, ids=ids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.path is StepPath.PIECEWISE and out.greedy is not None and out.greedy.shape == (6,)
 
 
 @gpu

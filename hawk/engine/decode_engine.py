@@ -331,8 +331,8 @@ class DecodeEngine:
         ``prefill``: a stepped prefill engine whose chunks ride in this engine's steps (mixed steps,
         see the module docstring), at most ``max_num_batched_tokens`` tokens per step, decode
         tokens included; ``mixed_graph_tokens`` > 0: mixed and prefill-only steps of at most that
-        many tokens replay CUDA graphs (the runner's prefill graphs; ``attn`` must hold
-        ``max_batch + MIXED_PREFILL_SEQS + 1`` rows)."""
+        many tokens replay CUDA graphs (the runner's prefill graphs, and past MIXED_PREFILL_SEQS
+        sequences its graph pieces; ``attn`` must hold ``max_batch + MIXED_PREFILL_SEQS + 1`` rows)."""
         if prefill is not None and max_num_batched_tokens <= max_batch:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must exceed max_batch ({max_batch}): "
                              "decode tokens go first, and prefill needs what they leave")
@@ -340,9 +340,10 @@ class DecodeEngine:
         self.prefill = prefill
         self.max_num_batched_tokens = max_num_batched_tokens
         # Mixed and prefill-only steps of up to MIXED_PREFILL_SEQS sequences replay a prefill graph;
-        # larger mixed batches replay their decode rows' graph and their prompts' graph (runner.py).
+        # larger mixed batches run as one forward of graph pieces, attention between them (runner.py).
         self.runner = ModelRunner(model, attn, max_batch=max_batch, graphs=graphs, max_model_len=self.max_len,
-                                  prefill_graph_tokens=mixed_graph_tokens if prefill is not None else 0, prefill_graph_seqs=MIXED_PREFILL_SEQS)
+                                  prefill_graph_tokens=mixed_graph_tokens if prefill is not None else 0, prefill_graph_seqs=MIXED_PREFILL_SEQS,
+                                  piecewise_graphs=True)
         self.kv = kv
         self.swapper = swapper if swapper is not None else swapper_for(attn)
         self.eos = set(eos_token_ids)
@@ -357,8 +358,9 @@ class DecodeEngine:
         self._inflight: _Launched | None = None  # engine thread only
         #: steps with decode rows launched on the previous step's device tokens / from host ids only
         #: (the first of a batch, after a change or a drain): how much of the decode the overlap
-        #: covers; and steps that carried prefill chunks (either way, or alone)
-        self.steps = {"overlapped": 0, "synchronous": 0, "mixed": 0}
+        #: covers; steps that carried prefill chunks (either way, or alone); and steps that ran as
+        #: graph pieces (runner.py: mixed steps past MIXED_PREFILL_SEQS sequences)
+        self.steps = {"overlapped": 0, "synchronous": 0, "mixed": 0, "piecewise": 0}
         self.preemptions = 0
         self._lock = threading.Condition()
         self._waiting: deque[_Entry] = deque()
@@ -832,6 +834,8 @@ class DecodeEngine:
             self.steps["overlapped" if k else "synchronous"] += 1
         if pieces:
             self.steps["mixed"] += 1
+        if out.path is StepPath.PIECEWISE:
+            self.steps["piecewise"] += 1
         greedy = None if out.greedy is None else out.greedy[:n]
         fetch = self._sample(batch, StepOutput(out.logits[:n], greedy, out.path)) if n else TokenFetch.ready([])
         if not pieces:
@@ -935,6 +939,7 @@ class DecodeEngine:
                 "steps_overlapped": self.steps["overlapped"],
                 "steps_synchronous": self.steps["synchronous"],
                 "steps_mixed": self.steps["mixed"],
+                "steps_piecewise": self.steps["piecewise"],
             }
 
     def close(self) -> None:

@@ -395,6 +395,7 @@ class ColocatedInstance:
         self.decode.warmup()
         if mixed:
             self.decode.runner.warmup_prefill()
+            self.decode.runner.warmup_piecewise()  # mixed steps past MIXED_PREFILL_SEQS sequences
 
     def _handoff(self, request_id: str, num_tokens: int, blocks: list[int], free: Any) -> None:
         self._handed[request_id] = blocks  # the decode engine takes these blocks over as they are

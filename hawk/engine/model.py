@@ -344,17 +344,27 @@ class Attention(_Fusable):
 
     def forward(self, x: torch.Tensor, rope: RopeArgs, attn: AttentionBackend) -> torch.Tensor:
         t, hq, hkv, d = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
+        if rope.kernels:
+            assert self.wqkv is not None and rope.positions is not None
+            fuses = getattr(attn, "fuses_rope", None)  # attention.RotatingBackend
+            if fuses is not None and fuses(hq, x.dtype, x.device):  # the backend's launch rotates them
+                qkv = linear(x, self.wqkv)
+                q, k, v = qkv.view(t, hq + 2 * hkv, d).split((hq, hkv, hkv), dim=1)
+                o = attn.attend_unrotated(self.layer_idx, q, k, v, rope.positions, rope.cos, rope.sin_signed)
+                return self.output(o)
+        return self.output(attn(self.layer_idx, *self.qkv(x, rope)))
+
+    def qkv(self, x: torch.Tensor, rope: RopeArgs, out: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """RoPE'd ``q [t, Hq, D]``, ``k, v [t, Hkv, D]`` of ``x``, contiguous. ``out``: a flat buffer of at
+        least ``t * (Hq + 2 Hkv) * D`` elements that holds them back to back (q, k, v), so a piecewise
+        CUDA graph leaves them at the same addresses on every replay (see piecewise.py)."""
+        t, hq, hkv, d = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         cos, sin_signed = rope.cos, rope.sin_signed
         if rope.kernels:  # one kernel: RoPE on q and k, and q/k/v out as contiguous tensors
             assert self.wqkv is not None and rope.positions is not None
-            qkv = linear(x, self.wqkv)
-            fuses = getattr(attn, "fuses_rope", None)  # attention.RotatingBackend
-            if fuses is not None and fuses(hq, qkv.dtype, qkv.device):  # the backend's launch rotates them
-                q, k, v = qkv.view(t, hq + 2 * hkv, d).split((hq, hkv, hkv), dim=1)
-                o = attn.attend_unrotated(self.layer_idx, q, k, v, rope.positions, cos, sin_signed)
-                return self._out(o, t)
-            q, k, v = triton_ops.qkv_rope(qkv, rope.positions, cos, sin_signed, hq, hkv)
-        elif self.wqkv is not None:
+            return triton_ops.qkv_rope(linear(x, self.wqkv), rope.positions, cos, sin_signed, hq, hkv, out=out)
+        if self.wqkv is not None:
             qkv = linear(x, self.wqkv).view(t, hq + 2 * hkv, d)
             qk = rope_torch(qkv[:, : hq + hkv], cos, sin_signed)  # q and k heads in one pass
             # Contiguous, as the unfused path gives them (free for a single token).
@@ -364,12 +374,24 @@ class Attention(_Fusable):
             q = rope_torch(linear(x, self.wq.weight).view(t, hq, d), cos, sin_signed)
             k = rope_torch(linear(x, self.wk.weight).view(t, hkv, d), cos, sin_signed)
             v = linear(x, self.wv.weight).view(t, hkv, d)
-        return self._out(attn(self.layer_idx, q, k, v), t)
+        return (q, k, v) if out is None else _into(out, t, (q, k, v))
 
-    def _out(self, o: torch.Tensor, t: int) -> torch.Tensor:
+    def output(self, o: torch.Tensor) -> torch.Tensor:
         """The output projection of attention's ``o [t, Hq, D]`` (summed over the ranks under TP)."""
-        out = linear(o.reshape(t, self.n_heads * self.head_dim), self.wo.weight)
+        out = linear(o.reshape(o.shape[0], self.n_heads * self.head_dim), self.wo.weight)
         return out if self.reduce is None else self.reduce(out)
+
+
+def _into(flat: torch.Tensor, t: int, parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """``parts`` (each ``[t, ...]``) copied back to back into the front of ``flat``; the copies' views."""
+    views, at = [], 0
+    for p in parts:
+        n = p.numel()
+        view = flat[at : at + n].view(p.shape)
+        view.copy_(p)
+        views.append(view)
+        at += n
+    return tuple(views)
 
 
 class MLP(_Fusable):
@@ -412,7 +434,19 @@ class Block(nn.Module):
         before the first layer). The adds happen inside the norms (one kernel each when fused);
         returns this block's MLP output and the residual stream, for the next norm to add."""
         h, residual = self.attn_norm.add_norm(x, residual, rope.kernels)
-        h, residual = self.mlp_norm.add_norm(self.attn(h, rope, attn), residual, rope.kernels)
+        return self.finish(self.attn(h, rope, attn), residual, rope)
+
+    # A piecewise forward (piecewise.py) runs a block as qkv, then attention outside the piece, then finish.
+
+    def qkv(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeArgs, out: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The attention sublayer up to attention: ``(q, k, v, residual)`` (see :meth:`Attention.qkv`)."""
+        h, residual = self.attn_norm.add_norm(x, residual, rope.kernels)
+        return (*self.attn.qkv(h, rope, out), residual)
+
+    def finish(self, a: torch.Tensor, residual: torch.Tensor, rope: RopeArgs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block after attention's output projection ``a``: the MLP sublayer; ``(mlp out, residual)``."""
+        h, residual = self.mlp_norm.add_norm(a, residual, rope.kernels)
         return self.mlp(h, rope.kernels), residual
 
 
@@ -497,14 +531,17 @@ class LlamaModel(nn.Module):
         if self.step_hook is not None:
             self.step_hook(input_ids, positions)
         x = self.embed(input_ids)
-        if self.uses_kernels():
-            rope = RopeArgs(*self.rope.table(x.device, x.dtype), positions=positions.contiguous())
-        else:
-            rope = RopeArgs(*self.rope.lookup(positions, x.dtype))
+        rope = self.rope_args(positions)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, rope, attn)
         return self.norm.add_norm(x, residual, rope.kernels)[0]
+
+    def rope_args(self, positions: torch.Tensor) -> RopeArgs:
+        """What every layer of a forward over ``positions [T]`` rotates q and k with (no host sync)."""
+        if self.uses_kernels():
+            return RopeArgs(*self.rope.table(positions.device, self.dtype), positions=positions.contiguous())
+        return RopeArgs(*self.rope.lookup(positions, self.dtype))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[T, vocab]`` in fp32, so sampling is the same whatever the weights' dtype.

@@ -17,9 +17,26 @@ on an H200, and a busy host stretches the forward to its own time. So a runner g
 (token, sequence) bucket: the backend pads the metadata (``begin(..., pad_tokens=)``; pad tokens
 write nothing and attend nothing), the LM head runs on each sequence's last row, and each layer
 records an external event in the graph, which a layer-wise KV push waits on after the replay is
-launched (``attn.after_layer(layer, event)``) instead of being called between layers. A mixed
-batch with more sequences than a prefill graph holds (a decode engine's running rows first, prompt
-chunks after them) replays two graphs: its decode rows' bucket and its chunks' prefill bucket.
+launched (``attn.after_layer(layer, event)``) instead of being called between layers.
+
+With ``piecewise_graphs`` (the decode engine's runner), a batch with more sequences than a prefill
+graph holds, a mixed step (the running rows first, prompt chunks after them), runs as one forward of
+graph pieces (piecewise.py): per token bucket (the prefill graphs' buckets) the non-attention work
+between two layers' attentions is one captured graph, ``num_layers + 1`` of them, and attention runs
+eagerly between them over the real tokens (the decode kernel for the leading one-token rows, the
+prefill kernel for the chunks; the layer-wise hook is called between layers, as in an eager forward).
+So the decode rows ride along the chunks' GEMMs: one weight read per step, where the decode graph and
+the prefill graph read them twice. At most ``(num_layers + 1) * len(prefill token buckets)`` piece
+graphs are captured (8B at the colocated default of 640 tokens: 33 * 8), in one pool of their own.
+A prefill engine's runner leaves them off: its batches past 16 prompts stay eager rather than
+capture up to 33 * 16 graphs (2048 tokens) on a first use while serving.
+
+Paths, in the order :meth:`ModelRunner.step` tries them:
+
+* decode graph: every row one token, at most ``max_batch`` rows (``StepPath.GRAPH``)
+* prefill graph: at most ``prefill_graph_tokens`` tokens and ``prefill_graph_seqs`` sequences (``GRAPH``)
+* piecewise: at most ``prefill_graph_tokens`` tokens, any number of sequences, ``piecewise_graphs`` (``PIECEWISE``)
+* eager: everything else, and everything on a CPU or without graph-safe backends (``EAGER``)
 """
 
 from __future__ import annotations
@@ -35,11 +52,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from hawk.devices.staging import HostStaging
 from hawk.engine.attention import SeqSlice, leading_decode_rows
 from hawk.engine.model import LlamaModel
+from hawk.engine.piecewise import Body, CalledPiece, GraphPiece, Piece, PieceBuffers, PiecewiseForward
 from hawk.engine.sampler import NO_TOKEN
 
 
@@ -52,8 +71,8 @@ class StepPath(enum.Enum):
 
     EAGER = "eager"
     GRAPH = "graph"
-    #: A mixed batch as two graph replays, its decode rows' and its prompt chunks' (logits: a new tensor).
-    SPLIT = "split"
+    #: One forward as graph pieces with attention eagerly between them (piecewise.py; logits: a new tensor).
+    PIECEWISE = "piecewise"
 
 
 @dataclass(frozen=True)
@@ -140,6 +159,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         prefill_graph_tokens: int = 0,
         prefill_graph_seqs: int = 16,
+        piecewise_graphs: bool = False,
     ) -> None:
         """``graphs``: None = use CUDA graphs when possible, False = never, True = required
         (raises :class:`GraphsUnavailable` otherwise); decode steps. ``max_model_len`` (default: the
@@ -147,7 +167,9 @@ class ModelRunner:
         ``prefill_graph_tokens`` > 0: prefill and mixed batches of at most that many tokens and
         ``prefill_graph_seqs`` sequences replay a CUDA graph per (token, sequence) bucket where the
         backend can pad a prefill (``begin(..., pad_tokens=)``), one model without a step hook (not
-        tensor-parallel); captured on first use or by :meth:`warmup_prefill`."""
+        tensor-parallel); captured on first use or by :meth:`warmup_prefill`. ``piecewise_graphs``: such
+        batches with more sequences run as graph pieces per token bucket (captured on first use or by
+        :meth:`warmup_piecewise`) rather than eagerly."""
         self.model, self.attn = model.fuse_projections(), attn
         self.device = model.device
         self.max_batch = max_batch
@@ -180,6 +202,17 @@ class ModelRunner:
         if self.prefill_tokens:
             self._pio = torch.zeros(2 * self.prefill_tokens[-1] + self.prefill_seqs[-1] + 1, dtype=torch.int64, device=self.device)
             self._pio_stage = HostStaging([self._pio])
+        # Piecewise forwards, one per prefill token bucket (batches past the prefill graphs' sequences).
+        self.piecewise_tokens = self.prefill_tokens if piecewise_graphs else []
+        self._piecewise: dict[int, PiecewiseForward] = {}
+        self._piece_pool: Any = None
+        self._piece_rope_version = -1
+        self._piece_bufs: PieceBuffers | None = None  # allocated with the first bucket
+        self._wio: torch.Tensor | None = None  # ids [T] | positions [T] | last rows [n <= T], per bucket
+        self._wio_stage: HostStaging | None = None
+        if self.piecewise_tokens:
+            self._wio = torch.zeros(3 * self.piecewise_tokens[-1], dtype=torch.int64, device=self.device)
+            self._wio_stage = HostStaging([self._wio])
 
     def _on_device(self) -> contextlib.AbstractContextManager[Any]:
         """The model's GPU as the calling thread's current device: Triton launches, and graphs
@@ -238,9 +271,9 @@ class ModelRunner:
             bucket = None if decode else self._prefill_bucket(sum(q_lens), len(slices))
             if bucket is not None:
                 return self._replay_prefill(tokens, slices, q_lens, *bucket, ids)
-            split = None if decode else self._split_buckets(q_lens)
-            if split is not None:
-                return self._replay_split(tokens, slices, starts, q_lens, *split, ids)
+            pieces = None if decode else self._piecewise_bucket(sum(q_lens))
+            if pieces is not None:
+                return self._run_piecewise(tokens, slices, q_lens, pieces, ids)
             return self._eager(tokens, slices, decode, ids)
 
     @torch.inference_mode()
@@ -443,37 +476,6 @@ class ModelRunner:
                 hook(layer, event)
         return StepOutput(g.logits[:n], None, StepPath.GRAPH)
 
-    def _split_buckets(self, q_lens: list[int]) -> tuple[int, int, int] | None:
-        """``(decode rows, tokens, sequences)`` of a mixed batch too large for one prefill graph that
-        replays as two graphs, or None: eager. Its leading one-token rows (a decode engine's running
-        sequences) go through their decode bucket's graph and the prompt chunks after them through
-        their prefill bucket's graph.
-
-        Why two graphs rather than one: an eager mixed step of 256 decode rows and a 512-token chunk
-        (8B shape, one H200) took 11-26 ms of host time to launch against 28 ms on the GPU, while its
-        two parts run apart cost only 3 % more GPU time (benchmarks/mixed_step_probe.py); and these
-        are the graphs decode steps and prompts use anyway, so a mixed batch's shape adds none."""
-        if not self.use_graphs:
-            return None
-        n_dec = leading_decode_rows(q_lens)
-        if n_dec == 0 or n_dec == len(q_lens) or n_dec > self.buckets[-1]:
-            return None
-        rest = self._prefill_bucket(sum(q_lens[n_dec:]), len(q_lens) - n_dec)
-        return None if rest is None else (n_dec, *rest)
-
-    def _replay_split(self, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice], starts: list[int],
-                      q_lens: list[int], n_dec: int, t: int, sb: int, device_ids: torch.Tensor | None = None) -> StepOutput:
-        """A mixed batch as its decode rows' graph, then its prompt chunks' graph, on one stream (each
-        ``begin`` uploads its metadata behind the replay before it). The logits are joined into a
-        new tensor: both graphs' outputs are overwritten by their next replay."""
-        if device_ids is not None and device_ids.shape[0] > n_dec:
-            raise ValueError("device ids are for the decode rows of a mixed batch")
-        dec = self._replay(tokens[:n_dec], slices[:n_dec], starts[:n_dec], device_ids)
-        pre = self._replay_prefill(tokens[n_dec:], slices[n_dec:], q_lens[n_dec:], t, sb)
-        assert dec.greedy is not None
-        greedy = torch.cat((dec.greedy, finite_argmax(pre.logits)))
-        return StepOutput(torch.cat((dec.logits, pre.logits)), greedy, StepPath.SPLIT)
-
     def _prefill_graph_for(self, t: int, sb: int) -> _PrefillGraph:
         """The bucket's graph, captured now if missing or stale (the RoPE table grew, or the backend
         reallocated the metadata buffers the graph reads)."""
@@ -515,6 +517,91 @@ class ModelRunner:
         finally:
             self.attn.after_layer = hook
         return _PrefillGraph(graph, logits, events)
+
+    # -- piecewise forwards ------------------------------------------------------------------
+
+    def _piecewise_bucket(self, t: int) -> int | None:
+        """The token bucket of a batch no prefill graph takes (more sequences than they hold) that runs
+        as graph pieces, or None: eager (no prefill graphs here, more tokens than their largest bucket,
+        or a step hook: tensor parallel)."""
+        if not self.piecewise_tokens or t > self.piecewise_tokens[-1] or self.model.step_hook is not None:
+            return None
+        return next(b for b in self.piecewise_tokens if b >= t)
+
+    def _run_piecewise(self, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice], q_lens: list[int], t: int,
+                       device_ids: torch.Tensor | None = None) -> StepOutput:
+        """A batch through bucket ``t``'s pieces: the backend ``begin``s the real batch (attention runs
+        eagerly, over the real tokens only), ids and positions are padded to the bucket, and the LM head
+        runs eagerly over each sequence's last row (whatever the sequence count: no bucket for it)."""
+        n, t_real = len(slices), sum(q_lens)
+        self.attn.begin(slices)
+        assert self._wio_stage is not None and self._wio is not None
+        (io,) = self._wio_stage.next()
+        _write_ids(io[:t], io[t : 2 * t], tokens, slices, leading_decode_rows(q_lens))
+        io[t_real:t] = 0
+        io[t + t_real : 2 * t] = 0
+        np.cumsum(q_lens, out=io[2 * t : 2 * t + n])
+        io[2 * t : 2 * t + n] -= 1
+        self._wio_stage.upload((2 * t + n,))
+        if device_ids is not None:  # leading one-token rows: token i is row i's
+            self._wio[: device_ids.shape[0]].copy_(device_ids).clamp_(min=0)
+        hidden = self._piecewise_for(t).run(t_real, self.attn)
+        logits = self.model.compute_logits(hidden.index_select(0, self._wio[2 * t : 2 * t + n]))
+        return StepOutput(logits, finite_argmax(logits), StepPath.PIECEWISE)
+
+    def _piecewise_for(self, t: int) -> PiecewiseForward:
+        """Bucket ``t``'s pieces, captured now if missing or stale (the RoPE table grew; attention, run
+        eagerly, reads no captured address, so the backend's buffers may move)."""
+        if self.model.rope.version != self._piece_rope_version:
+            self._piecewise.clear()
+            self._piece_pool = None
+            self._piece_rope_version = self.model.rope.version
+        fwd = self._piecewise.get(t)
+        if fwd is None:
+            assert self._wio is not None
+            if self._piece_bufs is None:
+                self._piece_bufs = PieceBuffers.for_model(self.model, self.piecewise_tokens[-1])
+            fwd = self._piecewise[t] = PiecewiseForward(self.model, t, self._wio[:t], self._wio[t : 2 * t],
+                                                        self._piece_bufs, self._capture_piece)
+        return fwd
+
+    def _capture_piece(self, body: Body) -> Piece:
+        """A piece as a CUDA graph in the pieces' shared pool, or called where graphs cannot run."""
+        if self.device.type != "cuda":
+            return CalledPiece(body)
+        graph, _, self._piece_pool = self._warm_and_capture(body, self._piece_pool)
+        return GraphPiece(graph)
+
+    @torch.inference_mode()
+    def warmup_piecewise(self) -> list[int]:
+        """Capture every token bucket's pieces now (largest first, so the smaller ones reuse its pool
+        memory) rather than on a mixed step's first use; they read only static buffers, so nothing is
+        written to the KV cache. Returns the buckets: ``(num_layers + 1) * len(buckets)`` graphs."""
+        if not self.piecewise_tokens or self.model.step_hook is not None:
+            return []
+        with self._lock, self._on_device():
+            for t in reversed(self.piecewise_tokens):
+                self._piecewise_for(t)
+        return list(reversed(self.piecewise_tokens))
+
+
+def _write_ids(ids: np.ndarray, pos: np.ndarray, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice], n_dec: int) -> None:
+    """The batch's token ids and positions, back to back from the front of ``ids`` and ``pos``: its
+    ``n_dec`` leading one-token rows in one assignment each (a mixed step's hundreds of decode rows
+    cost a few microseconds, not one slice assignment per row), the prompt chunks after them row by row."""
+    try:
+        ids[:n_dec] = [tok for (tok,) in tokens[:n_dec]]
+    except ValueError:
+        raise ValueError("a one-token slice was given another number of tokens") from None
+    pos[:n_dec] = [s.start for s in slices[:n_dec]]
+    at = n_dec
+    for seq, s in zip(tokens[n_dec:], slices[n_dec:]):
+        k = len(seq)
+        if k != s.q_len:
+            raise ValueError(f"{k} tokens given for a slice of {s.q_len}")
+        ids[at : at + k] = seq
+        pos[at : at + k] = range(s.start, s.start + k)
+        at += k
 
 
 #: The placeholder token list of a step whose ids come as a device tensor (overwritten on the device).

@@ -199,21 +199,28 @@ def qkv_rope(
     sin_signed: torch.Tensor,
     n_heads: int,
     n_kv_heads: int,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`qkv_rope_ref` in one kernel: one program per (token, head) of q, k and v."""
+    """:func:`qkv_rope_ref` in one kernel: one program per (token, head) of q, k and v. ``out``: a flat
+    buffer (at least ``T * (n_heads + 2 n_kv_heads) * D`` elements) to write them into, back to back,
+    instead of a new one (a piecewise CUDA graph's static buffer)."""
     t, d = qkv.shape[0], cos.shape[-1]
     if d % 2 or d & (d - 1):
         raise ValueError(f"qkv_rope needs a power-of-two head_dim, got {d}")
     if qkv.numel() != t * (n_heads + 2 * n_kv_heads) * d:
         raise ValueError(f"qkv {tuple(qkv.shape)} does not hold {n_heads}+2*{n_kv_heads} heads of {d}")
     _check_contiguous(qkv=qkv, positions=positions, cos=cos, sin_signed=sin_signed)
-    out = torch.empty(t * (n_heads + 2 * n_kv_heads) * d, dtype=qkv.dtype, device=qkv.device)
+    size = t * (n_heads + 2 * n_kv_heads) * d
+    if out is None:
+        out = torch.empty(size, dtype=qkv.dtype, device=qkv.device)
+    elif out.dim() != 1 or out.numel() < size or out.dtype != qkv.dtype or out.device != qkv.device:
+        raise ValueError(f"out must be a flat {qkv.dtype} buffer of at least {size} elements on {qkv.device}")
     if t:
         launch(_qkv_rope_kernel, (t, n_heads + 2 * n_kv_heads),
                qkv, positions, cos, sin_signed, out, t, HQ=n_heads, HKV=n_kv_heads, D=d, num_warps=1)
     q_end, k_end = t * n_heads * d, t * (n_heads + n_kv_heads) * d
     return (out[:q_end].view(t, n_heads, d), out[q_end:k_end].view(t, n_kv_heads, d),
-            out[k_end:].view(t, n_kv_heads, d))
+            out[k_end:size].view(t, n_kv_heads, d))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
