@@ -136,7 +136,7 @@ def op_diffs(hawk: Any, cap: Capture, n_prompt: int) -> dict[str, list[dict[str,
     for step in range(n_calls):
         tag = " (prompt)" if step == 0 else ""  # the prefill forward, as a colocated prefill runs it
 
-        def put(op: str, r: dict[str, Any]) -> None:
+        def put(op: str, r: dict[str, Any], tag: str = tag) -> None:
             out[op + tag].append(r)
 
         (ids,), _ = cap.calls["embed"][step][0]

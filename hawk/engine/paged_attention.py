@@ -8,9 +8,11 @@ serial last-program merge; :class:`DecodePath` names the three ways. ``HAWK_FUSE
 (read at import) or ``fused_decode=`` forces one. A prefill or mixed layer is two: write the K/V,
 then FlashAttention-style varlen attention over the paged cache (:mod:`hawk.engine.triton_attention`);
 a mixed layer's leading one-token rows go to the decode kernel. Elsewhere the same metadata drives a
-torch fallback: on a CPU in bf16/fp16 the decode rows (a mixed batch's leading ones too) attend in
-fp32 in a few length groups per layer (:mod:`hawk.engine.cpu_attention`), else batched gather +
-SDPA; one :func:`attend` per sequence for prompt chunks.
+torch fallback: on a CPU in bf16/fp16 where vLLM is installed, every row of a forward in one call
+of vLLM's CPU kernel (:mod:`hawk.engine.vllm_cpu_kernel`: vLLM's bits); without vLLM the decode rows
+(a mixed batch's leading ones too) attend in fp32 in a few length groups per layer
+(:mod:`hawk.engine.cpu_attention`), else batched gather + SDPA; one :func:`attend` per sequence for
+prompt chunks.
 
 ``begin`` builds all metadata on the host with numpy and uploads it in two copies into device
 buffers allocated once, so the decode path is CUDA-graph safe (see :class:`PagedBackend`). A decode
