@@ -45,20 +45,24 @@ def _paged(k: torch.Tensor, v: torch.Tensor, bs: int, order: str, gen: torch.Gen
     bs=st.sampled_from([1, 16, 32, 48, 128]),
     heads=st.sampled_from([(1, 1), (3, 3), (2, 4)]),
     order=st.sampled_from(["NHD", "HND"]),
+    d=st.sampled_from([64, 80]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_contiguous_and_paged_give_the_same_bits(tk: int, tq: int, bs: int, heads: tuple[int, int], order: str, seed: int) -> None:
+def test_contiguous_and_paged_give_the_same_bits(tk: int, tq: int, bs: int, heads: tuple[int, int], order: str, d: int,
+                                                 seed: int) -> None:
     """The kernel's bits do not depend on the block size of the copy it reads (measured: 32-256), so a
-    paged cache of any block size and a contiguous context give one result."""
+    paged cache of any block size and a contiguous context give one result (head size 80: vLLM's vec16)."""
     tq = min(tq, tk)
     hkv, g = heads
+    isa = kernel_isa(d, torch.bfloat16)
+    assert isa == ("vec16" if d == 80 else ISA)
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn((tq, hkv * g, 64), generator=gen).to(torch.bfloat16)
-    k, v = (torch.randn((tk, hkv, 64), generator=gen).to(torch.bfloat16) for _ in range(2))
-    want = KernelAttention(ISA).attend_contiguous(q, k, v)
+    q = torch.randn((tq, hkv * g, d), generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn((tk, hkv, d), generator=gen).to(torch.bfloat16) for _ in range(2))
+    want = KernelAttention(isa).attend_contiguous(q, k, v)
     cache, ids = _paged(k, v, bs, order, gen)
-    plan = block_plan(ids[None], np.array([tk]), np.array([tq]), bs, ISA)
-    got = KernelAttention(ISA).attend_blocks(q, cache, plan, order == "NHD")
+    plan = block_plan(ids[None], np.array([tk]), np.array([tq]), bs)
+    got = KernelAttention(isa).attend_blocks(q, cache, plan, order == "NHD")
     assert torch.equal(got, want)
 
 
@@ -84,7 +88,7 @@ def test_one_thread_is_batch_invariant() -> None:
             table[i, : need[i]] = first[i] + np.arange(need[i])
             flat = cache[:, first[i] : first[i] + need[i]].reshape(2, -1, 3, 64)
             flat[0, : ctx[i]], flat[1, : ctx[i]] = k, v
-        together = ka.attend_blocks(torch.cat(qs), cache, block_plan(table, ctx, q_lens, bs, ISA), True)
+        together = ka.attend_blocks(torch.cat(qs), cache, block_plan(table, ctx, q_lens, bs), True)
         assert torch.equal(together, torch.cat(alone))
     finally:
         torch.set_num_threads(threads)

@@ -369,7 +369,7 @@ class PagedAttention:
         n_dec = n_real if self._decode else leading_decode_rows(self._q_lens)
         self._cpu_plans, self._kernel_plan = [], None
         if self._kernel is not None and n_real:
-            self._kernel_plan = block_plan(bt_np[:n_real], ctx, np.asarray(self._q_lens), self.layout.block_size, self._kernel.isa)
+            self._kernel_plan = block_plan(bt_np[:n_real], ctx, np.asarray(self._q_lens), self.layout.block_size)
         elif dev.type == "cpu" and n_dec:
             self._cpu_plans = decode_groups(bt_np[:n_dec], ctx[:n_dec], self.layout.block_size)
         if self._decode and n_real > 1 and (ctx != width * self.layout.block_size).any():

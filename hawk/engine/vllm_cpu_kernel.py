@@ -52,9 +52,11 @@ import torch
 MODE_ENV = "HAWK_CPU_ATTENTION"
 #: Head sizes vLLM 0.32's CPU backend compiles (``CPUAttentionBackend.get_supported_head_sizes``).
 HEAD_DIMS = frozenset((32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512))
-#: Tokens per block each ISA's kernel needs a multiple of (its ``BlockSizeAlignment``).
-ALIGN = {"vec": 32, "vec16": 16}
-#: Tokens per block of the copy :func:`attend_contiguous` makes (any multiple of ``ALIGN`` gives the same bits).
+#: Tokens per block of the kernel's cache are a multiple of this (vLLM's CPU backend takes
+#: ``MultipleOf(32)``, ``get_supported_kernel_block_sizes``, whatever the ISA).
+BLOCK_MULTIPLE = 32
+#: Tokens per block of the copy :meth:`KernelAttention.attend_contiguous` makes (any multiple of
+#: ``BLOCK_MULTIPLE`` gives the same bits).
 CONTIGUOUS_BLOCK = 128
 #: vLLM's default of ``VLLM_CPU_ATTN_SPLIT_KV``, which its CPU backend passes to the scheduler.
 SPLIT_KV = os.environ.get("VLLM_CPU_ATTN_SPLIT_KV", "1") != "0"
@@ -119,10 +121,10 @@ class BlockPlan:
     per: int
 
 
-def block_plan(block_tables: np.ndarray, ctx: np.ndarray, q_lens: np.ndarray, block_size: int, isa: str) -> BlockPlan:
+def block_plan(block_tables: np.ndarray, ctx: np.ndarray, q_lens: np.ndarray, block_size: int) -> BlockPlan:
     """The :class:`BlockPlan` of rows with cache blocks ``block_tables [rows, >= need]``, ``ctx`` tokens of
     context each (new tokens included) and ``q_lens`` query tokens each, from a cache of ``block_size``."""
-    copy = int(np.lcm(block_size, ALIGN[isa]))
+    copy = int(np.lcm(block_size, BLOCK_MULTIPLE))
     per = copy // block_size
     copies = -(-ctx // copy)
     need = -(-ctx // block_size)
