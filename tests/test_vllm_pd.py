@@ -45,13 +45,12 @@ PROMPTS = [
 #: prompt token over the pulled KV with its one-token kernel, where one instance ran a prefill: here the
 #: first token flips ("\n" against end-of-text), with vLLM's own NixlConnector as with HawkConnector (the
 #: prompt+first-token handoff computes what one instance does: test_..._prompt_plus_first_token_...). HAWK's
-#: decode takes the prefill's first token, then computes the rest; with its own fp32 attention it agreed
-#: with one instance for the first words, then a later near-tie went the other way; through vLLM's CPU
-#: kernel (hawk/engine/vllm_cpu_kernel.py) it gives one instance's tokens (docs/vllm.md).
+#: decode takes the prefill's first token, then computes the rest, its attention through vLLM's CPU kernel
+#: (hawk/engine/vllm_cpu_kernel.py): one instance's tokens.
 NEAR_TIES = "Write a haiku about the sea."
-#: Random-token prompts, ``random_prompt(n, seed)``, on which HAWK's decode (32 tokens, seeds 1 and 2) or its
-#: colocated engine (all five) parted from one vLLM instance while HAWK's CPU attention was its own fp32
-#: torch form (benchmarks/results/vllm_pd_cpu_random*.json before issue 30's fix): near-ties all along.
+#: Random-token prompts, ``random_prompt(n, seed)``, on which HAWK's decode (32 tokens, seeds 1 and 2) and its
+#: colocated engine (all five) part from one vLLM instance with HAWK's own fp32 CPU attention
+#: (``HAWK_CPU_ATTENTION=torch``: the tests below fail so, on the AVX-512 box of docs/vllm.md): near-ties all along.
 PARTED = [(32, 0), (32, 1), (32, 2), (256, 1), (1024, 2)]
 MAX_TOKENS = 24
 #: A random-token prompt (hawk.bench.vllm_pd.random_prompt(100, 6)) on which vLLM's standard handoff, vLLM
