@@ -5,8 +5,10 @@ produce vLLM's bits. This probe runs vLLM in this process (``enforce_eager``, no
 captures every module's inputs and outputs on a prefill and the decode steps after it (forward hooks),
 then feeds each of HAWK's ops *vLLM's own inputs* of that op and compares the outputs bit for bit, so
 each op's difference is its own (not one inherited from the op before). Per op: elements compared,
-elements that differ, and the largest difference in bf16 ulps. Then HAWK's whole decode (its model over
-vLLM's KV) against vLLM's logits.
+elements that differ, and the largest difference in bf16 ulps (the prompt's attention too, as a colocated
+prefill runs it). Then HAWK's whole prefill (its model on the prompt) and whole decode (its model over
+vLLM's KV) against vLLM's logits. ``HAWK_CPU_ATTENTION=torch`` measures HAWK's torch attention instead
+of vLLM's kernel (:mod:`hawk.engine.vllm_cpu_kernel`).
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python benchmarks/vllm_cpu_numerics_probe.py --model /tmp/smol \\
         --prompt-lens 32,256 --steps 3 --json /tmp/numerics.json
@@ -121,7 +123,7 @@ def run_vllm(model_dir: str, prompts: list[list[int]], steps: int) -> tuple[list
 
 
 def op_diffs(hawk: Any, cap: Capture, n_prompt: int) -> dict[str, list[dict[str, Any]]]:
-    """Each HAWK op on vLLM's inputs of that op, per decode forward (call 1..), per layer."""
+    """Each HAWK op on vLLM's inputs of that op, per forward (the prefill's ops named "(prompt)"), per layer."""
     from hawk.engine.attention import attend
     from hawk.engine.model import linear, rope_torch
     from hawk.engine.triton_ops import silu_mul_ref
@@ -131,52 +133,57 @@ def op_diffs(hawk: Any, cap: Capture, n_prompt: int) -> dict[str, list[dict[str,
     out: dict[str, list[dict[str, Any]]] = defaultdict(list)
     n_calls = len(cap.calls["embed"])
     hawk.reserve_positions(n_prompt + n_calls)
-    for step in range(1, n_calls):
+    for step in range(n_calls):
+        tag = " (prompt)" if step == 0 else ""  # the prefill forward, as a colocated prefill runs it
+
+        def put(op: str, r: dict[str, Any], tag: str = tag) -> None:
+            out[op + tag].append(r)
+
         (ids,), _ = cap.calls["embed"][step][0]
-        out["embed"].append(compare(hawk.embed(ids), cap.calls["embed"][step][1]))
-        pos = torch.tensor([n_prompt + step - 1])
+        put("embed", compare(hawk.embed(ids), cap.calls["embed"][step][1]))
+        first = 0 if step == 0 else n_prompt + step - 1
         for i, layer in enumerate(hawk.layers):
             (args, kw), res = cap.calls[f"{i}.input_norm"][step]
             if len(args) + len(kw) >= 2 and (args[1:] or kw.get("residual")) is not None:
                 x, r = args[0], (args[1] if len(args) > 1 else kw["residual"])
                 h, r2 = layer.attn_norm.add_norm(x.clone(), r.clone(), False)
-                out["add_rms_norm"].append(compare(h, res[0]))
-                out["residual_add"].append(compare(r2, res[1]))
+                put("add_rms_norm", compare(h, res[0]))
+                put("residual_add", compare(r2, res[1]))
             else:
-                out["rms_norm(first)"].append(compare(layer.attn_norm.add_norm(args[0].clone(), None, False)[0], res))
+                put("rms_norm(first)", compare(layer.attn_norm.add_norm(args[0].clone(), None, False)[0], res))
             (args, _), res = cap.calls[f"{i}.qkv"][step]
-            out["qkv_proj"].append(compare(linear(args[0], layer.attn.wqkv), res[0]))
+            put("qkv_proj", compare(linear(args[0], layer.attn.wqkv), res[0]))
             (args, kw), res = cap.calls["rope"][step * cfg.num_layers + i]
             positions, q, k = args[0], args[1], args[2]
-            assert int(positions[0]) == int(pos[0]), (positions, pos)
+            assert int(positions[0]) == first, (positions, first)
             cos, sin_signed = hawk.rope.lookup(positions, q.dtype)
-            out["rope_q"].append(compare(rope_torch(q.view(1, hq, d), cos, sin_signed), res[0]))
-            out["rope_k"].append(compare(rope_torch(k.view(1, hkv, d), cos, sin_signed), res[1]))
+            put("rope_q", compare(rope_torch(q.view(-1, hq, d), cos, sin_signed), res[0]))
+            put("rope_k", compare(rope_torch(k.view(-1, hkv, d), cos, sin_signed), res[1]))
             (args, _), res = cap.calls[f"{i}.attn"][step]
             k_ctx = torch.cat([cap.calls[f"{i}.attn"][s][0][0][1].view(-1, hkv, d) for s in range(step + 1)])
             v_ctx = torch.cat([cap.calls[f"{i}.attn"][s][0][0][2].view(-1, hkv, d) for s in range(step + 1)])
-            o = attend(args[0].view(1, hq, d), k_ctx, v_ctx)
-            out["attention"].append(compare(o.reshape(1, -1), res))
+            o = attend(args[0].view(-1, hq, d), k_ctx, v_ctx)
+            put("attention", compare(o.reshape(res.shape), res))
             (args, _), res = cap.calls[f"{i}.o_proj"][step]
-            out["o_proj"].append(compare(linear(args[0], layer.attn.wo.weight), res[0]))
+            put("o_proj", compare(linear(args[0], layer.attn.wo.weight), res[0]))
             (args, kw), res = cap.calls[f"{i}.post_norm"][step]
             h, r2 = layer.mlp_norm.add_norm(args[0].clone(), args[1].clone(), False)
-            out["add_rms_norm"].append(compare(h, res[0]))
-            out["residual_add"].append(compare(r2, res[1]))
+            put("add_rms_norm", compare(h, res[0]))
+            put("residual_add", compare(r2, res[1]))
             (args, _), res = cap.calls[f"{i}.gate_up"][step]
-            out["gate_up_proj"].append(compare(linear(args[0], layer.mlp.w_gate_up), res[0]))
+            put("gate_up_proj", compare(linear(args[0], layer.mlp.w_gate_up), res[0]))
             (args, _), res = cap.calls[f"{i}.act"][step]
-            out["silu_and_mul"].append(compare(silu_mul_ref(args[0]), res))
+            put("silu_and_mul", compare(silu_mul_ref(args[0]), res))
             (args, _), res = cap.calls[f"{i}.down"][step]
-            out["down_proj"].append(compare(linear(args[0], layer.mlp.down.weight), res[0]))
+            put("down_proj", compare(linear(args[0], layer.mlp.down.weight), res[0]))
         (args, kw), res = cap.calls["final_norm"][step]
         h, _ = hawk.norm.add_norm(args[0].clone(), args[1].clone(), False)
-        out["final_add_rms_norm"].append(compare(h, res[0]))
+        put("final_add_rms_norm", compare(h, res[0]))
         (args, _), res = cap.calls["logits"][step]
         hidden = args[1]
         logits = hawk.compute_logits(hidden)
-        out["lm_head(logits)"].append(compare(logits, res.float()))
-        out["logits_dtype"].append({"vllm": str(res.dtype), "hawk": str(logits.dtype)})
+        put("lm_head(logits)", compare(logits, res.float()))
+        put("logits_dtype", {"vllm": str(res.dtype), "hawk": str(logits.dtype)})
     return out
 
 
@@ -204,10 +211,23 @@ def whole_decode(hawk: Any, cap: Capture, n_prompt: int) -> list[dict[str, Any]]
     return rows
 
 
+def whole_prefill(hawk: Any, cap: Capture, ids: list[int]) -> dict[str, Any]:
+    """HAWK's model on the prompt (its own prefill, as a colocated engine runs it): the last position's
+    logits against vLLM's prefill logits."""
+    from hawk.engine.attention import ContiguousKVAttention
+
+    attn = ContiguousKVAttention(hawk.config.num_layers)
+    attn.begin([0], [len(ids)])
+    hidden = hawk(torch.tensor(ids), torch.arange(len(ids)), attn)
+    logits = hawk.compute_logits(hidden[-1:])
+    ref = cap.calls["logits"][0][1].float()
+    return {**compare(logits, ref), "argmax_same": bool(logits.argmax() == ref.argmax())}
+
+
 def summarize(per_op: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     out = {}
     for op, rs in per_op.items():
-        if op == "logits_dtype":
+        if op.startswith("logits_dtype"):
             out[op] = rs[0]
             continue
         n, differ = sum(r["n"] for r in rs), sum(r["differ"] for r in rs)
@@ -236,7 +256,8 @@ def main() -> None:
         for ids, cap in zip(prompts, caps):
             for op, rs in op_diffs(hawk, cap, len(ids)).items():
                 per_op[op].extend(rs)
-            whole.append({"prompt_tokens": len(ids), "steps": whole_decode(hawk, cap, len(ids))})
+            whole.append({"prompt_tokens": len(ids), "prefill": whole_prefill(hawk, cap, ids),
+                          "steps": whole_decode(hawk, cap, len(ids))})
     result = {"ops": summarize(per_op), "whole_decode": whole, "vllm_tokens": toks}
     print(json.dumps(result, indent=1))
     if a.json:

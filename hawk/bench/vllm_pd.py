@@ -8,7 +8,8 @@ Configurations (each started, warmed, measured, stopped in turn; the same model 
                      prompt+first-token handoff (hawk/integrations/vllm/handoff.py; ``--gg-handoff standard``: vLLM's)
   hawk-gn-hawk       vLLM prefill (HawkConnector) -> HAWK's decode on the emulated NPU, bf16 tiles, HAWK's router
   hawk-gn-hawk-bfp8  the same with bfloat8_b tiles (lossy: token agreement, not identity)
-  hawk-colocated     HAWK's own engine, prefill and decode in one process (no transfer)
+  hawk-colocated     HAWK's own engine, prefill and decode in one process (no transfer), with vLLM's step
+                     budget (:data:`VLLM_CPU_STEP_TOKENS`)
 
 For each prompt length, ``--repeats`` sequential greedy requests, each with another prompt (natural text
 cut from :mod:`hawk.bench.prompt_text`, or ``--prompt-text random`` token ids; streamed;
@@ -54,6 +55,12 @@ from hawk.integrations.vllm.servers import VllmServer, free_port, hawk_transfer_
 
 CONFIGS = ("vllm-single", "vllm-nixl", "hawk-gg-direct", "hawk-gn-hawk", "hawk-gn-hawk-bfp8", "hawk-colocated")
 MODEL_NAME = "hawk-model"
+#: ``--max-num-batched-tokens`` of hawk-colocated: vLLM's OpenAI server's default on a CPU, which the vLLM
+#: servers here run with. A prompt longer than a step's budget is prefilled in chunks, and vLLM's CPU
+#: attention kernel gives a later chunk's rows other last bits than one pass would
+#: (:mod:`hawk.engine.vllm_cpu_kernel`): with HAWK's default budget (640) a 1,024-token random-token prompt
+#: parted from one vLLM instance at its first token for that reason alone.
+VLLM_CPU_STEP_TOKENS = 2048
 
 
 @dataclass
@@ -238,6 +245,7 @@ def launch(config: str, model: str, logs: Path, threads: int | None, gg_handoff:
             yield Front(router, serving_url=router, handoff="hawk-router")  # HAWK's decode starts from the first token
         elif config == "hawk-colocated":
             url = L.hawk(config, ["--transfer", "colocated", "--model", model, "--dtype", "bf16", "--served-model-name", MODEL_NAME,
+                                  "--max-num-batched-tokens", str(VLLM_CPU_STEP_TOKENS),
                                   *(["--threads", str(threads)] if threads else [])])
             L.wait(url)
             yield Front(url, serving_url=url)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from hawk.engine.cpu_numerics import attend_widened, widens
+from hawk.engine.vllm_cpu_kernel import kernel_isa, thread_kernel
 
 
 def leading_decode_rows(q_lens: Sequence[int] | np.ndarray) -> int:
@@ -108,7 +109,9 @@ def attend(
     ``q [Tq, Hq, D]``, ``k_ctx, v_ctx [Tk, Hkv, D]`` (the context includes the new tokens).
     Query ``i`` sees keys ``0 .. causal_offset + i``; the default offset ``Tk - Tq`` is the
     usual "new tokens are the last Tq of the context". Returns ``[Tq, Hq, D]``. On a CPU in
-    bf16/fp16, computed in fp32 and rounded once (:func:`~hawk.engine.cpu_numerics.attend_widened`).
+    bf16/fp16: vLLM's CPU kernel where vLLM is installed (:mod:`~hawk.engine.vllm_cpu_kernel`, vLLM's
+    bits; the default offset only), else computed in fp32 and rounded once
+    (:func:`~hawk.engine.cpu_numerics.attend_widened`).
     """
     tq, tk = q.shape[0], k_ctx.shape[0]
     if causal_offset is None:
@@ -128,6 +131,9 @@ def attend(
         j = torch.arange(tk, device=q.device)[None, :]
         mask = j <= i + causal_offset
     if widens(q):
+        isa = kernel_isa(q.shape[2], q.dtype)
+        if isa is not None and causal_offset == tk - tq and k_ctx.dtype == q.dtype:
+            return thread_kernel(isa).attend_contiguous(q, k_ctx, v_ctx)
         if is_causal:
             mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril()
         return attend_widened(q, k_ctx, v_ctx, mask)

@@ -1,5 +1,9 @@
 """Paged decode attention on a CPU: every one-token row of a step in one batch of ops per layer.
 
+Where vLLM is installed, :class:`~hawk.engine.paged_attention.PagedAttention` runs vLLM's own CPU kernel
+instead (:mod:`hawk.engine.vllm_cpu_kernel`: vLLM's bits, and a step no slower); this is the torch form
+without vLLM or with ``HAWK_CPU_ATTENTION=torch``.
+
 Why: the torch path attended each decode row on its own (:func:`~hawk.engine.cpu_numerics.attend_widened`
 per row, ~12 ops each), after gathering every row's whole blocks into a freshly allocated tensor per
 layer. At SmolLM2's size a row's work is a few microseconds of arithmetic, so the step was Python and

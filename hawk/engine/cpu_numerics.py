@@ -11,8 +11,11 @@ does HAWK's on a CPU:
   (23 % of bf16 norm outputs differed by 1-2 ulp when the rounded residual was normalised);
 * attention computes scores, softmax and the weighted sum of V in fp32 and rounds the output once
   and divides by the softmax sum last (torch's fused SDPA kernel rounds elsewhere: 18 % of bf16 outputs
-  differed; computed so, about 1 in 9,000 outputs differs by one ulp: vLLM's C++ kernel sums in its own
-  order, which torch's matmuls do not reproduce).
+  differed). Computed so, about 1 in 9,000 outputs still differs by one ulp: vLLM's C++ kernel sums in
+  SIMD lanes, tile by tile, with an online softmax and its own exp, which torch's matmuls do not
+  reproduce. So where vLLM is installed HAWK calls that kernel itself
+  (:mod:`hawk.engine.vllm_cpu_kernel`: no output differs) and :func:`attend_widened` is the form
+  without vLLM (and with ``HAWK_CPU_ATTENTION=torch``).
 
 On a GPU the model keeps the ``*_ref`` forms of :mod:`hawk.engine.triton_ops`, which its fused kernels
 reproduce (and which round as vLLM's CUDA kernels do). For fp32 activations both forms are the same.

@@ -8,9 +8,11 @@ serial last-program merge; :class:`DecodePath` names the three ways. ``HAWK_FUSE
 (read at import) or ``fused_decode=`` forces one. A prefill or mixed layer is two: write the K/V,
 then FlashAttention-style varlen attention over the paged cache (:mod:`hawk.engine.triton_attention`);
 a mixed layer's leading one-token rows go to the decode kernel. Elsewhere the same metadata drives a
-torch fallback: on a CPU in bf16/fp16 the decode rows (a mixed batch's leading ones too) attend in
-fp32 in a few length groups per layer (:mod:`hawk.engine.cpu_attention`), else batched gather +
-SDPA; one :func:`attend` per sequence for prompt chunks.
+torch fallback: on a CPU in bf16/fp16 where vLLM is installed, every row of a forward in one call
+of vLLM's CPU kernel (:mod:`hawk.engine.vllm_cpu_kernel`: vLLM's bits); without vLLM the decode rows
+(a mixed batch's leading ones too) attend in fp32 in a few length groups per layer
+(:mod:`hawk.engine.cpu_attention`), else batched gather + SDPA; one :func:`attend` per sequence for
+prompt chunks.
 
 ``begin`` builds all metadata on the host with numpy and uploads it in two copies into device
 buffers allocated once, so the decode path is CUDA-graph safe (see :class:`PagedBackend`). A decode
@@ -36,6 +38,7 @@ from hawk.devices.staging import HostStaging
 from hawk.engine.attention import SeqSlice, attend, leading_decode_rows
 from hawk.engine.cpu_attention import DecodePlan, DecodeWorkspace, decode_groups
 from hawk.engine.cpu_numerics import widens
+from hawk.engine.vllm_cpu_kernel import BlockPlan, KernelAttention, block_plan, kernel_isa
 from hawk.layouts.gpu import GpuKVLayout
 
 __all__ = ["PagedAttention", "SeqSlice"]
@@ -123,6 +126,11 @@ class PagedAttention:
         #: buffers they are attended in (:mod:`hawk.engine.cpu_attention`).
         self._cpu_plans: list[DecodePlan] = []
         self._cpu_ws = DecodeWorkspace()
+        #: On a CPU where vLLM is installed, every row of a forward through vLLM's CPU kernel (its
+        #: bits: :mod:`hawk.engine.vllm_cpu_kernel`): the step's plan (set by begin) and its kept copy.
+        isa = kernel_isa(layout.head_dim, self.caches[0].dtype) if self.device.type == "cpu" else None
+        self._kernel = KernelAttention(isa) if isa is not None else None
+        self._kernel_plan: BlockPlan | None = None
 
     # ---- buffers ------------------------------------------------------------------------------
 
@@ -359,8 +367,10 @@ class PagedAttention:
         }
         self._need, self._ctx = need.tolist(), ctx.tolist()
         n_dec = n_real if self._decode else leading_decode_rows(self._q_lens)
-        self._cpu_plans = []
-        if dev.type == "cpu" and n_dec:
+        self._cpu_plans, self._kernel_plan = [], None
+        if self._kernel is not None and n_real:
+            self._kernel_plan = block_plan(bt_np[:n_real], ctx, np.asarray(self._q_lens), self.layout.block_size)
+        elif dev.type == "cpu" and n_dec:
             self._cpu_plans = decode_groups(bt_np[:n_dec], ctx[:n_dec], self.layout.block_size)
         if self._decode and n_real > 1 and (ctx != width * self.layout.block_size).any():
             keys = torch.arange(width * self.layout.block_size, device=dev)
@@ -390,6 +400,8 @@ class PagedAttention:
         if self._n_real == 0:  # pad rows only: nothing to write or read
             return torch.zeros_like(q)
         self._write_torch(cache, k, v)
+        if self._kernel_plan is not None and q.dtype == cache.dtype:
+            return self._attend_kernel(cache, q)
         if self._decode:
             return self._decode_torch(cache, q)
         return self._prefill_torch(cache, q, k, v)
@@ -451,6 +463,16 @@ class PagedAttention:
         if self.layout.order == "HND":
             x = x.transpose(2, 3)
         return x.reshape(bt.shape[0], -1, *x.shape[3:])
+
+    def _attend_kernel(self, cache: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """Every real row (decode rows and prompt chunks alike) in one call of vLLM's CPU kernel, over
+        the cache once this forward's K/V are written; pad rows and pad tokens get zeros."""
+        assert self._kernel is not None and self._kernel_plan is not None
+        t_real = len(self._host["slots"])
+        out = self._kernel.attend_blocks(q[:t_real], cache, self._kernel_plan, self.layout.order == "NHD")
+        if q.shape[0] > t_real:
+            out = torch.cat([out, out.new_zeros(q.shape[0] - t_real, *out.shape[1:])])
+        return out
 
     def _decode_torch(self, cache: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """All real rows at once; pad rows get zeros. On a CPU in bf16/fp16, fp32 attention over

