@@ -109,18 +109,28 @@ def decode_plan(block_tables: np.ndarray, ctx: np.ndarray, block_size: int) -> D
     return DecodePlan(blocks, pad, rows, width, keys)
 
 
-class DecodeWorkspace:
-    """Kept buffers for :meth:`attend` (grown as batches grow, never shrunk): one gather buffer in the
-    cache's dtype and the fp32 K and V, so a layer allocates nothing the size of the context."""
+class KeptBuffers:
+    """Named flat buffers, grown (at least doubling) as batches grow and never shrunk, so a layer
+    allocates nothing the size of its context. ``zeroed``: a new buffer starts as zeros (for readers of
+    slots nothing wrote, which must stay finite)."""
 
-    def __init__(self) -> None:
+    def __init__(self, zeroed: bool = False) -> None:
+        self.zeroed = zeroed
         self._bufs: dict[str, torch.Tensor] = {}
 
-    def _buf(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def get(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         b = self._bufs.get(name)
         if b is None or b.numel() < numel or b.dtype != dtype:
-            b = self._bufs[name] = torch.empty(max(numel, 2 * (0 if b is None else b.numel())), dtype=dtype)
+            new = torch.zeros if self.zeroed else torch.empty
+            b = self._bufs[name] = new(max(numel, 2 * (0 if b is None else b.numel())), dtype=dtype)
         return b[:numel]
+
+
+class DecodeWorkspace:
+    """Kept buffers for :meth:`attend`: one gather buffer in the cache's dtype and the fp32 K and V."""
+
+    def __init__(self) -> None:
+        self._buf = KeptBuffers().get
 
     def _widen(self, side: torch.Tensor, plan: DecodePlan, nhd: bool, name: str) -> torch.Tensor:
         """One side (K or V) of the cache ``[blocks, ...]``, the plan's blocks, as fp32 ``[rows, H, keys, D]``."""

@@ -48,6 +48,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hawk.engine.cpu_attention import KeptBuffers
+
 #: "auto": vLLM's kernel where it loads and can be fed; "torch": HAWK's torch form always.
 MODE_ENV = "HAWK_CPU_ATTENTION"
 #: Head sizes vLLM 0.32's CPU backend compiles (``CPUAttentionBackend.get_supported_head_sizes``).
@@ -149,14 +151,7 @@ class KernelAttention:
 
     def __init__(self, isa: str) -> None:
         self.isa = isa
-        self._bufs: dict[str, torch.Tensor] = {}
-
-    def _buf(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        b = self._bufs.get(name)
-        if b is None or b.numel() < numel or b.dtype != dtype:
-            # zeros: a copy block's slots past a context are read (and masked): they must be finite
-            b = self._bufs[name] = torch.zeros(max(numel, 2 * (0 if b is None else b.numel())), dtype=dtype)
-        return b[:numel]
+        self._buf = KeptBuffers(zeroed=True).get  # a copy block's slots past a context are read (and masked)
 
     def _copy(self, n: int, h: int, n_tok: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The K and V copies ``[n, H, N * D]``: K ``[D][N]``, V ``[N][D]`` in each (block, head)."""
