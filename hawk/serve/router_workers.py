@@ -38,15 +38,15 @@ import tempfile
 import time
 from typing import Any
 
+from hawk.serve.common import serve_foreground, stop_processes, watch_parent
+from hawk.serve.metrics import MULTIPROC_ENV
+
 #: Router processes by default where an engine computes on a GPU and the host has
 #: :data:`MANY_CORES` cores or more. On one H200 with 16 cores (8B shape, colocated, 256 streams of 300
 #: tokens; benchmarks/router_probe.py) one router relayed 2,095 tokens/s at 471 us of its CPU per
 #: token, four relayed 12,308 at 156 (benchmarks/results/router_probe_h200_x1.json, _x4.json).
 GPU_ROUTER_PROCESSES = 4
 MANY_CORES = 16
-
-from hawk.serve.common import serve_foreground, stop_processes, watch_parent
-from hawk.serve.metrics import MULTIPROC_ENV
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,19 @@ class RouterWorkers:
         stop_processes([(f"router worker {i}", p) for i, p in enumerate(self.procs) if p is not None], signal.SIGINT, STOP_GRACE_S)
         shutil.rmtree(self.metrics_dir, ignore_errors=True)
 
+def router_processes(cfg: Any) -> tuple[int, str]:
+    """How many router processes serve the port, and why: ``--api-server-count`` if given, else
+    :data:`GPU_ROUTER_PROCESSES` on a many-core GPU host (where one event loop caps the token rate
+    below the engine's), else 1 (a CPU engine is far slower than one router)."""
+    if cfg.api_server_count is not None:
+        return cfg.api_server_count, "--api-server-count"
+    on_gpu = any(str(d).startswith("cuda") for d in (cfg.prefill_device, cfg.decode_device, cfg.decode_compute_device))
+    cores = os.cpu_count() or 1
+    if cfg.role == "all" and on_gpu and cores >= MANY_CORES:
+        return GPU_ROUTER_PROCESSES, f"an engine on a GPU and {cores} cores"
+    return 1, "the default off a many-core GPU host"
+
+
 
 def main() -> None:
     """A worker: the router app on the inherited socket, in the foreground."""
@@ -123,15 +136,3 @@ def main() -> None:
 if __name__ == "__main__":
     main()
 
-
-def router_processes(cfg: Any) -> tuple[int, str]:
-    """How many router processes serve the port, and why: ``--api-server-count`` if given, else
-    :data:`GPU_ROUTER_PROCESSES` on a many-core GPU host (where one event loop caps the token rate
-    below the engine's), else 1 (a CPU engine is far slower than one router)."""
-    if cfg.api_server_count is not None:
-        return cfg.api_server_count, "--api-server-count"
-    on_gpu = any(str(d).startswith("cuda") for d in (cfg.prefill_device, cfg.decode_device, cfg.decode_compute_device))
-    cores = os.cpu_count() or 1
-    if cfg.role == "all" and on_gpu and cores >= MANY_CORES:
-        return GPU_ROUTER_PROCESSES, f"an engine on a GPU and {cores} cores"
-    return 1, "the default off a many-core GPU host"
