@@ -146,3 +146,34 @@ def test_router_processes_default_to_four_on_a_many_core_gpu_host_and_one_elsewh
     assert router_processes(dataclasses.replace(gpu, role="router"))[0] == 1  # a router alone knows no engine
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
     assert router_processes(gpu)[0] == 1
+
+
+def test_sigint_ends_a_launcher_that_inherited_it_ignored():
+    """A script's ``hawk serve ... &`` starts with SIGINT ignored (a non-interactive shell's background
+    job); with router workers no uvicorn runs in the launcher to take SIGINT over, so the launcher must
+    set it itself or ``kill -INT`` does nothing (it hung a GPU run's clean stop for minutes)."""
+    port = free_port()
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen([sys.executable, "-m", "hawk", "serve", "--model", "tiny", "--transfer", "colocated", "--port", str(port),
+                                 "--api-server-count", str(WORKERS), "--no-warmup"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        try:
+            deadline = time.monotonic() + 240
+            while len(workers := _workers_of(proc.pid)) < WORKERS or not _healthy(port):
+                assert proc.poll() is None and time.monotonic() < deadline, "hawk serve did not come up"
+                time.sleep(0.5)
+            proc.send_signal(signal.SIGINT)  # to the launcher alone, as `kill -INT $pid` does
+            proc.wait(timeout=60)
+            deadline = time.monotonic() + 30
+            while live := [pid for pid in workers if running(pid)]:
+                assert time.monotonic() < deadline, f"router workers {live} outlived their launcher"
+                time.sleep(0.2)
+        finally:
+            stop_group(proc, kill=True)
+
+
+def _healthy(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -515,9 +515,11 @@ def start_cluster(cfg: ServeConfig, cluster_secret: str | None = None, host: str
 
 
 @contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM behaves like Ctrl-C, so cleanup in ``finally`` blocks runs (uvicorn re-raises the
-    signal it shut down on; the default SIGTERM action would kill us before the children stop)."""
+def _stop_signals_as_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGINT behave like Ctrl-C, so cleanup in ``finally`` blocks runs (uvicorn re-raises the
+    signal it shut down on; the default SIGTERM action would kill us before the children stop). SIGINT is
+    set explicitly: a script's background job inherits it ignored, and Python then keeps it ignored; with
+    router workers no uvicorn runs here to take it over, so ``kill -INT`` would do nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -525,11 +527,13 @@ def _sigterm_as_interrupt() -> Iterator[None]:
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
-    old = signal.signal(signal.SIGTERM, interrupt)
+    old_term = signal.signal(signal.SIGTERM, interrupt)
+    old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, old)
+        signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGINT, old_int)
 
 
 def _advertised_host(host: str) -> str:
@@ -614,7 +618,7 @@ def serve(cfg: ServeConfig) -> None:
     Every option is described once, in ``hawk/config.py``.
     """
     secret = check_serve(cfg)
-    with _sigterm_as_interrupt():
+    with _stop_signals_as_interrupt():
         try:
             if cfg.role == "router":
                 if not cfg.decode_urls or (not cfg.prefill_urls and cfg.prefill_api != "vllm"):
@@ -693,7 +697,7 @@ def _child_main(spec_path: str) -> None:
     spec = ChildSpec.from_json(Path(spec_path).read_text())
     cfg = spec.config
     logging.basicConfig(level=getattr(logging, cfg.log_level.upper(), logging.WARNING))
-    with _sigterm_as_interrupt():
+    with _stop_signals_as_interrupt():
         try:
             run_instance(spec.role, cfg, spec.host, spec.port, spec.ready_file, spec.parent_pid)
         except KeyboardInterrupt:
