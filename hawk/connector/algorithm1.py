@@ -960,7 +960,8 @@ class KVSender:
         while not self._stop.is_set():
             with self._lock:
                 if not self._staging_queue:
-                    self._room.wait(0.05)
+                    if not self._stop.is_set():  # checked under the lock: close() notifies after setting it
+                        self._room.wait()  # until a pull queues (or close)
                     continue
                 w = self._staging_queue[0]
                 w.staging = True
