@@ -74,6 +74,9 @@ class SimConfig:
     #: each prefill instance's staging buffer in bytes, which a pull's KV holds until it has landed
     #: (``staging.py``); None: unlimited (the testbeds, and paths that stage nothing)
     staging_bytes: float | None = None
+    #: the first token comes out of the decode step that includes the request (vLLM's disaggregated
+    #: serving, ``decode.join_emits_first_token``) instead of at the join (HAWK's engine)
+    first_token_on_decode: bool = False
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -100,6 +103,7 @@ class SimConfig:
             "transfer_slots": self.transfer_slots,
             "link_speedup": list(self.link_speedup),
             "staging_bytes": self.staging_bytes,
+            "first_token_on_decode": self.first_token_on_decode,
         }
 
 
@@ -179,7 +183,8 @@ class Cluster:
         self.prefills = [PrefillInstance(env, i, cfg.prefill, self._prefilled, h.prefill_s_per_byte * cfg.bytes_per_token)
                          for i in range(cfg.num_prefill)]
         self.decodes = [DecodeInstance(env, i, cfg.decode, self.transfer, self._kv_landed, self._finished, cfg.admit_between_steps,
-                                       h.decode_s_per_byte * cfg.bytes_per_token, cfg.transfer_slots)
+                                       h.decode_s_per_byte * cfg.bytes_per_token, cfg.transfer_slots,
+                                       cfg.first_token_on_decode)
                         for i in range(cfg.num_decode)]
         self.router = Router(self.prefills, self.decodes, cfg.router_policy)
         self.requests: list[SimRequest] = []

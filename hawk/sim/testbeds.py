@@ -140,6 +140,9 @@ class Testbed:
     note: str = ""
     #: host staging as worker time, by transfer path (``host.py``); paths not listed only delay the KV
     host: dict[str, HostStaging] = field(default_factory=dict)
+    #: the serving framework whose request flow the instances follow (``decode.join_emits_first_token``):
+    #: ``vllm`` for the paper's testbed (§5.1.2), ``hawk`` for this project's engine
+    serving_framework: str = "hawk"
 
 
 # ============================================================================ the paper's testbed
@@ -274,7 +277,7 @@ def paper_testbed(f: PaperFacts = PaperFacts(), a: PaperAssumptions = PaperAssum
         "paper", {"a100-tp4": a100_p, "p150a-tp4": npu_p}, {"a100-tp4": a100_d, "p150a-tp4": npu_d, "h100-tp4": h100_d},
         paper_transfer_curves(f, a), presets, kv_bytes_per_token(f), paper_devices(f, a, c.h100_power_w),
         "the paper's §5.1 testbed, derived from its Fig. 9 / Table 1 and public specs, with three calibrated parameters",
-        paper_host_staging(c, m),
+        paper_host_staging(c, m), serving_framework="vllm",
     )
 
 
