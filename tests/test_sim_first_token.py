@@ -1,7 +1,8 @@
-"""Known-answer tests of where the first token comes out (hawk/sim/decode.py, ``first_token_on_decode``).
+"""Known-answer tests of vLLM's decode request flow (hawk/sim/decode.py, ``VLLM_DECODE_FLOW``).
 
-vLLM's disaggregated serving (the paper's system) samples a request's first token in a decode
-step that includes it; HAWK's engine sends the prefill's token when the request joins."""
+vLLM's disaggregated serving (the paper's system) admits a request between steps and samples its
+first token in a decode step that includes it; HAWK's engine sends the prefill's token when the
+request joins."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from hawk.sim.calibration import MiB, TransferCurve
 from hawk.sim.cluster import Cluster, SimConfig
 from hawk.sim.compute import DecodeModel, PrefillModel
-from hawk.sim.decode import join_emits_first_token
+from hawk.sim.decode import VLLM_DECODE_FLOW
 from hawk.sim.paper import config_for
 from hawk.sim.request import SimRequest
 from hawk.sim.testbeds import here_testbed, paper_testbed
@@ -27,10 +28,18 @@ def _cfg(on_decode: bool) -> SimConfig:
     return SimConfig("known", CURVE, PREFILL, DECODE, bytes_per_token=1000, contention="none", first_token_on_decode=on_decode)
 
 
-def test_frameworks():
-    assert join_emits_first_token("hawk") and not join_emits_first_token("vllm")
-    with pytest.raises(ValueError):
-        join_emits_first_token("sglang")
+def test_vllm_flow_admits_a_mid_step_arrival_when_the_step_ends():
+    """With vLLM's flow a request whose prefill ends while a step runs starts its pull at that
+    step's end; without it, at once."""
+    for flow, expect_at_step_end in ((VLLM_DECODE_FLOW, True), ({}, False)):
+        first = SimRequest(RequestSpec(0, 0.0, 100, 50))
+        second = SimRequest(RequestSpec(1, 0.5, 300, 3))
+        Cluster(replace(_cfg(False), **flow)).run([first, second])
+        prefilled = 0.5 + PREFILL.batch_time([300])
+        assert second.t_prefilled == pytest.approx(prefilled, abs=1e-12)
+        step_ends = [first.t_first + k * DECODE.base_s for k in range(-1, 60)]
+        end = min(t for t in step_ends if t >= prefilled - 1e-12)
+        assert second.t_admitted == pytest.approx(end if expect_at_step_end else prefilled, abs=1e-9)
 
 
 @pytest.mark.parametrize("on_decode", [False, True])
@@ -66,6 +75,7 @@ def test_a_one_token_request_finishes_on_its_first_step():
 
 
 def test_the_paper_testbed_follows_vllm_and_here_follows_hawk():
-    assert config_for(paper_testbed(), "gn-hawk").first_token_on_decode
-    assert not config_for(here_testbed(), "gg-direct").first_token_on_decode
+    paper, here = config_for(paper_testbed(), "gn-hawk"), config_for(here_testbed(), "gg-direct")
+    assert paper.first_token_on_decode and paper.admit_between_steps
+    assert not here.first_token_on_decode and not here.admit_between_steps
     assert replace(_cfg(True)).describe()["first_token_on_decode"] is True

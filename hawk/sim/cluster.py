@@ -61,8 +61,8 @@ class SimConfig:
     #: request front end: router, HTTP hops and streaming, added to TTFT without occupying an
     #: instance (0 for the testbeds; a real run's cross-validation measures it)
     frontend_s: float = 0.0
-    #: decode admission only between steps, as ``DecodeEngine`` admits (see ``decode.py``); off for
-    #: the testbeds (their numbers stay as published), on for a cross-validation of HAWK's engine
+    #: decode admission only between steps, as ``DecodeEngine`` and vLLM admit (see ``decode.py``); on
+    #: for the ``paper`` testbed (``decode.VLLM_DECODE_FLOW``) and a cross-validation of HAWK's engine
     admit_between_steps: bool = False
     #: host staging as worker time on both nodes (``host.py``); None: the transfer is only a delay
     host: HostStaging | None = None
@@ -75,7 +75,7 @@ class SimConfig:
     #: (``staging.py``); None: unlimited (the testbeds, and paths that stage nothing)
     staging_bytes: float | None = None
     #: the first token comes out of the decode step that includes the request (vLLM's disaggregated
-    #: serving, ``decode.join_emits_first_token``) instead of at the join (HAWK's engine)
+    #: serving, ``decode.VLLM_DECODE_FLOW``) instead of at the join (HAWK's engine)
     first_token_on_decode: bool = False
 
     def describe(self) -> dict[str, Any]:

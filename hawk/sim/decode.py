@@ -16,7 +16,7 @@ Mirrors ``hawk.engine.decode_engine``:
    copied (and for ``gn-host`` tilized) into the device's cache by this instance's worker: that
    work runs between steps, one request at a time, and the request joins after it.
    With ``first_token_on_decode`` (vLLM's disaggregated serving, which the paper's system runs:
-   see ``join_emits_first_token``) the request joins without a token and its first token comes out
+   see ``VLLM_DECODE_FLOW``) the request joins without a token and its first token comes out
    of the first step it is part of, so TTFT also holds the rest of the step running when it became
    ready and one step of its own: TTFT then depends on the decode device's speed.
 4. *Steps*: each step takes ``DecodeModel.step_time(batch, context)`` and gives every running
@@ -123,7 +123,7 @@ class DecodeInstance:
 
     def _join(self) -> None:
         """Ready requests enter the batch; their first (prefill-computed) token goes out now, or,
-        with ``first_token_on_decode``, at the end of the next step (``join_emits_first_token``)."""
+        with ``first_token_on_decode``, at the end of the next step (``VLLM_DECODE_FLOW``)."""
         now = self.env.now
         if self.first_token_on_decode:
             self.running.extend(self.ready)  # tokens stay 0: the next step computes the first one
@@ -179,17 +179,18 @@ class DecodeInstance:
             self.running = still
 
 
-def join_emits_first_token(framework: str) -> bool:
-    """Whether a request's first token goes out when it joins the decode batch (True) or only after
-    a decode step that includes it (False).
-
-    In vLLM v1 (the paper's §5.1.2 runs vLLM v0.10.0) a request's first output token is always
-    sampled by a forward of the instance that serves it: ``KVCacheManager.get_computed_blocks``
-    caps a full prefix hit at ``prompt_length - 1`` tokens ("we must recompute the last token to
-    obtain logits"), and the KV connectors do the same for KV loaded from a remote prefill
-    (``NixlConnector.get_num_new_matched_tokens`` loads only whole blocks). The prefill instance
-    runs with ``max_tokens=1`` and its token is discarded by the proxy, which streams the decode
-    instance's output. HAWK's own engine (``hawk/engine``) sends the prefill's token at the join."""
-    if framework not in ("vllm", "hawk"):
-        raise ValueError(f"unknown serving framework {framework!r}: expected 'vllm' or 'hawk'")
-    return framework == "hawk"
+#: How vLLM v1 (the paper's §5.1.2 serves with vLLM v0.10.0) moves a remote-prefilled request through a
+#: decode instance, as ``SimConfig`` fields:
+#:
+#: * ``admit_between_steps``: ``EngineCore``'s busy loop takes new requests from its input queue only
+#:   between two ``step()`` calls, and the connector starts a request's KV load in the worker's next
+#:   ``execute_model``, so a request that arrives while a step runs starts its pull when that step ends;
+#: * ``first_token_on_decode``: the first output token is sampled by a forward of the serving
+#:   instance. ``KVCacheManager.get_computed_blocks`` caps a full prefix hit at ``prompt_length - 1``
+#:   ("we must recompute the last token to obtain logits"), the KV connectors load only whole blocks of
+#:   a remote prefill (``NixlConnector.get_num_new_matched_tokens``), and the disaggregated proxy
+#:   discards the prefill's ``max_tokens=1`` output and streams the decode's.
+#:
+#: HAWK's engine (``hawk/engine``) also admits between steps (the cross-validation sets that) but sends
+#: the prefill's token at the join.
+VLLM_DECODE_FLOW = {"admit_between_steps": True, "first_token_on_decode": True}

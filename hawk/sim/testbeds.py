@@ -140,7 +140,7 @@ class Testbed:
     note: str = ""
     #: host staging as worker time, by transfer path (``host.py``); paths not listed only delay the KV
     host: dict[str, HostStaging] = field(default_factory=dict)
-    #: the serving framework whose request flow the instances follow (``decode.join_emits_first_token``):
+    #: the serving framework whose request flow the instances follow (``decode.VLLM_DECODE_FLOW``):
     #: ``vllm`` for the paper's testbed (§5.1.2), ``hawk`` for this project's engine
     serving_framework: str = "hawk"
 
