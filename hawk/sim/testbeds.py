@@ -284,7 +284,7 @@ def paper_testbed(f: PaperFacts = PaperFacts(), a: PaperAssumptions = PaperAssum
 #: measured on the H200 box's host CPU (benchmarks/results/transform_cpu_h200host.json; PACED_TILIZE=1 bash scripts/gpu_suite.sh paced)
 MEASURED_HERE = MeasuredHere(0.211, "benchmarks/results/transform_cpu_h200host.json: the torch transform to bfloat8_b tiles on the H200 box's 16-core host CPU, 30 MiB of 70B-TP4 KV in 149 ms")
 #: solved by ``python -m hawk sim --calibrate-paper`` (1000 requests, seed 0) from the three input rows (docs/reproduce.md)
-PAPER_CALIBRATION = PaperCalibration(prefill_mfu=0.1727, host_copy_gb_s=1.840, h100_power_w=209.7)
+PAPER_CALIBRATION = PaperCalibration(prefill_mfu=0.1727, host_copy_gb_s=2.036, h100_power_w=225.1)
 
 
 def here_testbed() -> Testbed:
