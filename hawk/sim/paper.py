@@ -18,7 +18,6 @@ from typing import Any
 
 from hawk.sim.calibration import MiB
 from hawk.sim.cluster import SimConfig, make_config, simulate
-from hawk.sim.decode import VLLM_DECODE_FLOW
 from hawk.sim.protocol import INPUTS, input_parameter, score, within
 from hawk.sim.testbeds import (
     PAPER_CALIBRATION,
@@ -66,13 +65,12 @@ class Row:
 
 def config_for(tb: Testbed, name: str, num_prefill: int = 1, num_decode: int = 1) -> SimConfig:
     """A named configuration on a testbed (its curves, models, host staging, KV bytes per token and,
-    on a testbed served by vLLM, vLLM's decode request flow: ``decode.VLLM_DECODE_FLOW``)."""
+    its serving framework's decode request flow: ``Testbed.decode_flow``)."""
     cfg = make_config(
         name, num_prefill, num_decode, curves=tb.curves, prefill_models=tb.prefill_models,
         decode_models=tb.decode_models, presets=tb.presets, host=tb.host,
     )
-    flow = VLLM_DECODE_FLOW if tb.serving_framework == "vllm" else {}
-    return replace(cfg, bytes_per_token=tb.bytes_per_token, **flow)
+    return replace(cfg, bytes_per_token=tb.bytes_per_token, **tb.decode_flow())
 
 
 def crossing(passes: Callable[[float], bool], lo: float = 0.02, hi: float = 1.0, cap: float = 40.0, steps: int = 9) -> float | None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from hawk.devices.timing import P150A, npu_kv_bytes_per_token, p150a_step_model
 from hawk.sim.calibration import MiB, TransferCurve
 from hawk.sim.compute import DecodeModel, PrefillModel
+from hawk.sim.decode import VLLM_DECODE_FLOW
 from hawk.sim.host import HostStaging
 from hawk.sim.defaults import (
     DECODE_MODELS,
@@ -143,6 +144,11 @@ class Testbed:
     #: the serving framework whose request flow the instances follow (``decode.VLLM_DECODE_FLOW``):
     #: ``vllm`` for the paper's testbed (§5.1.2), ``hawk`` for this project's engine
     serving_framework: str = "hawk"
+
+    def decode_flow(self) -> dict[str, bool]:
+        """The ``SimConfig`` fields of the serving framework's decode request flow (``VLLM_DECODE_FLOW``
+        for vLLM; none for HAWK's engine, whose testbed keeps the fields' defaults)."""
+        return dict(VLLM_DECODE_FLOW) if self.serving_framework == "vllm" else {}
 
 
 # ============================================================================ the paper's testbed
