@@ -27,6 +27,7 @@ def test_tp2_does_not_fit_the_70b_and_price_counts_devices():
     assert cfg is None and not c.feasible and "p150a TP2" in c.why_infeasible
     c, cfg = build(tb, ("a100", "p150a", 4, 1, 2))
     assert cfg is not None and c.devices == 12 and c.transfer == "gn-hawk"
+    assert cfg.admit_between_steps and cfg.first_token_on_decode  # the paper testbed serves with vLLM
     assert c.price_usd == pytest.approx(4 * tb.devices["a100-tp4"].price_usd + 8 * tb.devices["p150a-tp4"].price_usd)
 
 

@@ -11,6 +11,7 @@ from hawk.sim.feasibility import (
     extra_s_per_token,
     implied_throughput_ratio,
     lone_request,
+    mean_decode_batch,
     prompt_quantile,
 )
 from hawk.sim.paper_bounds import table9_bound
@@ -69,7 +70,8 @@ def test_bounds_are_in_the_reproduce_json(tmp_path):
     out = tmp_path / "r.json"
     reproduce_paper(num_requests=40, json_path=str(out), quiet=True)
     b = json.loads(out.read_text())["bounds"]
-    assert set(b) == {"table9", "gn_host_lone", "gn_host_fig9_fixup", "gg_host_per_token", "gg_host_chatbot_pinned"}
+    assert set(b) == {"table9", "gn_host_lone", "gn_host_fig9_fixup", "gg_host_per_token", "gg_host_chatbot_pinned", "npu_tpot"}
+    assert b["npu_tpot"]["step_factor"] >= 1.0
     assert b["table9"]["summarization"]["paper_implied_ggh_over_gg"] == pytest.approx(0.9212 / 0.9350)
     assert set(b["gg_host_chatbot_pinned"]["placements"]) == {"prefill worker", "decode worker"}
 
@@ -85,3 +87,35 @@ def test_fig9_fixup_rate_by_hand():
     gg_host = (0.001 + nbytes / 25e9) / 0.1477
     assert fig9_fixup_gb_s(Runner(paper_testbed(), 10)) == pytest.approx(nbytes / ((3.79 - 1) * gg_host) / 1e9)
     assert fig9_fixup_gb_s(Runner(paper_testbed(), 10)) == pytest.approx(1.30, abs=0.005)
+
+
+def test_mean_decode_batch_is_littles_law():
+    """0.65 req/s x 200 tokens x 0.1 s = 13 sequences; Summarization's 0.60 x 90 x 0.1 = 5.4: at the
+    same step Chatbot carries 2.4x the batch."""
+    assert mean_decode_batch(0.65, 200, 0.1) == pytest.approx(13.0)
+    assert mean_decode_batch(0.65, 200, 0.1) / mean_decode_batch(0.60, 90, 0.1) == pytest.approx(130 / 54)
+    with pytest.raises(ValueError):
+        mean_decode_batch(-1.0, 1, 1)
+
+
+def test_npu_tpot_bound_solves_the_step_factor():
+    """On a deterministic one-request-at-a-time workload the P90 TPOT is the step time itself, so the
+    factor that puts it at 200 ms is 200 ms over the base step."""
+    from dataclasses import replace
+
+    from hawk.sim import paper_bounds
+    from hawk.sim.paper import Runner
+    from hawk.sim.testbeds import paper_testbed
+
+    run = Runner(paper_testbed(), 3)
+    fixed = {w: Workload(w, LengthDist(100), LengthDist(4), 1e9, 200.0) for w in ("chatbot", "summarization")}
+    orig = paper_bounds.WORKLOADS
+    paper_bounds.WORKLOADS = {**orig, **fixed}
+    sim = paper_bounds._sim
+    paper_bounds._sim = lambda run, cfg, wl, r: sim(run, cfg, fixed[wl], 0.001)
+    try:
+        b = paper_bounds.npu_tpot_bound(run, steps=30)
+    finally:
+        paper_bounds.WORKLOADS, paper_bounds._sim = orig, sim
+    step = replace(run.configs["gn-hawk"]).decode.step_time(1, 100)
+    assert b["step_factor"] == pytest.approx(0.2 / step, rel=1e-3)

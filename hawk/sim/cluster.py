@@ -61,8 +61,8 @@ class SimConfig:
     #: request front end: router, HTTP hops and streaming, added to TTFT without occupying an
     #: instance (0 for the testbeds; a real run's cross-validation measures it)
     frontend_s: float = 0.0
-    #: decode admission only between steps, as ``DecodeEngine`` admits (see ``decode.py``); off for
-    #: the testbeds (their numbers stay as published), on for a cross-validation of HAWK's engine
+    #: decode admission only between steps, as ``DecodeEngine`` and vLLM admit (see ``decode.py``); on
+    #: for the ``paper`` testbed (``decode.VLLM_DECODE_FLOW``) and a cross-validation of HAWK's engine
     admit_between_steps: bool = False
     #: host staging as worker time on both nodes (``host.py``); None: the transfer is only a delay
     host: HostStaging | None = None
@@ -74,6 +74,9 @@ class SimConfig:
     #: each prefill instance's staging buffer in bytes, which a pull's KV holds until it has landed
     #: (``staging.py``); None: unlimited (the testbeds, and paths that stage nothing)
     staging_bytes: float | None = None
+    #: the first token comes out of the decode step that includes the request (vLLM's disaggregated
+    #: serving, ``decode.VLLM_DECODE_FLOW``) instead of at the join (HAWK's engine)
+    first_token_on_decode: bool = False
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -100,6 +103,7 @@ class SimConfig:
             "transfer_slots": self.transfer_slots,
             "link_speedup": list(self.link_speedup),
             "staging_bytes": self.staging_bytes,
+            "first_token_on_decode": self.first_token_on_decode,
         }
 
 
@@ -179,7 +183,8 @@ class Cluster:
         self.prefills = [PrefillInstance(env, i, cfg.prefill, self._prefilled, h.prefill_s_per_byte * cfg.bytes_per_token)
                          for i in range(cfg.num_prefill)]
         self.decodes = [DecodeInstance(env, i, cfg.decode, self.transfer, self._kv_landed, self._finished, cfg.admit_between_steps,
-                                       h.decode_s_per_byte * cfg.bytes_per_token, cfg.transfer_slots)
+                                       h.decode_s_per_byte * cfg.bytes_per_token, cfg.transfer_slots,
+                                       cfg.first_token_on_decode)
                         for i in range(cfg.num_decode)]
         self.router = Router(self.prefills, self.decodes, cfg.router_policy)
         self.requests: list[SimRequest] = []

@@ -15,6 +15,10 @@ Mirrors ``hawk.engine.decode_engine``:
    With host staging (``host_s_per_token`` > 0, see ``host.py``) the landed KV still has to be
    copied (and for ``gn-host`` tilized) into the device's cache by this instance's worker: that
    work runs between steps, one request at a time, and the request joins after it.
+   With ``first_token_on_decode`` (vLLM's disaggregated serving, which the paper's system runs:
+   see ``VLLM_DECODE_FLOW``) the request joins without a token and its first token comes out
+   of the first step it is part of, so TTFT also holds the rest of the step running when it became
+   ready and one step of its own: TTFT then depends on the decode device's speed.
 4. *Steps*: each step takes ``DecodeModel.step_time(batch, context)`` and gives every running
    request one token; a request that has all its tokens leaves and frees its reservation.
 """
@@ -43,6 +47,7 @@ class DecodeInstance:
         admit_between_steps: bool = False,
         host_s_per_token: float = 0.0,
         transfer_slots: int | None = None,
+        first_token_on_decode: bool = False,
     ):
         self.env, self.index, self.model, self.transfer = env, index, model, transfer
         self.host_s_per_token = host_s_per_token  # worker time to land one token of staged KV
@@ -50,6 +55,7 @@ class DecodeInstance:
         self.transfer_slots = transfer_slots  # pulls at once (the engine's pull threads); None: no limit
         self.host_busy_s = 0.0
         self.admit_between_steps = admit_between_steps
+        self.first_token_on_decode = first_token_on_decode
         self.stepping = False  # a step is running (admission then waits for its end, if asked to)
         self.on_kv_landed, self.on_finished = on_kv_landed, on_finished
         self.waiting: deque[SimRequest] = deque()
@@ -116,8 +122,14 @@ class DecodeInstance:
         self.on_finished(r)
 
     def _join(self) -> None:
-        """Ready requests enter the batch; their first (prefill-computed) token goes out now."""
+        """Ready requests enter the batch; their first (prefill-computed) token goes out now, or,
+        with ``first_token_on_decode``, at the end of the next step (``VLLM_DECODE_FLOW``)."""
         now = self.env.now
+        if self.first_token_on_decode:
+            self.running.extend(self.ready)  # tokens stay 0: the next step computes the first one
+            self.ready = []
+            self.batch_peak = max(self.batch_peak, len(self.running))
+            return
         for r in self.ready:
             r.t_first = r.t_last = now
             r.tokens = 1
@@ -157,9 +169,28 @@ class DecodeInstance:
             still = []
             for r in self.running:
                 r.tokens += 1
+                if r.t_first is None:
+                    r.t_first = self.env.now  # first_token_on_decode: this step made its first token
                 r.t_last = self.env.now
                 if r.tokens >= r.output_len:
                     self._finish(r)
                 else:
                     still.append(r)
             self.running = still
+
+
+#: How vLLM v1 (the paper's §5.1.2 serves with vLLM v0.10.0) moves a remote-prefilled request through a
+#: decode instance, as ``SimConfig`` fields:
+#:
+#: * ``admit_between_steps``: ``EngineCore``'s busy loop takes new requests from its input queue only
+#:   between two ``step()`` calls, and the connector starts a request's KV load in the worker's next
+#:   ``execute_model``, so a request that arrives while a step runs starts its pull when that step ends;
+#: * ``first_token_on_decode``: the first output token is sampled by a forward of the serving
+#:   instance. ``KVCacheManager.get_computed_blocks`` caps a full prefix hit at ``prompt_length - 1``
+#:   ("we must recompute the last token to obtain logits"), the KV connectors load only whole blocks of
+#:   a remote prefill (``NixlConnector.get_num_new_matched_tokens``), and the disaggregated proxy
+#:   discards the prefill's ``max_tokens=1`` output and streams the decode's.
+#:
+#: HAWK's engine (``hawk/engine``) also admits between steps (the cross-validation sets that) but sends
+#: the prefill's token at the join.
+VLLM_DECODE_FLOW = {"admit_between_steps": True, "first_token_on_decode": True}

@@ -11,6 +11,11 @@ only the paper's numbers, the testbed and a request simulated alone:
 * **"GN-Host never reaches 90 %".** A request alone meets or misses its SLO whatever the rate; if
   the 90th-percentile prompt alone meets it, then at a low enough rate at least 90 % of requests
   do, so "never" can hold only above some lowest evaluated rate (not in the paper's text).
+* **Summarization's TPOT (Fig. 11) and Chatbot's.** A decode instance carries on average
+  rate x output tokens x step seconds sequences (Little's law). At the paper's two operating points
+  Chatbot (200 output tokens) carries about 2.4x Summarization's batch (90) at the same step time, so a
+  slower decode step that makes Summarization miss 200 ms P90 TPOT at 0.60 req/s makes Chatbot miss
+  it first; ``paper_bounds.npu_tpot_bound`` computes it.
 * **GG-Host on both workloads.** A per-byte host cost that moves a throughput-bound workload's
   rate from GG-Direct's to GG-Host's adds a known time per prompt token; the same cost on the
   latency-bound workload's 90th-percentile prompt, alone, gives its TTFT with no queueing at all.
@@ -68,3 +73,11 @@ def extra_s_per_token(rate_without: float, rate_with: float, busy_s_per_request:
     if not 0 < rate_with <= rate_without:
         raise ValueError(f"need 0 < rate_with <= rate_without, got {rate_with}, {rate_without}")
     return busy_s_per_request * (rate_without / rate_with - 1) / mean_prompt
+
+
+def mean_decode_batch(rate: float, output_tokens: float, step_s: float) -> float:
+    """Little's law on a decode instance: requests arrive at ``rate`` and each stays ``output_tokens``
+    steps of ``step_s``, so it holds rate x output_tokens x step_s sequences on average."""
+    if rate < 0 or output_tokens < 0 or step_s < 0:
+        raise ValueError(f"need non-negative rate, tokens and step, got {rate}, {output_tokens}, {step_s}")
+    return rate * output_tokens * step_s

@@ -64,12 +64,13 @@ class Row:
 
 
 def config_for(tb: Testbed, name: str, num_prefill: int = 1, num_decode: int = 1) -> SimConfig:
-    """A named configuration on a testbed (its curves, models, host staging and KV bytes per token)."""
+    """A named configuration on a testbed (its curves, models, host staging, KV bytes per token and,
+    its serving framework's decode request flow: ``Testbed.decode_flow``)."""
     cfg = make_config(
         name, num_prefill, num_decode, curves=tb.curves, prefill_models=tb.prefill_models,
         decode_models=tb.decode_models, presets=tb.presets, host=tb.host,
     )
-    return replace(cfg, bytes_per_token=tb.bytes_per_token)
+    return replace(cfg, bytes_per_token=tb.bytes_per_token, **tb.decode_flow())
 
 
 def crossing(passes: Callable[[float], bool], lo: float = 0.02, hi: float = 1.0, cap: float = 40.0, steps: int = 9) -> float | None:

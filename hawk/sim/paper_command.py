@@ -30,6 +30,10 @@ def print_bounds(b: dict[str, Any]) -> None:
     for where, v in pinned["placements"].items():
         print(f"bound GG-Host: on the {where} only, the cost that keeps Chatbot at {pinned['chatbot_gg_host_rate']} req/s "
               f"({v['s_per_prompt_token'] * 1e3:.2f} ms per prompt token) gives Summarization {v['summarization_gg_host_rate90']:.3f} req/s")
+    n = b["npu_tpot"]
+    print(f"bound GN-HAWK: p150a steps {n['step_factor']:.2f}x slower put Summarization's P90 TPOT at 200 ms at {n['summarization_rate']} req/s "
+          f"(Fig. 11); the same steps give Chatbot at {n['chatbot_rate']} req/s P90 TPOT {n['chatbot_tpot_p90_ms']:.0f} ms, "
+          f"SLO attainment {n['chatbot_slo_attainment']:.0%}, and a 90 % rate of {n['chatbot_gn_hawk_rate90']}")
 
 
 def reproduce_paper(num_requests: int = 1000, seed: int = 0, json_path: str | None = None, plots_dir: str | None = None,

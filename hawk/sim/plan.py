@@ -173,7 +173,7 @@ def build(tb: Testbed, cand: tuple[str, str, int, int, int], pa: PlanAssumptions
         return c, None
     cfg = SimConfig(
         name=c.label, transfer=tb.curves[transfer], prefill=pm, decode=dm, num_prefill=np_, num_decode=nd,
-        bytes_per_token=tb.bytes_per_token, prefill_profile=f"{p}-tp{tp}", decode_profile=f"{d}-tp{tp}",
+        bytes_per_token=tb.bytes_per_token, prefill_profile=f"{p}-tp{tp}", decode_profile=f"{d}-tp{tp}", **tb.decode_flow(),
     )
     return c, cfg
 

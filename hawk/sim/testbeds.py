@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from hawk.devices.timing import P150A, npu_kv_bytes_per_token, p150a_step_model
 from hawk.sim.calibration import MiB, TransferCurve
 from hawk.sim.compute import DecodeModel, PrefillModel
+from hawk.sim.decode import VLLM_DECODE_FLOW
 from hawk.sim.host import HostStaging
 from hawk.sim.defaults import (
     DECODE_MODELS,
@@ -140,6 +141,14 @@ class Testbed:
     note: str = ""
     #: host staging as worker time, by transfer path (``host.py``); paths not listed only delay the KV
     host: dict[str, HostStaging] = field(default_factory=dict)
+    #: the serving framework whose request flow the instances follow (``decode.VLLM_DECODE_FLOW``):
+    #: ``vllm`` for the paper's testbed (§5.1.2), ``hawk`` for this project's engine
+    serving_framework: str = "hawk"
+
+    def decode_flow(self) -> dict[str, bool]:
+        """The ``SimConfig`` fields of the serving framework's decode request flow (``VLLM_DECODE_FLOW``
+        for vLLM; none for HAWK's engine, whose testbed keeps the fields' defaults)."""
+        return dict(VLLM_DECODE_FLOW) if self.serving_framework == "vllm" else {}
 
 
 # ============================================================================ the paper's testbed
@@ -274,14 +283,14 @@ def paper_testbed(f: PaperFacts = PaperFacts(), a: PaperAssumptions = PaperAssum
         "paper", {"a100-tp4": a100_p, "p150a-tp4": npu_p}, {"a100-tp4": a100_d, "p150a-tp4": npu_d, "h100-tp4": h100_d},
         paper_transfer_curves(f, a), presets, kv_bytes_per_token(f), paper_devices(f, a, c.h100_power_w),
         "the paper's §5.1 testbed, derived from its Fig. 9 / Table 1 and public specs, with three calibrated parameters",
-        paper_host_staging(c, m),
+        paper_host_staging(c, m), serving_framework="vllm",
     )
 
 
 #: measured on the H200 box's host CPU (benchmarks/results/transform_cpu_h200host.json; PACED_TILIZE=1 bash scripts/gpu_suite.sh paced)
 MEASURED_HERE = MeasuredHere(0.211, "benchmarks/results/transform_cpu_h200host.json: the torch transform to bfloat8_b tiles on the H200 box's 16-core host CPU, 30 MiB of 70B-TP4 KV in 149 ms")
 #: solved by ``python -m hawk sim --calibrate-paper`` (1000 requests, seed 0) from the three input rows (docs/reproduce.md)
-PAPER_CALIBRATION = PaperCalibration(prefill_mfu=0.1727, host_copy_gb_s=1.534, h100_power_w=205.0)
+PAPER_CALIBRATION = PaperCalibration(prefill_mfu=0.1727, host_copy_gb_s=2.036, h100_power_w=225.1)
 
 
 def here_testbed() -> Testbed:
