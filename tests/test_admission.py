@@ -225,6 +225,37 @@ def test_colocated_abort_while_queued_gives_back_the_prefill_blocks(pairs):
     assert pr.blocks_back()
 
 
+def test_colocated_first_token_goes_out_at_submit_before_admission(pairs):
+    """Colocated, the prefill's token is streamed as the request is submitted, not after the step in
+    flight (and the next one): here it comes while the request cannot be admitted at all; the
+    admission's info arrives with the second token, and the tokens are those of an unhindered run."""
+    pr = pairs["colocated"]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    ref = pr.submit("ref-early", _prompt(9, 32), params)
+    assert ref.done.wait(30)
+    r = pr.c.prefill.submit("early", _prompt(9, 32), params).result(60)
+    squatter = pr.blocks.allocate(pr.blocks.num_free, "squatter")
+    col = Collector()
+    try:
+        pr.engine.submit("early", r.num_prompt_tokens, r.first_token, params, pr.c.take_blocks("early"), col)
+        assert col.tokens == [r.first_token] and "decode_first_token_s" in col.info
+        time.sleep(0.2)
+        assert pr.engine.stats()["waiting"] == 1 and col.tokens == [r.first_token]
+    finally:
+        pr.blocks.free(squatter)
+    assert col.done.wait(30) and col.info["finish_reason"] == "length"
+    assert col.tokens == ref.tokens and col.info["kv_mode"] == "colocated"
+    assert pr.blocks_back()
+
+
+def test_colocated_first_token_that_ends_the_request_is_not_sent_early(pairs):
+    """max_tokens=1: the one token also finishes the request, which the engine thread does as before."""
+    pr = pairs["colocated"]
+    col = pr.submit("one", _prompt(3, 20), SamplingParams(max_tokens=1, ignore_eos=True))
+    assert col.done.wait(30) and len(col.tokens) == 1 and col.info["finish_reason"] == "length"
+    assert pr.blocks_back()
+
+
 def test_a_failing_swap_in_fails_that_request_and_frees_its_blocks(pairs, monkeypatch):
     pr = pairs["gg-direct"]
     params = SamplingParams(max_tokens=60, ignore_eos=True)
