@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from hawk.engine.decode_engine import KVHandle, TokenEvent
+from hawk.engine.decode_engine import KVHandle, LocalKV, TokenEvent
 from hawk.engine.instances import ColocatedInstance, DecodeInstance, InstanceConfig, PrefillInstance
 from hawk.engine.sequence import SamplingParams, Status
 
@@ -230,6 +230,7 @@ def test_colocated_first_token_goes_out_at_submit_before_admission(pairs):
     flight (and the next one): here it comes while the request cannot be admitted at all; the
     admission's info arrives with the second token, and the tokens are those of an unhindered run."""
     pr = pairs["colocated"]
+    assert pr.engine.kv.kv_here and not LocalKV(None).kv_here  # a CPU engine's; a GPU's keeps the transfer thread's path
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     ref = pr.submit("ref-early", _prompt(9, 32), params)
     assert ref.done.wait(30)

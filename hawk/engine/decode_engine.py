@@ -240,14 +240,15 @@ class RemoteKV:
 class LocalKV:
     """Colocated: the prefill's blocks are taken over as they are; only generation blocks are added."""
 
-    #: The KV is in this engine's blocks when a request arrives: its first token (the prefill's) is
-    #: streamed at submit, and admission takes the blocks on the engine thread, no transfer thread.
-    #: Why: each hop cost a step; a colocated request's first token waited for the step in flight
-    #: when it arrived and for the next one (decode_first_token 160-350 ms on the 2-core box).
-    kv_here = True
-
-    def __init__(self, blocks: BlockManager):
+    def __init__(self, blocks: BlockManager, kv_here: bool = False):
         self.blocks = blocks
+        #: The KV is in this engine's blocks when a request arrives: its first token (the prefill's)
+        #: is streamed at submit, and admission takes the blocks on the engine thread, no transfer
+        #: thread. Why: each hop cost a step; a colocated request's first token waited for the step
+        #: in flight when it arrived and for the next one (decode_first_token 160-350 ms on the 2-core
+        #: box). Set where the engine computes on a CPU, where that was measured; a GPU engine keeps
+        #: the transfer thread's path until it is measured there (its first-token gap is one fast step).
+        self.kv_here = kv_here
 
     def blocks_needed(self, seq: Sequence) -> int:
         return self.blocks.blocks_for(seq.prompt_len + 1) - self.blocks.blocks_for(seq.prompt_len)
