@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,9 @@ DEFAULT_KV_TOKENS = 8192
 #: The least ``--staging-mb`` / ``--rx-mb`` "auto" gives (their fixed default before auto); the
 #: rule itself needs the model's shape and lives in ``hawk.engine.instances.auto_buffer_mb``.
 AUTO_BUFFER_MIN_MB = 64
+
+#: What ``--cpu-bind`` accepts (hawk/serve/cpu_binding.py reads it): a word, or core lists per engine.
+CPU_BIND_FORM = re.compile(r"auto|nobind|(\d+(-\d+)?)(,\d+(-\d+)?)*(\|(\d+(-\d+)?)(,\d+(-\d+)?)*)*")
 
 #: Which commands show a field: ``hawk serve`` shows all; ``hawk demo`` and the benchmarks that
 #: build instances show the engine's; the router and launcher fields are ``serve``'s alone.
@@ -124,7 +128,8 @@ class ServeConfig:
     gc_freeze: bool = opt(True, "once an engine process is up, freeze its startup heap (gc.collect + gc.freeze), so the garbage collector no longer walks it during requests (vLLM, SGLang and Ray Serve do the same; hawk/engine/gc_policy.py); the in-process benchmarks freeze once their instances are built", flags=("--gc-freeze/--no-gc-freeze",), commands=PROCESS | {"bench"})
     prefill_tp: int = opt(1, "tensor-parallel ranks (processes) of each prefill instance; must divide the KV heads", min=1)
     decode_tp: int = opt(1, "tensor-parallel ranks (processes) of each decode instance; must divide the KV heads", min=1)
-    threads: int | None = opt(None, "torch threads per engine process (default: the cores shared evenly)", min=1, commands=PROCESS)
+    threads: int | None = opt(None, "torch threads per engine process (default: the engine's cores where --cpu-bind binds it, else the cores shared evenly; printed at start)", min=1, commands=PROCESS)
+    cpu_bind: str = opt("auto", "CPU engines: which cores compute (vLLM's VLLM_CPU_OMP_THREADS_BIND). auto: where every engine computes on the CPU and there is a core to spare per engine plus one, the highest core serves (router, HTTP threads) and the rest compute, split per engine; elsewhere (a GPU, TP ranks, too few cores) nothing is bound. nobind: nothing is. A core list (1-3, 2,3; 1|2 per engine in launch order): those compute, the other cores serve. Printed at start; hawk/serve/cpu_binding.py", commands=PROCESS)
     npu_timing: str | None = opt(None, "timing emulation: pace the emulated NPU's decode step and DRAM copies to this device's model (hawk/devices/timing.py); decode on an NPU only", choices=NPU_TIMINGS)
     link_gbps: float | None = opt(None, "timing emulation: each KV transfer batch completes no sooner than bytes x 8 / N after submission (a link of N Gb/s)", positive=True)
 
@@ -174,6 +179,8 @@ class ServeConfig:
         if self.transfer == "colocated" and self.mixed_steps and self.max_batch is not None and self.max_num_batched_tokens <= self.max_batch:
             raise ConfigError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must exceed --max-num-seqs ({self.max_batch}): "
                               "each running sequence's token comes first, prefill chunks take what is left")
+        if not CPU_BIND_FORM.fullmatch(self.cpu_bind):
+            raise ConfigError(f"--cpu-bind: {self.cpu_bind!r} is not auto, nobind or a core list such as 1-3, 2,3 or 1|2")
         if self.kv_flow == "layerwise" and self.transfer != "colocated":  # colocated moves nothing
             if self.transfer not in LAYERWISE_TRANSFERS:
                 raise ConfigError(f"--kv-flow layerwise supports {', '.join(LAYERWISE_TRANSFERS)}, not {self.transfer}")

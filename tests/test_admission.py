@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from hawk.engine.decode_engine import KVHandle, TokenEvent
+from hawk.engine.decode_engine import KVHandle, LocalKV, TokenEvent
 from hawk.engine.instances import ColocatedInstance, DecodeInstance, InstanceConfig, PrefillInstance
 from hawk.engine.sequence import SamplingParams, Status
 
@@ -222,6 +222,38 @@ def test_colocated_abort_while_queued_gives_back_the_prefill_blocks(pairs):
     assert pr.engine.stats()["waiting"] == 1
     assert pr.engine.abort("held") and col.done.wait(5) and col.info["finish_reason"] == "abort"
     pr.blocks.free(squatter)
+    assert pr.blocks_back()
+
+
+def test_colocated_first_token_goes_out_at_submit_before_admission(pairs):
+    """Colocated, the prefill's token is streamed as the request is submitted, not after the step in
+    flight (and the next one): here it comes while the request cannot be admitted at all; the
+    admission's info arrives with the second token, and the tokens are those of an unhindered run."""
+    pr = pairs["colocated"]
+    assert pr.engine.kv.kv_here and not LocalKV(None).kv_here  # a CPU engine's; a GPU's keeps the transfer thread's path
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    ref = pr.submit("ref-early", _prompt(9, 32), params)
+    assert ref.done.wait(30)
+    r = pr.c.prefill.submit("early", _prompt(9, 32), params).result(60)
+    squatter = pr.blocks.allocate(pr.blocks.num_free, "squatter")
+    col = Collector()
+    try:
+        pr.engine.submit("early", r.num_prompt_tokens, r.first_token, params, pr.c.take_blocks("early"), col)
+        assert col.tokens == [r.first_token] and "decode_first_token_s" in col.info
+        time.sleep(0.2)
+        assert pr.engine.stats()["waiting"] == 1 and col.tokens == [r.first_token]
+    finally:
+        pr.blocks.free(squatter)
+    assert col.done.wait(30) and col.info["finish_reason"] == "length"
+    assert col.tokens == ref.tokens and col.info["kv_mode"] == "colocated"
+    assert pr.blocks_back()
+
+
+def test_colocated_first_token_that_ends_the_request_is_not_sent_early(pairs):
+    """max_tokens=1: the one token also finishes the request, which the engine thread does as before."""
+    pr = pairs["colocated"]
+    col = pr.submit("one", _prompt(3, 20), SamplingParams(max_tokens=1, ignore_eos=True))
+    assert col.done.wait(30) and len(col.tokens) == 1 and col.info["finish_reason"] == "length"
     assert pr.blocks_back()
 
 

@@ -240,8 +240,15 @@ class RemoteKV:
 class LocalKV:
     """Colocated: the prefill's blocks are taken over as they are; only generation blocks are added."""
 
-    def __init__(self, blocks: BlockManager):
+    def __init__(self, blocks: BlockManager, kv_here: bool = False):
         self.blocks = blocks
+        #: The KV is in this engine's blocks when a request arrives: its first token (the prefill's)
+        #: is streamed at submit, and admission takes the blocks on the engine thread, no transfer
+        #: thread. Why: each hop cost a step; a colocated request's first token waited for the step
+        #: in flight when it arrived and for the next one (decode_first_token 160-350 ms on the 2-core
+        #: box). Set where the engine computes on a CPU, where that was measured; a GPU engine keeps
+        #: the transfer thread's path until it is measured there (its first-token gap is one fast step).
+        self.kv_here = kv_here
 
     def blocks_needed(self, seq: Sequence) -> int:
         return self.blocks.blocks_for(seq.prompt_len + 1) - self.blocks.blocks_for(seq.prompt_len)
@@ -271,6 +278,8 @@ class _Entry:
     swapped: SwappedKV | None = None  # set while SWAPPED: the KV bytes to put back on resume
     kv_taken: bool = False  # the handle's KV is in the sequence's blocks (else drop the handle)
     preemptions: int = 0
+    first_sent: bool = False  # the first token went out at submit (the KV was already here)
+    pending_info: dict[str, Any] = field(default_factory=dict)  # admission info for the next token's event
 
 
 @dataclass(eq=False)
@@ -395,13 +404,27 @@ class DecodeEngine:
         peak = self.kv.blocks.blocks_for(prompt_len + params.max_tokens)
         if peak > self.kv.blocks.num_blocks:  # alone with the whole cache it could still not finish
             raise PromptTooLong(f"request needs {peak} KV blocks, the decode cache has {self.kv.blocks.num_blocks}")
+        e = _Entry(seq, handle, on_event)
+        early = getattr(self.kv, "kv_here", False) and not self._ends_with(seq, first_token)
         with self._lock:
             if request_id in self._entries:
                 raise DuplicateRequest(f"request {request_id!r} is already being decoded")
-            e = _Entry(seq, handle, on_event)
             self._entries[request_id] = e
-            self._waiting.append(e)
-            self._lock.notify()
+            if not early:
+                self._waiting.append(e)
+                self._lock.notify()
+        if early:  # before it can be admitted, so nothing can follow it out sooner
+            e.info["decode_first_token_s"] = time.monotonic() - seq.arrival
+            e.first_sent = self._notify(e, TokenEvent(request_id, token=first_token, info=dict(e.info)))
+            with self._lock:
+                self._waiting.append(e)
+                self._lock.notify()
+
+    def _ends_with(self, seq: Sequence, token: int) -> bool:
+        """Whether ``token`` as ``seq``'s latest output finishes it (as :meth:`_emit` decides)."""
+        if (token in self.eos and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
+            return True
+        return len(seq.output_ids) >= seq.params.max_tokens
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is; its blocks come back (after its transfer, if one is running)."""
@@ -491,6 +514,11 @@ class DecodeEngine:
                 resumed.append(e)
                 continue
             e.seq.block_ids = blocks
+            if getattr(self.kv, "kv_here", False):  # nothing to fetch: ready for this iteration's step
+                e.info = {**e.info, **self.kv.admit(e.seq, blocks, e.handle), "admit_wait_s": time.monotonic() - e.seq.arrival}
+                e.kv_taken = True
+                self._ready.append(e)
+                continue
             e.seq.status = Status.TRANSFERRING
             self._transferring[e.seq.request_id] = e
             pool = self._push_pool if isinstance(e.handle, KVPush) else self._pool
@@ -655,6 +683,9 @@ class DecodeEngine:
                 e.seq.status = Status.RUNNING
                 # stream 1: the prefill drew the first token from stream 0 of the same seed
                 self._generators[e.seq.request_id] = make_generator(e.seq.params, stream=1)
+                if e.first_sent:  # it went out at submit: the admission's info rides with the next token
+                    e.pending_info = dict(e.info)
+                    continue
                 e.info["decode_first_token_s"] = time.monotonic() - e.seq.arrival  # admission + KV + pickup
                 self._emit(e, e.seq.output_ids[0], dict(e.info))
             except Exception as ex:  # noqa: BLE001
@@ -707,6 +738,8 @@ class DecodeEngine:
             reason = "stop"
         elif len(seq.output_ids) >= seq.params.max_tokens:
             reason = "length"
+        if e.pending_info:
+            info, e.pending_info = {**e.pending_info, **(info or {})}, {}
         if reason is not None and e.preemptions:
             info = {**(info or {}), "preemptions": e.preemptions}
         e.on_event(TokenEvent(seq.request_id, token=token, finish_reason=reason, info=info or {}))

@@ -387,7 +387,7 @@ class ColocatedInstance:
         rows = cfg.max_batch + MIXED_PREFILL_SEQS + 1 if mixed else cfg.max_batch  # a mixed step's prompts ride beside the decode rows
         attn = PagedAttention(self.layout, self.caches, max_batch=rows, max_model_len=decode_len(cfg, mc))
         self.decode = DecodeEngine(
-            self.loaded.model, attn, LocalKV(self.blocks), tuple(mc.eos_token_ids), cfg.max_batch,
+            self.loaded.model, attn, LocalKV(self.blocks, kv_here=attn.device.type == "cpu"), tuple(mc.eos_token_ids), cfg.max_batch,
             graphs=cfg.graphs, max_model_len=cfg.max_model_len or None, overlap=cfg.async_scheduling,
             prefill=self.prefill if mixed else None, max_num_batched_tokens=cfg.max_num_batched_tokens,
             mixed_graph_tokens=min(prefill_graph_tokens(cfg), cfg.max_num_batched_tokens),

@@ -186,11 +186,14 @@ class KernelAttention:
         gathered = self._buf("gather", plan.blocks.numel() * bs * h * d, cache.dtype).view(plan.blocks.numel(), *shape)
         for side, out, k_side in ((cache[0], kc, True), (cache[1], vc, False)):
             torch.index_select(side, 0, plan.blocks, out=gathered)
-            g = gathered.view(n, per, *shape)  # NHD: [n, per, bs, H, D]; HND: [n, per, H, bs, D]
+            if nhd:  # a copy block's tokens are consecutive rows: one batched transpose per side
+                _copy_nhd(gathered.view(n, per * bs, h, d), out, k_side)
+                continue
+            g = gathered.view(n, per, *shape)  # HND: [n, per, H, bs, D]
             if k_side:  # -> [n, H, D, per, bs]
-                out.view(n, h, d, per, bs).copy_(g.permute(0, 3, 4, 1, 2) if nhd else g.permute(0, 2, 4, 1, 3))
+                out.view(n, h, d, per, bs).copy_(g.permute(0, 2, 4, 1, 3))
             else:  # -> [n, H, per, bs, D]
-                out.view(n, h, per, bs, d).copy_(g.permute(0, 3, 1, 2, 4) if nhd else g.permute(0, 2, 1, 3, 4))
+                out.view(n, h, per, bs, d).copy_(g.permute(0, 2, 1, 3, 4))
         return self._run(q, kc, vc, per * bs, plan.q_start, plan.seq_lens, plan.table)
 
     def _run(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, n_tok: int, q_start: torch.Tensor,
@@ -207,6 +210,19 @@ class KernelAttention:
         torch.ops._C.cpu_attention_with_kv_cache(q, kc.view(kv_shape), vc.view(kv_shape), out, q_start, seq_lens,
                                                  d**-0.5, True, None, -1, table, 0.0, meta, None, None, 1.0, 1.0, "auto")
         return out
+
+
+def _copy_nhd(g: torch.Tensor, out: torch.Tensor, k_side: bool) -> None:
+    """Gathered NHD copy blocks ``g [n, N, H, D]`` into the kernel's order: K ``[n, H*D, N]`` (``[D][N]`` per
+    head), V ``[n, H, N, D]``. Why this shape: the copies were a third of a batch-32 decode step
+    (``benchmarks/cpu_step_probe.py --profile``, one thread), and as three dimensions the K transpose
+    ran 1.3 ms a layer against 2.0 as the five-dimensional permute it replaces (SmolLM2, 32 rows of
+    300 tokens, one thread on the CPU box; the same bytes)."""
+    n, t, h, d = g.shape
+    if k_side:
+        out.view(n, h * d, t).copy_(g.view(n, t, h * d).transpose(1, 2))
+    else:
+        out.view(n, h, t, d).copy_(g.transpose(1, 2))
 
 
 _local = threading.local()

@@ -48,6 +48,8 @@ import typer
 from hawk.config_cli import config_command
 from hawk.config import ENGINE_ROLES, ConfigError, ServeConfig, defaults
 from hawk.engine.gc_policy import freeze_startup_heap
+from hawk.serve import cpu_binding
+from hawk.serve.cpu_binding import CorePlan
 from hawk.serve.common import (
     CLUSTER_SECRET_ENV,
     LOOPBACK,
@@ -206,6 +208,28 @@ def instance_engines(role: str, instance: Any) -> list[Any]:
     return [instance.prefill, instance.decode] if role == "colocated" else [instance.engine]
 
 
+def engine_threads(engines: list[Any]) -> list[threading.Thread]:
+    """The engines' loop threads (the ones that compute; a stepped prefill has none)."""
+    return [t for t in (getattr(e, "_thread", None) for e in engines) if isinstance(t, threading.Thread)]
+
+
+def role_device(role: str, cfg: ServeConfig) -> str:
+    """Where an engine of ``role`` computes (colocated: on the prefill device)."""
+    return cfg.decode_compute_device if role == "decode" else cfg.prefill_device
+
+
+def plan_cluster_cores(roles: list[str], cfg: ServeConfig) -> CorePlan | None:
+    """``--cpu-bind`` for the engine processes of ``roles`` (launch order) on this process's cores."""
+    tp = cfg.prefill_tp > 1 or cfg.decode_tp > 1
+    on_cpu = cpu_binding.engines_on_cpu(role_device(r, cfg) for r in roles)
+    return cpu_binding.plan_cores(cfg.cpu_bind, len(roles), cpu_binding.allowed_cores(), on_cpu, tp)
+
+
+def instance_cores(role: str, cfg: ServeConfig) -> CorePlan | None:
+    """``--cpu-bind`` for one engine process run on its own (``--role colocated`` and the like)."""
+    return plan_cluster_cores([role], cfg)
+
+
 def _watch_engines(role: str, engines: list[Any], instance: Any = None, stopping: threading.Event | None = None, interval_s: float = 0.5) -> None:
     """Exit the process once an engine thread has died: nothing it holds will ever finish, and
     an exit is what the supervisor sees and restarts (open connections break, so in-flight
@@ -268,16 +292,26 @@ def run_instance(
     ready_file: str | None = None,
     parent_pid: int | None = None,
     cluster_secret: str | None = None,
+    cores: CorePlan | None = None,
 ) -> None:
     """Serve one engine instance in the foreground until SIGINT/SIGTERM (or the parent's death).
 
     ``cluster_secret`` (default: $HAWK_CLUSTER_SECRET) guards /internal/* and the KV control
-    channel, which reads it from the environment: it is put there for that."""
-    set_torch_threads(cfg.threads)
+    channel, which reads it from the environment: it is put there for that. ``cores``: this
+    process's binding as the launcher planned it (one engine group); None plans it here from
+    ``--cpu-bind`` (a role run on its own)."""
+    plan = cores if cores is not None else instance_cores(role, cfg)
+    threads = cfg.threads if cfg.threads is not None or plan is None else len(plan.engines[0])
+    set_torch_threads(threads)
     sock = bind_socket(host, port)  # before loading: a busy port fails in a second, not after the model
     if cluster_secret:
         os.environ[CLUSTER_SECRET_ENV] = cluster_secret  # for the control channel's ControlServer/Client
+    if plan is not None:  # the engine's threads, made while it builds, inherit the compute cores
+        cpu_binding.bind_before_build(plan.engines[0])
     instance = build_instance(role, cfg)
+    if plan is not None:  # then everything else (HTTP, helpers, what they start later) serves elsewhere
+        cpu_binding.bind_after_build(engine_threads(instance_engines(role, instance)), plan.serving)
+        print(f"hawk {role}: {plan.describe()}; torch threads {threads}", file=sys.stderr, flush=True)
     cap = getattr(instance, "capacity", None)
     if cap is not None:  # what the memory rule chose (hawk/engine/capacity.py), whatever the log level
         print(f"hawk {cap.describe(role)}", file=sys.stderr, flush=True)
@@ -330,6 +364,7 @@ class Cluster:
     children: list[Child] = field(default_factory=list)
     workdir: Path | None = None  # holds the children's ready files
     startup_timeout_s: float = 300.0
+    cores: CorePlan | None = None  # the --cpu-bind plan the children were started with (None: unbound)
     _stop: threading.Event = field(default_factory=threading.Event)
     _supervisor: threading.Thread | None = None
 
@@ -415,9 +450,17 @@ class ChildSpec:
     ready_file: str
     parent_pid: int
     name: str = ""  # e.g. "decode-0": shown in the child's command line, so ``ps`` tells the engines apart
+    compute_cores: list[int] | None = None  # the launcher's --cpu-bind plan for this child (None: unbound)
+    serving_cores: list[int] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps({**dataclasses.asdict(self), "config": self.config.to_dict()})
+
+    def cores(self) -> CorePlan | None:
+        """This child's binding, as the launcher planned it."""
+        if self.compute_cores is None:
+            return None
+        return CorePlan((tuple(self.compute_cores),), tuple(self.serving_cores), self.config.cpu_bind)
 
     @classmethod
     def from_json(cls, text: str) -> ChildSpec:
@@ -425,9 +468,11 @@ class ChildSpec:
         return cls(**{**d, "config": ServeConfig.from_dict(d["config"])})
 
 
-def _spawn(role: str, cfg: ServeConfig, host: str, workdir: Path, index: int, cluster_secret: str | None) -> Child:
+def _spawn(role: str, cfg: ServeConfig, host: str, workdir: Path, index: int, cluster_secret: str | None,
+           cores: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> Child:
     name = f"{role}-{index}"
-    spec = ChildSpec(role, cfg, host, 0, str(workdir / f"{name}.ready.json"), os.getpid(), name)
+    spec = ChildSpec(role, cfg, host, 0, str(workdir / f"{name}.ready.json"), os.getpid(), name,
+                     compute_cores=None if cores is None else list(cores[0]), serving_cores=[] if cores is None else list(cores[1]))
     env = dict(os.environ)
     env[CHILD_SPEC_ENV] = str(workdir / f"{name}.spec.json")
     if cfg.threads is not None:  # OpenMP reads this at import, before torch.set_num_threads runs
@@ -483,24 +528,36 @@ def _wait_ready(c: Child, deadline: float) -> None:
         time.sleep(0.1)
 
 
+def default_threads(plan: CorePlan | None, engines: int) -> int:
+    """Torch threads per engine process when ``--threads`` is not given: its cores where bound
+    (the least group's, so no engine oversubscribes), else an even share of the cores."""
+    if plan is not None:
+        return min(len(g) for g in plan.engines)
+    return max(1, (os.cpu_count() or 1) // engines)
+
+
 def start_cluster(cfg: ServeConfig, cluster_secret: str | None = None, host: str = LOOPBACK) -> Cluster:
     """Start the engine processes for ``cfg`` (one colocated engine when ``cfg.transfer`` is
-    "colocated") and wait until all are healthy. ``cfg.threads`` defaults to an even share of
-    the cores per process."""
+    "colocated") and wait until all are healthy. ``--cpu-bind`` is planned here for all of them
+    (:func:`plan_cluster_cores`); ``cfg.threads`` defaults by :func:`default_threads`."""
     roles = ["colocated"] if cfg.transfer == "colocated" else ["prefill"] * cfg.num_prefill + ["decode"] * cfg.num_decode
     if cfg.transport == "local" and len(roles) > 1:
         raise ConfigError("transport 'local' works inside one process only; prefill and decode run as separate processes here (use nixl or mooncake)")
+    plan = plan_cluster_cores(roles, cfg)
     if cfg.threads is None:
-        cfg = dataclasses.replace(cfg, threads=max(1, (os.cpu_count() or 1) // len(roles)))
+        cfg = dataclasses.replace(cfg, threads=default_threads(plan, len(roles)))
+    print(f"HAWK CPU cores: {plan.describe() if plan else f'unbound (--cpu-bind {cfg.cpu_bind})'}; torch threads per engine {cfg.threads}", flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="hawk-serve-"))
     if cfg.log_dir is not None:
         Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
     cluster = Cluster(workdir=workdir, startup_timeout_s=cfg.startup_timeout_s)
     counts: dict[str, int] = {}
     try:
-        for role in roles:
+        for i, role in enumerate(roles):
             counts[role] = counts.get(role, 0) + 1
-            cluster.children.append(_spawn(role, cfg, host, workdir, counts[role] - 1, cluster_secret))
+            cores = None if plan is None else (plan.engines[i], plan.serving)
+            cluster.children.append(_spawn(role, cfg, host, workdir, counts[role] - 1, cluster_secret, cores))
+        cluster.cores = plan
         deadline = time.monotonic() + cfg.startup_timeout_s
         for c in cluster.children:
             _wait_ready(c, deadline)
@@ -638,6 +695,8 @@ def serve(cfg: ServeConfig) -> None:
             n = 1 if cfg.transfer == "colocated" else cfg.num_prefill + cfg.num_decode
             print(f"HAWK: starting {n} engine process(es) for {cfg.model} ({cfg.transfer}); the router opens {url_of(sock)} when they are up", flush=True)
             with start_cluster(cfg, secret) as cluster:
+                if cluster.cores is not None and cluster.cores.serving:  # this process routes: it and its router workers serve
+                    cpu_binding.set_thread_cores(cpu_binding.process_threads(), cluster.cores.serving)
                 cluster.supervise(cfg.max_restarts)
                 print(f"HAWK serving {cfg.model} ({describe_transfer(cfg)}) at {url_of(sock)}/v1", flush=True)
                 serve_router(cfg, router_config(cfg, cluster.prefill_urls, cluster.decode_urls, secret), sock)
@@ -696,10 +755,12 @@ def _child_main(spec_path: str) -> None:
     """An engine child: read the spec the launcher wrote, serve the instance it names."""
     spec = ChildSpec.from_json(Path(spec_path).read_text())
     cfg = spec.config
+    if spec.compute_cores is None:  # the launcher planned no binding: the child does not plan its own
+        cfg = dataclasses.replace(cfg, cpu_bind="nobind")
     logging.basicConfig(level=getattr(logging, cfg.log_level.upper(), logging.WARNING))
     with _stop_signals_as_interrupt():
         try:
-            run_instance(spec.role, cfg, spec.host, spec.port, spec.ready_file, spec.parent_pid)
+            run_instance(spec.role, cfg, spec.host, spec.port, spec.ready_file, spec.parent_pid, cores=spec.cores())
         except KeyboardInterrupt:
             pass
 
