@@ -141,6 +141,9 @@ class KVSource(Protocol):
     """How the decode engine gets a sequence's prompt KV into blocks it owns."""
 
     blocks: BlockManager
+    #: The prompt's KV is already in this engine's blocks when a request arrives (``LocalKV`` on a
+    #: CPU): its first token goes out at submit and admission runs on the engine thread.
+    kv_here: bool
 
     def blocks_needed(self, seq: Sequence) -> int:
         """Blocks to allocate at admission: the prompt's KV and the first decode step's token."""
@@ -170,6 +173,8 @@ def _free_blocks(blocks: BlockManager, seq: Sequence) -> None:
 
 class RemoteKV:
     """Disaggregated: pull the KV from the prefill instance with the HAWK receiver."""
+
+    kv_here = False  # it arrives by transfer, on a transfer thread
 
     def __init__(self, blocks: BlockManager, receiver: Any):
         self.blocks, self.receiver = blocks, receiver
@@ -405,7 +410,7 @@ class DecodeEngine:
         if peak > self.kv.blocks.num_blocks:  # alone with the whole cache it could still not finish
             raise PromptTooLong(f"request needs {peak} KV blocks, the decode cache has {self.kv.blocks.num_blocks}")
         e = _Entry(seq, handle, on_event)
-        early = getattr(self.kv, "kv_here", False) and not self._ends_with(seq, first_token)
+        early = self.kv.kv_here and not self._ends_with(seq, first_token)
         with self._lock:
             if request_id in self._entries:
                 raise DuplicateRequest(f"request {request_id!r} is already being decoded")
@@ -514,7 +519,7 @@ class DecodeEngine:
                 resumed.append(e)
                 continue
             e.seq.block_ids = blocks
-            if getattr(self.kv, "kv_here", False):  # nothing to fetch: ready for this iteration's step
+            if self.kv.kv_here:  # nothing to fetch: ready for this iteration's step
                 e.info = {**e.info, **self.kv.admit(e.seq, blocks, e.handle), "admit_wait_s": time.monotonic() - e.seq.arrival}
                 e.kv_taken = True
                 self._ready.append(e)
