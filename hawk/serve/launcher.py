@@ -301,7 +301,7 @@ def run_instance(
     process's binding as the launcher planned it (one engine group); None plans it here from
     ``--cpu-bind`` (a role run on its own)."""
     plan = cores if cores is not None else instance_cores(role, cfg)
-    threads = cfg.threads if cfg.threads is not None or plan is None else len(plan.engines[0])
+    threads = cfg.threads if cfg.threads is not None or plan is None else default_threads(plan, 1)
     set_torch_threads(threads)
     sock = bind_socket(host, port)  # before loading: a busy port fails in a second, not after the model
     if cluster_secret:
