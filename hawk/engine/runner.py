@@ -451,14 +451,8 @@ class ModelRunner:
         self.attn.begin(slices, pad_to=sb + 1, pad_tokens=t)
         assert self._pio_stage is not None
         (io,) = self._pio_stage.next()
-        t_real = 0
-        for seq, s in zip(tokens, slices):
-            k = len(seq)
-            if k != s.q_len:
-                raise ValueError(f"{k} tokens given for a slice of {s.q_len}")
-            io[t_real : t_real + k] = seq
-            io[t + t_real : t + t_real + k] = range(s.start, s.start + k)
-            t_real += k
+        _write_ids(io[:t], io[t : 2 * t], tokens, slices, 0)  # at most prefill_graph_seqs rows: each its own assignment
+        t_real = sum(q_lens)
         io[t_real:t] = 0
         io[t + t_real : 2 * t] = 0
         last = io[2 * t : 2 * t + sb + 1]
