@@ -48,13 +48,13 @@ class RangeReservations:
     def reserve(self, size: int, owner: str, ttl_s: float | None = None) -> Reservation:
         if not isinstance(size, int) or size <= 0:
             raise ValueError(f"reservation size must be a positive int, got {size!r}")
-        need = -(-size // self.alignment) * self.alignment
+        need = self._round_up(size)
         with self._lock:
             start = 0
             for r in sorted(self._live.values(), key=lambda r: r.offset):
                 if r.offset - start >= need:
                     break
-                start = -(-r.end // self.alignment) * self.alignment
+                start = self._round_up(r.end)
             if start + need > self.capacity:
                 raise BufferFull(
                     f"buffer {self.name!r}: {owner!r} needs {size} B, {self.capacity - self._used()} of "
@@ -68,7 +68,11 @@ class RangeReservations:
 
     def fits_empty(self, size: int) -> bool:
         """Whether ``size`` bytes fit this buffer once everything is released (else waiting never helps)."""
-        return -(-size // self.alignment) * self.alignment <= self.capacity
+        return self._round_up(size) <= self.capacity
+
+    def _round_up(self, n: int) -> int:
+        """``n`` up to the next multiple of ``alignment`` (sizes and range starts alike)."""
+        return -(-n // self.alignment) * self.alignment
 
     def release(self, res: Reservation) -> bool:
         """Give ``res`` back; False if it was already released (by expiry or another path)."""
