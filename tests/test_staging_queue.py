@@ -88,12 +88,20 @@ def test_a_pull_waits_for_staging_and_lands_once_a_done_frees_it(tight):
 def test_the_queue_keeps_arrival_order(tight):
     pair, raw, rx = tight
     _hold(pair, raw, rx, "r0")
-    order: list[str] = []
+    order: list[str] = []  # who got staging, in the order the sender staged them
+    stage = pair.sender.fmt.stage
+
+    def recorded(plan, owner, **kw):
+        staged = stage(plan, owner, **kw)
+        order.append(owner)
+        return staged
+
+    pair.sender.fmt.stage = recorded
     threads = []
     for rid in ("r1", "r2"):
         pair.add(rid, TOKENS, BLOCKS[rid])
         dst = dst_blocks_for(pair.config, TOKENS, start=1 if rid == "r1" else 6)
-        threads.append(threading.Thread(target=lambda rid=rid, dst=dst: (pair.receiver.pull(pair.sender.address, rid, dst), order.append(rid))))
+        threads.append(threading.Thread(target=pair.receiver.pull, args=(pair.sender.address, rid, dst)))
         threads[-1].start()
         _queued(pair, rid)
     assert pair.sender.accounting()["staging_queue"] == ["r1", "r2"]
