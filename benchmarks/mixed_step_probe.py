@@ -3,15 +3,17 @@ one forward (as the colocated engine's mixed steps run them), each timed on the 
 and on the host (the launch: the call until it returns, before any sync).
 
     python benchmarks/mixed_step_probe.py --model llama-3.1-8b --batches 16,48,64,128,256 --context 850 --chunk 512
+    python benchmarks/mixed_step_probe.py --batches 48 --chunk 32,64,128,192,256,512   # a step's cost against its chunk
 
 One JSON line per point: ``{kind, batch, chunk, gpu_ms, host_ms, path}``; kind is ``decode`` (the batch
 alone, as the engine runs it: its decode graph), ``prefill`` (the chunk alone: its prefill graph),
 ``split`` (both parts back to back in one timed call: the former path of a mixed batch past 16
-sequences, two graph replays), ``mixed`` (both in one forward, the runner's choice of path: PIECEWISE,
-graph pieces with attention between them, where the batch has more than 16 sequences), ``eager``
+sequences, two graph replays), ``mixed`` (both in one forward, the runner's choice of path where the
+batch has more than 16 sequences: PIECEWISE, graph pieces with attention between them, or with
+``--mixed-graphs`` GRAPH, the decode rows padded to their bucket in one mixed graph), ``eager``
 (``--eager``: the one-forward step launched eagerly) and ``sum`` (decode + prefill, with the ratios
 mixed / split and mixed / decode: issue 31 wants the TPOT of a step carrying a chunk near the decode
-step). A first ``capture`` line: the piece graphs captured, the seconds and GPU memory it took. The
+step). A first ``capture`` line: the piece (or mixed) graphs captured, the seconds and GPU memory it took. The
 pieces run a bucket of tokens (multiples of 128 past 128): 48 rows + 512 tokens run as 640, where the
 engine's steps that carry a chunk fill their token budget (640 by default) and pad nothing.
 """
@@ -61,10 +63,12 @@ class StepCase:
         """The first ``b`` rows' tokens and slices: one new token each, after ``context``."""
         return [[1]] * b, [SeqSlice(list(range(i * self.per_seq, (i + 1) * self.per_seq)), self.context, 1) for i in range(b)]
 
-    def prefill(self) -> tuple[list[list[int]], list[SeqSlice]]:
-        """The chunk's tokens and slice, in the blocks after every row's."""
+    def prefill(self, chunk: int | None = None) -> tuple[list[list[int]], list[SeqSlice]]:
+        """A fresh prompt chunk of ``chunk`` tokens (at most the case's), its tokens and slice, in the
+        blocks after every row's."""
+        n = self.chunk if chunk is None else min(chunk, self.chunk)
         first = self.layout.num_blocks - (-(-(self.chunk + 1) // BLOCK))
-        return [list(range(1, self.chunk + 1))], [SeqSlice(list(range(first, self.layout.num_blocks)), 0, self.chunk)]
+        return [list(range(1, n + 1))], [SeqSlice(list(range(first, self.layout.num_blocks)), 0, n)]
 
 
 def _time(fn, device: torch.device, reps: int) -> tuple[float, float]:
@@ -111,44 +115,55 @@ def main() -> None:
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--batches", default="16,48,64,128,256")
     ap.add_argument("--context", type=int, default=850)
-    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--chunk", default="512", help="prompt tokens beside the decode rows; a comma list times each")
     ap.add_argument("--prefill-graph-tokens", type=int, default=0,
                     help="the runner's prefill graph / graph piece token limit (0: the largest batch plus the chunk)")
+    ap.add_argument("--prefill-graph-seqs", type=int, default=16,
+                    help="sequences a prefill graph holds (the decode engine's MIXED_PREFILL_SEQS); a mixed step of more runs as graph pieces")
+    ap.add_argument("--mixed-graphs", action="store_true",
+                    help="the mixed step past the prefill graphs' sequences as one mixed graph (the engine's default), not graph pieces")
     ap.add_argument("--eager", action="store_true", help="also time the mixed step as one eager forward")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--device", default="cuda:0")
     a = ap.parse_args()
     device = torch.device(a.device)
     batches = [int(x) for x in a.batches.split(",")]
-    top = max(batches)
-    case = StepCase.build(a.model, device, torch.bfloat16, top, a.context, a.chunk)
-    attn = PagedAttention(case.layout, case.caches, max_batch=top + 17, max_model_len=a.context + a.chunk + 8)
-    runner = ModelRunner(case.loaded.model, attn, max_batch=top, prefill_graph_tokens=a.prefill_graph_tokens or top + a.chunk, piecewise_graphs=True)
+    chunks = [int(x) for x in a.chunk.split(",")]
+    top, most = max(batches), max(chunks)
+    case = StepCase.build(a.model, device, torch.bfloat16, top, a.context, most)
+    attn = PagedAttention(case.layout, case.caches, max_batch=top + 17, max_model_len=a.context + most + 8)
+    runner = ModelRunner(case.loaded.model, attn, max_batch=top, prefill_graph_tokens=a.prefill_graph_tokens or top + most,
+                         prefill_graph_seqs=a.prefill_graph_seqs, piecewise_graphs=True, mixed_graphs=a.mixed_graphs)
     runner.warmup()
     torch.cuda.synchronize(device)
     alloc, reserved, t0 = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device), time.perf_counter()
-    buckets = runner.warmup_piecewise()
+    buckets = runner.warmup_mixed() if a.mixed_graphs else runner.warmup_piecewise()
     torch.cuda.synchronize(device)
-    print(json.dumps({"kind": "capture", "token_buckets": buckets, "graphs": (case.loaded.config.num_layers + 1) * len(buckets),
+    graphs = len(buckets) if a.mixed_graphs else (case.loaded.config.num_layers + 1) * len(buckets)
+    print(json.dumps({"kind": "capture", "buckets": buckets, "graphs": graphs,
                       "seconds": round(time.perf_counter() - t0, 2), "allocated_mib": round((torch.cuda.memory_allocated(device) - alloc) / 2**20, 1),
                       "reserved_mib": round((torch.cuda.memory_reserved(device) - reserved) / 2**20, 1)}), flush=True)
-    eager = ModelRunner(case.loaded.model, PagedAttention(case.layout, case.caches, max_batch=top + 17, max_model_len=a.context + a.chunk + 8),
+    eager = ModelRunner(case.loaded.model, PagedAttention(case.layout, case.caches, max_batch=top + 17, max_model_len=a.context + most + 8),
                         max_batch=top, graphs=False) if a.eager else None
-    ptok, pre = case.prefill()
-    for b in batches:
-        dtok, dec = case.decode(b)
-        path: list[str] = []
-        steps = _steps(runner, eager, (dtok, dec), (ptok, pre), path)
-        rows = {}
-        for kind, fn in steps.items():
-            gpu, host = _time(fn, device, a.reps)
-            rows[kind] = gpu
-            print(json.dumps({"kind": kind, "batch": b, "chunk": a.chunk, "context": a.context, "gpu_ms": round(gpu, 3),
-                              "host_ms": round(host, 3), "path": path[-1]}), flush=True)
-        parts = rows["decode"] + rows["prefill"]
-        print(json.dumps({"kind": "sum", "batch": b, "chunk": a.chunk, "gpu_ms": round(parts, 3),
-                          "mixed_over_sum": round(rows["mixed"] / parts, 3), "mixed_over_split": round(rows["mixed"] / rows["split"], 3),
-                          "mixed_over_decode": round(rows["mixed"] / rows["decode"], 3)}), flush=True)
+    for chunk in chunks:
+        for b in batches:
+            _point(runner, eager, case, b, chunk, device, a.reps)
+
+
+def _point(runner: ModelRunner, eager: ModelRunner | None, case: StepCase, b: int, chunk: int, device: torch.device, reps: int) -> None:
+    """One JSON line per kind of step at ``b`` decode rows beside a ``chunk``-token prompt, then the sums."""
+    path: list[str] = []
+    steps = _steps(runner, eager, case.decode(b), case.prefill(chunk), path)
+    rows = {}
+    for kind, fn in steps.items():
+        gpu, host = _time(fn, device, reps)
+        rows[kind] = gpu
+        print(json.dumps({"kind": kind, "batch": b, "chunk": chunk, "context": case.context, "gpu_ms": round(gpu, 3),
+                          "host_ms": round(host, 3), "path": path[-1]}), flush=True)
+    parts = rows["decode"] + rows["prefill"]
+    print(json.dumps({"kind": "sum", "batch": b, "chunk": chunk, "gpu_ms": round(parts, 3),
+                      "mixed_over_sum": round(rows["mixed"] / parts, 3), "mixed_over_split": round(rows["mixed"] / rows["split"], 3),
+                      "mixed_over_decode": round(rows["mixed"] / rows["decode"], 3)}), flush=True)
 
 
 if __name__ == "__main__":

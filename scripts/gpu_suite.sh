@@ -41,8 +41,8 @@
 #     steps     - the engine's step paths on CUDA: the runner's graphs (decode, prefill, graph pieces for a mixed batch
 #                 past 16 sequences, e.g. 48 and 256 decode rows beside a 512-token chunk on the 8B layer shapes), async
 #                 scheduling and overlapped mixed steps against the synchronous loop (pytest -m gpu)
-#     mixedprobe - issue 31: an 8B mixed step (16-256 decode rows at context 850 beside a 512-token chunk) as graph pieces
-#                 against its decode graph + prefill graph (GPU ms from CUDA events, host ms of the launch)
+#     mixedprobe - issue 31: an 8B mixed step (16-256 decode rows at context 850 beside a 64-512-token chunk) as graph pieces,
+#                 then as mixed graphs, against its decode graph + prefill graph (GPU ms from CUDA events, host ms of the launch)
 #                 (benchmarks/mixed_step_probe.py; one JSON line per point in $LOGS/mixed_step_probe.log)
 #     router    - CPU per streamed token in the router and the engine process (benchmarks/router_probe.py, 8B shape
 #                 colocated on GPU0, 64 and 256 streams), with one router process and with four (--api-server-count 4)
@@ -92,8 +92,10 @@ if want router; then  # one router process, then four (--api-server-count): toke
 fi
 want steps && \
   step gpu_steps 330 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_runner.py tests/test_async_scheduling.py tests/test_mixed_steps.py
-want mixedprobe && \
-  step mixed_step_probe 300 python3 benchmarks/mixed_step_probe.py --batches 16,48,64,128,256 --context 850 --chunk 512
+if want mixedprobe; then
+  step mixed_step_probe 300 python3 benchmarks/mixed_step_probe.py --batches 16,48,128,256 --context 850 --chunk 64,128,256,512
+  step mixed_graph_probe 200 python3 benchmarks/mixed_step_probe.py --mixed-graphs --batches 16,48,128,256 --context 850 --chunk 64,128,256,512
+fi
 want kernels && \
   step gpu_kernels 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_paged_attention.py tests/test_npu_attention.py tests/test_triton_ops.py
 want transform && \

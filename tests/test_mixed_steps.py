@@ -262,10 +262,13 @@ def _seventeen_then_a_long_prompt(inst: ColocatedInstance, max_tokens: int) -> d
     return {c.rid: c.wait() for c in [*clients, late]}
 
 
-def _pieces_serve_like_separate_forwards(cfg: InstanceConfig, monkeypatch, max_tokens: int, loaded=None) -> None:
-    """The steps carrying the long prompt's chunks beside the seventeen running rows run as one forward
-    of graph pieces (overlapped: the running rows' ids from the device); every request gets the tokens
-    of prefill and decode run as separate forwards (``mixed_steps=False``)."""
+def _past_16_serve_like_separate_forwards(cfg: InstanceConfig, monkeypatch, max_tokens: int, loaded=None,
+                                         mixed_graphs: bool = True) -> None:
+    """The steps carrying the long prompt's chunks beside the seventeen running rows replay mixed graphs
+    (or, with ``mixed_graphs`` off, run as one forward of graph pieces), overlapped: the running rows'
+    ids from the device; every request gets the tokens of prefill and decode run as separate forwards
+    (``mixed_steps=False``)."""
+    cfg = replace(cfg, mixed_graphs=mixed_graphs)
     ref = ColocatedInstance(replace(cfg, mixed_steps=False), loaded=loaded)
     try:
         want = _seventeen_then_a_long_prompt(ref, max_tokens)
@@ -274,7 +277,12 @@ def _pieces_serve_like_separate_forwards(cfg: InstanceConfig, monkeypatch, max_t
     inst = ColocatedInstance(cfg, loaded=loaded)
     try:
         runner = inst.decode.runner
-        assert inst.decode.overlap and sorted(runner._piecewise) == runner.prefill_tokens  # captured at start
+        assert inst.decode.overlap
+        if mixed_graphs:  # captured at start: every token bucket for one and two chunks, each decode bucket
+            assert sorted(runner._mixed_graphs) == sorted((t, s, d) for t in runner.prefill_tokens for s in (1, 2)
+                                                          for d in runner.mixed_decode) and not runner._piecewise
+        else:
+            assert sorted(runner._piecewise) == runner.prefill_tokens
         paths: list[tuple[int, bool, StepPath]] = []  # (sequences, carries a chunk, path) per step
         real = runner.step
 
@@ -286,29 +294,31 @@ def _pieces_serve_like_separate_forwards(cfg: InstanceConfig, monkeypatch, max_t
         monkeypatch.setattr(runner, "step", step)
         assert _seventeen_then_a_long_prompt(inst, max_tokens) == want
         past = [p for n, chunk, p in paths if n > MIXED_PREFILL_SEQS and chunk]
-        assert len(past) >= 400 // BUDGET and set(past) == {StepPath.PIECEWISE}
+        assert len(past) >= 400 // BUDGET and set(past) == {StepPath.GRAPH if mixed_graphs else StepPath.PIECEWISE}
         assert inst.decode.stats()["steps_piecewise"] == sum(p is StepPath.PIECEWISE for *_, p in paths)
         assert blocks_back(inst, 10) and inst.prefill.stats()["prefilling"] == 0
     finally:
         inst.close()
 
 
-def test_mixed_steps_past_16_sequences_run_as_graph_pieces_with_the_tokens_of_separate_forwards(loaded, monkeypatch):
-    """On the CPU with the runner's graph paths enabled by their stand-ins (tests/test_runner.py: decode
-    and prefill "graphs" replayed eagerly; pieces are called where graphs cannot run)."""
+@pytest.mark.parametrize("mixed_graphs", [True, False])
+def test_mixed_steps_past_16_sequences_replay_mixed_graphs_with_the_tokens_of_separate_forwards(loaded, monkeypatch, mixed_graphs):
+    """On the CPU with the runner's graph paths enabled by their stand-ins (tests/test_runner.py: decode,
+    prefill and mixed "graphs" replayed eagerly; pieces are called where graphs cannot run)."""
     monkeypatch.setattr(decode_engine, "ModelRunner", CpuStepRunner)
     cfg = InstanceConfig(model="tiny", transfer="colocated", kv_tokens=16384, gpu_kv_dtype="fp32", mixed_steps=True,
                          max_num_batched_tokens=BUDGET, max_batch=32, async_scheduling=True)
-    _pieces_serve_like_separate_forwards(cfg, monkeypatch, 48, loaded)
+    _past_16_serve_like_separate_forwards(cfg, monkeypatch, 48, loaded, mixed_graphs)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_on_a_gpu_mixed_steps_past_16_sequences_run_as_graph_pieces_with_the_tokens_of_separate_forwards(monkeypatch):
+@pytest.mark.parametrize("mixed_graphs", [True, False])
+def test_on_a_gpu_mixed_steps_past_16_sequences_replay_mixed_graphs_with_the_tokens_of_separate_forwards(monkeypatch, mixed_graphs):
     """The same with CUDA graphs, fp32 (where a padded GEMM's rounding cannot flip a greedy token)."""
     cfg = InstanceConfig(model="tiny", transfer="colocated", kv_tokens=16384, dtype="fp32", gpu_kv_dtype="fp32",
                          prefill_device="cuda:0", mixed_steps=True, max_num_batched_tokens=BUDGET, max_batch=32)
-    _pieces_serve_like_separate_forwards(cfg, monkeypatch, 160)
+    _past_16_serve_like_separate_forwards(cfg, monkeypatch, 160, mixed_graphs=mixed_graphs)
 
 
 def test_closing_with_a_mixed_step_in_flight_fails_its_prompts_and_frees_their_blocks(loaded):

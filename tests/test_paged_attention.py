@@ -329,6 +329,41 @@ def padded_prefill_matches(device: str, t: int = 48) -> dict:
     return {"programs": len(prog[0]), "prog_seq": prog[0], "prog_blk": prog[1]}
 
 
+def padded_mixed_matches(device: str, use_triton: bool = True) -> dict:
+    """A mixed batch (three decode rows, a fresh prompt, a continuation) padded as a mixed step's graph
+    pads it (``pad_decode``: the decode rows to 4, then the chunks' rows and tokens) gives the unpadded
+    outputs on its real tokens bit for bit, zeros on every pad, and writes nothing for the pads."""
+    layout = GpuKVLayout(1, 24, 4, 2, 32, "fp32")
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(layout.allocate("cpu")[0].shape, generator=g)
+    batch = [SeqSlice([0, 1, 2], 9, 1), SeqSlice([3, 4], 4, 1), SeqSlice([5, 6, 7, 8], 14, 1),
+             SeqSlice([9, 10, 11], 0, 10), SeqSlice([12, 13, 14, 15], 6, 7)]
+    t_real, d, t = 20, 4, 40
+    real = [0, 1, 2] + list(range(d, d + 17))  # the real tokens' places among the padded
+    q = torch.randn(t, 4, 32, generator=g).to(device)
+    k, v = (torch.randn(t, 2, 32, generator=g).to(device) for _ in range(2))
+    outs, caches, views = [], [], {}
+    for padded in (False, True):
+        cache = base.clone().to(device)
+        attn = PagedAttention(layout, [cache], max_batch=8, use_triton=use_triton)
+        if padded:
+            attn.begin(batch, pad_to=d + 2 + 2, pad_tokens=t, pad_decode=d)
+            out = attn(0, q, k, v)
+            pads = [i for i in range(t) if i not in real]
+            assert not out[pads].any(), "pads are not zero"
+            outs.append(out[real])
+            if use_triton:
+                views = {n: attn._views[n].tolist() for n in ("dec_seq_lens", "seq_lens", "q_start")}
+                views["slots_set"] = (attn._views["slots"] >= 0).nonzero().flatten().tolist()
+        else:
+            attn.begin(batch)
+            outs.append(attn(0, q[real], k[real], v[real]))
+        caches.append(cache)
+    assert torch.equal(outs[1], outs[0]), "padded outputs differ"
+    assert torch.equal(caches[0], caches[1]), "the pads wrote to the cache"
+    return views
+
+
 def _run_all_interpreted() -> None:
     """Subprocess entry: every case through both Triton decode paths on CPU, one JSON line each."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before importing triton"
@@ -343,10 +378,11 @@ def _run_all_interpreted() -> None:
                 res = {"name": name, "ok": True, **r}
             res["s"] = round(time.perf_counter() - t0, 2)  # the whole case's (its paths share the prefill)
             emit(res)
-    try:
-        emit({"name": "padded_prefill", "ok": True, **padded_prefill_matches("cpu")})
-    except Exception as e:  # noqa: BLE001
-        emit({"name": "padded_prefill", "ok": False, "error": f"{type(e).__name__}: {e}"})
+    for name, fn in (("padded_prefill", padded_prefill_matches), ("padded_mixed", padded_mixed_matches)):
+        try:
+            emit({"name": name, "ok": True, **fn("cpu")})
+        except Exception as e:  # noqa: BLE001
+            emit({"name": name, "ok": False, "error": f"{type(e).__name__}: {e}"})
     for path, fused in DECODE_PATHS.items():
         name = f"launches/{path}"
         try:
@@ -394,6 +430,30 @@ def test_padded_prefill_matches_interpreted(interpreted: dict[str, dict]) -> Non
     assert list(zip(r["prog_seq"][2:], r["prog_blk"][2:])) == [(2, 0), (2, 1), (2, 2), (2, 2), (2, 2)]
 
 
+def test_padded_mixed_matches_interpreted(interpreted: dict[str, dict]) -> None:
+    r = interpreted.get("padded_mixed")
+    assert r is not None and r["ok"], r and r.get("error")
+    # decode rows of 10, 5 and 15 tokens of context and a pad row; the chunks' rows after them (their
+    # tokens from 4 on), then their pad row (tokens 21..39) and an empty row; only real tokens have slots
+    assert r["dec_seq_lens"] == [10, 5, 15, 0]
+    assert r["seq_lens"] == [10, 13, 0, 0]
+    assert r["q_start"] == [4, 14, 21, 40, 40]
+    assert r["slots_set"] == [0, 1, 2] + list(range(4, 21))
+
+
+def test_padded_mixed_matches_on_the_torch_path() -> None:
+    padded_mixed_matches("cpu", use_triton=False)
+
+
+def test_padded_mixed_refuses_a_batch_its_bucket_cannot_hold() -> None:
+    layout = GpuKVLayout(1, 12, 4, 2, 32, "fp32")
+    attn = PagedAttention(layout, layout.allocate(), max_batch=8, use_triton=False)
+    two_rows_and_a_chunk = [SeqSlice([0, 1], 4, 1), SeqSlice([2, 3], 6, 1), SeqSlice([4, 5], 0, 8)]
+    for pad_to, pad_tokens, pad_decode in ((4, 16, 1), (3, 16, 2), (4, 9, 2), (None, 16, 2)):
+        with pytest.raises(ValueError, match="pad_decode|does not fit"):
+            attn.begin(two_rows_and_a_chunk, pad_to=pad_to, pad_tokens=pad_tokens, pad_decode=pad_decode)
+
+
 def test_padded_prefill_metadata() -> None:
     """The rows and slots a padded prefill declares (the kernels' view of the pads)."""
     pytest.importorskip("triton")
@@ -438,6 +498,12 @@ def _need_cuda() -> None:
 def test_triton_small_cases_cuda(case: dict, path: str) -> None:
     _need_cuda()
     run_case(case, "cuda", use_triton=True, num_layers=2, fused_decode=DECODE_PATHS[path])
+
+
+@pytest.mark.gpu
+def test_padded_mixed_matches_cuda() -> None:
+    _need_cuda()
+    padded_mixed_matches("cuda")
 
 
 @pytest.mark.gpu

@@ -162,8 +162,8 @@ class CpuPrefillGraphRunner(ModelRunner):
     def _why_no_graphs(self) -> str | None:
         return None
 
-    def _capture_prefill(self, t: int, sb: int) -> _PrefillGraph:
-        body = self._prefill_body(t, sb)
+    def _capture_prefill(self, t: int, rows: int) -> _PrefillGraph:
+        body = self._prefill_body(t, rows)
         hook, self.attn.after_layer = self.attn.after_layer, None
         try:
             logits = body()
@@ -473,6 +473,52 @@ def test_mixed_batches_past_the_prefill_graphs_run_as_graph_pieces_on_the_cpu(ti
         assert torch.allclose(a, b, atol=1e-5)  # the same K/V in the same slots, nothing for the pads
 
 
+def test_mixed_batches_past_the_prefill_graphs_replay_mixed_graphs_on_the_cpu(tiny: LlamaModel) -> None:
+    """With mixed graphs, the steps of decode rows beside chunks replay one graph per (chunk tokens,
+    chunks, decode rows) bucket: the eager runner's logits and cache (no pad writes KV), the layer
+    hook told each layer's event after the replay; prompts alone past the prefill graphs' sequences
+    stay graph pieces, and a step past the token buckets eager. A bucket's graph replays again."""
+    eager = ModelRunner(tiny, _paged(tiny), max_batch=8, graphs=False)
+    mg = CpuStepRunner(tiny, _paged(tiny), max_batch=8, prefill_graph_tokens=64, prefill_graph_seqs=2, mixed_graphs=True,
+                       piecewise_graphs=True)
+    assert mg.mixed_decode == [8]  # up to max_batch
+    le, pe, _, ce = _run_mixed(eager, tiny, hook=True)
+    lm, pm, _, cm = _run_mixed(mg, tiny, hook=True)
+    assert pm == [StepPath.PIECEWISE, StepPath.GRAPH, StepPath.GRAPH, StepPath.EAGER]
+    for a, b in zip(le, lm):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
+    n = tiny.config.num_layers
+    assert cm[1] == cm[2] == [(i, f"layer {i}") for i in range(n)] and cm[3] == ce[3]
+    # five rows beside 9 + 20 tokens in two chunks, beside 12 in one: buckets (32, 2, 8) and (16, 1, 8)
+    assert sorted(mg._mixed_graphs) == [(16, 1, 8), (32, 2, 8)] and not mg._prefill_graphs
+    for a, b in zip(eager.attn.caches, mg.attn.caches):
+        assert torch.allclose(a, b, atol=1e-5)
+    first = mg._mixed_graphs[(16, 1, 8)]
+    batch = [SeqSlice([2 * i, 2 * i + 1], 7 + i, 1) for i in range(5)] + [SeqSlice([19, 20], 0, 10)]
+    want, got = (r.step([[3]] * 5 + [[4] * 10], batch).logits for r in (eager, mg))
+    assert mg._mixed_graphs[(16, 1, 8)] is first and first.graph.replays == 2
+    assert torch.allclose(want, got, atol=1e-5)
+
+
+def test_mixed_graph_warmup_writes_nothing_and_its_graphs_replay_after(tiny: LlamaModel) -> None:
+    runner = CpuStepRunner(tiny, _paged(tiny), max_batch=8, prefill_graph_tokens=32, prefill_graph_seqs=2, mixed_graphs=True)
+    assert runner.warmup_mixed((1, 2)) == [(32, 2, 8), (32, 1, 8), (16, 2, 8), (16, 1, 8)]
+    assert all(not c.any() for c in runner.attn.caches)
+    ref = ModelRunner(tiny, _paged(tiny), max_batch=8, graphs=False)
+    batch = [SeqSlice([i], 0, 1) for i in range(3)] + [SeqSlice([4, 5], 0, 20)]
+    toks = [[1], [2], [3], list(range(5, 25))]
+    got = runner.step(toks, batch)
+    assert got.path is StepPath.GRAPH and runner._mixed_graphs[(32, 1, 8)].graph.replays == 1
+    assert torch.allclose(got.logits, ref.step(toks, batch).logits, atol=1e-5)
+    # off where the backend cannot pad a mixed batch, and with a step hook (tensor parallel)
+    assert CpuStepRunner(tiny, SlotCacheAttention(tiny.config, 8, 2, 8, "cpu"), prefill_graph_tokens=32, mixed_graphs=True).mixed_decode == []
+    tiny.step_hook = lambda ids, pos: None
+    try:
+        assert runner.warmup_mixed() == [] and runner.step(toks, batch).path is StepPath.EAGER
+    finally:
+        tiny.step_hook = None
+
+
 def test_piecewise_buckets_share_their_buffers_and_recapture_when_rope_grows(tiny: LlamaModel) -> None:
     """Every bucket's pieces use the fronts of one set of static buffers (memory for the largest bucket,
     not per bucket); warming up captures each bucket once and writes no KV; a RoPE table that grows
@@ -518,14 +564,15 @@ def test_piecewise_pads_never_change_a_real_row(tiny: LlamaModel) -> None:
         assert torch.allclose(a[:, :4], b[:, :4], atol=1e-5)
 
 
-@pytest.mark.parametrize("graphed", [False, True])
-def test_device_ids_replace_the_tokens_of_a_batchs_leading_rows(tiny: LlamaModel, graphed: bool) -> None:
+@pytest.mark.parametrize("graphed", [False, True, "mixed"])
+def test_device_ids_replace_the_tokens_of_a_batchs_leading_rows(tiny: LlamaModel, graphed: bool | str) -> None:
     """Async scheduling's steps: the first rows' ids come from the device (the previous step's
     tokens), the rest of the batch (rows that joined, prompt chunks) from the host; the same logits
-    as host tokens throughout, on every path (decode graph, prefill graph, pieces, eager)."""
+    as host tokens throughout, on every path (decode graph, prefill graph, pieces, mixed graph, eager)."""
     def runner() -> ModelRunner:
         if graphed:
-            return CpuStepRunner(tiny, _paged(tiny, blocks=40), max_batch=8, prefill_graph_tokens=64, prefill_graph_seqs=4, piecewise_graphs=True)
+            return CpuStepRunner(tiny, _paged(tiny, blocks=40), max_batch=8, prefill_graph_tokens=64, prefill_graph_seqs=4,
+                                 piecewise_graphs=True, mixed_graphs=graphed == "mixed")
         return ModelRunner(tiny, _paged(tiny, blocks=40), max_batch=8, graphs=False)
 
     host, dev = runner(), runner()
@@ -549,7 +596,7 @@ def test_device_ids_replace_the_tokens_of_a_batchs_leading_rows(tiny: LlamaModel
         paths.append(got.path)
         assert torch.allclose(want, got.logits, atol=1e-5)
     if graphed:
-        assert paths == [StepPath.GRAPH, StepPath.GRAPH, StepPath.PIECEWISE]
+        assert paths == [StepPath.GRAPH, StepPath.GRAPH, StepPath.GRAPH if graphed == "mixed" else StepPath.PIECEWISE]
     with pytest.raises(ValueError, match="first rows"):
         dev.step([[1] * 9], [SeqSlice([10, 11], 0, 9)], ids=torch.tensor([1]))
 
@@ -638,11 +685,13 @@ def _tokens_agree_but_near_ties(want: torch.Tensor, got: torch.Tensor, tol: floa
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [48, 256])
-def test_cuda_piecewise_step_of_decode_rows_beside_a_512_token_chunk(rows: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("mixed", [False, True])
+def test_cuda_piecewise_step_of_decode_rows_beside_a_512_token_chunk(rows: int, dtype: torch.dtype, mixed: bool) -> None:
     """Issue 31's step on the 8B layer shapes (two layers): ``rows`` decode rows at contexts of 100-900
-    tokens beside a 512-token prompt chunk, as one forward of piece graphs against the eager forward:
-    the logits within tolerance, the same greedy tokens (but near ties), the same K/V written, the
-    decode rows' ids from the device (async scheduling)."""
+    tokens beside a 512-token prompt chunk, as one forward of piece graphs (``mixed``: one mixed graph,
+    its decode rows padded to their bucket) against the eager forward: the logits within tolerance, the
+    same greedy tokens (but near ties), the same K/V written, the decode rows' ids from the device
+    (async scheduling)."""
     cfg = preset("llama-3.1-8b").replace(num_layers=2)
     model = LlamaModel.from_config(cfg, seed=0, dtype=dtype, device="cuda")
     ctx = [100 + (37 * i) % 800 for i in range(rows)]
@@ -669,18 +718,22 @@ def test_cuda_piecewise_step_of_decode_rows_beside_a_512_token_chunk(rows: int, 
         return [c.flatten(1, 2)[:, new_slots].clone() for c in caches]
 
     eager = ModelRunner(model, paged(), max_batch=rows, graphs=False, max_model_len=1024)
-    pw = ModelRunner(model, paged(), max_batch=rows, max_model_len=1024, prefill_graph_tokens=rows + 512, piecewise_graphs=True)
-    assert pw.warmup_piecewise() == list(reversed(pw.prefill_tokens))
-    assert sum(len(f.pieces) for f in pw._piecewise.values()) == (cfg.num_layers + 1) * len(pw.prefill_tokens)
+    if mixed:
+        pw = ModelRunner(model, paged(), max_batch=rows, max_model_len=1024, prefill_graph_tokens=512, mixed_graphs=True)
+        assert (512, 1, rows) in pw.warmup_mixed()
+    else:
+        pw = ModelRunner(model, paged(), max_batch=rows, max_model_len=1024, prefill_graph_tokens=rows + 512, piecewise_graphs=True)
+        assert pw.warmup_piecewise() == list(reversed(pw.prefill_tokens))
+        assert sum(len(f.pieces) for f in pw._piecewise.values()) == (cfg.num_layers + 1) * len(pw.prefill_tokens)
     want = eager.step([[int(t)] for t in ids] + [prompt], slices).logits.clone()
     kv_want = written()
     for c in caches:  # what the pieces' step does not write stays NaN, and reading it would show
         c.flatten(1, 2)[:, new_slots] = float("nan")
     out = pw.step([[0]] * rows + [prompt], slices, ids=ids.to("cuda"))
-    assert out.path is StepPath.PIECEWISE and out.logits.shape == want.shape
+    assert out.path is (StepPath.GRAPH if mixed else StepPath.PIECEWISE) and out.logits.shape == want.shape
     tol = 1e-3 if dtype == torch.float32 else 5e-2
     assert torch.allclose(want, out.logits, atol=tol, rtol=tol), (want - out.logits).abs().max()
-    assert out.greedy is not None and torch.equal(out.greedy, greedy_tokens(out.logits))
+    assert mixed or (out.greedy is not None and torch.equal(out.greedy, greedy_tokens(out.logits)))
     assert _tokens_agree_but_near_ties(want, out.logits, tol)
     for a, b in zip(kv_want, written()):
         assert torch.allclose(a.float(), b.float(), atol=tol)

@@ -329,6 +329,7 @@ class DecodeEngine:
         overlap: bool | None = None,
         prefill: PrefillSteps | None = None,
         max_num_batched_tokens: int = 640,
+        mixed_graphs: bool = False,
         mixed_graph_tokens: int = 0,
     ):
         """``graphs``: CUDA-graph decode steps (None = when the backend allows, see ModelRunner);
@@ -346,7 +347,8 @@ class DecodeEngine:
         see the module docstring), at most ``max_num_batched_tokens`` tokens per step, decode
         tokens included; ``mixed_graph_tokens`` > 0: mixed and prefill-only steps of at most that
         many tokens replay CUDA graphs (the runner's prefill graphs, and past MIXED_PREFILL_SEQS
-        sequences its graph pieces; ``attn`` must hold ``max_batch + MIXED_PREFILL_SEQS + 1`` rows)."""
+        sequences its graph pieces, or with ``mixed_graphs`` its mixed graphs; ``attn`` must hold
+        ``max_batch + MIXED_PREFILL_SEQS + 1`` rows)."""
         if prefill is not None and max_num_batched_tokens <= max_batch:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must exceed max_batch ({max_batch}): "
                              "decode tokens go first, and prefill needs what they leave")
@@ -354,10 +356,10 @@ class DecodeEngine:
         self.prefill = prefill
         self.max_num_batched_tokens = max_num_batched_tokens
         # Mixed and prefill-only steps of up to MIXED_PREFILL_SEQS sequences replay a prefill graph;
-        # larger mixed batches run as one forward of graph pieces, attention between them (runner.py).
+        # larger mixed batches graph pieces, or with ``mixed_graphs`` a mixed graph (runner.py).
         self.runner = ModelRunner(model, attn, max_batch=max_batch, graphs=graphs, max_model_len=self.max_len,
                                   prefill_graph_tokens=mixed_graph_tokens if prefill is not None else 0, prefill_graph_seqs=MIXED_PREFILL_SEQS,
-                                  piecewise_graphs=True)
+                                  mixed_graphs=mixed_graphs, piecewise_graphs=True)
         self.kv = kv
         self.swapper = swapper if swapper is not None else swapper_for(attn)
         self.eos = set(eos_token_ids)

@@ -390,12 +390,16 @@ class ColocatedInstance:
             self.loaded.model, attn, LocalKV(self.blocks, kv_here=attn.device.type == "cpu"), tuple(mc.eos_token_ids), cfg.max_batch,
             graphs=cfg.graphs, max_model_len=cfg.max_model_len or None, overlap=cfg.async_scheduling,
             prefill=self.prefill if mixed else None, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            mixed_graphs=cfg.mixed_graphs,
             mixed_graph_tokens=min(prefill_graph_tokens(cfg), cfg.max_num_batched_tokens),
         )
         self.decode.warmup()
         if mixed:
-            self.decode.runner.warmup_prefill()
-            self.decode.runner.warmup_piecewise()  # mixed steps past MIXED_PREFILL_SEQS sequences
+            runner = self.decode.runner
+            runner.warmup_prefill()
+            # mixed steps past MIXED_PREFILL_SEQS sequences: one or two chunks beside the decode rows
+            if not runner.warmup_mixed((1, 2)):
+                runner.warmup_piecewise()
 
     def _handoff(self, request_id: str, num_tokens: int, blocks: list[int], free: Any) -> None:
         self._handed[request_id] = blocks  # the decode engine takes these blocks over as they are

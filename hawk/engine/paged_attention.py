@@ -122,6 +122,8 @@ class PagedAttention:
         self._starts: list[int] = []
         self._views: dict[str, torch.Tensor] = {}
         self._host: dict[str, torch.Tensor] = {}
+        #: A padded mixed batch on the torch path: where its real tokens are, and how many tokens in all.
+        self._compact: tuple[torch.Tensor, int] | None = None
         #: The torch path on a CPU: the leading one-token rows' blocks (set by begin) and the kept
         #: buffers they are attended in (:mod:`hawk.engine.cpu_attention`).
         self._cpu_plans: list[DecodePlan] = []
@@ -185,7 +187,8 @@ class PagedAttention:
 
     # ---- begin --------------------------------------------------------------------------------
 
-    def begin(self, batch: Sequence[SeqSlice], pad_to: int | None = None, pad_tokens: int | None = None) -> None:
+    def begin(self, batch: Sequence[SeqSlice], pad_to: int | None = None, pad_tokens: int | None = None,
+              pad_decode: int | None = None) -> None:
         """Declare the next forward's sequences, in the order their tokens are concatenated.
 
         ``pad_to`` (a decode batch) appends dummy rows up to that many sequences: slot -1 (no write)
@@ -194,18 +197,26 @@ class PagedAttention:
         graph sees one metadata shape per bucket. Row ``len(batch)`` holds the pad tokens (slot -1,
         no context: output 0), the rows after it are empty, and the attention's program map is
         padded with programs that do nothing.
+
+        ``pad_decode`` (with ``pad_tokens``; a mixed batch: its leading one-token rows, then prompt
+        chunks): those rows are padded to ``pad_decode`` one-token rows (slot -1, no context) before
+        the chunks, which the decode kernel attends, and the chunks are padded as a prefill's, in
+        the rows and tokens that are left. Every count of the metadata is then fixed by
+        (``pad_decode``, ``pad_to``, ``pad_tokens``): a mixed step's CUDA graph (runner.py).
         """
         n_real = len(batch)
         if n_real == 0 and not pad_to:
             raise ValueError("begin() needs at least one sequence (or pad_to: a batch of pad rows, for graph capture)")
+        self._compact = None
+        if pad_decode is not None:
+            self._begin_mixed(batch, pad_decode, pad_to, pad_tokens)
+            return
         if pad_tokens is None and self._ta is not None and self.fast_decode and all(s.q_len == 1 for s in batch):
             self._begin_decode(batch, n_real if pad_to is None else pad_to)
             return
-        bs, w = self.layout.block_size, self.max_blocks_per_seq
+        bs = self.layout.block_size
         q_lens = np.fromiter((s.q_len for s in batch), dtype=np.int64, count=n_real)
         starts = np.fromiter((s.start for s in batch), dtype=np.int64, count=n_real)
-        if (q_lens <= 0).any() or (starts < 0).any():
-            raise ValueError(f"every q_len must be > 0 and start >= 0, got {[(s.start, s.q_len) for s in batch]}")
         decode = pad_tokens is None and bool((q_lens == 1).all())
         n = n_real
         if pad_tokens is not None:
@@ -219,14 +230,7 @@ class PagedAttention:
                 raise ValueError(f"pad_to={pad_to} is smaller than the batch ({n_real})")
             n = pad_to
         ctx = starts + q_lens
-        need = -(-ctx // bs)
-        have = np.fromiter((len(s.block_ids) for s in batch), dtype=np.int64, count=n_real)
-        bad = np.nonzero(have < need)[0]
-        if len(bad):
-            i = int(bad[0])
-            raise ValueError(f"sequence needs {need[i]} blocks for {ctx[i]} tokens, has {have[i]}")
-        if (need > w).any():
-            raise ValueError(f"a sequence of {int(ctx.max())} tokens exceeds max_model_len={self.max_model_len}")
+        need = self._check_rows(batch, q_lens, starts, ctx)
 
         t_real = int(q_lens.sum())
         t = t_real + (n - n_real) if pad_tokens is None else pad_tokens
@@ -243,12 +247,7 @@ class PagedAttention:
 
         bt_np, meta_np = self._staging.next()
         self._row_cache[self._staging.slot] = []  # rows rewritten below: forget what the slot held
-        # Block table rows: only the blocks each context needs (the kernels never read further).
-        rows = np.repeat(np.arange(n_real), need)
-        cols = np.arange(int(need.sum())) - np.repeat(np.cumsum(need) - need, need)
-        bt_np[rows, cols] = np.fromiter(
-            chain.from_iterable(islice(s.block_ids, int(k)) for s, k in zip(batch, need)), dtype=np.int64
-        )
+        self._fill_block_tables(bt_np, batch, need, np.arange(n_real))
         # Meta: seq_lens [n] | q_start [n+1] | slots [t] | prog_seq [p] | prog_blk [p]
         seq_lens = meta_np[:n]
         seq_lens[:n_real] = ctx
@@ -275,6 +274,87 @@ class PagedAttention:
         self._q_lens, self._starts = q_lens.tolist(), starts.tolist()
         if self._ta is None:
             self._host_metadata(bt_np, slots[:t_real], need, ctx)
+
+    def _check_rows(self, batch: Sequence[SeqSlice], q_lens: np.ndarray, starts: np.ndarray, ctx: np.ndarray) -> np.ndarray:
+        """The blocks each row's context needs, once every row is checked to have them within ``max_model_len``."""
+        if (q_lens <= 0).any() or (starts < 0).any():
+            raise ValueError(f"every q_len must be > 0 and start >= 0, got {[(s.start, s.q_len) for s in batch]}")
+        need = -(-ctx // self.layout.block_size)
+        have = np.fromiter((len(s.block_ids) for s in batch), dtype=np.int64, count=len(batch))
+        bad = np.nonzero(have < need)[0]
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(f"sequence needs {need[i]} blocks for {ctx[i]} tokens, has {have[i]}")
+        if (need > self.max_blocks_per_seq).any():
+            raise ValueError(f"a sequence of {int(ctx.max())} tokens exceeds max_model_len={self.max_model_len}")
+        return need
+
+    @staticmethod
+    def _fill_block_tables(bt_np: np.ndarray, batch: Sequence[SeqSlice], need: np.ndarray, row_of: np.ndarray) -> None:
+        """Row ``row_of[i]`` of the block table gets the blocks sequence ``i``'s context needs (the kernels never read further)."""
+        rows = np.repeat(row_of, need)
+        cols = np.arange(int(need.sum())) - np.repeat(np.cumsum(need) - need, need)
+        bt_np[rows, cols] = np.fromiter(
+            chain.from_iterable(islice(s.block_ids, int(k)) for s, k in zip(batch, need)), dtype=np.int64
+        )
+
+    def _begin_mixed(self, batch: Sequence[SeqSlice], d: int, pad_to: int | None, pad_tokens: int | None) -> None:
+        """:meth:`begin` with ``pad_decode=d``. Rows: the decode rows, their pads up to ``d``, the chunks,
+        the chunks' pad row, empty rows up to ``pad_to``; tokens: one per decode row and pad, the
+        chunks', the pad tokens up to ``pad_tokens``. The torch path attends the real tokens only
+        (no graph reads its metadata): it begins the real batch and gathers them per layer."""
+        if pad_to is None or pad_tokens is None:
+            raise ValueError("pad_decode needs pad_to and pad_tokens (a mixed step's graph bucket)")
+        bs, n_real, n, t = self.layout.block_size, len(batch), pad_to, pad_tokens
+        q_lens = np.fromiter((s.q_len for s in batch), dtype=np.int64, count=n_real)
+        starts = np.fromiter((s.start for s in batch), dtype=np.int64, count=n_real)
+        n_dec = leading_decode_rows(q_lens)
+        n_pre, tp_real = n_real - n_dec, int(q_lens[n_dec:].sum())
+        if d < n_dec or n <= d + n_pre or t < d + tp_real:
+            raise ValueError(f"a mixed batch of {n_dec} decode rows and {n_pre} chunks ({tp_real} tokens) does not fit "
+                             f"pad_decode={d}, pad_to={n}, pad_tokens={t}")
+        tok_at = np.arange(n_dec + tp_real)
+        tok_at[n_dec:] += d - n_dec  # each real token's place among the padded ones
+        if self._ta is None:
+            if n_real:
+                self.begin(batch)
+            else:  # a graph's warm-up: pads only
+                self._n = self._n_real = 0
+            self._compact = (torch.from_numpy(tok_at).to(self.device), t)
+            self._tokens = t
+            return
+        ctx = starts + q_lens
+        need = self._check_rows(batch, q_lens, starts, ctx)
+        row_of = np.arange(n_real)
+        row_of[n_dec:] += d - n_dec
+        bm = self._block_m
+        progs = self._ta.prefill_programs(q_lens[n_dec:], starts[n_dec:], bm)
+        progs = _pad_programs(progs, n_pre, t - d - tp_real, -(-(t - d) // bm) + n - d, bm)
+        p = len(progs[0])
+        meta_len = 2 * n + 1 + t + 2 * p
+        if n > self._cap_batch or meta_len > self._cap_meta:
+            self._alloc(max(n, self._cap_batch), max(meta_len, self._cap_meta))
+        bt_np, meta_np = self._staging.next()
+        self._row_cache[self._staging.slot] = []
+        self._fill_block_tables(bt_np, batch, need, row_of)
+        seq_lens = meta_np[:n]
+        seq_lens[:] = 0
+        seq_lens[row_of] = ctx
+        q_start = meta_np[n : 2 * n + 1]
+        q_start[: d + 1] = np.arange(d + 1)
+        q_start[d + 1 : d + 1 + n_pre] = d + np.cumsum(q_lens[n_dec:])
+        q_start[d + 1 + n_pre :] = t
+        tok_row = np.repeat(np.arange(n_real), q_lens)
+        tok_pos = np.repeat(starts, q_lens) + np.arange(len(tok_at)) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
+        slots = meta_np[2 * n + 1 : 2 * n + 1 + t]
+        slots[:] = -1
+        slots[tok_at] = bt_np[row_of[tok_row], tok_pos // bs].astype(np.int64) * bs + tok_pos % bs
+        meta_np[2 * n + 1 + t : 2 * n + 1 + t + p] = progs[0]
+        meta_np[2 * n + 1 + t + p : meta_len] = progs[1]
+        self._staging.upload((n * self.max_blocks_per_seq, meta_len))
+        self._set_views(n, t, p, meta_len, d)
+        self._n, self._n_real, self._tokens, self._decode = n, n_real, t, False
+        self._q_lens, self._starts = q_lens.tolist(), starts.tolist()
 
     #: Take the decode shortcut (tests switch it off to compare against the general path).
     fast_decode = True
@@ -397,6 +477,14 @@ class PagedAttention:
         cache = self.caches[layer_idx]
         if self._ta is not None:
             return self._forward_triton(cache, q, k, v)
+        if self._compact is not None:  # a padded mixed batch on the torch path: its real tokens only
+            idx, _ = self._compact
+            out = q.new_zeros(q.shape)
+            out[idx] = self._attend_torch(cache, q[idx], k[idx], v[idx])
+            return out
+        return self._attend_torch(cache, q, k, v)
+
+    def _attend_torch(self, cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self._n_real == 0:  # pad rows only: nothing to write or read
             return torch.zeros_like(q)
         self._write_torch(cache, k, v)

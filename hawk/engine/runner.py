@@ -31,10 +31,21 @@ graphs are captured (8B at the colocated default of 640 tokens: 33 * 8), in one 
 A prefill engine's runner leaves them off: its batches past 16 prompts stay eager rather than
 capture up to 33 * 16 graphs (2048 tokens) on a first use while serving.
 
+With ``mixed_graphs`` (the colocated decode engine's runner with ``--mixed-graphs``), a mixed step
+past the prefill graphs' sequences replays one CUDA graph per (chunk tokens, chunk sequences, decode
+rows) bucket instead: the backend pads its decode rows to a bucket of their own and its chunks as a prefill graph's
+(``begin(..., pad_decode=)``), so every metadata count is fixed by the bucket and attention is inside
+the graph, the decode kernel for the decode rows and the prefill kernel for the chunks. Graph pieces
+launch ~33 replays and ~150 kernels per 8B step from Python (9-12 ms of host time on the H200 host,
+more than the GPU time of 48 decode rows beside a chunk of up to 256 tokens:
+``benchmarks/mixed_step_probe.py``); a mixed graph is one replay.
+
 Paths, in the order :meth:`ModelRunner.step` tries them:
 
 * decode graph: every row one token, at most ``max_batch`` rows (``StepPath.GRAPH``)
 * prefill graph: at most ``prefill_graph_tokens`` tokens and ``prefill_graph_seqs`` sequences (``GRAPH``)
+* mixed graph: leading one-token rows (at most ``max_batch``) then at most ``prefill_graph_seqs`` chunks
+  of at most ``prefill_graph_tokens`` tokens, ``mixed_graphs`` (``GRAPH``)
 * piecewise: at most ``prefill_graph_tokens`` tokens, any number of sequences, ``piecewise_graphs`` (``PIECEWISE``)
 * eager: everything else, and everything on a CPU or without graph-safe backends (``EAGER``)
 """
@@ -110,6 +121,13 @@ def prefill_seq_buckets(max_seqs: int) -> list[int]:
     return [*out, max_seqs]
 
 
+def mixed_decode_buckets(max_batch: int) -> list[int]:
+    """Decode rows a mixed graph is captured for: the decode graphs' buckets from 16 on (16, 24, 32, 48,
+    ...) up to and including ``max_batch``. A pad row costs a token of the GEMMs (nothing in attention),
+    and near saturation the GEMMs are the step: a third at most."""
+    return [b for b in decode_buckets(max_batch) if b >= 16] or [max_batch]
+
+
 def decode_buckets(max_batch: int) -> list[int]:
     """Batch sizes a decode graph is captured for: 1, 2, 4, 8, then 2**k and 1.5 * 2**k
     (16, 24, 32, 48, 64, 96, ...) up to and including ``max_batch``. Padding costs at most a third."""
@@ -160,6 +178,7 @@ class ModelRunner:
         prefill_graph_tokens: int = 0,
         prefill_graph_seqs: int = 16,
         piecewise_graphs: bool = False,
+        mixed_graphs: bool = False,
     ) -> None:
         """``graphs``: None = use CUDA graphs when possible, False = never, True = required
         (raises :class:`GraphsUnavailable` otherwise); decode steps. ``max_model_len`` (default: the
@@ -167,9 +186,12 @@ class ModelRunner:
         ``prefill_graph_tokens`` > 0: prefill and mixed batches of at most that many tokens and
         ``prefill_graph_seqs`` sequences replay a CUDA graph per (token, sequence) bucket where the
         backend can pad a prefill (``begin(..., pad_tokens=)``), one model without a step hook (not
-        tensor-parallel); captured on first use or by :meth:`warmup_prefill`. ``piecewise_graphs``: such
-        batches with more sequences run as graph pieces per token bucket (captured on first use or by
-        :meth:`warmup_piecewise`) rather than eagerly."""
+        tensor-parallel); captured on first use or by :meth:`warmup_prefill`. ``mixed_graphs``: such
+        batches with more sequences, leading decode rows then chunks, replay a mixed graph per
+        (tokens, sequences, decode rows) bucket where the backend pads them (``begin(..., pad_decode=)``;
+        captured on first use or by :meth:`warmup_mixed`). ``piecewise_graphs``: the other such batches
+        run as graph pieces per token bucket (captured on first use or by :meth:`warmup_piecewise`) rather
+        than eagerly."""
         self.model, self.attn = model.fuse_projections(), attn
         self.device = model.device
         self.max_batch = max_batch
@@ -192,15 +214,20 @@ class ModelRunner:
             self._io_stage = HostStaging([self._io])
         self.prefill_tokens = prefill_token_buckets(prefill_graph_tokens) if prefill_graph_tokens > 0 else []
         self.prefill_seqs = prefill_seq_buckets(prefill_graph_seqs) if self.prefill_tokens else []
-        if self.prefill_tokens and (why_not or "pad_tokens" not in inspect.signature(attn.begin).parameters):
+        params = inspect.signature(attn.begin).parameters
+        if self.prefill_tokens and (why_not or "pad_tokens" not in params):
             self.prefill_tokens = self.prefill_seqs = []
+        self.mixed_decode = mixed_decode_buckets(max_batch) if mixed_graphs and self.prefill_tokens and "pad_decode" in params else []
         self._prefill_graphs: dict[tuple[int, int], _PrefillGraph] = {}
+        self._mixed_graphs: dict[tuple[int, int, int], _PrefillGraph] = {}
         self._prefill_pool: Any = None
         self._prefill_captured_for: tuple[int, int] = (-1, -1)  # (RoPE table version, backend buffer generation)
         self._pio: torch.Tensor | None = None  # ids [T] | positions [T] | last rows [S + 1], per bucket
         self._pio_stage: HostStaging | None = None
         if self.prefill_tokens:
-            self._pio = torch.zeros(2 * self.prefill_tokens[-1] + self.prefill_seqs[-1] + 1, dtype=torch.int64, device=self.device)
+            d = self.mixed_decode[-1] if self.mixed_decode else 0  # a mixed graph's ids, positions and last rows
+            size = 2 * (d + self.prefill_tokens[-1]) + d + self.prefill_seqs[-1] + 1
+            self._pio = torch.zeros(size, dtype=torch.int64, device=self.device)
             self._pio_stage = HostStaging([self._pio])
         # Piecewise forwards, one per prefill token bucket (batches past the prefill graphs' sequences).
         self.piecewise_tokens = self.prefill_tokens if piecewise_graphs else []
@@ -271,6 +298,9 @@ class ModelRunner:
             bucket = None if decode else self._prefill_bucket(sum(q_lens), len(slices))
             if bucket is not None:
                 return self._replay_prefill(tokens, slices, q_lens, *bucket, ids)
+            mixed = None if decode else self._mixed_bucket(q_lens)
+            if mixed is not None:
+                return self._replay_mixed(tokens, slices, q_lens, *mixed, ids)
             pieces = None if decode else self._piecewise_bucket(sum(q_lens))
             if pieces is not None:
                 return self._run_piecewise(tokens, slices, q_lens, pieces, ids)
@@ -473,21 +503,27 @@ class ModelRunner:
     def _prefill_graph_for(self, t: int, sb: int) -> _PrefillGraph:
         """The bucket's graph, captured now if missing or stale (the RoPE table grew, or the backend
         reallocated the metadata buffers the graph reads)."""
+        self._drop_stale_prefill_graphs()
+        g = self._prefill_graphs.get((t, sb))
+        if g is None:
+            g = self._prefill_graphs[(t, sb)] = self._capture_prefill(t, sb + 1)
+        return g
+
+    def _drop_stale_prefill_graphs(self) -> None:
+        """Forget the prefill and mixed graphs (and their pool) if the RoPE table grew or the backend
+        reallocated the metadata buffers they read since they were captured."""
         now = (self.model.rope.version, getattr(self.attn, "generation", 0))
         if now != self._prefill_captured_for:
             self._prefill_graphs.clear()
+            self._mixed_graphs.clear()
             self._prefill_pool = None
             self._prefill_captured_for = now
-        g = self._prefill_graphs.get((t, sb))
-        if g is None:
-            g = self._prefill_graphs[(t, sb)] = self._capture_prefill(t, sb)
-        return g
 
-    def _prefill_body(self, t: int, sb: int) -> Callable[[], torch.Tensor]:
-        """What a prefill bucket's graph runs: the model over the static ids/positions and the LM
-        head over the static last-token rows."""
+    def _prefill_body(self, t: int, rows: int) -> Callable[[], torch.Tensor]:
+        """What a prefill (or mixed) bucket's graph runs: the model over the static ids/positions of
+        ``t`` tokens and the LM head over the static last-token rows, ``rows`` of them."""
         assert self._pio is not None
-        ids, pos, last = self._pio[:t], self._pio[t : 2 * t], self._pio[2 * t : 2 * t + sb + 1]
+        ids, pos, last = self._pio[:t], self._pio[t : 2 * t], self._pio[2 * t : 2 * t + rows]
 
         def body() -> torch.Tensor:
             hidden = self.model(ids, pos, self.attn)
@@ -495,7 +531,7 @@ class ModelRunner:
 
         return body
 
-    def _capture_prefill(self, t: int, sb: int) -> _PrefillGraph:
+    def _capture_prefill(self, t: int, rows: int) -> _PrefillGraph:
         """As :meth:`_capture`, for a prefill bucket: the forward over the static ids/positions and the
         LM head over each row's last token. The layer-wise hook is off during the warm-up runs and,
         in the capture, records each layer's event instead of being called."""
@@ -507,10 +543,78 @@ class ModelRunner:
 
         try:
             self.attn.after_layer = None
-            graph, logits, self._prefill_pool = self._warm_and_capture(self._prefill_body(t, sb), self._prefill_pool, record_layers)
+            graph, logits, self._prefill_pool = self._warm_and_capture(self._prefill_body(t, rows), self._prefill_pool, record_layers)
         finally:
             self.attn.after_layer = hook
         return _PrefillGraph(graph, logits, events)
+
+    # -- mixed graphs ------------------------------------------------------------------------
+
+    def _mixed_bucket(self, q_lens: list[int]) -> tuple[int, int, int] | None:
+        """The (chunk tokens, chunk sequences, decode rows) graph bucket of a mixed batch (leading
+        one-token rows, then chunks) that no prefill graph takes, or None."""
+        if not self.mixed_decode or self.model.step_hook is not None:
+            return None
+        n_dec = leading_decode_rows(q_lens)
+        n_pre, tp = len(q_lens) - n_dec, sum(q_lens) - n_dec
+        if not n_dec or not n_pre or n_dec > self.mixed_decode[-1] or n_pre > self.prefill_seqs[-1] or tp > self.prefill_tokens[-1]:
+            return None
+        d = next(b for b in self.mixed_decode if b >= n_dec)
+        return next(b for b in self.prefill_tokens if b >= tp), self._seq_bucket(n_pre), d
+
+    def _replay_mixed(self, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice], q_lens: list[int], tp: int, sb: int,
+                      d: int, device_ids: torch.Tensor | None = None) -> StepOutput:
+        """A mixed batch through its bucket's graph: the decode rows' ids and positions first, zeros up
+        to ``d``, the chunks' after them and zeros to ``d + tp``; each sequence's last row in batch order."""
+        n, n_dec = len(slices), leading_decode_rows(q_lens)
+        t = d + tp
+        self.attn.begin(slices, pad_to=d + sb + 1, pad_tokens=t, pad_decode=d)
+        assert self._pio_stage is not None
+        (io,) = self._pio_stage.next()
+        ids, pos = io[:t], io[t : 2 * t]
+        _write_ids(ids, pos, tokens, slices, n_dec, chunks_at=d)
+        end = d + sum(q_lens) - n_dec
+        ids[n_dec:d] = pos[n_dec:d] = 0
+        ids[end:] = pos[end:] = 0
+        last = io[2 * t : 2 * t + d + sb + 1]
+        last[:n_dec] = np.arange(n_dec)
+        last[n_dec:n] = d - 1 + np.cumsum(q_lens[n_dec:])
+        last[n:] = 0
+        self._pio_stage.upload((2 * t + d + sb + 1,))
+        if device_ids is not None:  # leading one-token rows: token i is row i's
+            assert self._pio is not None
+            self._pio[: device_ids.shape[0]].copy_(device_ids).clamp_(min=0)
+        g = self._mixed_graph_for(tp, sb, d)
+        g.graph.replay()
+        hook = getattr(self.attn, "after_layer", None)
+        if hook is not None:
+            for layer, event in enumerate(g.layer_events):
+                hook(layer, event)
+        return StepOutput(g.logits[:n], None, StepPath.GRAPH)
+
+    def _mixed_graph_for(self, tp: int, sb: int, d: int) -> _PrefillGraph:
+        """The mixed bucket's graph, captured now if missing or stale."""
+        self._drop_stale_prefill_graphs()
+        g = self._mixed_graphs.get((tp, sb, d))
+        if g is None:
+            g = self._mixed_graphs[(tp, sb, d)] = self._capture_prefill(d + tp, d + sb + 1)
+        return g
+
+    @torch.inference_mode()
+    def warmup_mixed(self, chunks: Iterable[int] = (1,)) -> list[tuple[int, int, int]]:
+        """Capture the mixed graphs of every (chunk tokens, decode rows) bucket for ``chunks`` chunk
+        sequences now (largest first, all-padding batches: no KV is written) rather than on a step's
+        first use. Returns the (tokens, sequences, decode rows) buckets captured (none when off)."""
+        if not self.mixed_decode or self.model.step_hook is not None:
+            return []
+        keys = sorted({(t, self._seq_bucket(c), d) for t in self.prefill_tokens for c in chunks for d in self.mixed_decode}, reverse=True)
+        with self._lock, self._on_device():
+            for tp, sb, d in keys:
+                self.attn.begin([], pad_to=d + sb + 1, pad_tokens=d + tp, pad_decode=d)
+                assert self._pio is not None
+                self._pio[: 2 * (d + tp) + d + sb + 1].zero_()
+                self._mixed_graph_for(tp, sb, d)
+        return keys
 
     # -- piecewise forwards ------------------------------------------------------------------
 
@@ -579,16 +683,18 @@ class ModelRunner:
         return list(reversed(self.piecewise_tokens))
 
 
-def _write_ids(ids: np.ndarray, pos: np.ndarray, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice], n_dec: int) -> None:
-    """The batch's token ids and positions, back to back from the front of ``ids`` and ``pos``: its
-    ``n_dec`` leading one-token rows in one assignment each (a mixed step's hundreds of decode rows
-    cost a few microseconds, not one slice assignment per row), the prompt chunks after them row by row."""
+def _write_ids(ids: np.ndarray, pos: np.ndarray, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice], n_dec: int,
+               chunks_at: int | None = None) -> None:
+    """The batch's token ids and positions from the front of ``ids`` and ``pos``: its ``n_dec`` leading
+    one-token rows in one assignment each (a mixed step's hundreds of decode rows cost a few
+    microseconds, not one slice assignment per row), the prompt chunks row by row from ``chunks_at``
+    (default: right after them; a mixed graph's decode pads lie between)."""
     try:
         ids[:n_dec] = [tok for (tok,) in tokens[:n_dec]]
     except ValueError:
         raise ValueError("a one-token slice was given another number of tokens") from None
     pos[:n_dec] = [s.start for s in slices[:n_dec]]
-    at = n_dec
+    at = n_dec if chunks_at is None else chunks_at
     for seq, s in zip(tokens[n_dec:], slices[n_dec:]):
         k = len(seq)
         if k != s.q_len:
