@@ -331,15 +331,15 @@ def padded_prefill_matches(device: str, t: int = 48) -> dict:
 
 def padded_mixed_matches(device: str, use_triton: bool = True) -> dict:
     """A mixed batch (three decode rows, a fresh prompt, a continuation) padded as a mixed step's graph
-    pads it (``pad_decode``: the decode rows to 4, then the chunks' rows and tokens) gives the unpadded
-    outputs on its real tokens bit for bit, zeros on every pad, and writes nothing for the pads."""
+    pads it (``pad_decode``: the decode kernel over 4 rows, then the chunks' rows and tokens) gives the
+    unpadded outputs on its real tokens bit for bit, zeros on the pad tokens, and writes nothing for them."""
     layout = GpuKVLayout(1, 24, 4, 2, 32, "fp32")
     g = torch.Generator().manual_seed(5)
     base = torch.randn(layout.allocate("cpu")[0].shape, generator=g)
     batch = [SeqSlice([0, 1, 2], 9, 1), SeqSlice([3, 4], 4, 1), SeqSlice([5, 6, 7, 8], 14, 1),
              SeqSlice([9, 10, 11], 0, 10), SeqSlice([12, 13, 14, 15], 6, 7)]
     t_real, d, t = 20, 4, 40
-    real = [0, 1, 2] + list(range(d, d + 17))  # the real tokens' places among the padded
+    real = list(range(t_real))  # packed: the pads after them
     q = torch.randn(t, 4, 32, generator=g).to(device)
     k, v = (torch.randn(t, 2, 32, generator=g).to(device) for _ in range(2))
     outs, caches, views = [], [], {}
@@ -433,12 +433,12 @@ def test_padded_prefill_matches_interpreted(interpreted: dict[str, dict]) -> Non
 def test_padded_mixed_matches_interpreted(interpreted: dict[str, dict]) -> None:
     r = interpreted.get("padded_mixed")
     assert r is not None and r["ok"], r and r.get("error")
-    # decode rows of 10, 5 and 15 tokens of context and a pad row; the chunks' rows after them (their
-    # tokens from 4 on), then their pad row (tokens 21..39) and an empty row; only real tokens have slots
+    # decode rows of 10, 5 and 15 tokens of context and an empty row; the chunks' rows after them (their
+    # tokens from 3 on), then their pad row (tokens 20..39) and an empty row; only real tokens have slots
     assert r["dec_seq_lens"] == [10, 5, 15, 0]
     assert r["seq_lens"] == [10, 13, 0, 0]
-    assert r["q_start"] == [4, 14, 21, 40, 40]
-    assert r["slots_set"] == [0, 1, 2] + list(range(4, 21))
+    assert r["q_start"] == [3, 13, 20, 40, 40]
+    assert r["slots_set"] == list(range(20))
 
 
 def test_padded_mixed_matches_on_the_torch_path() -> None:
@@ -449,7 +449,7 @@ def test_padded_mixed_refuses_a_batch_its_bucket_cannot_hold() -> None:
     layout = GpuKVLayout(1, 12, 4, 2, 32, "fp32")
     attn = PagedAttention(layout, layout.allocate(), max_batch=8, use_triton=False)
     two_rows_and_a_chunk = [SeqSlice([0, 1], 4, 1), SeqSlice([2, 3], 6, 1), SeqSlice([4, 5], 0, 8)]
-    for pad_to, pad_tokens, pad_decode in ((4, 16, 1), (3, 16, 2), (4, 9, 2), (None, 16, 2)):
+    for pad_to, pad_tokens, pad_decode in ((4, 16, 1), (3, 16, 2), (4, 9, 2), (None, 16, 2), (5, 10, 12)):
         with pytest.raises(ValueError, match="pad_decode|does not fit"):
             attn.begin(two_rows_and_a_chunk, pad_to=pad_to, pad_tokens=pad_tokens, pad_decode=pad_decode)
 

@@ -474,14 +474,14 @@ def test_mixed_batches_past_the_prefill_graphs_run_as_graph_pieces_on_the_cpu(ti
 
 
 def test_mixed_batches_past_the_prefill_graphs_replay_mixed_graphs_on_the_cpu(tiny: LlamaModel) -> None:
-    """With mixed graphs, the steps of decode rows beside chunks replay one graph per (chunk tokens,
-    chunks, decode rows) bucket: the eager runner's logits and cache (no pad writes KV), the layer
-    hook told each layer's event after the replay; prompts alone past the prefill graphs' sequences
-    stay graph pieces, and a step past the token buckets eager. A bucket's graph replays again."""
+    """With mixed graphs, the steps of decode rows beside chunks replay one graph per (tokens, chunks)
+    bucket: the eager runner's logits and cache (no pad writes KV), the layer hook told each layer's
+    event after the replay; prompts alone past the prefill graphs' sequences stay graph pieces, and a
+    step past the token buckets eager. A bucket's graph replays again, for another split of its tokens."""
     eager = ModelRunner(tiny, _paged(tiny), max_batch=8, graphs=False)
     mg = CpuStepRunner(tiny, _paged(tiny), max_batch=8, prefill_graph_tokens=64, prefill_graph_seqs=2, mixed_graphs=True,
                        piecewise_graphs=True)
-    assert mg.mixed_decode == [8]  # up to max_batch
+    assert mg.mixed_graphs
     le, pe, _, ce = _run_mixed(eager, tiny, hook=True)
     lm, pm, _, cm = _run_mixed(mg, tiny, hook=True)
     assert pm == [StepPath.PIECEWISE, StepPath.GRAPH, StepPath.GRAPH, StepPath.EAGER]
@@ -489,29 +489,29 @@ def test_mixed_batches_past_the_prefill_graphs_replay_mixed_graphs_on_the_cpu(ti
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
     n = tiny.config.num_layers
     assert cm[1] == cm[2] == [(i, f"layer {i}") for i in range(n)] and cm[3] == ce[3]
-    # five rows beside 9 + 20 tokens in two chunks, beside 12 in one: buckets (32, 2, 8) and (16, 1, 8)
-    assert sorted(mg._mixed_graphs) == [(16, 1, 8), (32, 2, 8)] and not mg._prefill_graphs
+    # five rows beside 9 + 20 tokens in two chunks (34 tokens), beside 12 in one (17): buckets (64, 2), (32, 1)
+    assert sorted(mg._mixed_graphs) == [(32, 1), (64, 2)] and not mg._prefill_graphs
     for a, b in zip(eager.attn.caches, mg.attn.caches):
         assert torch.allclose(a, b, atol=1e-5)
-    first = mg._mixed_graphs[(16, 1, 8)]
-    batch = [SeqSlice([2 * i, 2 * i + 1], 7 + i, 1) for i in range(5)] + [SeqSlice([19, 20], 0, 10)]
-    want, got = (r.step([[3]] * 5 + [[4] * 10], batch).logits for r in (eager, mg))
-    assert mg._mixed_graphs[(16, 1, 8)] is first and first.graph.replays == 2
+    first = mg._mixed_graphs[(32, 1)]
+    batch = [SeqSlice([2 * i, 2 * i + 1], 7 + i, 1) for i in range(5)] + [SeqSlice([19, 20], 0, 20)]  # 25 tokens
+    want, got = (r.step([[3]] * 5 + [[4] * 20], batch).logits for r in (eager, mg))
+    assert mg._mixed_graphs[(32, 1)] is first and first.graph.replays == 2
     assert torch.allclose(want, got, atol=1e-5)
 
 
 def test_mixed_graph_warmup_writes_nothing_and_its_graphs_replay_after(tiny: LlamaModel) -> None:
     runner = CpuStepRunner(tiny, _paged(tiny), max_batch=8, prefill_graph_tokens=32, prefill_graph_seqs=2, mixed_graphs=True)
-    assert runner.warmup_mixed((1, 2)) == [(32, 2, 8), (32, 1, 8), (16, 2, 8), (16, 1, 8)]
+    assert runner.warmup_mixed((1, 2)) == [(32, 2), (32, 1), (16, 2), (16, 1)]
     assert all(not c.any() for c in runner.attn.caches)
     ref = ModelRunner(tiny, _paged(tiny), max_batch=8, graphs=False)
     batch = [SeqSlice([i], 0, 1) for i in range(3)] + [SeqSlice([4, 5], 0, 20)]
     toks = [[1], [2], [3], list(range(5, 25))]
     got = runner.step(toks, batch)
-    assert got.path is StepPath.GRAPH and runner._mixed_graphs[(32, 1, 8)].graph.replays == 1
+    assert got.path is StepPath.GRAPH and runner._mixed_graphs[(32, 1)].graph.replays == 1
     assert torch.allclose(got.logits, ref.step(toks, batch).logits, atol=1e-5)
     # off where the backend cannot pad a mixed batch, and with a step hook (tensor parallel)
-    assert CpuStepRunner(tiny, SlotCacheAttention(tiny.config, 8, 2, 8, "cpu"), prefill_graph_tokens=32, mixed_graphs=True).mixed_decode == []
+    assert CpuStepRunner(tiny, SlotCacheAttention(tiny.config, 8, 2, 8, "cpu"), prefill_graph_tokens=32, mixed_graphs=True).mixed_graphs is False
     tiny.step_hook = lambda ids, pos: None
     try:
         assert runner.warmup_mixed() == [] and runner.step(toks, batch).path is StepPath.EAGER
@@ -719,8 +719,8 @@ def test_cuda_piecewise_step_of_decode_rows_beside_a_512_token_chunk(rows: int, 
 
     eager = ModelRunner(model, paged(), max_batch=rows, graphs=False, max_model_len=1024)
     if mixed:
-        pw = ModelRunner(model, paged(), max_batch=rows, max_model_len=1024, prefill_graph_tokens=512, mixed_graphs=True)
-        assert (512, 1, rows) in pw.warmup_mixed()
+        pw = ModelRunner(model, paged(), max_batch=rows, max_model_len=1024, prefill_graph_tokens=rows + 512, mixed_graphs=True)
+        assert (pw.prefill_tokens[-1], 1) in pw.warmup_mixed()
     else:
         pw = ModelRunner(model, paged(), max_batch=rows, max_model_len=1024, prefill_graph_tokens=rows + 512, piecewise_graphs=True)
         assert pw.warmup_piecewise() == list(reversed(pw.prefill_tokens))

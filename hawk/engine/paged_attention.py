@@ -199,10 +199,10 @@ class PagedAttention:
         padded with programs that do nothing.
 
         ``pad_decode`` (with ``pad_tokens``; a mixed batch: its leading one-token rows, then prompt
-        chunks): those rows are padded to ``pad_decode`` one-token rows (slot -1, no context) before
-        the chunks, which the decode kernel attends, and the chunks are padded as a prefill's, in
-        the rows and tokens that are left. Every count of the metadata is then fixed by
-        (``pad_decode``, ``pad_to``, ``pad_tokens``): a mixed step's CUDA graph (runner.py).
+        chunks): the decode kernel runs over ``pad_decode`` rows, those rows then empty ones, and the
+        chunks are padded as a prefill's in the rows and tokens that are left; the tokens stay packed.
+        Every count of the metadata and every launch's shape is then fixed by (``pad_decode``,
+        ``pad_to``, ``pad_tokens``): a mixed step's CUDA graph (runner.py).
         """
         n_real = len(batch)
         if n_real == 0 and not pad_to:
@@ -298,38 +298,38 @@ class PagedAttention:
             chain.from_iterable(islice(s.block_ids, int(k)) for s, k in zip(batch, need)), dtype=np.int64
         )
 
-    def _begin_mixed(self, batch: Sequence[SeqSlice], d: int, pad_to: int | None, pad_tokens: int | None) -> None:
-        """:meth:`begin` with ``pad_decode=d``. Rows: the decode rows, their pads up to ``d``, the chunks,
-        the chunks' pad row, empty rows up to ``pad_to``; tokens: one per decode row and pad, the
-        chunks', the pad tokens up to ``pad_tokens``. The torch path attends the real tokens only
-        (no graph reads its metadata): it begins the real batch and gathers them per layer."""
+    def _begin_mixed(self, batch: Sequence[SeqSlice], g: int, pad_to: int | None, pad_tokens: int | None) -> None:
+        """:meth:`begin` with ``pad_decode=g``. Rows: the decode rows, empty rows up to ``g`` (no token,
+        no context), the chunks, the chunks' pad row, empty rows up to ``pad_to``; tokens packed as in an
+        unpadded batch (decode rows', chunks'), then the pad tokens up to ``pad_tokens``. The decode
+        kernel runs over rows and tokens ``0 .. g - 1`` (``g`` <= ``pad_tokens``): what it writes for the
+        rows past the real ones lands on chunk or pad tokens, which the prefill kernel, launched after it,
+        writes again. The torch path attends the real tokens only (no graph reads its metadata)."""
         if pad_to is None or pad_tokens is None:
             raise ValueError("pad_decode needs pad_to and pad_tokens (a mixed step's graph bucket)")
         bs, n_real, n, t = self.layout.block_size, len(batch), pad_to, pad_tokens
         q_lens = np.fromiter((s.q_len for s in batch), dtype=np.int64, count=n_real)
         starts = np.fromiter((s.start for s in batch), dtype=np.int64, count=n_real)
         n_dec = leading_decode_rows(q_lens)
-        n_pre, tp_real = n_real - n_dec, int(q_lens[n_dec:].sum())
-        if d < n_dec or n <= d + n_pre or t < d + tp_real:
-            raise ValueError(f"a mixed batch of {n_dec} decode rows and {n_pre} chunks ({tp_real} tokens) does not fit "
-                             f"pad_decode={d}, pad_to={n}, pad_tokens={t}")
-        tok_at = np.arange(n_dec + tp_real)
-        tok_at[n_dec:] += d - n_dec  # each real token's place among the padded ones
+        n_pre, t_real = n_real - n_dec, int(q_lens.sum())
+        if not n_dec <= g <= t or n <= g + n_pre or t < t_real:
+            raise ValueError(f"a mixed batch of {n_dec} decode rows and {n_pre} chunks ({t_real} tokens) does not fit "
+                             f"pad_decode={g}, pad_to={n}, pad_tokens={t}")
         if self._ta is None:
             if n_real:
                 self.begin(batch)
             else:  # a graph's warm-up: pads only
                 self._n = self._n_real = 0
-            self._compact = (torch.from_numpy(tok_at).to(self.device), t)
+            self._compact = (torch.arange(t_real, device=self.device), t)
             self._tokens = t
             return
         ctx = starts + q_lens
         need = self._check_rows(batch, q_lens, starts, ctx)
         row_of = np.arange(n_real)
-        row_of[n_dec:] += d - n_dec
+        row_of[n_dec:] += g - n_dec
         bm = self._block_m
         progs = self._ta.prefill_programs(q_lens[n_dec:], starts[n_dec:], bm)
-        progs = _pad_programs(progs, n_pre, t - d - tp_real, -(-(t - d) // bm) + n - d, bm)
+        progs = _pad_programs(progs, n_pre, t - t_real, -(-t // bm) + n - g, bm)  # a count fixed by the bucket
         p = len(progs[0])
         meta_len = 2 * n + 1 + t + 2 * p
         if n > self._cap_batch or meta_len > self._cap_meta:
@@ -340,19 +340,20 @@ class PagedAttention:
         seq_lens = meta_np[:n]
         seq_lens[:] = 0
         seq_lens[row_of] = ctx
-        q_start = meta_np[n : 2 * n + 1]
-        q_start[: d + 1] = np.arange(d + 1)
-        q_start[d + 1 : d + 1 + n_pre] = d + np.cumsum(q_lens[n_dec:])
-        q_start[d + 1 + n_pre :] = t
-        tok_row = np.repeat(np.arange(n_real), q_lens)
-        tok_pos = np.repeat(starts, q_lens) + np.arange(len(tok_at)) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
+        q_start = meta_np[n : 2 * n + 1]  # the prefill kernel reads rows g.. of it
+        q_start[: n_dec + 1] = np.arange(n_dec + 1)
+        q_start[n_dec + 1 : g + 1] = n_dec
+        q_start[g + 1 : g + 1 + n_pre] = n_dec + np.cumsum(q_lens[n_dec:])
+        q_start[g + 1 + n_pre :] = t
+        tok_row = np.repeat(row_of, q_lens)
+        tok_pos = np.repeat(starts, q_lens) + np.arange(t_real) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
         slots = meta_np[2 * n + 1 : 2 * n + 1 + t]
-        slots[:] = -1
-        slots[tok_at] = bt_np[row_of[tok_row], tok_pos // bs].astype(np.int64) * bs + tok_pos % bs
+        slots[:t_real] = bt_np[tok_row, tok_pos // bs].astype(np.int64) * bs + tok_pos % bs
+        slots[t_real:] = -1
         meta_np[2 * n + 1 + t : 2 * n + 1 + t + p] = progs[0]
         meta_np[2 * n + 1 + t + p : meta_len] = progs[1]
         self._staging.upload((n * self.max_blocks_per_seq, meta_len))
-        self._set_views(n, t, p, meta_len, d)
+        self._set_views(n, t, p, meta_len, g)
         self._n, self._n_real, self._tokens, self._decode = n, n_real, t, False
         self._q_lens, self._starts = q_lens.tolist(), starts.tolist()
 

@@ -32,10 +32,11 @@ A prefill engine's runner leaves them off: its batches past 16 prompts stay eage
 capture up to 33 * 16 graphs (2048 tokens) on a first use while serving.
 
 With ``mixed_graphs`` (the colocated decode engine's runner with ``--mixed-graphs``), a mixed step
-past the prefill graphs' sequences replays one CUDA graph per (chunk tokens, chunk sequences, decode
-rows) bucket instead: the backend pads its decode rows to a bucket of their own and its chunks as a prefill graph's
-(``begin(..., pad_decode=)``), so every metadata count is fixed by the bucket and attention is inside
-the graph, the decode kernel for the decode rows and the prefill kernel for the chunks. Graph pieces
+past the prefill graphs' sequences replays one CUDA graph per (tokens, chunk sequences) bucket
+instead, attention inside it: the decode kernel runs over a fixed number of rows (the decode rows,
+then empty ones) and the prefill kernel over the chunks, padded as a prefill graph's
+(``begin(..., pad_decode=)``), so every launch's shape is fixed by the bucket and the tokens are padded
+exactly as the pieces pad them. Graph pieces
 launch ~33 replays and ~150 kernels per 8B step from Python (9-12 ms of host time on the H200 host,
 more than the GPU time of 48 decode rows beside a chunk of up to 256 tokens:
 ``benchmarks/mixed_step_probe.py``); a mixed graph is one replay.
@@ -44,8 +45,8 @@ Paths, in the order :meth:`ModelRunner.step` tries them:
 
 * decode graph: every row one token, at most ``max_batch`` rows (``StepPath.GRAPH``)
 * prefill graph: at most ``prefill_graph_tokens`` tokens and ``prefill_graph_seqs`` sequences (``GRAPH``)
-* mixed graph: leading one-token rows (at most ``max_batch``) then at most ``prefill_graph_seqs`` chunks
-  of at most ``prefill_graph_tokens`` tokens, ``mixed_graphs`` (``GRAPH``)
+* mixed graph: leading one-token rows (at most ``max_batch``) then at most ``prefill_graph_seqs`` chunks,
+  at most ``prefill_graph_tokens`` tokens, ``mixed_graphs`` (``GRAPH``)
 * piecewise: at most ``prefill_graph_tokens`` tokens, any number of sequences, ``piecewise_graphs`` (``PIECEWISE``)
 * eager: everything else, and everything on a CPU or without graph-safe backends (``EAGER``)
 """
@@ -121,13 +122,6 @@ def prefill_seq_buckets(max_seqs: int) -> list[int]:
     return [*out, max_seqs]
 
 
-def mixed_decode_buckets(max_batch: int) -> list[int]:
-    """Decode rows a mixed graph is captured for: the decode graphs' buckets from 16 on (16, 24, 32, 48,
-    ...) up to and including ``max_batch``. A pad row costs a token of the GEMMs (nothing in attention),
-    and near saturation the GEMMs are the step: a third at most."""
-    return [b for b in decode_buckets(max_batch) if b >= 16] or [max_batch]
-
-
 def decode_buckets(max_batch: int) -> list[int]:
     """Batch sizes a decode graph is captured for: 1, 2, 4, 8, then 2**k and 1.5 * 2**k
     (16, 24, 32, 48, 64, 96, ...) up to and including ``max_batch``. Padding costs at most a third."""
@@ -188,7 +182,7 @@ class ModelRunner:
         backend can pad a prefill (``begin(..., pad_tokens=)``), one model without a step hook (not
         tensor-parallel); captured on first use or by :meth:`warmup_prefill`. ``mixed_graphs``: such
         batches with more sequences, leading decode rows then chunks, replay a mixed graph per
-        (tokens, sequences, decode rows) bucket where the backend pads them (``begin(..., pad_decode=)``;
+        (tokens, chunk sequences) bucket where the backend pads them (``begin(..., pad_decode=)``;
         captured on first use or by :meth:`warmup_mixed`). ``piecewise_graphs``: the other such batches
         run as graph pieces per token bucket (captured on first use or by :meth:`warmup_piecewise`) rather
         than eagerly."""
@@ -217,16 +211,15 @@ class ModelRunner:
         params = inspect.signature(attn.begin).parameters
         if self.prefill_tokens and (why_not or "pad_tokens" not in params):
             self.prefill_tokens = self.prefill_seqs = []
-        self.mixed_decode = mixed_decode_buckets(max_batch) if mixed_graphs and self.prefill_tokens and "pad_decode" in params else []
+        self.mixed_graphs = bool(mixed_graphs and self.prefill_tokens and "pad_decode" in params)
         self._prefill_graphs: dict[tuple[int, int], _PrefillGraph] = {}
-        self._mixed_graphs: dict[tuple[int, int, int], _PrefillGraph] = {}
+        self._mixed_graphs: dict[tuple[int, int], _PrefillGraph] = {}
         self._prefill_pool: Any = None
         self._prefill_captured_for: tuple[int, int] = (-1, -1)  # (RoPE table version, backend buffer generation)
         self._pio: torch.Tensor | None = None  # ids [T] | positions [T] | last rows [S + 1], per bucket
         self._pio_stage: HostStaging | None = None
         if self.prefill_tokens:
-            d = self.mixed_decode[-1] if self.mixed_decode else 0  # a mixed graph's ids, positions and last rows
-            size = 2 * (d + self.prefill_tokens[-1]) + d + self.prefill_seqs[-1] + 1
+            size = 2 * self.prefill_tokens[-1] + self.prefill_seqs[-1] + 1 + (max_batch if self.mixed_graphs else 0)
             self._pio = torch.zeros(size, dtype=torch.int64, device=self.device)
             self._pio_stage = HostStaging([self._pio])
         # Piecewise forwards, one per prefill token bucket (batches past the prefill graphs' sequences).
@@ -550,70 +543,73 @@ class ModelRunner:
 
     # -- mixed graphs ------------------------------------------------------------------------
 
-    def _mixed_bucket(self, q_lens: list[int]) -> tuple[int, int, int] | None:
-        """The (chunk tokens, chunk sequences, decode rows) graph bucket of a mixed batch (leading
-        one-token rows, then chunks) that no prefill graph takes, or None."""
-        if not self.mixed_decode or self.model.step_hook is not None:
+    def _mixed_bucket(self, q_lens: list[int]) -> tuple[int, int] | None:
+        """The (tokens, chunk sequences) graph bucket of a mixed batch (leading one-token rows, then
+        chunks) that no prefill graph takes, or None."""
+        if not self.mixed_graphs or self.model.step_hook is not None:
             return None
         n_dec = leading_decode_rows(q_lens)
-        n_pre, tp = len(q_lens) - n_dec, sum(q_lens) - n_dec
-        if not n_dec or not n_pre or n_dec > self.mixed_decode[-1] or n_pre > self.prefill_seqs[-1] or tp > self.prefill_tokens[-1]:
+        n_pre, t = len(q_lens) - n_dec, sum(q_lens)
+        if not n_dec or not n_pre or n_dec > self.max_batch or n_pre > self.prefill_seqs[-1] or t > self.prefill_tokens[-1]:
             return None
-        d = next(b for b in self.mixed_decode if b >= n_dec)
-        return next(b for b in self.prefill_tokens if b >= tp), self._seq_bucket(n_pre), d
+        return next(b for b in self.prefill_tokens if b >= t), self._seq_bucket(n_pre)
 
-    def _replay_mixed(self, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice], q_lens: list[int], tp: int, sb: int,
-                      d: int, device_ids: torch.Tensor | None = None) -> StepOutput:
-        """A mixed batch through its bucket's graph: the decode rows' ids and positions first, zeros up
-        to ``d``, the chunks' after them and zeros to ``d + tp``; each sequence's last row in batch order."""
-        n, n_dec = len(slices), leading_decode_rows(q_lens)
-        t = d + tp
-        self.attn.begin(slices, pad_to=d + sb + 1, pad_tokens=t, pad_decode=d)
+    def _decode_rows(self, t: int) -> int:
+        """The rows a mixed graph of ``t`` tokens runs the decode kernel over (its decode rows, then empty
+        ones): every count the bucket allows, so one graph serves every split of its tokens."""
+        return min(t, self.max_batch)
+
+    def _replay_mixed(self, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice], q_lens: list[int], t: int, sb: int,
+                      device_ids: torch.Tensor | None = None) -> StepOutput:
+        """A mixed batch through its bucket's graph: ids and positions packed as an eager step's, zeros
+        to ``t``; each sequence's last row in batch order."""
+        n, n_dec, t_real = len(slices), leading_decode_rows(q_lens), sum(q_lens)
+        g = self._decode_rows(t)
+        self.attn.begin(slices, pad_to=g + sb + 1, pad_tokens=t, pad_decode=g)
         assert self._pio_stage is not None
         (io,) = self._pio_stage.next()
-        ids, pos = io[:t], io[t : 2 * t]
-        _write_ids(ids, pos, tokens, slices, n_dec, chunks_at=d)
-        end = d + sum(q_lens) - n_dec
-        ids[n_dec:d] = pos[n_dec:d] = 0
-        ids[end:] = pos[end:] = 0
-        last = io[2 * t : 2 * t + d + sb + 1]
-        last[:n_dec] = np.arange(n_dec)
-        last[n_dec:n] = d - 1 + np.cumsum(q_lens[n_dec:])
+        _write_ids(io[:t], io[t : 2 * t], tokens, slices, n_dec)
+        io[t_real:t] = 0
+        io[t + t_real : 2 * t] = 0
+        last = io[2 * t : 2 * t + g + sb]
+        np.cumsum(q_lens, out=last[:n])
+        last[:n] -= 1
         last[n:] = 0
-        self._pio_stage.upload((2 * t + d + sb + 1,))
+        self._pio_stage.upload((2 * t + g + sb,))
         if device_ids is not None:  # leading one-token rows: token i is row i's
             assert self._pio is not None
             self._pio[: device_ids.shape[0]].copy_(device_ids).clamp_(min=0)
-        g = self._mixed_graph_for(tp, sb, d)
-        g.graph.replay()
+        graph = self._mixed_graph_for(t, sb)
+        graph.graph.replay()
         hook = getattr(self.attn, "after_layer", None)
         if hook is not None:
-            for layer, event in enumerate(g.layer_events):
+            for layer, event in enumerate(graph.layer_events):
                 hook(layer, event)
-        return StepOutput(g.logits[:n], None, StepPath.GRAPH)
+        return StepOutput(graph.logits[:n], None, StepPath.GRAPH)
 
-    def _mixed_graph_for(self, tp: int, sb: int, d: int) -> _PrefillGraph:
+    def _mixed_graph_for(self, t: int, sb: int) -> _PrefillGraph:
         """The mixed bucket's graph, captured now if missing or stale."""
         self._drop_stale_prefill_graphs()
-        g = self._mixed_graphs.get((tp, sb, d))
+        g = self._mixed_graphs.get((t, sb))
         if g is None:
-            g = self._mixed_graphs[(tp, sb, d)] = self._capture_prefill(d + tp, d + sb + 1)
+            g = self._mixed_graphs[(t, sb)] = self._capture_prefill(t, self._decode_rows(t) + sb)
         return g
 
     @torch.inference_mode()
-    def warmup_mixed(self, chunks: Iterable[int] = (1,)) -> list[tuple[int, int, int]]:
-        """Capture the mixed graphs of every (chunk tokens, decode rows) bucket for ``chunks`` chunk
-        sequences now (largest first, all-padding batches: no KV is written) rather than on a step's
-        first use. Returns the (tokens, sequences, decode rows) buckets captured (none when off)."""
-        if not self.mixed_decode or self.model.step_hook is not None:
+    def warmup_mixed(self, chunks: Iterable[int] = (1,)) -> list[tuple[int, int]]:
+        """Capture the mixed graphs of every token bucket for ``chunks`` chunk sequences now (largest
+        first, all-padding batches: no KV is written) rather than on a step's first use. Returns the
+        (tokens, sequences) buckets captured (none when mixed graphs are off)."""
+        if not self.mixed_graphs or self.model.step_hook is not None:
             return []
-        keys = sorted({(t, self._seq_bucket(c), d) for t in self.prefill_tokens for c in chunks for d in self.mixed_decode}, reverse=True)
+        keys = sorted({(t, self._seq_bucket(c)) for t in self.prefill_tokens for c in chunks}, reverse=True)
         with self._lock, self._on_device():
-            for tp, sb, d in keys:
-                self.attn.begin([], pad_to=d + sb + 1, pad_tokens=d + tp, pad_decode=d)
+            for t, sb in keys:
+                g = self._decode_rows(t)
+                self.attn.begin([], pad_to=g + sb + 1, pad_tokens=t, pad_decode=g)
                 assert self._pio is not None
-                self._pio[: 2 * (d + tp) + d + sb + 1].zero_()
-                self._mixed_graph_for(tp, sb, d)
+                self._pio[: 2 * t + g + sb].zero_()
+                self._mixed_graph_for(t, sb)
         return keys
 
     # -- piecewise forwards ------------------------------------------------------------------
@@ -683,18 +679,16 @@ class ModelRunner:
         return list(reversed(self.piecewise_tokens))
 
 
-def _write_ids(ids: np.ndarray, pos: np.ndarray, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice], n_dec: int,
-               chunks_at: int | None = None) -> None:
-    """The batch's token ids and positions from the front of ``ids`` and ``pos``: its ``n_dec`` leading
-    one-token rows in one assignment each (a mixed step's hundreds of decode rows cost a few
-    microseconds, not one slice assignment per row), the prompt chunks row by row from ``chunks_at``
-    (default: right after them; a mixed graph's decode pads lie between)."""
+def _write_ids(ids: np.ndarray, pos: np.ndarray, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice], n_dec: int) -> None:
+    """The batch's token ids and positions, back to back from the front of ``ids`` and ``pos``: its
+    ``n_dec`` leading one-token rows in one assignment each (a mixed step's hundreds of decode rows
+    cost a few microseconds, not one slice assignment per row), the prompt chunks after them row by row."""
     try:
         ids[:n_dec] = [tok for (tok,) in tokens[:n_dec]]
     except ValueError:
         raise ValueError("a one-token slice was given another number of tokens") from None
     pos[:n_dec] = [s.start for s in slices[:n_dec]]
-    at = n_dec if chunks_at is None else chunks_at
+    at = n_dec
     for seq, s in zip(tokens[n_dec:], slices[n_dec:]):
         k = len(seq)
         if k != s.q_len:
