@@ -122,8 +122,6 @@ class PagedAttention:
         self._starts: list[int] = []
         self._views: dict[str, torch.Tensor] = {}
         self._host: dict[str, torch.Tensor] = {}
-        #: A padded mixed batch on the torch path: where its real tokens are, and how many tokens in all.
-        self._compact: tuple[torch.Tensor, int] | None = None
         #: The torch path on a CPU: the leading one-token rows' blocks (set by begin) and the kept
         #: buffers they are attended in (:mod:`hawk.engine.cpu_attention`).
         self._cpu_plans: list[DecodePlan] = []
@@ -207,7 +205,6 @@ class PagedAttention:
         n_real = len(batch)
         if n_real == 0 and not pad_to:
             raise ValueError("begin() needs at least one sequence (or pad_to: a batch of pad rows, for graph capture)")
-        self._compact = None
         if pad_decode is not None:
             self._begin_mixed(batch, pad_decode, pad_to, pad_tokens)
             return
@@ -304,7 +301,8 @@ class PagedAttention:
         unpadded batch (decode rows', chunks'), then the pad tokens up to ``pad_tokens``. The decode
         kernel runs over rows and tokens ``0 .. g - 1`` (``g`` <= ``pad_tokens``): what it writes for the
         rows past the real ones lands on chunk or pad tokens, which the prefill kernel, launched after it,
-        writes again. The torch path attends the real tokens only (no graph reads its metadata)."""
+        writes again. The torch path, whose metadata no graph reads, pads the batch as a prefill's (the
+        same tokens, the pads after them)."""
         if pad_to is None or pad_tokens is None:
             raise ValueError("pad_decode needs pad_to and pad_tokens (a mixed step's graph bucket)")
         bs, n_real, n, t = self.layout.block_size, len(batch), pad_to, pad_tokens
@@ -316,12 +314,7 @@ class PagedAttention:
             raise ValueError(f"a mixed batch of {n_dec} decode rows and {n_pre} chunks ({t_real} tokens) does not fit "
                              f"pad_decode={g}, pad_to={n}, pad_tokens={t}")
         if self._ta is None:
-            if n_real:
-                self.begin(batch)
-            else:  # a graph's warm-up: pads only
-                self._n = self._n_real = 0
-            self._compact = (torch.arange(t_real, device=self.device), t)
-            self._tokens = t
+            self.begin(batch, pad_to=n_real + 1, pad_tokens=t)
             return
         ctx = starts + q_lens
         need = self._check_rows(batch, q_lens, starts, ctx)
@@ -478,14 +471,6 @@ class PagedAttention:
         cache = self.caches[layer_idx]
         if self._ta is not None:
             return self._forward_triton(cache, q, k, v)
-        if self._compact is not None:  # a padded mixed batch on the torch path: its real tokens only
-            idx, _ = self._compact
-            out = q.new_zeros(q.shape)
-            out[idx] = self._attend_torch(cache, q[idx], k[idx], v[idx])
-            return out
-        return self._attend_torch(cache, q, k, v)
-
-    def _attend_torch(self, cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self._n_real == 0:  # pad rows only: nothing to write or read
             return torch.zeros_like(q)
         self._write_torch(cache, k, v)
