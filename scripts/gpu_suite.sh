@@ -36,8 +36,8 @@
 #     saturation - issue 31: `hawk bench serving --saturation` (chatbot, 8B shape, bf16, default capacity) against colocated
 #                 and gn-hawk with both roles on GPU0 (transport auto), each beside its same-run bound; then
 #                 `python -m hawk.bench.saturation summarize` -> $OUT/saturation_h200.json (SAT_START rate, SAT_DURATION s or
-#                 SAT_REQUESTS per rate, SAT_CONFIGS: one server per call at 30 s a rate; SAT_SERVE_ARGS: more hawk serve
-#                 flags, e.g. "--api-server-count 4")
+#                 SAT_REQUESTS per rate, SAT_CONFIGS: one server per call at 30 s a rate, colocated, gn-hawk_gpu0 or
+#                 colocated-mixed-graphs; SAT_SERVE_ARGS: more hawk serve flags, e.g. "--api-server-count 4")
 #     steps     - the engine's step paths on CUDA: the runner's graphs (decode, prefill, graph pieces for a mixed batch
 #                 past 16 sequences, e.g. 48 and 256 decode rows beside a 512-token chunk on the 8B layer shapes), async
 #                 scheduling and overlapped mixed steps against the synchronous loop (pytest -m gpu)
@@ -264,9 +264,10 @@ if want saturation; then
     case $c in
       colocated) sat_bench colocated colocated cuda:0 256 ;;
       gn-hawk_gpu0) sat_bench gn-hawk_gpu0 gn-hawk npu-emu:cuda:0 0 --transport auto ;;  # no bound: measured against colocated
+      colocated-mixed-graphs) sat_bench colocated-mixed-graphs colocated cuda:0 256 --mixed-graphs ;;  # against colocated's pieces
     esac
   done
-  python3 -m hawk.bench.saturation summarize "$OUT/saturation_colocated.json" "$OUT/saturation_gn-hawk_gpu0.json" \
+  python3 -m hawk.bench.saturation summarize "$OUT/saturation_colocated.json" "$OUT/saturation_gn-hawk_gpu0.json" "$OUT/saturation_colocated-mixed-graphs.json" \
     --device "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), one GPU, both roles on GPU0 (emulated NPU)" \
     --command "bash scripts/gpu_suite.sh saturation" --out "$OUT/saturation_h200.json"
 fi

@@ -100,6 +100,9 @@ def test_summary_rows_and_acceptance():
     assert acc["tpot_p50_over_step_at_80"]["holds"] and acc["itl_p99_over_tpot_p50_at_80"]["holds"]
     rows = rows_of(out["runs"][0])
     assert [r["at_80"] for r in rows] == [False, True] and set(rows[0]) >= {"config", "rate", "bound_rps", "itl_p99_ms", "slo_attainment"}
+    variant = summarize([run("colocated", 20.0, 24.0), run("colocated-mixed-graphs", 21.0, 24.0), run("gn-hawk", 19.0, None)],
+                        "H200", "cmd")
+    assert variant["acceptance"]["disaggregated_over_colocated"]["value"] == pytest.approx(0.95) and len(variant["summary"]) == 3
     worse = summarize([run("colocated", 10.0, 24.0)], "H200", "cmd")["acceptance"]
     assert not worse["colocated_saturation_over_bound"]["holds"] and "disaggregated_over_colocated" not in worse
     assert math.isclose(worse["colocated_saturation_over_bound"]["value"], 10 / 24)

@@ -361,15 +361,17 @@ def rows_of(run: dict[str, Any]) -> list[dict[str, Any]]:
 
 def summarize(runs: Sequence[dict[str, Any]], device: str, command: str) -> dict[str, Any]:
     """The runs side by side with the acceptance ratios of issue 31: the first run is colocated, the
-    second (if any) a disaggregated one on the same GPU."""
+    first later one whose config is not ``colocated...`` (if any) a disaggregated one on the same GPU
+    (other colocated variants are rows only)."""
     first = runs[0]
     checks: dict[str, Any] = {
         "colocated_saturation_over_bound": first["saturation_over_bound"],
         "tpot_p50_over_step_at_80": first.get("tpot_p50_over_step_at_80"),
         "itl_p99_over_tpot_p50_at_80": first.get("itl_p99_over_tpot_p50_at_80"),
     }
-    if len(runs) > 1:
-        checks["disaggregated_over_colocated"] = runs[1]["saturation_rps"] / first["saturation_rps"]
+    disaggregated = next((r for r in runs[1:] if not str(r.get("config", "")).startswith("colocated")), None)
+    if disaggregated is not None:
+        checks["disaggregated_over_colocated"] = disaggregated["saturation_rps"] / first["saturation_rps"]
     limits = {"colocated_saturation_over_bound": (">=", 0.8), "disaggregated_over_colocated": (">=", 0.9),
               "tpot_p50_over_step_at_80": ("<=", 1.5), "itl_p99_over_tpot_p50_at_80": ("<=", 3.0)}
     holds = {k: (v is not None and (v >= limits[k][1] if limits[k][0] == ">=" else v <= limits[k][1])) for k, v in checks.items()}
