@@ -379,7 +379,7 @@ class PagedAttention:
             self._kernel_plan = block_plan(bt_np[:n_real], ctx, np.asarray(self._q_lens), self.layout.block_size)
         elif dev.type == "cpu" and n_dec:
             self._cpu_plans = decode_groups(bt_np[:n_dec], ctx[:n_dec], self.layout.block_size)
-        if self._kernel_plan is None and self._decode and n_real > 1 and (ctx != width * self.layout.block_size).any():
+        if not self._in_place and self._decode and n_real > 1 and (ctx != width * self.layout.block_size).any():
             keys = torch.arange(width * self.layout.block_size, device=dev)
             self._host["mask"] = (keys[None, :] < torch.from_numpy(ctx).to(dev)[:, None])[:, None, None, :]
 
