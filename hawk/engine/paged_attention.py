@@ -38,7 +38,7 @@ from hawk.devices.staging import HostStaging
 from hawk.engine.attention import SeqSlice, attend, leading_decode_rows
 from hawk.engine.cpu_attention import DecodePlan, DecodeWorkspace, decode_groups
 from hawk.engine.cpu_numerics import widens
-from hawk.engine.vllm_cpu_kernel import BlockPlan, InPlacePlan, KernelAttention, block_plan, in_place_plan, kernel_isa
+from hawk.engine.vllm_cpu_kernel import BLOCK_MULTIPLE, BlockPlan, InPlacePlan, KernelAttention, block_plan, in_place_plan, kernel_isa
 from hawk.layouts.gpu import GpuKVLayout
 
 __all__ = ["PagedAttention", "SeqSlice"]
@@ -133,9 +133,9 @@ class PagedAttention:
         self._kernel_plan: BlockPlan | InPlacePlan | None = None
         #: A "vec" cache is in the kernel's order, read in place; only the kernel reads it.
         self._in_place = layout.order == "vec"
-        if self._in_place and (self._kernel is None or self._ta is not None or bs % 32):
-            raise ValueError("a 'vec' cache is read by vLLM's CPU kernel only (on a CPU where it loads, blocks of a multiple of "
-                             f"32 tokens, not through Triton); here: kernel {isa}, block_size {bs}, triton {self._ta is not None}")
+        if self._in_place and (self._kernel is None or self._ta is not None or bs % BLOCK_MULTIPLE):
+            raise ValueError(f"a 'vec' cache is read by vLLM's CPU kernel only (on a CPU where it loads, blocks of a multiple of "
+                             f"{BLOCK_MULTIPLE} tokens, not through Triton); here: kernel {isa}, block_size {bs}, triton {self._ta is not None}")
 
     # ---- buffers ------------------------------------------------------------------------------
 
