@@ -2,7 +2,10 @@
 
 Why: issue 31's CPU acceptance compares HAWK's serving throughput with vLLM's on the CPU box, and the
 serving run only says the decode step is slow, not which part. This probe builds the colocated engine's
-pieces (the model in its serving dtype, a paged cache of the serving block size, the torch path of
+pieces (the model in its serving dtype, the paged cache that engine keeps: ``--cache engine``, on a CPU
+where vLLM's kernel loads the kernel's own order read in place, see
+:func:`~hawk.engine.vllm_cpu_kernel.in_place_layout`; ``--cache nhd``: HAWK's NHD cache of 16-token
+blocks, copied into the kernel's order per layer, the way before it; the torch path of
 :class:`~hawk.engine.paged_attention.PagedAttention`, :class:`~hawk.engine.runner.ModelRunner`) and times
 whole steps (metadata, forward, LM head) at a fixed context, median of ``--reps`` after a warm-up:
 
@@ -13,26 +16,67 @@ whole steps (metadata, forward, LM head) at a fixed context, median of ``--reps`
 
     PYTHONPATH=. python benchmarks/cpu_step_probe.py --batches 1,8,32 --context 300 --chunk 256 --reps 5
 
-One JSON line per point: ``{kind, batch, context, chunk, ms, ms_all}``.
+One JSON line per point: ``{kind, batch, context, chunk, ms, ms_all}``; the first line says which cache.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from hawk.engine.attention import SeqSlice
+from hawk.engine.loader import load_model
 from hawk.engine.paged_attention import PagedAttention
 from hawk.engine.runner import ModelRunner
+from hawk.engine.vllm_cpu_kernel import in_place_layout
+from hawk.layouts.gpu import GpuKVLayout
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling probe; hawk itself as PYTHONPATH says
-from mixed_step_probe import StepCase
+#: HAWK's serving block size (``--gpu-block-size``'s default), before the engine picks its cache.
+BLOCK = 16
+Batch = tuple[list[list[int]], list[SeqSlice]]
+
+
+@dataclass
+class Case:
+    """``top`` decode rows at ``context`` tokens each and one fresh prompt chunk, over a paged cache
+    sized for exactly them, in the layout the colocated engine keeps (or HAWK's NHD one)."""
+
+    layout: GpuKVLayout
+    caches: list[torch.Tensor]
+    context: int
+    chunk: int
+
+    @classmethod
+    def build(cls, cfg: Any, dtype: torch.dtype, top: int, context: int, chunk: int, cache: str) -> Case:
+        tokens = top * (context + 2) + chunk + 1
+        nhd = GpuKVLayout(cfg.num_layers, -(-tokens // BLOCK), BLOCK, cfg.num_kv_heads, cfg.head_dim, "bf16" if dtype == torch.bfloat16 else "fp32")
+        layout = in_place_layout(nhd, "cpu", dtype) if cache == "engine" else nhd
+        per_seq, chunk_blocks = -(-(context + 2) // layout.block_size), -(-(chunk + 1) // layout.block_size)
+        layout = dataclasses.replace(layout, num_blocks=top * per_seq + chunk_blocks)
+        return cls(layout, layout.allocate("cpu"), context, chunk)
+
+    @property
+    def per_seq(self) -> int:
+        """Blocks a decode row holds."""
+        return -(-(self.context + 2) // self.layout.block_size)
+
+    def decode(self, b: int) -> Batch:
+        """The first ``b`` rows' tokens and slices: one new token each, after ``context``."""
+        n = self.per_seq
+        return [[1]] * b, [SeqSlice(list(range(i * n, (i + 1) * n)), self.context, 1) for i in range(b)]
+
+    def prefill(self) -> Batch:
+        """The chunk's tokens and slice, in the blocks after every row's."""
+        first = self.layout.num_blocks - -(-(self.chunk + 1) // self.layout.block_size)
+        return [list(range(1, self.chunk + 1))], [SeqSlice(list(range(first, self.layout.num_blocks)), 0, self.chunk)]
 
 
 def _times(fn: Callable[[], object], reps: int, warmup: int = 2) -> list[float]:
@@ -56,18 +100,22 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=256, help="the mixed step's prompt chunk (0: no mixed point)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--cache", default="engine", choices=("engine", "nhd"),
+                    help="engine: the cache the colocated engine keeps (vLLM's kernel order where it reads it in place); "
+                         "nhd: HAWK's NHD cache of 16-token blocks, copied into the kernel's order per layer")
     a = ap.parse_args()
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     batches = [int(x) for x in a.batches.split(",")]
     top = max(batches)
-    case = StepCase.build(a.model, torch.device("cpu"), dtype, top, a.context, a.chunk)
+    loaded = load_model(a.model, torch.device("cpu"), dtype, 0)
+    case = Case.build(loaded.config, dtype, top, a.context, a.chunk, a.cache)
     g = torch.Generator().manual_seed(0)
     for c in case.caches:  # a context of random K/V (what is in it does not change the cost)
         c.copy_(torch.randn(c.shape, generator=g, dtype=torch.float32).to(c.dtype))
     attn = PagedAttention(case.layout, case.caches, max_batch=top + 2, max_model_len=a.context + a.chunk + 8)
-    runner = ModelRunner(case.loaded.model, attn, max_batch=top, graphs=False)
-    print(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": a.dtype,
-                      "model": a.model}), flush=True)
+    runner = ModelRunner(loaded.model, attn, max_batch=top, graphs=False)
+    print(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": a.dtype, "model": a.model,
+                      "cache": {"order": case.layout.order, "block_size": case.layout.block_size}}), flush=True)
     ptok, pre = case.prefill()
     for b in batches:
         dtok, dec = case.decode(b)

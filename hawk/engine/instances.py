@@ -24,6 +24,7 @@ from hawk.engine.ranks import DecodeRank, InstanceConfig, PrefillRank, compute_d
 from hawk.engine.tensor_parallel import Shard, kv_request_id, overlapping_ranks
 from hawk.engine.tp_ranks import Followers, record_slices
 from hawk.engine.transfer_buffers import MiB, buffer_mb, check_kv_fits, kv_limits
+from hawk.engine.vllm_cpu_kernel import in_place_layout
 
 log = logging.getLogger(__name__)
 
@@ -373,7 +374,9 @@ class ColocatedInstance:
         mc = self.loaded.config
         self.capacity = capacity.resolve(cfg, mc, "colocated", capacity.weight_bytes(self.loaded.model))
         cfg = self.cfg = dataclasses.replace(cfg, kv_tokens=self.capacity.kv_tokens, max_batch=self.capacity.max_num_seqs)
-        self.layout = gpu_layout(cfg, mc, cfg.kv_tokens)
+        # On a CPU, the cache vLLM's CPU kernel reads in place (its own block order): nothing outside
+        # this instance reads it, so its order is the attention's choice (hawk/engine/vllm_cpu_kernel.py).
+        self.layout = in_place_layout(gpu_layout(cfg, mc, cfg.kv_tokens), cfg.prefill_device, compute_dtype(cfg))
         self.caches = self.layout.allocate(cfg.prefill_device)
         self.blocks = BlockManager(self.layout.num_blocks, self.layout.block_size)
         self._handed: dict[str, list[int]] = {}

@@ -38,7 +38,7 @@ from hawk.devices.staging import HostStaging
 from hawk.engine.attention import SeqSlice, attend, leading_decode_rows
 from hawk.engine.cpu_attention import DecodePlan, DecodeWorkspace, decode_groups
 from hawk.engine.cpu_numerics import widens
-from hawk.engine.vllm_cpu_kernel import BlockPlan, KernelAttention, block_plan, kernel_isa
+from hawk.engine.vllm_cpu_kernel import BLOCK_MULTIPLE, BlockPlan, InPlacePlan, KernelAttention, block_plan, in_place_plan, kernel_isa
 from hawk.layouts.gpu import GpuKVLayout
 
 __all__ = ["PagedAttention", "SeqSlice"]
@@ -130,7 +130,12 @@ class PagedAttention:
         #: bits: :mod:`hawk.engine.vllm_cpu_kernel`): the step's plan (set by begin) and its kept copy.
         isa = kernel_isa(layout.head_dim, self.caches[0].dtype) if self.device.type == "cpu" else None
         self._kernel = KernelAttention(isa) if isa is not None else None
-        self._kernel_plan: BlockPlan | None = None
+        self._kernel_plan: BlockPlan | InPlacePlan | None = None
+        #: A "vec" cache is in the kernel's order, read in place; only the kernel reads it.
+        self._in_place = layout.order == "vec"
+        if self._in_place and (self._kernel is None or self._ta is not None or bs % BLOCK_MULTIPLE):
+            raise ValueError(f"a 'vec' cache is read by vLLM's CPU kernel only (on a CPU where it loads, blocks of a multiple of "
+                             f"{BLOCK_MULTIPLE} tokens, not through Triton); here: kernel {isa}, block_size {bs}, triton {self._ta is not None}")
 
     # ---- buffers ------------------------------------------------------------------------------
 
@@ -442,11 +447,13 @@ class PagedAttention:
         self._need, self._ctx = need.tolist(), ctx.tolist()
         n_dec = n_real if self._decode else leading_decode_rows(self._q_lens)
         self._cpu_plans, self._kernel_plan = [], None
-        if self._kernel is not None and n_real:
+        if self._kernel is not None and n_real and self._in_place:
+            self._kernel_plan = in_place_plan(bt_np[:n_real, : max(width, 1)], ctx, np.asarray(self._q_lens))
+        elif self._kernel is not None and n_real:
             self._kernel_plan = block_plan(bt_np[:n_real], ctx, np.asarray(self._q_lens), self.layout.block_size)
         elif dev.type == "cpu" and n_dec:
             self._cpu_plans = decode_groups(bt_np[:n_dec], ctx[:n_dec], self.layout.block_size)
-        if self._decode and n_real > 1 and (ctx != width * self.layout.block_size).any():
+        if not self._in_place and self._decode and n_real > 1 and (ctx != width * self.layout.block_size).any():
             keys = torch.arange(width * self.layout.block_size, device=dev)
             self._host["mask"] = (keys[None, :] < torch.from_numpy(ctx).to(dev)[:, None])[:, None, None, :]
 
@@ -476,6 +483,8 @@ class PagedAttention:
         self._write_torch(cache, k, v)
         if self._kernel_plan is not None and q.dtype == cache.dtype:
             return self._attend_kernel(cache, q)
+        if self._in_place:
+            raise ValueError(f"a 'vec' cache ({cache.dtype}) is read by vLLM's CPU kernel only, which takes q in its dtype, got {q.dtype}")
         if self._decode:
             return self._decode_torch(cache, q)
         return self._prefill_torch(cache, q, k, v)
@@ -527,6 +536,11 @@ class PagedAttention:
         if self.layout.order == "NHD":
             flat = cache.view(2, -1, *cache.shape[3:])  # [2, blocks * block_size, H, D]
             flat[0, slots], flat[1, slots] = k, v
+        elif self._in_place:  # K [D][N], V [N][D] in each (block, head)
+            blk, off = slots // bs, slots % bs
+            h, d = cache.shape[2], k.shape[-1]
+            cache[0].view(-1, h, d, bs)[blk, :, :, off] = k
+            cache[1].view(-1, h, bs, d)[blk, :, off] = v
         else:
             blk, off = slots // bs, slots % bs
             cache[0, blk, :, off], cache[1, blk, :, off] = k, v
@@ -543,7 +557,10 @@ class PagedAttention:
         the cache once this forward's K/V are written; pad rows and pad tokens get zeros."""
         assert self._kernel is not None and self._kernel_plan is not None
         t_real = len(self._host["slots"])
-        out = self._kernel.attend_blocks(q[:t_real], cache, self._kernel_plan, self.layout.order == "NHD")
+        if isinstance(self._kernel_plan, InPlacePlan):
+            out = self._kernel.attend_in_place(q[:t_real], cache, self._kernel_plan)
+        else:
+            out = self._kernel.attend_blocks(q[:t_real], cache, self._kernel_plan, self.layout.order == "NHD")
         if q.shape[0] > t_real:
             out = torch.cat([out, out.new_zeros(q.shape[0] - t_real, *out.shape[1:])])
         return out

@@ -33,15 +33,27 @@ CPU platform would load on this CPU. Only the ``vec`` and ``vec16`` block orders
 V ``[N][D]`` per block and head, as :data:`hawk.layouts.vllm.CPU_ISA_FORMS` describes them); on a CPU
 where vLLM picks ``amx`` (bf16 with AMX tiles) HAWK keeps its torch form. ``HAWK_CPU_ATTENTION=torch``
 keeps it everywhere.
+
+Two ways to feed it. A cache in the kernel's own order (:class:`~hawk.layouts.gpu.GpuKVLayout` order
+"vec", blocks of a multiple of 32 tokens, what :func:`in_place_layout` picks for an engine on a CPU) is
+read in place, as vLLM reads its own: the block table is the kernel's (:func:`in_place_plan`,
+:meth:`KernelAttention.attend_in_place`). Why: with HAWK's NHD cache of 16-token blocks every layer of
+every step gathered its rows' blocks and reordered them for the kernel, 37 % of a batch-32 decode step's
+profiled time (``benchmarks/cpu_step_probe.py --profile``, SmolLM2, context 300, one thread), copies
+vLLM never makes. Any other paged cache (NHD / HND, any block size) is copied into the kernel's order
+per layer (:func:`block_plan`, :meth:`KernelAttention.attend_blocks`): the same bits, as the block size
+does not change them.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import os
 import platform
 import threading
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +61,7 @@ import numpy as np
 import torch
 
 from hawk.engine.cpu_attention import KeptBuffers
+from hawk.layouts.gpu import GpuKVLayout
 
 #: "auto": vLLM's kernel where it loads and can be fed; "torch": HAWK's torch form always.
 MODE_ENV = "HAWK_CPU_ATTENTION"
@@ -105,6 +118,37 @@ def kernel_isa(head_dim: int, dtype: torch.dtype) -> str | None:
     else:
         isa = "vec"
     return isa if _loaded() else None
+
+
+def in_place_layout(layout: GpuKVLayout, device: torch.device | str, compute: torch.dtype) -> GpuKVLayout:
+    """The cache an engine computing in ``compute`` on ``device`` keeps instead of ``layout``: on a CPU
+    where the kernel reads ``layout``'s head size and dtype (and the engine computes in that dtype: the
+    kernel takes q in the cache's), the kernel's own order, "vec", with blocks of the least multiple
+    of :data:`BLOCK_MULTIPLE` that holds whole blocks of ``layout`` (16 -> 32 tokens) and the same
+    tokens or more; anywhere else ``layout`` itself."""
+    if torch.device(device).type != "cpu" or compute != layout.torch_dtype or kernel_isa(layout.head_dim, compute) is None:
+        return layout
+    bs = math.lcm(layout.block_size, BLOCK_MULTIPLE)
+    blocks = -(-layout.num_blocks * layout.block_size // bs)
+    return dataclasses.replace(layout, num_blocks=blocks, block_size=bs, order="vec")
+
+
+@dataclass(frozen=True)
+class InPlacePlan:
+    """The kernel's metadata for rows read in place from a "vec" cache: ``table [rows, width]`` (int32,
+    each row's cache block ids; past a row's context unread), ``seq_lens [rows]``, ``q_start [rows + 1]``."""
+
+    table: torch.Tensor
+    seq_lens: torch.Tensor
+    q_start: torch.Tensor
+
+
+def in_place_plan(block_tables: np.ndarray, ctx: np.ndarray, q_lens: np.ndarray) -> InPlacePlan:
+    """The :class:`InPlacePlan` of rows with cache blocks ``block_tables [rows, >= need]``, ``ctx`` tokens of
+    context each (new tokens included) and ``q_lens`` query tokens each."""
+    q_start = np.concatenate([[0], np.cumsum(q_lens)])
+    return InPlacePlan(torch.from_numpy(np.ascontiguousarray(block_tables, dtype=np.int32)),
+                       torch.from_numpy(ctx.astype(np.int32)), torch.from_numpy(q_start.astype(np.int32)))
 
 
 @dataclass(frozen=True)
@@ -195,6 +239,12 @@ class KernelAttention:
             else:  # -> [n, H, per, bs, D]
                 out.view(n, h, per, bs, d).copy_(g.permute(0, 2, 1, 3, 4))
         return self._run(q, kc, vc, per * bs, plan.q_start, plan.seq_lens, plan.table)
+
+    def attend_in_place(self, q: torch.Tensor, cache: torch.Tensor, plan: InPlacePlan) -> torch.Tensor:
+        """Causal attention of rows ``q [T, Hq, D]`` (row ``i``'s queries at ``plan.q_start[i]``: its last
+        positions) over a "vec" cache ``[2, blocks, H, N * D]`` (:func:`in_place_layout`), read where it is."""
+        d = q.shape[2]
+        return self._run(q, cache[0], cache[1], cache.shape[3] // d, plan.q_start, plan.seq_lens, plan.table)
 
     def _run(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, n_tok: int, q_start: torch.Tensor,
              seq_lens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

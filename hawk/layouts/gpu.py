@@ -1,7 +1,10 @@
 """The GPU side's paged KV cache, as vLLM lays it out: a shape and strides, nothing more.
 
 Per layer one tensor ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` ("NHD", vLLM's
-FlashAttention default) or ``[2, num_blocks, num_kv_heads, block_size, head_dim]`` ("HND").
+FlashAttention default) or ``[2, num_blocks, num_kv_heads, block_size, head_dim]`` ("HND"), or
+``[2, num_blocks, num_kv_heads, block_size * head_dim]`` ("vec": the block order vLLM's CPU attention
+kernel reads in place, its ``vec`` / ``vec16`` ISAs: in each (block, head) K is ``[D][N]``, V ``[N][D]``;
+so V is HND's and K is HND's with slot and dim swapped, and K and V have strides of their own).
 A layout is a function from ``(kv, block, slot, head, dim)`` to an element offset (CuTe style),
 so every consumer (plan, transform, attention) reads positions from here and never re-derives them.
 :meth:`GpuKVLayout.paged` gives the same function as a :class:`~hawk.layouts.paged.PagedKVLayout`
@@ -17,9 +20,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from hawk.layouts.dtypes import GPU_DTYPES, gpu_torch_dtype
-from hawk.layouts.paged import COORDS, PagedKVLayout, plain
+from hawk.layouts.paged import COORDS, NotStridedError, PagedKVLayout, plain
 
-ORDERS = ("NHD", "HND")
+ORDERS = ("NHD", "HND", "vec")
 
 
 @dataclass(frozen=True)
@@ -65,23 +68,36 @@ class GpuKVLayout:
         return range(self.head_start, self.head_start + self.num_kv_heads)
 
     @property
-    def layer_shape(self) -> tuple[int, int, int, int, int]:
+    def layer_shape(self) -> tuple[int, ...]:
         if self.order == "NHD":
             return (2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        if self.order == "vec":  # a (block, head) region is flat: K's and V's orders inside it differ
+            return (2, self.num_blocks, self.num_kv_heads, self.block_size * self.head_dim)
         return (2, self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
 
     def strides(self) -> dict[str, int]:
-        """Element strides of ``kv, block, slot, head, dim`` within one layer tensor."""
+        """Element strides of ``kv, block, slot, head, dim`` within one layer tensor, K's and V's alike;
+        NotStridedError for "vec", whose K and V differ (:meth:`side_strides`)."""
+        if self.order == "vec":
+            raise NotStridedError("a 'vec' cache's K ([D][N]) and V ([N][D]) have different strides: ask side_strides(kv)")
+        return self.side_strides(0)
+
+    def side_strides(self, kv: int) -> dict[str, int]:
+        """Element strides of ``kv, block, slot, head, dim`` of K (``kv`` 0) or V (1) within one layer tensor."""
         bs, h, d = self.block_size, self.num_kv_heads, self.head_dim
         block = bs * h * d
-        kv = self.num_blocks * block
+        kv_stride = self.num_blocks * block
         if self.order == "NHD":
-            return {"kv": kv, "block": block, "slot": h * d, "head": d, "dim": 1}
-        return {"kv": kv, "block": block, "slot": d, "head": bs * d, "dim": 1}
+            return {"kv": kv_stride, "block": block, "slot": h * d, "head": d, "dim": 1}
+        if self.order == "vec" and kv == 0:
+            return {"kv": kv_stride, "block": block, "slot": 1, "head": bs * d, "dim": bs}
+        return {"kv": kv_stride, "block": block, "slot": d, "head": bs * d, "dim": 1}
 
     def strides_of(self, tensor: torch.Tensor) -> dict[str, int]:
         """Element strides of ``kv, block, slot, head, dim`` of one given layer tensor: any strides
-        (a sliced view) as long as the shape is this layout's."""
+        (a sliced view) as long as the shape is this layout's (NHD / HND; "vec" is not plain strides)."""
+        if self.order == "vec":
+            raise NotStridedError("a 'vec' cache's K and V have different strides; read it through paged()")
         names = ("kv", "block", "slot", "head", "dim") if self.order == "NHD" else ("kv", "block", "head", "slot", "dim")
         return dict(zip(names, tensor.stride()))
 
@@ -111,7 +127,7 @@ class GpuKVLayout:
 
     def offset(self, kv: int, block: int, slot: int, head: int, dim: int = 0) -> int:
         """Element offset of one KV element inside its layer tensor (``head`` is rank-local)."""
-        s = self.strides()
+        s = self.side_strides(kv)
         return kv * s["kv"] + block * s["block"] + slot * s["slot"] + head * s["head"] + dim * s["dim"]
 
     @property
@@ -143,12 +159,11 @@ class GpuKVLayout:
 
 @functools.lru_cache(maxsize=64)
 def _paged(layout: GpuKVLayout) -> PagedKVLayout:
-    s = layout.strides()
     sizes = (layout.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    modes = tuple(plain(n, s[c]) for n, c in zip(sizes, COORDS))
+    k, v = (tuple(plain(n, s[c]) for n, c in zip(sizes, COORDS)) for s in (layout.side_strides(0), layout.side_strides(1)))
     strides = tuple(int(x) for x in torch.empty(0).new_empty(layout.layer_shape, device="meta").stride())
     return PagedKVLayout(layout.num_layers, layout.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim,
-                         (modes, modes), (0, s["kv"]), layout.layer_shape, strides, layout.dtype, layout.head_start,  # type: ignore[arg-type]
+                         (k, v), (0, layout.side_strides(1)["kv"]), layout.layer_shape, strides, layout.dtype, layout.head_start,  # type: ignore[arg-type]
                          f"hawk {layout.order}")
 
 
