@@ -216,7 +216,6 @@ class PagedAttention:
         if pad_tokens is None and self._ta is not None and self.fast_decode and all(s.q_len == 1 for s in batch):
             self._begin_decode(batch, n_real if pad_to is None else pad_to)
             return
-        bs = self.layout.block_size
         q_lens = np.fromiter((s.q_len for s in batch), dtype=np.int64, count=n_real)
         starts = np.fromiter((s.start for s in batch), dtype=np.int64, count=n_real)
         decode = pad_tokens is None and bool((q_lens == 1).all())
@@ -261,11 +260,8 @@ class PagedAttention:
             q_start[n_real + 1 :] = t_real + np.arange(1, n - n_real + 1)
         else:  # the first pad row holds every pad token, the rest none
             q_start[n_real + 1 :] = t
-        tok_row = np.repeat(np.arange(n_real), q_lens)
-        tok_pos = np.repeat(starts, q_lens) + np.arange(t_real) - np.repeat(q_start[:n_real].astype(np.int64), q_lens)
         slots = meta_np[2 * n + 1 : 2 * n + 1 + t]
-        slots[:t_real] = bt_np[tok_row, tok_pos // bs].astype(np.int64) * bs + tok_pos % bs
-        slots[t_real:] = -1
+        self._fill_slots(slots, bt_np, np.arange(n_real), starts, q_lens)
         if progs is not None:
             meta_np[2 * n + 1 + t : 2 * n + 1 + t + p] = progs[0]
             meta_np[2 * n + 1 + t + p : meta_len] = progs[1]
@@ -300,6 +296,15 @@ class PagedAttention:
             chain.from_iterable(islice(s.block_ids, int(k)) for s, k in zip(batch, need)), dtype=np.int64
         )
 
+    def _fill_slots(self, slots: np.ndarray, bt_np: np.ndarray, row_of: np.ndarray, starts: np.ndarray, q_lens: np.ndarray) -> None:
+        """Each real token's cache slot in token order, from the block table rows ``row_of`` (the rest
+        -1: pad tokens write nothing)."""
+        bs, t_real = self.layout.block_size, int(q_lens.sum())
+        tok_row = np.repeat(row_of, q_lens)
+        tok_pos = np.repeat(starts, q_lens) + np.arange(t_real) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
+        slots[:t_real] = bt_np[tok_row, tok_pos // bs].astype(np.int64) * bs + tok_pos % bs
+        slots[t_real:] = -1
+
     def _begin_mixed(self, batch: Sequence[SeqSlice], g: int, pad_to: int | None, pad_tokens: int | None) -> None:
         """:meth:`begin` with ``pad_decode=g``. Rows: the decode rows, empty rows up to ``g`` (no token,
         no context), the chunks, the chunks' pad row, empty rows up to ``pad_to``; tokens packed as in an
@@ -310,7 +315,7 @@ class PagedAttention:
         same tokens, the pads after them)."""
         if pad_to is None or pad_tokens is None:
             raise ValueError("pad_decode needs pad_to and pad_tokens (a mixed step's graph bucket)")
-        bs, n_real, n, t = self.layout.block_size, len(batch), pad_to, pad_tokens
+        n_real, n, t = len(batch), pad_to, pad_tokens
         q_lens = np.fromiter((s.q_len for s in batch), dtype=np.int64, count=n_real)
         starts = np.fromiter((s.start for s in batch), dtype=np.int64, count=n_real)
         n_dec = leading_decode_rows(q_lens)
@@ -343,11 +348,7 @@ class PagedAttention:
         q_start[n_dec + 1 : g + 1] = n_dec
         q_start[g + 1 : g + 1 + n_pre] = n_dec + np.cumsum(q_lens[n_dec:])
         q_start[g + 1 + n_pre :] = t
-        tok_row = np.repeat(row_of, q_lens)
-        tok_pos = np.repeat(starts, q_lens) + np.arange(t_real) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
-        slots = meta_np[2 * n + 1 : 2 * n + 1 + t]
-        slots[:t_real] = bt_np[tok_row, tok_pos // bs].astype(np.int64) * bs + tok_pos % bs
-        slots[t_real:] = -1
+        self._fill_slots(meta_np[2 * n + 1 : 2 * n + 1 + t], bt_np, row_of, starts, q_lens)
         meta_np[2 * n + 1 + t : 2 * n + 1 + t + p] = progs[0]
         meta_np[2 * n + 1 + t + p : meta_len] = progs[1]
         self._staging.upload((n * self.max_blocks_per_seq, meta_len))

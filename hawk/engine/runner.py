@@ -57,7 +57,6 @@ import contextlib
 
 import enum
 import inspect
-import itertools
 import operator
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -470,22 +469,30 @@ class ModelRunner:
         """A prefill batch through its bucket's graph (``t`` tokens, ``sb`` sequences): metadata and ids
         padded to the bucket, the replay launched, then the layer-wise hook (if any) told where each
         layer's K/V is done."""
-        n = len(slices)
         self.attn.begin(slices, pad_to=sb + 1, pad_tokens=t)
+        # at most prefill_graph_seqs rows: each its own assignment
+        return self._replay_padded(tokens, slices, q_lens, t, sb + 1, 0, device_ids, lambda: self._prefill_graph_for(t, sb))
+
+    def _replay_padded(self, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice], q_lens: list[int], t: int, rows: int,
+                       n_dec: int, device_ids: torch.Tensor | None, graph_for: Callable[[], _PrefillGraph]) -> StepOutput:
+        """A begun batch through a prefill or mixed graph of ``t`` tokens and ``rows`` last rows: its ids
+        and positions packed, zeros to ``t``; each sequence's last row in batch order (zeros to ``rows``);
+        the replay, then the layer-wise hook told each layer's event."""
+        n, t_real = len(slices), sum(q_lens)
         assert self._pio_stage is not None
         (io,) = self._pio_stage.next()
-        _write_ids(io[:t], io[t : 2 * t], tokens, slices, 0)  # at most prefill_graph_seqs rows: each its own assignment
-        t_real = sum(q_lens)
+        _write_ids(io[:t], io[t : 2 * t], tokens, slices, n_dec)
         io[t_real:t] = 0
         io[t + t_real : 2 * t] = 0
-        last = io[2 * t : 2 * t + sb + 1]
-        last[:n] = [x - 1 for x in itertools.accumulate(q_lens)]
+        last = io[2 * t : 2 * t + rows]
+        np.cumsum(q_lens, out=last[:n])
+        last[:n] -= 1
         last[n:] = 0
-        self._pio_stage.upload((2 * t + sb + 1,))
+        self._pio_stage.upload((2 * t + rows,))
         if device_ids is not None:  # leading one-token rows: token i is row i's
             assert self._pio is not None
             self._pio[: device_ids.shape[0]].copy_(device_ids).clamp_(min=0)
-        g = self._prefill_graph_for(t, sb)
+        g = graph_for()
         g.graph.replay()
         hook = getattr(self.attn, "after_layer", None)
         if hook is not None:
@@ -561,31 +568,12 @@ class ModelRunner:
 
     def _replay_mixed(self, tokens: Sequence[Sequence[int]], slices: Sequence[SeqSlice], q_lens: list[int], t: int, sb: int,
                       device_ids: torch.Tensor | None = None) -> StepOutput:
-        """A mixed batch through its bucket's graph: ids and positions packed as an eager step's, zeros
-        to ``t``; each sequence's last row in batch order."""
-        n, n_dec, t_real = len(slices), leading_decode_rows(q_lens), sum(q_lens)
+        """A mixed batch through its bucket's graph (``t`` tokens, ``sb`` chunks): the decode kernel over
+        ``_decode_rows(t)`` rows, ids packed as an eager step's."""
         g = self._decode_rows(t)
         self.attn.begin(slices, pad_to=g + sb + 1, pad_tokens=t, pad_decode=g)
-        assert self._pio_stage is not None
-        (io,) = self._pio_stage.next()
-        _write_ids(io[:t], io[t : 2 * t], tokens, slices, n_dec)
-        io[t_real:t] = 0
-        io[t + t_real : 2 * t] = 0
-        last = io[2 * t : 2 * t + g + sb]
-        np.cumsum(q_lens, out=last[:n])
-        last[:n] -= 1
-        last[n:] = 0
-        self._pio_stage.upload((2 * t + g + sb,))
-        if device_ids is not None:  # leading one-token rows: token i is row i's
-            assert self._pio is not None
-            self._pio[: device_ids.shape[0]].copy_(device_ids).clamp_(min=0)
-        graph = self._mixed_graph_for(t, sb)
-        graph.graph.replay()
-        hook = getattr(self.attn, "after_layer", None)
-        if hook is not None:
-            for layer, event in enumerate(graph.layer_events):
-                hook(layer, event)
-        return StepOutput(graph.logits[:n], None, StepPath.GRAPH)
+        return self._replay_padded(tokens, slices, q_lens, t, g + sb, leading_decode_rows(q_lens), device_ids,
+                                   lambda: self._mixed_graph_for(t, sb))
 
     def _mixed_graph_for(self, t: int, sb: int) -> _PrefillGraph:
         """The mixed bucket's graph, captured now if missing or stale."""
