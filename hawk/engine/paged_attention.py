@@ -203,22 +203,28 @@ class PagedAttention:
 
         ``pad_decode`` (with ``pad_tokens``; a mixed batch: its leading one-token rows, then prompt
         chunks): the decode kernel runs over ``pad_decode`` rows, those rows then empty ones, and the
-        chunks are padded as a prefill's in the rows and tokens that are left; the tokens stay packed.
-        Every count of the metadata and every launch's shape is then fixed by (``pad_decode``,
-        ``pad_to``, ``pad_tokens``): a mixed step's CUDA graph (runner.py).
+        chunks are padded as a prefill's in the rows and tokens that are left; the tokens stay packed,
+        and what the decode kernel writes for its empty rows lands on chunk or pad tokens, which the
+        prefill kernel, launched after it, writes again. Every count of the metadata and every launch's
+        shape is then fixed by (``pad_decode``, ``pad_to``, ``pad_tokens``): a mixed step's CUDA graph
+        (runner.py). The torch path, whose metadata no graph reads, pads such a batch as a prefill's.
         """
         n_real = len(batch)
         if n_real == 0 and not pad_to:
             raise ValueError("begin() needs at least one sequence (or pad_to: a batch of pad rows, for graph capture)")
-        if pad_decode is not None:
-            self._begin_mixed(batch, pad_decode, pad_to, pad_tokens)
-            return
+        if pad_decode is not None and (pad_to is None or pad_tokens is None):
+            raise ValueError("pad_decode needs pad_to and pad_tokens (a mixed step's graph bucket)")
         if pad_tokens is None and self._ta is not None and self.fast_decode and all(s.q_len == 1 for s in batch):
             self._begin_decode(batch, n_real if pad_to is None else pad_to)
             return
         q_lens = np.fromiter((s.q_len for s in batch), dtype=np.int64, count=n_real)
         starts = np.fromiter((s.start for s in batch), dtype=np.int64, count=n_real)
         decode = pad_tokens is None and bool((q_lens == 1).all())
+        if pad_decode is not None:
+            lead, t_real = leading_decode_rows(q_lens), int(q_lens.sum())
+            if not lead <= pad_decode <= pad_tokens or pad_to <= pad_decode + n_real - lead or pad_tokens < t_real:
+                raise ValueError(f"a mixed batch of {lead} decode rows and {n_real - lead} chunks ({t_real} tokens) does not fit "
+                                 f"pad_decode={pad_decode}, pad_to={pad_to}, pad_tokens={pad_tokens}")
         n = n_real
         if pad_tokens is not None:
             if pad_to is None or pad_to <= n_real:
@@ -237,10 +243,15 @@ class PagedAttention:
         t = t_real + (n - n_real) if pad_tokens is None else pad_tokens
         if t < t_real:
             raise ValueError(f"pad_tokens={pad_tokens} is smaller than the batch's {t_real} tokens")
-        n_dec = leading_decode_rows(q_lens) if (self._ta and not decode and pad_tokens is None) else 0
+        # The leading one-token rows the decode kernel takes (a mixed batch's), and the rows it runs over:
+        # ``pad_decode`` of them, the rows past the real ones empty (the torch path pads a prefill's way).
+        n_dec = leading_decode_rows(q_lens) if (self._ta and not decode and (pad_tokens is None or pad_decode is not None)) else 0
+        g = n_dec if pad_decode is None or self._ta is None else pad_decode
+        row_of = np.arange(n_real)
+        row_of[n_dec:] += g - n_dec
         progs = self._ta.prefill_programs(q_lens[n_dec:], starts[n_dec:], self._block_m) if (self._ta and not decode) else None
-        if progs is not None and pad_tokens is not None:
-            progs = _pad_programs(progs, n_real, t - t_real, -(-t // self._block_m) + n, self._block_m)
+        if progs is not None and pad_tokens is not None:  # a count fixed by the bucket
+            progs = _pad_programs(progs, n_real - n_dec, t - t_real, -(-t // self._block_m) + n - g, self._block_m)
         p = 0 if progs is None else len(progs[0])
         meta_len = 2 * n + 1 + t + 2 * p
         if n > self._cap_batch or meta_len > self._cap_meta:
@@ -248,26 +259,28 @@ class PagedAttention:
 
         bt_np, meta_np = self._staging.next()
         self._row_cache[self._staging.slot] = []  # rows rewritten below: forget what the slot held
-        self._fill_block_tables(bt_np, batch, need, np.arange(n_real))
+        self._fill_block_tables(bt_np, batch, need, row_of)
         # Meta: seq_lens [n] | q_start [n+1] | slots [t] | prog_seq [p] | prog_blk [p]
         seq_lens = meta_np[:n]
-        seq_lens[:n_real] = ctx
-        seq_lens[n_real:] = 0
-        q_start = meta_np[n : 2 * n + 1]
+        seq_lens[:] = 0
+        seq_lens[row_of] = ctx
+        q_start = meta_np[n : 2 * n + 1]  # the prefill kernel reads rows g.. of it
         q_start[0] = 0
-        q_start[1 : n_real + 1] = np.cumsum(q_lens)
+        q_start[row_of + 1] = np.cumsum(q_lens)
+        q_start[n_dec + 1 : g + 1] = n_dec  # the decode kernel's empty rows hold no token
+        end = g + n_real - n_dec  # rows up to the last real one
         if pad_tokens is None:  # a decode pad row holds one token
-            q_start[n_real + 1 :] = t_real + np.arange(1, n - n_real + 1)
+            q_start[end + 1 :] = t_real + np.arange(1, n - end + 1)
         else:  # the first pad row holds every pad token, the rest none
-            q_start[n_real + 1 :] = t
+            q_start[end + 1 :] = t
         slots = meta_np[2 * n + 1 : 2 * n + 1 + t]
-        self._fill_slots(slots, bt_np, np.arange(n_real), starts, q_lens)
+        self._fill_slots(slots, bt_np, row_of, starts, q_lens)
         if progs is not None:
             meta_np[2 * n + 1 + t : 2 * n + 1 + t + p] = progs[0]
             meta_np[2 * n + 1 + t + p : meta_len] = progs[1]
         self._staging.upload((n * self.max_blocks_per_seq, meta_len))
 
-        self._set_views(n, t, p, meta_len, n_dec)
+        self._set_views(n, t, p, meta_len, g)
         self._n, self._n_real, self._tokens, self._decode = n, n_real, t, decode
         self._q_lens, self._starts = q_lens.tolist(), starts.tolist()
         if self._ta is None:
@@ -304,57 +317,6 @@ class PagedAttention:
         tok_pos = np.repeat(starts, q_lens) + np.arange(t_real) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
         slots[:t_real] = bt_np[tok_row, tok_pos // bs].astype(np.int64) * bs + tok_pos % bs
         slots[t_real:] = -1
-
-    def _begin_mixed(self, batch: Sequence[SeqSlice], g: int, pad_to: int | None, pad_tokens: int | None) -> None:
-        """:meth:`begin` with ``pad_decode=g``. Rows: the decode rows, empty rows up to ``g`` (no token,
-        no context), the chunks, the chunks' pad row, empty rows up to ``pad_to``; tokens packed as in an
-        unpadded batch (decode rows', chunks'), then the pad tokens up to ``pad_tokens``. The decode
-        kernel runs over rows and tokens ``0 .. g - 1`` (``g`` <= ``pad_tokens``): what it writes for the
-        rows past the real ones lands on chunk or pad tokens, which the prefill kernel, launched after it,
-        writes again. The torch path, whose metadata no graph reads, pads the batch as a prefill's (the
-        same tokens, the pads after them)."""
-        if pad_to is None or pad_tokens is None:
-            raise ValueError("pad_decode needs pad_to and pad_tokens (a mixed step's graph bucket)")
-        n_real, n, t = len(batch), pad_to, pad_tokens
-        q_lens = np.fromiter((s.q_len for s in batch), dtype=np.int64, count=n_real)
-        starts = np.fromiter((s.start for s in batch), dtype=np.int64, count=n_real)
-        n_dec = leading_decode_rows(q_lens)
-        n_pre, t_real = n_real - n_dec, int(q_lens.sum())
-        if not n_dec <= g <= t or n <= g + n_pre or t < t_real:
-            raise ValueError(f"a mixed batch of {n_dec} decode rows and {n_pre} chunks ({t_real} tokens) does not fit "
-                             f"pad_decode={g}, pad_to={n}, pad_tokens={t}")
-        if self._ta is None:
-            self.begin(batch, pad_to=n_real + 1, pad_tokens=t)
-            return
-        ctx = starts + q_lens
-        need = self._check_rows(batch, q_lens, starts, ctx)
-        row_of = np.arange(n_real)
-        row_of[n_dec:] += g - n_dec
-        bm = self._block_m
-        progs = self._ta.prefill_programs(q_lens[n_dec:], starts[n_dec:], bm)
-        progs = _pad_programs(progs, n_pre, t - t_real, -(-t // bm) + n - g, bm)  # a count fixed by the bucket
-        p = len(progs[0])
-        meta_len = 2 * n + 1 + t + 2 * p
-        if n > self._cap_batch or meta_len > self._cap_meta:
-            self._alloc(max(n, self._cap_batch), max(meta_len, self._cap_meta))
-        bt_np, meta_np = self._staging.next()
-        self._row_cache[self._staging.slot] = []
-        self._fill_block_tables(bt_np, batch, need, row_of)
-        seq_lens = meta_np[:n]
-        seq_lens[:] = 0
-        seq_lens[row_of] = ctx
-        q_start = meta_np[n : 2 * n + 1]  # the prefill kernel reads rows g.. of it
-        q_start[: n_dec + 1] = np.arange(n_dec + 1)
-        q_start[n_dec + 1 : g + 1] = n_dec
-        q_start[g + 1 : g + 1 + n_pre] = n_dec + np.cumsum(q_lens[n_dec:])
-        q_start[g + 1 + n_pre :] = t
-        self._fill_slots(meta_np[2 * n + 1 : 2 * n + 1 + t], bt_np, row_of, starts, q_lens)
-        meta_np[2 * n + 1 + t : 2 * n + 1 + t + p] = progs[0]
-        meta_np[2 * n + 1 + t + p : meta_len] = progs[1]
-        self._staging.upload((n * self.max_blocks_per_seq, meta_len))
-        self._set_views(n, t, p, meta_len, g)
-        self._n, self._n_real, self._tokens, self._decode = n, n_real, t, False
-        self._q_lens, self._starts = q_lens.tolist(), starts.tolist()
 
     #: Take the decode shortcut (tests switch it off to compare against the general path).
     fast_decode = True

@@ -53,8 +53,7 @@ import math
 import os
 import platform
 import threading
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -130,7 +129,7 @@ def in_place_layout(layout: GpuKVLayout, device: torch.device | str, compute: to
         return layout
     bs = math.lcm(layout.block_size, BLOCK_MULTIPLE)
     blocks = -(-layout.num_blocks * layout.block_size // bs)
-    return dataclasses.replace(layout, num_blocks=blocks, block_size=bs, order="vec")
+    return replace(layout, num_blocks=blocks, block_size=bs, order="vec")
 
 
 @dataclass(frozen=True)
