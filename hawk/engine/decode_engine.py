@@ -412,7 +412,7 @@ class DecodeEngine:
         if peak > self.kv.blocks.num_blocks:  # alone with the whole cache it could still not finish
             raise PromptTooLong(f"request needs {peak} KV blocks, the decode cache has {self.kv.blocks.num_blocks}")
         e = _Entry(seq, handle, on_event)
-        early = self.kv.kv_here and not self._ends_with(seq, first_token)
+        early = self.kv.kv_here and self._finish_reason(seq, first_token) is None
         with self._lock:
             if request_id in self._entries:
                 raise DuplicateRequest(f"request {request_id!r} is already being decoded")
@@ -427,11 +427,11 @@ class DecodeEngine:
                 self._waiting.append(e)
                 self._lock.notify()
 
-    def _ends_with(self, seq: Sequence, token: int) -> bool:
-        """Whether ``token`` as ``seq``'s latest output finishes it (as :meth:`_emit` decides)."""
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        """Why ``token`` as ``seq``'s latest output finishes it ("stop" or "length"), or None."""
         if (token in self.eos and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
-            return True
-        return len(seq.output_ids) >= seq.params.max_tokens
+            return "stop"
+        return "length" if len(seq.output_ids) >= seq.params.max_tokens else None
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is; its blocks come back (after its transfer, if one is running)."""
@@ -740,11 +740,7 @@ class DecodeEngine:
 
     def _emit(self, e: _Entry, token: int, info: dict[str, Any] | None = None) -> None:
         seq = e.seq
-        reason = None
-        if (token in self.eos and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
-            reason = "stop"
-        elif len(seq.output_ids) >= seq.params.max_tokens:
-            reason = "length"
+        reason = self._finish_reason(seq, token)
         if e.pending_info:
             info, e.pending_info = {**e.pending_info, **(info or {})}, {}
         if reason is not None and e.preemptions:
