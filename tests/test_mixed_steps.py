@@ -69,18 +69,24 @@ def _record(monkeypatch, inst: ColocatedInstance) -> list[list[tuple[int, int]]]
 
 
 class Client:
-    """Prefill then decode one request through the colocated instance, as the servers do."""
+    """Prefill then decode one request through the colocated instance, as the servers do. The prompt is
+    submitted from the caller's thread, so clients made in a loop queue in order; a thread hands it to
+    decode when its prefill ends, unless ``hand_over`` is False (the caller then calls ``decode``)."""
 
-    def __init__(self, inst: ColocatedInstance, rid: str, prompt: list[int], params: SamplingParams):
+    def __init__(self, inst: ColocatedInstance, rid: str, prompt: list[int], params: SamplingParams, hand_over: bool = True):
         self.inst, self.rid, self.prompt, self.params = inst, rid, prompt, params
         self.tokens: list[int] = []
         self.error: str | None = None
         self.done = threading.Event()
-        self.thread = threading.Thread(target=self._run)
-        self.thread.start()
+        self.prefilled = inst.prefill.submit(rid, prompt, params)
+        self.thread = threading.Thread(target=self._run) if hand_over else None
+        if self.thread:
+            self.thread.start()
 
     def _run(self) -> None:
-        r = self.inst.prefill.submit(self.rid, self.prompt, self.params).result(120)
+        self.decode(self.prefilled.result(120))
+
+    def decode(self, r) -> None:
         self.inst.decode.submit(self.rid, r.num_prompt_tokens, r.first_token, self.params, self.inst.take_blocks(self.rid), self._on)
 
     def _on(self, ev: TokenEvent) -> None:
@@ -93,7 +99,8 @@ class Client:
 
     def wait(self) -> list[int]:
         assert self.done.wait(120), f"{self.rid} did not finish"
-        self.thread.join(10)
+        if self.thread:
+            self.thread.join(10)
         return self.tokens
 
 
@@ -251,11 +258,15 @@ def _seventeen_then_a_long_prompt(inst: ColocatedInstance, max_tokens: int) -> d
     """Seventeen requests decoding, then a 400-token prompt whose chunks ride beside all of them: steps
     of 18 sequences and more, past what a prefill graph holds (MIXED_PREFILL_SEQS). ``max_tokens``
     keeps the seventeen running while those chunks are prefilled (the prompt is submitted from this
-    thread once they all decode: a fast device needs more steps of margin)."""
+    thread once they all decode: a fast device needs more steps of margin). The seventeen go to decode
+    together from this thread once all are prefilled: a thread each let a loaded box start one so late
+    that the first had finished."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    clients = [Client(inst, f"r{i}", _prompt(20 + i, i), params) for i in range(MIXED_PREFILL_SEQS + 1)]
+    clients = [Client(inst, f"r{i}", _prompt(20 + i, i), params, hand_over=False) for i in range(MIXED_PREFILL_SEQS + 1)]
+    for c, r in [(c, c.prefilled.result(120)) for c in clients]:
+        c.decode(r)
     deadline = time.monotonic() + 120
-    while min(len(c.tokens) for c in clients) < 1:  # every prompt done: all seventeen decode
+    while min(len(c.tokens) for c in clients) < 1:  # all seventeen decode
         assert time.monotonic() < deadline and not any(c.done.is_set() for c in clients)
         time.sleep(0.005)
     late = Client(inst, "late", _prompt(400, 3), params)
