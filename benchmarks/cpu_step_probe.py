@@ -13,6 +13,9 @@ whole steps (metadata, forward, LM head) at a fixed context, median of ``--reps`
 * ``mixed``: the same decode rows plus one prompt chunk of ``--chunk`` tokens (a fresh prompt), one forward.
 
 ``--profile`` adds a torch.profiler table (self CPU time per op) of a few steps of each point.
+``--ops both`` times each point with vLLM's CPU GEMM and RoPE (:mod:`hawk.engine.vllm_cpu_ops`, the
+default where vLLM is installed) and with HAWK's torch forms instead, rep by rep in turn, so the
+shared box's drift falls on both alike; ``ms`` is then vLLM's ops', ``ms_torch_ops`` the other's.
 
     PYTHONPATH=. python benchmarks/cpu_step_probe.py --batches 1,8,32 --context 300 --chunk 256 --reps 5
 
@@ -22,16 +25,19 @@ One JSON line per point: ``{kind, batch, context, chunk, ms, ms_all}``; the firs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from hawk.engine import model as model_mod
+from hawk.engine import vllm_cpu_ops
 from hawk.engine.attention import SeqSlice
 from hawk.engine.loader import load_model
 from hawk.engine.paged_attention import PagedAttention
@@ -91,6 +97,30 @@ def _times(fn: Callable[[], object], reps: int, warmup: int = 2) -> list[float]:
     return out
 
 
+@contextlib.contextmanager
+def torch_ops() -> Iterator[None]:
+    """HAWK's torch GEMM (oneDNN on weights torch packed) and RoPE instead of vLLM's ops, for a while."""
+    saved = (vllm_cpu_ops.prepacked_gemm, vllm_cpu_ops.has_rotary)
+    vllm_cpu_ops.prepacked_gemm, vllm_cpu_ops.has_rotary = (lambda w: None), (lambda: False)
+    model_mod._PACKED.clear()
+    try:
+        yield
+    finally:
+        vllm_cpu_ops.prepacked_gemm, vllm_cpu_ops.has_rotary = saved
+        model_mod._PACKED.clear()
+
+
+def _paired(fn: Callable[[], object], reps: int) -> tuple[list[float], list[float]]:
+    """Wall ms of ``fn`` with vLLM's ops and with the torch forms, alternating (each warmed up per turn:
+    the first call after a switch repacks the weights)."""
+    ours, theirs = [], []
+    for _ in range(reps):
+        ours += _times(fn, 1, warmup=1)
+        with torch_ops():
+            theirs += _times(fn, 1, warmup=1)
+    return ours, theirs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -100,6 +130,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=256, help="the mixed step's prompt chunk (0: no mixed point)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--ops", default="default", choices=("default", "both"),
+                    help="both: also time HAWK's torch GEMM and RoPE in place of vLLM's, alternating")
     ap.add_argument("--cache", default="engine", choices=("engine", "nhd"),
                     help="engine: the cache the colocated engine keeps (vLLM's kernel order where it reads it in place); "
                          "nhd: HAWK's NHD cache of 16-token blocks, copied into the kernel's order per layer")
@@ -123,9 +155,16 @@ def main() -> None:
         if a.chunk:
             points["mixed"] = (dtok + ptok, dec + pre)
         for kind, (toks, slices) in points.items():
-            ms = _times(lambda: runner.step(toks, slices), a.reps)
-            print(json.dumps({"kind": kind, "batch": b, "context": a.context, "chunk": a.chunk if kind == "mixed" else 0,
-                              "ms": round(statistics.median(ms), 2), "ms_all": [round(x, 1) for x in ms]}), flush=True)
+            def step() -> object:
+                return runner.step(toks, slices)
+
+            rec: dict[str, Any] = {"kind": kind, "batch": b, "context": a.context, "chunk": a.chunk if kind == "mixed" else 0}
+            if a.ops == "both":
+                ms, other = _paired(step, a.reps)
+                rec |= {"ms_torch_ops": round(statistics.median(other), 2), "ms_torch_ops_all": [round(x, 1) for x in other]}
+            else:
+                ms = _times(step, a.reps)
+            print(json.dumps({**rec, "ms": round(statistics.median(ms), 2), "ms_all": [round(x, 1) for x in ms]}), flush=True)
             if a.profile:
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                     for _ in range(2):

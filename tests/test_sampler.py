@@ -35,6 +35,15 @@ def test_greedy_rows_take_the_argmax() -> None:
     assert sample(x[2], SamplingParams()) == int(x[2].argmax())
 
 
+def test_greedy_on_rows_all_finite_takes_the_first_maximal_index() -> None:
+    """The CPU's one-pass form (every row's max finite), ties included, against argmax."""
+    x = _logits(5)
+    x[0, 10] = x[0, 20] = 50.0
+    x[3, :] = 1.0
+    got = greedy_tokens(x)
+    assert got.tolist() == x.argmax(-1).tolist() and got[0] == 10 and got[3] == 0
+
+
 def test_non_finite_logits_never_win() -> None:
     x = _logits(3)
     x[0, 5], x[0, 7] = NAN, INF

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from hawk.engine import triton_ops
+from hawk.engine import triton_ops, vllm_cpu_ops
 from hawk.engine.attention import AttentionBackend, ContiguousKVAttention
 from hawk.engine.cpu_numerics import add_rms_norm_widened, rope_widened, widens
 from hawk.engine.config import ModelConfig, RopeScaling
@@ -57,29 +57,38 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if x.device.type != "cpu" or x.dim() != 2:
         return F.linear(x, w)
     if x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and CPU_PACKED_BF16:
-        packed = _packed_bf16(w)
-        if packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        gemm = _packed_bf16(w)
+        if gemm is not None:
+            return gemm(x)
     if t > CPU_FEW_ROWS or x.dtype != torch.float32:
         return F.linear(x, w)
     rows = x if t > 1 else torch.cat([x, x])
     return torch.mm(w, rows.t())[:, :t].t().contiguous()
 
 
-def _packed_bf16(w: torch.Tensor) -> torch.Tensor | None:
-    """``w`` reordered once into oneDNN's layout for its bf16 GEMM, or None where that does not apply: a
-    weight autograd tracks (the packed op has no backward) or one oneDNN cannot take (it raised once)."""
+def _packed_bf16(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``x @ w.T`` over ``w`` reordered once into oneDNN's layout for its bf16 GEMM, or None where that does
+    not apply: a weight autograd tracks (the packed op has no backward) or one oneDNN cannot take."""
     if w.requires_grad and torch.is_grad_enabled():
         return None
     key = (w.data_ptr(), w._version if not w.is_inference() else -1)  # inference tensors keep no version
     entry = _PACKED.get(w)
     if entry is None or entry[0] != key:
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
-        except RuntimeError:
-            packed = None
-        _PACKED[w] = entry = (key, packed)
+        _PACKED[w] = entry = (key, _pack(w.detach()))
     return entry[1]
+
+
+def _pack(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """vLLM's prepacked GEMM where its CPU library loads (the same bits, less overhead a call:
+    :mod:`hawk.engine.vllm_cpu_ops`), else torch's oneDNN GEMM on a weight it reordered once."""
+    gemm = vllm_cpu_ops.prepacked_gemm(w)
+    if gemm is not None:
+        return gemm
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    except RuntimeError:
+        return None
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 class RMSNorm(nn.Module):
@@ -151,6 +160,7 @@ class RotaryTable:
         # Outgrown device tables stay alive: a CUDA graph captured over one still reads valid
         # values (a position's row never changes) until its runner recaptures.
         self._retired: list[_RopeTables] = []
+        self._vllm: tuple[object, torch.Tensor | None] = (None, None)  # vllm_table's, with its key
         #: Bumped whenever the table grows, so runners know their graphs cover fewer positions.
         self.version = 0
         self._grow(self.MIN_LEN)
@@ -202,6 +212,15 @@ class RotaryTable:
         cos, signed = self.lookup(positions, dtype)
         return cos, _sign_first_half(signed)
 
+    def vllm_table(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The whole table in vLLM's form (:func:`~hawk.engine.vllm_cpu_ops.rotary_table`), made once per
+        device, dtype and growth."""
+        key = (device, dtype, self.version)
+        if self._vllm[0] != key:
+            self._vllm = (key, vllm_cpu_ops.rotary_table(*self.table(device, dtype)))
+        assert self._vllm[1] is not None
+        return self._vllm[1]
+
     def lookup(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,21 +262,24 @@ def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 
 
 class RopeArgs(NamedTuple):
-    """What a layer needs to rotate q and k, in one of two forms.
+    """What a layer needs to rotate q and k, in one of three forms.
 
     Torch path: ``cos, sin_signed [T, D]`` gathered once per forward, ``positions`` None. Fused
     path (:attr:`kernels`): the whole tables ``[L, D]`` and ``positions [T]``; the Triton kernel
-    gathers the rows itself, so a step has no gather kernels and no host sync.
+    gathers the rows itself, so a step has no gather kernels and no host sync. vLLM's CPU op
+    (:attr:`cos_sin` set): the whole tables, ``positions [T]`` and vLLM's own table
+    (:func:`~hawk.engine.vllm_cpu_ops.rotary_table`), which the op reads; norms and SiLU stay torch's.
     """
 
     cos: torch.Tensor
     sin_signed: torch.Tensor
     positions: torch.Tensor | None = None
+    cos_sin: torch.Tensor | None = None
 
     @property
     def kernels(self) -> bool:
         """True when this forward runs the fused Triton kernels (norms, RoPE, SiLU)."""
-        return self.positions is not None
+        return self.positions is not None and self.cos_sin is None
 
 
 class _Fusable(nn.Module):
@@ -364,7 +386,13 @@ class Attention(_Fusable):
         if rope.kernels:  # one kernel: RoPE on q and k, and q/k/v out as contiguous tensors
             assert self.wqkv is not None and rope.positions is not None
             return triton_ops.qkv_rope(linear(x, self.wqkv), rope.positions, cos, sin_signed, hq, hkv, out=out)
-        if self.wqkv is not None:
+        if self.wqkv is not None and rope.cos_sin is not None:  # vLLM's op rotates q and k in place
+            assert rope.positions is not None
+            qkv = linear(x, self.wqkv)
+            vllm_cpu_ops.rotate_qk(rope.positions, qkv, hq, hkv, d, rope.cos_sin)
+            qkv = qkv.view(t, hq + 2 * hkv, d)
+            q, k, v = qkv[:, :hq].contiguous(), qkv[:, hq : hq + hkv].contiguous(), qkv[:, hq + hkv :].contiguous()
+        elif self.wqkv is not None:
             qkv = linear(x, self.wqkv).view(t, hq + 2 * hkv, d)
             qk = rope_torch(qkv[:, : hq + hkv], cos, sin_signed)  # q and k heads in one pass
             # Contiguous, as the unfused path gives them (free for a single token).
@@ -541,6 +569,9 @@ class LlamaModel(nn.Module):
         """What every layer of a forward over ``positions [T]`` rotates q and k with (no host sync)."""
         if self.uses_kernels():
             return RopeArgs(*self.rope.table(positions.device, self.dtype), positions=positions.contiguous())
+        if self.fused and widens(self.embed.weight) and vllm_cpu_ops.has_rotary():  # vLLM's bits, its op
+            return RopeArgs(*self.rope.table(positions.device, self.dtype), positions=positions.contiguous(),
+                            cos_sin=self.rope.vllm_table(positions.device, self.dtype))
         return RopeArgs(*self.rope.lookup(positions, self.dtype))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

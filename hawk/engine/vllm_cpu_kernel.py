@@ -28,11 +28,10 @@ What its bits depend on (measured on that box, random bf16 q/K/V, contexts 100 t
   thread, which a thread torch has not yet used reports as every core: :func:`attend_blocks` asks
   torch first (that sets it).
 
-The library is loaded by path (``torch.ops.load_library``), without importing vllm, the one vLLM's
-CPU platform would load on this CPU. Only the ``vec`` and ``vec16`` block orders are fed (K ``[D][N]``,
-V ``[N][D]`` per block and head, as :data:`hawk.layouts.vllm.CPU_ISA_FORMS` describes them); on a CPU
-where vLLM picks ``amx`` (bf16 with AMX tiles) HAWK keeps its torch form. ``HAWK_CPU_ATTENTION=torch``
-keeps it everywhere.
+The library is loaded by path, without importing vllm (:func:`hawk.engine.vllm_cpu_ops.loaded`). Only
+the ``vec`` and ``vec16`` block orders are fed (K ``[D][N]``, V ``[N][D]`` per block and head, as
+:data:`hawk.layouts.vllm.CPU_ISA_FORMS` describes them); on a CPU where vLLM picks ``amx`` (bf16 with
+AMX tiles) HAWK keeps its torch form. ``HAWK_CPU_ATTENTION=torch`` keeps it everywhere.
 
 Two ways to feed it. A cache in the kernel's own order (:class:`~hawk.layouts.gpu.GpuKVLayout` order
 "vec", blocks of a multiple of 32 tokens, what :func:`in_place_layout` picks for an engine on a CPU) is
@@ -47,18 +46,16 @@ does not change them.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import math
 import os
 import platform
 import threading
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from hawk.engine import vllm_cpu_ops
 from hawk.engine.cpu_attention import KeptBuffers
 from hawk.layouts.gpu import GpuKVLayout
 
@@ -76,33 +73,6 @@ CONTIGUOUS_BLOCK = 128
 SPLIT_KV = os.environ.get("VLLM_CPU_ATTN_SPLIT_KV", "1") != "0"
 
 
-def _library_name() -> str:
-    """The build of vLLM's ``_C`` its CPU platform imports on this CPU (``CpuPlatform.import_kernels``)."""
-    if platform.machine().lower() in ("x86_64", "amd64"):
-        if torch.cpu._is_avx512_supported():
-            return "_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512"
-        return "_C_AVX2"
-    return "_C"
-
-
-@functools.cache
-def _loaded() -> bool:
-    """Whether vLLM's CPU attention ops are registered (loading vLLM's library once, by path)."""
-    if hasattr(torch.ops._C, "cpu_attention_with_kv_cache"):
-        return True
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or spec.origin is None:
-        return False
-    found = sorted(Path(spec.origin).parent.glob(f"{_library_name()}.*so"))
-    if not found:
-        return False
-    try:
-        torch.ops.load_library(str(found[0]))
-    except (OSError, RuntimeError):  # built against another torch, or for another CPU
-        return False
-    return hasattr(torch.ops._C, "cpu_attention_with_kv_cache")
-
-
 def kernel_isa(head_dim: int, dtype: torch.dtype) -> str | None:
     """The block order vLLM's CPU backend picks for this head size and dtype (its ``_get_attn_isa``),
     when HAWK can feed it; None: HAWK's torch form (set so, no vLLM, or an order not fed here)."""
@@ -116,7 +86,7 @@ def kernel_isa(head_dim: int, dtype: torch.dtype) -> str | None:
         return None  # vLLM runs "amx" there, whose block order is not fed here
     else:
         isa = "vec"
-    return isa if _loaded() else None
+    return isa if vllm_cpu_ops.loaded() else None
 
 
 def in_place_layout(layout: GpuKVLayout, device: torch.device | str, compute: torch.dtype) -> GpuKVLayout:
