@@ -2,15 +2,16 @@
 (:mod:`hawk.engine.vllm_cpu_kernel`): the oneDNN GEMM over a weight vLLM's handler prepacked (what vLLM's
 CPU linear layers run) and RoPE (vLLM's CPU ``rotary_embedding``).
 
-Why: the same bits as HAWK's torch forms, in less time. On the 2-core AVX-512 box, one thread, SmolLM2's
-shapes (``tests/test_vllm_cpu_ops.py`` checks the bits):
+Why: the same bits as HAWK's torch forms (``tests/test_vllm_cpu_ops.py``), in less time:
 
 * the GEMM gives torch's packed oneDNN GEMM's bits (``mkldnn::_linear_pointwise``, the form without vLLM)
-  with less overhead a call: a layer's four GEMMs at one row 159 against 234 us, at 288 rows 12.0 against
-  12.8 ms;
+  with less overhead a call, which counts most at the few rows of a decode step;
 * RoPE gives :func:`~hawk.engine.cpu_numerics.rope_widened`'s bits (vLLM rotates with this op on a CPU,
-  and that form was written to match it) in one pass over q and k, in place in the projection's output:
-  257 tokens, 9 + 3 heads, 80 against 275 us.
+  and that form was written to match it) in one pass over q and k, in place in the projection's output,
+  where the torch form takes six ops.
+
+Together, on the 2-core AVX-512 box, one thread, SmolLM2: decode steps at 0.82-0.90 and mixed steps at
+0.96-0.98 of the torch forms' time (``benchmarks/cpu_step_probe.py --ops both``, docs/throughput.md).
 
 Norms and SiLU·mul stay torch's: vLLM's CPU build runs its native torch forms there, which are the bits
 HAWK's tokens must match (its ``_C`` norm and SiLU kernels round differently).
