@@ -155,7 +155,7 @@ def test_a_block_cyclic_npu_layout_serves_the_same_tokens():
 
 
 def _threads_alive(p, d):
-    return p.engine._thread.is_alive() and d.engine._thread.is_alive()
+    return p.engine.is_alive() and d.engine.is_alive()
 
 
 def test_odd_sampling_params_are_served_and_the_engines_live(tiny):

@@ -284,23 +284,18 @@ def test_still_serving_after_the_sweep(tiny):
 
 
 def test_engine_alive_helper():
+    """Read from the engines' own ``is_alive`` (a decode engine's step loop), never assumed."""
     from hawk.serve.common import engine_alive
 
-    class WithThread:
-        def __init__(self, alive: bool):
-            self._thread = threading.Thread(target=lambda: None)
-            if not alive:
-                self._thread.start()
-                self._thread.join()
-            else:
-                self._thread.is_alive = lambda: True  # type: ignore[method-assign]
-
     class WithMethod:
-        def is_alive(self) -> bool:
-            return False
+        def __init__(self, alive: bool):
+            self.alive = alive
 
-    assert engine_alive(WithThread(True)) and not engine_alive(WithThread(False))
-    assert not engine_alive(WithMethod())
+        def is_alive(self) -> bool:
+            return self.alive
+
+    assert engine_alive(WithMethod(True)) and not engine_alive(WithMethod(False))
+    assert engine_alive(object())  # no loop of its own: nothing to die
 
 
 def test_dead_engine_makes_health_fail_and_the_router_answer_503_at_once():

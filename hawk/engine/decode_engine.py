@@ -962,6 +962,15 @@ class DecodeEngine:
 
     # -- introspection -----------------------------------------------------------------------
 
+    @property
+    def loop_thread(self) -> threading.Thread:
+        """The thread that runs this engine's steps (a server binds it to the engine's cores)."""
+        return self._thread
+
+    def is_alive(self) -> bool:
+        """Whether the step loop still runs: a dead one answers nothing, ever."""
+        return self._thread.is_alive()
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {

@@ -168,6 +168,15 @@ class PrefillEngine:
             self._thread = threading.Thread(target=self._loop, name="hawk-prefill", daemon=True)
             self._thread.start()
 
+    @property
+    def loop_thread(self) -> threading.Thread | None:
+        """The thread that runs this engine's steps; None when stepped (its chunks ride the decode's steps)."""
+        return self._thread
+
+    def is_alive(self) -> bool:
+        """Whether the step loop still runs (a stepped engine has none to die)."""
+        return self._thread is None or self._thread.is_alive()
+
     def submit(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> Future:
         """Queue a prompt; the future resolves to a :class:`PrefillResult` (or the error)."""
         if not prompt_ids:

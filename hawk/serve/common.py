@@ -53,15 +53,10 @@ def cluster_secret_from_env() -> str | None:
 
 
 def engine_alive(engine: Any) -> bool:
-    """Whether an engine's worker thread still runs: a dead one answers nothing, ever.
-
-    Engines may grow ``is_alive()``; until then their ``_thread`` says it.
-    """
+    """Whether an engine's step loop still runs (its ``is_alive()``): a dead one answers nothing, ever.
+    An engine without one has no loop of its own to die."""
     probe = getattr(engine, "is_alive", None)
-    if callable(probe):
-        return bool(probe())
-    thread = getattr(engine, "_thread", None)
-    return thread is None or thread.is_alive()
+    return bool(probe()) if callable(probe) else True
 
 
 # ============================================================================ child processes

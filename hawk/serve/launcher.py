@@ -210,7 +210,7 @@ def instance_engines(role: str, instance: Any) -> list[Any]:
 
 def engine_threads(engines: list[Any]) -> list[threading.Thread]:
     """The engines' loop threads (the ones that compute; a stepped prefill has none)."""
-    return [t for t in (getattr(e, "_thread", None) for e in engines) if isinstance(t, threading.Thread)]
+    return [t for t in (getattr(e, "loop_thread", None) for e in engines) if isinstance(t, threading.Thread)]
 
 
 def role_device(role: str, cfg: ServeConfig) -> str:
