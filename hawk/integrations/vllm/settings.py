@@ -37,8 +37,9 @@ class ConnectorSettings(BaseModel):
     #: How long prefilled KV waits for its pull before its blocks go back to vLLM (Algorithm 1's TTL).
     ttl_s: float = Field(default=30.0, gt=0)
     #: How long a pull that arrives before this prefill worker holds the request's blocks waits for them: vLLM
-    #: answers the client (and so the decode learns the handle) before its worker's next step hands them over.
-    handoff_wait_s: float = Field(default=5.0, ge=0)
+    #: answers the client (and so the decode learns the handle) before its worker's next step hands them over,
+    #: and on a loaded host that step came more than 5 s later (a pull refused at a router's warm-up in CI).
+    handoff_wait_s: float = Field(default=20.0, ge=0)
     #: How long a decode waits for one pull.
     pull_timeout_s: float = Field(default=30.0, gt=0)
     #: The transform's implementation: auto (Triton on CUDA, torch elsewhere), triton, torch.
