@@ -11,7 +11,7 @@ import pytest
 from hawk.config import ConfigError, ServeConfig
 from hawk.serve import cpu_binding
 from hawk.serve.cpu_binding import BindMode, CorePlan, CpuBindError, mode_of, parse_cores, plan_cores
-from hawk.serve.launcher import ChildSpec, default_threads, plan_cluster_cores
+from hawk.serve.launcher import ChildSpec, default_prompt_threads, default_threads, omp_places, plan_cluster_cores
 
 
 def test_auto_leaves_the_last_core_to_serving_on_a_cpu_engine():
@@ -68,6 +68,16 @@ def test_default_threads_are_the_engines_cores_where_bound():
     assert default_threads(None, 2) == max(1, (os.cpu_count() or 1) // 2)
 
 
+def test_a_prompt_step_borrows_the_serving_cores_only_under_auto_with_one_engine():
+    one = CorePlan(((0, 1, 2),), (3,), "auto")
+    assert default_prompt_threads(ServeConfig(transfer="colocated"), one) == 4
+    assert default_prompt_threads(ServeConfig(transfer="colocated", prompt_threads=3), one) == 3  # given: kept
+    assert default_prompt_threads(ServeConfig(transfer="colocated", cpu_bind="0-2"), one) is None  # a list: as given
+    assert default_prompt_threads(ServeConfig(), CorePlan(((0,), (1,)), (2,), "auto")) is None  # engines would share it
+    assert default_prompt_threads(ServeConfig(transfer="colocated"), None) is None
+    assert omp_places([0, 3]) == {"OMP_PLACES": "{0},{3}", "OMP_PROC_BIND": "close"}
+
+
 def test_the_launcher_plans_by_where_engines_compute(monkeypatch):
     monkeypatch.setattr(cpu_binding, "allowed_cores", lambda: (0, 1))
     colocated = ServeConfig(transfer="colocated")
@@ -106,6 +116,9 @@ def test_binding_moves_the_engine_loop_and_the_rest_apart():
         assert os.sched_getaffinity(engine.native_id) == set(compute)
         assert os.sched_getaffinity(helper.native_id) == set(serving)
         assert os.sched_getaffinity(0) == set(serving)  # this (the main) thread serves
+        cpu_binding.set_thread_cores([engine.native_id], cores)  # built on every core, to borrow them ...
+        cpu_binding.bind_after_build([engine], serving, compute)
+        assert os.sched_getaffinity(engine.native_id) == set(compute)  # ... then narrowed to its own
     finally:
         release.set()
         cpu_binding.set_thread_cores(cpu_binding.process_threads(), before)

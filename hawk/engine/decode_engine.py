@@ -67,6 +67,7 @@ from hawk.engine.model import LlamaModel
 from hawk.engine.runner import ModelRunner, StepOutput, StepPath
 from hawk.engine.sampler import NO_TOKEN, make_generator, sample, sample_tokens
 from hawk.engine.sequence import SamplingParams, Sequence, Status
+from hawk.engine.step_threads import StepThreads
 from hawk.engine.swap import BlockSwapper, SwappedKV, swapper_for
 from hawk.engine.token_fetch import TokenFetch, TokenFetcher
 from hawk.errors import BadRequest, DuplicateRequest, EngineFailure, PromptTooLong
@@ -331,6 +332,7 @@ class DecodeEngine:
         max_num_batched_tokens: int = 640,
         mixed_graphs: bool = False,
         mixed_graph_tokens: int = 0,
+        step_threads: StepThreads | None = None,
     ):
         """``graphs``: CUDA-graph decode steps (None = when the backend allows, see ModelRunner);
         ``max_model_len``: the longest prompt + output accepted (default: the model's context);
@@ -348,7 +350,8 @@ class DecodeEngine:
         tokens included; ``mixed_graph_tokens`` > 0: mixed and prefill-only steps of at most that
         many tokens replay CUDA graphs (the runner's prefill graphs, and past MIXED_PREFILL_SEQS
         sequences its graph pieces, or with ``mixed_graphs`` its mixed graphs; ``attn`` must hold
-        ``max_batch + MIXED_PREFILL_SEQS + 1`` rows)."""
+        ``max_batch + MIXED_PREFILL_SEQS + 1`` rows); ``step_threads``: a CPU engine's OpenMP threads per
+        step, more for a step carrying prompt tokens (:mod:`hawk.engine.step_threads`; None: unchanged)."""
         if prefill is not None and max_num_batched_tokens <= max_batch:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must exceed max_batch ({max_batch}): "
                              "decode tokens go first, and prefill needs what they leave")
@@ -367,6 +370,7 @@ class DecodeEngine:
         self.watermark_blocks = max(1, int(watermark * kv.blocks.num_blocks)) if watermark > 0 else 0
         self.keepalive_every_s = keepalive_every_s
         self.step_time = step_time
+        self.step_threads = step_threads
         if overlap is None:
             overlap = self.runner.device.type == "cuda" and model.step_hook is None and step_time is None
         self.overlap = overlap
@@ -859,6 +863,8 @@ class DecodeEngine:
         slices += [SeqSlice(p.job.blocks, p.start, p.q_len) for p in pieces]
         tokens += [p.tokens for p in pieces]
         n = len(batch)
+        if self.step_threads is not None:
+            self.step_threads.enter(sum(p.q_len for p in pieces))
         t0 = time.perf_counter()
         try:
             out = self.runner.step(tokens, slices, ids=prev.tokens.device if k else None)

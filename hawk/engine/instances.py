@@ -21,6 +21,7 @@ from hawk.engine.loader import LoadedModel, load_model
 from hawk.engine.paged_attention import PagedAttention
 from hawk.engine.prefill_engine import PrefillEngine
 from hawk.engine.ranks import DecodeRank, InstanceConfig, PrefillRank, compute_dtype, decode_len, gpu_layout, held, ledger
+from hawk.engine.step_threads import StepThreads
 from hawk.engine.tensor_parallel import Shard, kv_request_id, overlapping_ranks
 from hawk.engine.tp_ranks import Followers, record_slices
 from hawk.engine.transfer_buffers import MiB, buffer_mb, check_kv_fits, kv_limits
@@ -366,6 +367,13 @@ class DecodeInstance(_FollowedRanks):
         return self._with_ranks(out)
 
 
+def step_threads(cfg: InstanceConfig) -> StepThreads | None:
+    """A CPU engine's threads per step, where ``--prompt-threads`` asks for more than ``--threads``."""
+    if str(cfg.prefill_device) != "cpu" or cfg.threads is None or cfg.prompt_threads is None or cfg.prompt_threads <= cfg.threads:
+        return None
+    return StepThreads(cfg.threads, cfg.prompt_threads)
+
+
 class ColocatedInstance:
     """The oracle: one model prefilling and decoding over one paged cache, with no transfer."""
 
@@ -395,6 +403,7 @@ class ColocatedInstance:
             prefill=self.prefill if mixed else None, max_num_batched_tokens=cfg.max_num_batched_tokens,
             mixed_graphs=cfg.mixed_graphs,
             mixed_graph_tokens=min(prefill_graph_tokens(cfg), cfg.max_num_batched_tokens),
+            step_threads=step_threads(cfg) if mixed else None,
         )
         self.decode.warmup()
         if mixed:

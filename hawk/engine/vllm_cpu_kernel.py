@@ -57,6 +57,7 @@ import torch
 
 from hawk.engine import vllm_cpu_ops
 from hawk.engine.cpu_attention import KeptBuffers
+from hawk.engine.step_threads import KernelThreads
 from hawk.layouts.gpu import GpuKVLayout
 
 #: "auto": vLLM's kernel where it loads and can be fed; "torch": HAWK's torch form always.
@@ -220,14 +221,15 @@ class KernelAttention:
         """One call of the kernel as vLLM's CPU backend makes it (causal, no window, softcap, ALiBi or sinks)."""
         hq, d = q.shape[1], q.shape[2]
         n, h = kc.shape[0], kc.shape[1]
-        torch.get_num_threads()  # sets this thread's OpenMP count to torch's, which the scheduler reads
-        meta = torch.ops._C.get_scheduler_metadata(len(seq_lens), hq, h, d, seq_lens, q.dtype, q_start, True, -1,
-                                                   self.isa, SPLIT_KV, None, "auto")
         q = q.contiguous()
         out = torch.empty_like(q)
         kv_shape = (n, h, n_tok, d)
-        torch.ops._C.cpu_attention_with_kv_cache(q, kc.view(kv_shape), vc.view(kv_shape), out, q_start, seq_lens,
-                                                 d**-0.5, True, None, -1, table, 0.0, meta, None, None, 1.0, 1.0, "auto")
+        with KernelThreads():  # the engine's own count, whatever a prompt step borrowed: the split is the bits
+            torch.get_num_threads()  # sets this thread's OpenMP count to torch's, which the scheduler reads
+            meta = torch.ops._C.get_scheduler_metadata(len(seq_lens), hq, h, d, seq_lens, q.dtype, q_start, True, -1,
+                                                       self.isa, SPLIT_KV, None, "auto")
+            torch.ops._C.cpu_attention_with_kv_cache(q, kc.view(kv_shape), vc.view(kv_shape), out, q_start, seq_lens,
+                                                     d**-0.5, True, None, -1, table, 0.0, meta, None, None, 1.0, 1.0, "auto")
         return out
 
 

@@ -142,14 +142,17 @@ def bind_before_build(compute: Sequence[int]) -> None:
     set_thread_cores(process_threads(), compute)
 
 
-def bind_after_build(engine_threads: Sequence[threading.Thread], serving: Sequence[int]) -> None:
+def bind_after_build(engine_threads: Sequence[threading.Thread], serving: Sequence[int], compute: Sequence[int] = ()) -> None:
     """The process's Python threads other than the engine loops (the main thread, which serves
-    HTTP, and the helpers) onto the serving cores; threads they start later inherit them. Native
-    threads stay: the OpenMP workers compute."""
+    HTTP, and the helpers) onto the serving cores; threads they start later inherit them. The engine
+    loops onto ``compute`` where given (they were built on more cores, to borrow them). Native
+    threads stay: the OpenMP workers compute, each where OpenMP put it."""
     keep = {t.native_id for t in engine_threads if t.native_id is not None}
     others = [t.native_id for t in threading.enumerate() if t.native_id is not None and t.native_id not in keep]
     if serving:
         set_thread_cores(others, serving)
+    if compute:
+        set_thread_cores(keep, compute)
 
 
 def _ranges(cores: Sequence[int]) -> str:

@@ -302,16 +302,21 @@ def run_instance(
     ``--cpu-bind`` (a role run on its own)."""
     plan = cores if cores is not None else instance_cores(role, cfg)
     threads = cfg.threads if cfg.threads is not None or plan is None else default_threads(plan, 1)
-    set_torch_threads(threads)
+    cfg = dataclasses.replace(cfg, threads=threads, prompt_threads=cfg.prompt_threads if role == "colocated" else None)
+    # the most a step runs on: oneDNN fixes a GEMM primitive's threads when the weights are packed
+    set_torch_threads(max(threads or 0, cfg.prompt_threads or 0) or None)
     sock = bind_socket(host, port)  # before loading: a busy port fails in a second, not after the model
     if cluster_secret:
         os.environ[CLUSTER_SECRET_ENV] = cluster_secret  # for the control channel's ControlServer/Client
+    borrows = plan is not None and (cfg.prompt_threads or 0) > len(plan.engines[0])
     if plan is not None:  # the engine's threads, made while it builds, inherit the compute cores
-        cpu_binding.bind_before_build(plan.engines[0])
+        # (and the serving ones where a prompt step borrows them: OpenMP keeps to the cores it starts on)
+        cpu_binding.bind_before_build([*plan.engines[0], *plan.serving] if borrows else plan.engines[0])
     instance = build_instance(role, cfg)
     if plan is not None:  # then everything else (HTTP, helpers, what they start later) serves elsewhere
-        cpu_binding.bind_after_build(engine_threads(instance_engines(role, instance)), plan.serving)
-        print(f"hawk {role}: {plan.describe()}; torch threads {threads}", file=sys.stderr, flush=True)
+        cpu_binding.bind_after_build(engine_threads(instance_engines(role, instance)), plan.serving, plan.engines[0])
+        borrow = f", {cfg.prompt_threads} for a step with prompt tokens" if (cfg.prompt_threads or 0) > (threads or 0) else ""
+        print(f"hawk {role}: {plan.describe()}; torch threads {threads}{borrow}", file=sys.stderr, flush=True)
     cap = getattr(instance, "capacity", None)
     if cap is not None:  # what the memory rule chose (hawk/engine/capacity.py), whatever the log level
         print(f"hawk {cap.describe(role)}", file=sys.stderr, flush=True)
@@ -476,7 +481,9 @@ def _spawn(role: str, cfg: ServeConfig, host: str, workdir: Path, index: int, cl
     env = dict(os.environ)
     env[CHILD_SPEC_ENV] = str(workdir / f"{name}.spec.json")
     if cfg.threads is not None:  # OpenMP reads this at import, before torch.set_num_threads runs
-        env["OMP_NUM_THREADS"] = str(cfg.threads)
+        env["OMP_NUM_THREADS"] = str(max(cfg.threads, cfg.prompt_threads or 0))
+    if cores is not None and (cfg.prompt_threads or 0) > len(cores[0]):
+        env.update(omp_places([*cores[0], *cores[1]]))  # a borrowing step's threads one per core, the engine's first
     if cluster_secret:
         env[CLUSTER_SECRET_ENV] = cluster_secret  # in the environment: a command line is public
     log_path = Path(cfg.log_dir) / f"{name}.log" if cfg.log_dir is not None else None
@@ -536,6 +543,20 @@ def default_threads(plan: CorePlan | None, engines: int) -> int:
     return max(1, (os.cpu_count() or 1) // engines)
 
 
+def default_prompt_threads(cfg: ServeConfig, plan: CorePlan | None) -> int | None:
+    """``--prompt-threads`` when not given: where ``--cpu-bind auto`` bound one engine process and left
+    cores to serving, that process's cores and theirs (a prompt step borrows them); else unchanged."""
+    if cfg.prompt_threads is not None or plan is None or cfg.cpu_bind != "auto" or len(plan.engines) != 1 or not plan.serving:
+        return cfg.prompt_threads
+    return len(plan.engines[0]) + len(plan.serving)
+
+
+def omp_places(cores: list[int]) -> dict[str, str]:
+    """OpenMP's environment for one thread per core of ``cores``, in order (vLLM's CPU build sets the
+    same for its workers): read when the library loads, so only a process started with it is pinned."""
+    return {"OMP_PLACES": ",".join(f"{{{c}}}" for c in cores), "OMP_PROC_BIND": "close"}
+
+
 def start_cluster(cfg: ServeConfig, cluster_secret: str | None = None, host: str = LOOPBACK) -> Cluster:
     """Start the engine processes for ``cfg`` (one colocated engine when ``cfg.transfer`` is
     "colocated") and wait until all are healthy. ``--cpu-bind`` is planned here for all of them
@@ -546,7 +567,9 @@ def start_cluster(cfg: ServeConfig, cluster_secret: str | None = None, host: str
     plan = plan_cluster_cores(roles, cfg)
     if cfg.threads is None:
         cfg = dataclasses.replace(cfg, threads=default_threads(plan, len(roles)))
-    print(f"HAWK CPU cores: {plan.describe() if plan else f'unbound (--cpu-bind {cfg.cpu_bind})'}; torch threads per engine {cfg.threads}", flush=True)
+    cfg = dataclasses.replace(cfg, prompt_threads=default_prompt_threads(cfg, plan))
+    borrow = f" ({cfg.prompt_threads} for a step with prompt tokens)" if (cfg.prompt_threads or 0) > cfg.threads else ""
+    print(f"HAWK CPU cores: {plan.describe() if plan else f'unbound (--cpu-bind {cfg.cpu_bind})'}; torch threads per engine {cfg.threads}{borrow}", flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="hawk-serve-"))
     if cfg.log_dir is not None:
         Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
@@ -757,6 +780,8 @@ def _child_main(spec_path: str) -> None:
     cfg = spec.config
     if spec.compute_cores is None:  # the launcher planned no binding: the child does not plan its own
         cfg = dataclasses.replace(cfg, cpu_bind="nobind")
+    else:  # before torch loads: OpenMP drops the places (OMP_PLACES) this thread may not run on
+        os.sched_setaffinity(0, [*spec.compute_cores, *spec.serving_cores])
     logging.basicConfig(level=getattr(logging, cfg.log_level.upper(), logging.WARNING))
     with _stop_signals_as_interrupt():
         try:
