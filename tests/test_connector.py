@@ -145,7 +145,7 @@ def test_reservations_released_after_many_faulty_transfers(staged):
         time.sleep(0.6)  # past the TTL: un-pulled and abandoned requests expire
         s, r = _settled(pair, timeout=5)
         assert s == {"staging": [], "waiting": [], "staging_queue": [], "in_flight": [], "draining": 0, "pushes": [], "expected": []}, s
-        assert r == {"reservations": [], "draining": 0, "expecting": []}, r
+        assert r == {"reservations": [], "draining": 0, "expecting": [], "waiting_for_room": []}, r
         assert len(pair.dead_senders) == seen["prefill-dies"]
         for dead in pair.dead_senders:
             assert dead.accounting() == {"staging": [], "waiting": [], "staging_queue": [], "in_flight": [], "draining": 0, "pushes": [], "expected": []}
@@ -183,7 +183,7 @@ def test_pull_from_a_dead_prefill_fails_cleanly():
         pair.sender.close()  # the prefill goes away
         with pytest.raises(KVTransferFailed, match="did not answer"):
             pair.receiver.pull(address, "r", [0])
-        assert pair.receiver.accounting() == {"reservations": [], "draining": 0, "expecting": []}
+        assert pair.receiver.accounting() == {"reservations": [], "draining": 0, "expecting": [], "waiting_for_room": []}
         assert pair.freed == ["r"]  # closing the sender gave its blocks back
     finally:
         pair.close()
@@ -208,7 +208,7 @@ def test_a_failing_transform_gives_everything_back(path, monkeypatch):
             pair.receiver.pull(pair.sender.address, "bad", [0])
         assert pair.freed == ["bad"]
         assert pair.sender.accounting()["staging"] == [] and pair.sender.accounting()["in_flight"] == []
-        assert pair.receiver.accounting() == {"reservations": [], "draining": 0, "expecting": []}
+        assert pair.receiver.accounting() == {"reservations": [], "draining": 0, "expecting": [], "waiting_for_room": []}
         setattr(pair.sender.fmt, name, good)
         pair.add("good", 40, [0, 1, 2])
         pair.receiver.pull(pair.sender.address, "good", [0])

@@ -91,7 +91,7 @@ def test_two_processes_move_the_kv(transport, config):
             conn.send(("acct",))
             acct = conn.recv()
         assert acct["staging"] == 0 and acct["in_flight"] == 0 and acct["waiting"] == 0
-        assert pair.receiver.accounting() == {"reservations": [], "draining": 0, "expecting": []}
+        assert pair.receiver.accounting() == {"reservations": [], "draining": 0, "expecting": [], "waiting_for_room": []}
     finally:
         conn.send(("stop",))
         proc.join(20)
@@ -120,7 +120,7 @@ def test_prefill_killed_mid_transfer_releases_decode_side(transport):
         while pair.receiver.accounting()["draining"] and time.monotonic() < deadline:
             time.sleep(0.1)
             pair.receiver.reap()
-        assert pair.receiver.accounting() == {"reservations": [], "draining": 0, "expecting": []}
+        assert pair.receiver.accounting() == {"reservations": [], "draining": 0, "expecting": [], "waiting_for_room": []}
         # The decode side keeps working with a new prefill.
         proc2, conn2, address2 = _start("gn-hawk", transport)
         try:
@@ -184,7 +184,7 @@ def test_gpu_two_processes_one_gpu_write_the_pages_themselves(config, direct, ki
             conn.send(("acct",))
             acct = conn.recv()
         assert acct["staging"] == 0 and acct["in_flight"] == 0 and acct["waiting"] == 0 and acct["pushes"] == 0
-        assert pair.receiver.accounting() == {"reservations": [], "draining": 0, "expecting": []}
+        assert pair.receiver.accounting() == {"reservations": [], "draining": 0, "expecting": [], "waiting_for_room": []}
     finally:
         conn.send(("stop",))
         proc.join(20)

@@ -41,7 +41,11 @@ Staging is back-pressure too: a pull that finds P4's buffer full waits, in arriv
 and expiries to make room (the stager thread answers its D1 then), rather than failing or holding a
 control thread (the D9s that free staging arrive on those threads). It waits at most one TTL, and
 no longer than its decode waits for D2: a decode that stops waiting sends D9 not ok, which drops it
-from the queue (so a dead prefill is still noticed within the decode's own timeout).
+from the queue (so a dead prefill is still noticed within the decode's own timeout). The decode's
+receive buffers are back-pressure too: a D3 that finds no free range large enough (concurrent pulls
+fragment a first-fit buffer) waits, in arrival order, for D8s to make room, at most the pull's timeout
+and half the sender's TTL (the staged bytes must outlive D5-D6); one that exceeds the empty buffer
+fails at once.
 
 Layer-wise flow (``kv_flow=layerwise``; the prefill offers ``layerwise`` in its handshake). The same
 steps, reordered so that the transfer hides behind prefill: the decode allocates the request's
@@ -125,7 +129,7 @@ from hawk.connector.messages import (
 )
 from hawk.devices.ipc_events import EventRecorder, EventWaiter
 from hawk.errors import DuplicateRequest
-from hawk.memory.reservations import BufferFull
+from hawk.memory.reservations import BufferFull, NeverFits, RoomQueue
 from hawk.transport.base import Desc, DescArray, Transport, TransferError, desc_bytes
 from hawk.transport.paced import PacedTransport
 
@@ -640,6 +644,8 @@ class KVSender:
         while True:
             try:
                 return self.fmt.reserve_layers(push.plan, push.request_id, ttl_s=self.ttl_s * 2)
+            except NeverFits:
+                raise  # no release can make room: fail now, not after the wait
             except BufferFull:
                 if time.monotonic() >= deadline or push.state is not PushState.PUSHING:
                     raise
@@ -1227,6 +1233,9 @@ class KVReceiver:
         self._expecting: dict[str, float] = {}  # layer-wise destinations handed out, by request
         self._cancelled: dict[str, str] = {}  # ... cancelled while their D1 was on its way: why
         self._events = EventWaiter()  # senders' CUDA IPC events (landed pulls answered early), opened once
+        self._room = RoomQueue()  # D3s waiting for receive-buffer room, in arrival order
+        for ledger in landing.ledgers():
+            ledger.subscribe(self._room.notify)
 
     def connect(self, address: str) -> None:
         """Handshake with a prefill instance: exchange transport metadata and KV layouts."""
@@ -1335,6 +1344,7 @@ class KVReceiver:
                 self._warm(num_tokens, dst_block_ids, s.info)
             t.lap("plan_overlap_s")
             ready = pending.result(timeout)
+            t_ready = time.monotonic()
         except PeerUnreachable as e:
             with contextlib.suppress(Exception):  # a slow prefill (staging full) drops the request then; a dead one hears nothing
                 s.client.send(Done(request_id, False, f"no answer to D1 within {timeout:g} s"))
@@ -1361,7 +1371,7 @@ class KVReceiver:
             else:
                 plan = self.landing.plan(ready, dst_block_ids, s.info)
                 t.lap("plan_s")
-                held = self.landing.reserve(plan, request_id, ttl_s=None, peer=s.info)  # D3
+                held = self._reserve(s, plan, request_id, self._room_deadline(s, t_ready, timeout))  # D3
                 t.lap("reserve_s")
                 descs = self.landing.pair(plan, held, ready)  # D4
                 t.lap("descs_s")
@@ -1393,6 +1403,23 @@ class KVReceiver:
             result = PullResult(request_id, ready.num_tokens, desc_bytes(descs), len(descs), held.mode if held else "", timings)
         self._remember(result)
         return result
+
+    def _reserve(self, s: _Sender, plan: Any, request_id: str, deadline: float) -> Held:
+        """D3. A request whose KV fits the empty receive buffers waits for room (in arrival order,
+        until ``deadline``) instead of failing: concurrent pulls fragment a first-fit buffer, so the
+        bytes can be free in total but in no one range, or held by transfers about to end. One that
+        never fits fails at once (:class:`NeverFits`)."""
+        if not self.landing.needs_room(plan, request_id, s.info):
+            return self.landing.reserve(plan, request_id, ttl_s=None, peer=s.info)
+        return self._room.take(lambda: self.landing.reserve(plan, request_id, ttl_s=None, peer=s.info), request_id, deadline, tick=self.reap)
+
+    @staticmethod
+    def _room_deadline(s: _Sender, t_ready: float, timeout: float) -> float:
+        """How long D3 may wait for room, from D2: the pull's timeout, and at most half the sender's
+        TTL, which bounds how long it keeps the staged bytes after D2 (the rest is left for D5-D6)."""
+        ttl = s.info.get("ttl_s")
+        wait = min(timeout, float(ttl) / 2) if isinstance(ttl, (int, float)) and ttl > 0 else timeout
+        return t_ready + wait
 
     @staticmethod
     def _pull_request(s: _Sender, request_id: str, dst_block_ids: Sequence[int], land: bool, event_ok: bool) -> PullRequest:
@@ -1563,7 +1590,7 @@ class KVReceiver:
         with self._lock:
             draining = len(self._draining)
             expecting = sorted(self._expecting)
-        return {"reservations": self.landing.live(), "draining": draining, "expecting": expecting}
+        return {"reservations": self.landing.live(), "draining": draining, "expecting": expecting, "waiting_for_room": self._room.waiting()}
 
     def close(self) -> None:
         with self._lock:
@@ -1571,6 +1598,7 @@ class KVReceiver:
             self._senders.clear()
             held = [h for _, h in self._draining]
             self._draining.clear()
+        self._room.close("the receiver closed")  # pulls waiting at D3 fail now (nothing held yet)
         for s in senders:
             s.client.close()
         for h in held:

@@ -58,8 +58,21 @@ class Landing(ABC):
 
     def reserve(self, plan: Any, owner: str, ttl_s: float | None, peer: dict[str, Any] | None = None) -> Held:
         """D3: reserve receive space (``peer``: the sender's handshake info, with this side's
-        ``device_copy``: whether batches with it are copies inside one GPU)."""
+        ``device_copy``: whether batches with it are copies inside one GPU). Raises
+        :class:`~hawk.memory.reservations.BufferFull` when there is no room now; the receiver then
+        waits for releases (:meth:`ledgers`) in arrival order."""
         return Held("in-place")
+
+    def needs_room(self, plan: Any, owner: str, peer: dict[str, Any] | None = None) -> bool:
+        """Whether :meth:`reserve` takes receive-buffer space for ``plan`` (False: it holds nothing,
+        so it never waits behind requests that do). Raises
+        :class:`~hawk.memory.reservations.NeverFits` if it could not get that space even with every
+        receive buffer empty: such a request fails at once instead of waiting in vain."""
+        return False
+
+    def ledgers(self) -> list[RangeReservations]:
+        """The ledgers :meth:`reserve` takes from: their releases wake requests waiting for room."""
+        return []
 
     @abstractmethod
     def pair(self, plan: Any, held: Held, ready: KVReady) -> Sequence[Desc]:
@@ -143,6 +156,15 @@ class ChannelLanding(_NpuTilesLanding):
             return Held("direct")
         return Held("staging", dict(self.buffers.reserve(plan.channel_bytes(), owner, ttl_s)))
 
+    def needs_room(self, plan, owner, peer=None) -> bool:
+        if self.choose(plan, peer) == "direct":
+            return False
+        self.buffers.require_fits(plan.channel_bytes(), owner)
+        return True
+
+    def ledgers(self) -> list[RangeReservations]:
+        return list(self.buffers.ledgers.values())
+
     def _addresses(self, held: Held) -> dict[int, int]:
         return {c: self.buffers.address(r, c) for c, r in held.reservations.items()}
 
@@ -202,6 +224,13 @@ class SingleLanding(_NpuTilesLanding):
 
     def reserve(self, plan, owner, ttl_s, peer=None) -> Held:
         return Held("single", {0: self.buffer.reserve(plan.total_bytes, owner, ttl_s)})
+
+    def needs_room(self, plan, owner, peer=None) -> bool:
+        self.buffer.ledger.require_fits(plan.total_bytes, owner)
+        return True
+
+    def ledgers(self) -> list[RangeReservations]:
+        return [self.buffer.ledger]
 
     def pair(self, plan, held, ready) -> list[Desc]:
         addr = self.buffer.address(held.reservations[0])
@@ -265,6 +294,13 @@ class _HostLanding(Landing):
 
     def reserve(self, plan, owner, ttl_s, peer=None) -> Held:
         return Held("host", {0: self.rx.ledger.reserve(plan.blocks.total_bytes, owner, ttl_s)})
+
+    def needs_room(self, plan, owner, peer=None) -> bool:
+        self.rx.ledger.require_fits(plan.blocks.total_bytes, owner)
+        return True
+
+    def ledgers(self) -> list[RangeReservations]:
+        return [self.rx.ledger]
 
     def pair(self, plan, held, ready) -> list[Desc]:
         r = held.reservations[0]
@@ -457,6 +493,13 @@ class GpuFromTiles(Landing):
 
     def reserve(self, plan, owner, ttl_s, peer=None) -> Held:
         return Held("gpu-rx", {0: self.rx.reserve(plan.total_bytes, owner, ttl_s)})
+
+    def needs_room(self, plan, owner, peer=None) -> bool:
+        self.rx.ledger.require_fits(plan.total_bytes, owner)
+        return True
+
+    def ledgers(self) -> list[RangeReservations]:
+        return [self.rx.ledger]
 
     def pair(self, plan, held, ready) -> list[Desc]:
         base = held.reservations[0].offset

@@ -354,7 +354,7 @@ class DecodeInstance(_FollowedRanks):
         """Nothing received or reserved on rank 0 or a live follower, no KV block in use."""
         a = self.accounting()
         ranks = [r for r in a.get("ranks", {}).values() if not r.get("dead")]
-        return a["kv_blocks_used"] == 0 and all(r["rx_reservations"] == 0 and r["draining"] == 0 and not r.get("kv_expecting") for r in [a, *ranks])
+        return a["kv_blocks_used"] == 0 and all(r["rx_reservations"] == 0 and r["draining"] == 0 and not r.get("kv_expecting") and not r.get("rx_waiting") for r in [a, *ranks])
 
     def accounting(self) -> dict[str, Any]:
         out = {

@@ -162,5 +162,5 @@ def ledger(rank: DecodeRank) -> dict[str, Any]:
     a = rank.receiver.accounting()
     return {
         "rx_reservations": len(a["reservations"]), "rx_bytes": sum(r.size for r in a["reservations"]), "rx_held": held(a["reservations"]),
-        "draining": a["draining"], "kv_expecting": a.get("expecting", []),
+        "draining": a["draining"], "kv_expecting": a.get("expecting", []), "rx_waiting": a.get("waiting_for_room", []),
     }

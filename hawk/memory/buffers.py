@@ -60,9 +60,16 @@ class ChannelBuffers:
             for c, n in bytes_by_channel.items():
                 got[c] = self.ledgers[c].reserve(n, owner, ttl_s)
         except BaseException:
-            self.release(got)
+            for c, r in got.items():
+                self.ledgers[c].release(r, announce=False)  # an undo: nothing waited for these bytes
             raise
         return got
+
+    def require_fits(self, bytes_by_channel: Mapping[int, int], owner: str) -> None:
+        """Raise :class:`~hawk.memory.reservations.NeverFits` unless every channel's share fits its
+        empty buffer (else waiting for releases never helps)."""
+        for c, n in bytes_by_channel.items():
+            self.ledgers[c].require_fits(n, owner)
 
     def address(self, res: Reservation, channel: int) -> int:
         return self.base(channel) + res.offset
