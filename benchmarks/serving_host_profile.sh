@@ -7,7 +7,8 @@
 #
 # Default server: colocated, 8B shape, bf16, cuda:0, default capacity. Writes under $OUT:
 # serve.log, bench.json, gpu_util.csv, cpu.txt (per-process and per-thread CPU seconds over the window),
-# pyspy_engine.txt / pyspy_router.txt (collapsed stacks), stats_before/after.json.
+# pyspy_engine_<pid>.txt (each engine process: prefill and decode of a disaggregated server) / pyspy_router.txt
+# (collapsed stacks), metrics_before/after.txt.
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 RATE=${PROFILE_RATE:-18}; DUR=${PROFILE_S:-40}; PORT=${PORT:-8100}
@@ -23,8 +24,8 @@ python3 -m hawk serve "${args[@]}" --port "$PORT" > "$OUT/serve.log" 2>&1 &
 spid=$!
 for _ in $(seq 1 300); do curl -sf "127.0.0.1:$PORT/health" > /dev/null && break; kill -0 $spid 2> /dev/null || break; sleep 1; done
 grep -E "KV cache|max-num" "$OUT/serve.log"
-engine=$(pgrep -f "hawk.serve.launcher" | head -1)
-echo "router $spid engine ${engine:-?}"
+engines=$(pgrep -f "hawk.serve.launcher" | tr "\n" " ")  # one per instance: a disaggregated server has two
+echo "router $spid engines ${engines:-?}"
 curl -s "127.0.0.1:$PORT/metrics" > "$OUT/metrics_before.txt"
 n=$(python3 -c "print(int($RATE * $DUR))")
 python3 -m hawk.bench.serving_cli --url "http://127.0.0.1:$PORT" --workload chatbot --rates "$RATE" --num-requests "$n" \
@@ -35,14 +36,16 @@ cpu() { for p in "$@"; do awk -v p="$p" '{print p, $14 + $15}' "/proc/$p/stat" 2
 threads() { for t in /proc/"$1"/task/*; do awk -v t="${t##*/}" '{print t, $14 + $15}' "$t/stat" 2> /dev/null | paste - "$t/comm"; done; }
 nvidia-smi --query-gpu=timestamp,utilization.gpu --format=csv,noheader -lms 100 > "$OUT/gpu_util.csv" &
 npid=$!
-{ echo "# ticks/s $(getconf CLK_TCK), window $((DUR / 2)) s"; echo "## start"; cpu $spid ${engine:-} $bpid; threads ${engine:-$spid}; } > "$OUT/cpu.txt"
+{ echo "# ticks/s $(getconf CLK_TCK), window $((DUR / 2)) s"; echo "## start"; cpu $spid $engines $bpid; for e in ${engines:-$spid}; do threads "$e"; done; } > "$OUT/cpu.txt"
 if command -v py-spy > /dev/null; then
-  py-spy record -p "${engine:-$spid}" -d $((DUR / 2)) -r 50 -f raw -o "$OUT/pyspy_engine.txt" --threads > "$OUT/pyspy_engine.log" 2>&1 &
+  for e in ${engines:-}; do
+    py-spy record -p "$e" -d $((DUR / 2)) -r 50 -f raw -o "$OUT/pyspy_engine_$e.txt" --threads > "$OUT/pyspy_engine_$e.log" 2>&1 &
+  done
   py-spy record -p "$spid" -d $((DUR / 2)) -r 50 -f raw -o "$OUT/pyspy_router.txt" --threads > "$OUT/pyspy_router.log" 2>&1 &
   py-spy record -p "$bpid" -d $((DUR / 2)) -r 50 -f raw -o "$OUT/pyspy_client.txt" --threads > "$OUT/pyspy_client.log" 2>&1 &
 fi
 sleep $((DUR / 2))
-{ echo "## end"; cpu $spid ${engine:-} $bpid; threads ${engine:-$spid}; } >> "$OUT/cpu.txt"
+{ echo "## end"; cpu $spid $engines $bpid; for e in ${engines:-$spid}; do threads "$e"; done; } >> "$OUT/cpu.txt"
 kill $npid 2> /dev/null
 curl -s "127.0.0.1:$PORT/metrics" > "$OUT/metrics_after.txt"
 wait $bpid; tail -5 "$OUT/bench.log"

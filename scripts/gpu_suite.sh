@@ -37,7 +37,7 @@
 #                 and gn-hawk with both roles on GPU0 (transport auto), each beside its same-run bound; then
 #                 `python -m hawk.bench.saturation summarize` -> $OUT/saturation_h200.json (SAT_START rate, SAT_DURATION s or
 #                 SAT_REQUESTS per rate, SAT_CONFIGS: one server per call at 30 s a rate, colocated, gn-hawk_gpu0 or
-#                 colocated-mixed-graphs; SAT_SERVE_ARGS: more hawk serve flags, e.g. "--api-server-count 4")
+#                 colocated-mixed-graphs, gn-hawk_gpu0_bfp8; SAT_SERVE_ARGS: more hawk serve flags, e.g. "--api-server-count 4")
 #     steps     - the engine's step paths on CUDA: the runner's graphs (decode, prefill, graph pieces for a mixed batch
 #                 past 16 sequences, e.g. 48 and 256 decode rows beside a 512-token chunk on the 8B layer shapes), async
 #                 scheduling and overlapped mixed steps against the synchronous loop (pytest -m gpu)
@@ -97,7 +97,7 @@ if want mixedprobe; then
   step mixed_graph_probe 200 python3 benchmarks/mixed_step_probe.py --mixed-graphs --batches 16,48,128,256 --context 850 --chunk 64,128,256,512
 fi
 want kernels && \
-  step gpu_kernels 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_paged_attention.py tests/test_npu_attention.py tests/test_triton_ops.py
+  step gpu_kernels 480 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_paged_attention.py tests/test_npu_attention.py tests/test_triton_ops.py
 want transform && \
   step transform 200 python3 -m hawk.bench.transform --sizes-mb 10,80,320,1280 --dtypes bf16,bfp8_b --blocks contiguous,shuffled --json "$OUT/transform_h200.json"
 want transfer && \
@@ -265,9 +265,11 @@ if want saturation; then
       colocated) sat_bench colocated colocated cuda:0 256 ;;
       gn-hawk_gpu0) sat_bench gn-hawk_gpu0 gn-hawk npu-emu:cuda:0 0 --transport auto ;;  # no bound: measured against colocated
       colocated-mixed-graphs) sat_bench colocated-mixed-graphs colocated cuda:0 256 --mixed-graphs ;;  # against colocated's pieces
+      gn-hawk_gpu0_bfp8) sat_bench gn-hawk_gpu0_bfp8 gn-hawk npu-emu:cuda:0 0 --transport auto --kv-dtype bfp8_b ;;  # the NPU's KV in bfloat8_b
     esac
   done
   python3 -m hawk.bench.saturation summarize "$OUT/saturation_colocated.json" "$OUT/saturation_gn-hawk_gpu0.json" "$OUT/saturation_colocated-mixed-graphs.json" \
+    "$OUT/saturation_gn-hawk_gpu0_bfp8.json" \
     --device "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), one GPU, both roles on GPU0 (emulated NPU)" \
     --command "bash scripts/gpu_suite.sh saturation" --out "$OUT/saturation_h200.json"
 fi
