@@ -17,7 +17,8 @@ cut from :mod:`hawk.bench.prompt_text`, or ``--prompt-text random`` token ids; s
 the decode side reports it (NixlConnector's ``vllm:nixl_xfer_time_seconds``, HawkConnector's pull time,
 HAWK's ``kv_transfer_s``), and whether the text equals vllm-single's. P/D pairs are driven the way a P/D
 router drives them (prefill with ``max_tokens: 1`` and ``do_remote_decode``, then the decode with the
-prefill's ``kv_transfer_params``), in one of two handoffs (each record's ``handoff``): ``standard`` (vLLM's:
+prefill's ``kv_transfer_params``; each record's ``handoff_by``: ``client``, or ``hawk-router`` where HAWK's
+router fronts a vLLM prefill and HAWK's decode), in one of two handoffs (each record's ``handoff``): ``standard`` (vLLM's:
 the decode gets the original prompt, recomputes its last token and streams every output token; TTFT runs
 from the prefill call to the decode's first token) or ``prompt+first-token`` (the decode gets the prompt
 plus the prefill's first token and streams from the second; the client has the first token when the
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import enum
 import json
 import os
 import shutil
@@ -71,7 +73,15 @@ class Front:
     prefill_url: str | None = None  # set for P/D pairs
     transfer_ms: Any = None  # () -> the last request's KV transfer time in ms, or None
     serving_url: str | None = None  # the front door for --rates (vllm-router for a P/D pair)
-    handoff: str | None = None  # how a P/D pair's decode continues the prefill (a Handoff value), or who hands off
+    handoff: Handoff | None = None  # how the decode continues the prefill (P/D pairs and HAWK's router)
+    handoff_by: HandoffBy | None = None  # who carries the request from the prefill to the decode
+
+
+class HandoffBy(enum.Enum):
+    """Who takes a P/D request from the prefill's answer to the decode."""
+
+    CLIENT = "client"  # this bench, the way a P/D router (vllm-router) drives the pair
+    HAWK_ROUTER = "hawk-router"  # HAWK's router in front of a vLLM prefill and HAWK's decode
 
 
 def stream_completion(client: httpx.Client, url: str, body: dict[str, Any]) -> tuple[str, list[float], dict[str, Any]]:
@@ -97,14 +107,14 @@ def one_request(client: httpx.Client, front: Front, ids: list[int], max_tokens: 
     t0 = time.perf_counter()
     first: list[float] = []  # the client's first token's arrival, when the prefill's answer is it
     step: Continue | None = None
-    if front.handoff == Handoff.PROMPT_PLUS_FIRST_TOKEN.value:
+    if front.handoff_by is HandoffBy.CLIENT and front.handoff is Handoff.PROMPT_PLUS_FIRST_TOKEN:
         r = client.post(f"{front.prefill_url}/v1/completions", json=prefill_request(body))
         r.raise_for_status()
         first.append(time.perf_counter())
         step = after_prefill(body, r.json())
         assert isinstance(step, Continue), "ignore_eos and max_tokens > 1: the prefill's first token cannot end the request"
         body = step.body
-    elif front.prefill_url is not None:  # vLLM's standard P/D handoff
+    elif front.handoff_by is HandoffBy.CLIENT:  # vLLM's standard P/D handoff
         r = client.post(f"{front.prefill_url}/v1/completions", json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
         r.raise_for_status()
         body["kv_transfer_params"] = r.json()["kv_transfer_params"]
@@ -231,8 +241,8 @@ def launch(config: str, model: str, logs: Path, threads: int | None, gg_handoff:
             front = L.router(f"{config}-router", p.url, d.url) if shutil.which("vllm-router") else None
             if front:
                 L.wait(front)
-            handoff = Handoff.STANDARD.value if config == "vllm-nixl" else gg_handoff
-            yield Front(d.url, prefill_url=p.url, transfer_ms=xfer, serving_url=front, handoff=handoff)
+            handoff = Handoff.STANDARD if config == "vllm-nixl" else Handoff(gg_handoff)
+            yield Front(d.url, prefill_url=p.url, transfer_ms=xfer, serving_url=front, handoff=handoff, handoff_by=HandoffBy.CLIENT)
         elif config.startswith("hawk-gn-hawk"):
             p = L.vllm(f"{config}-prefill", kv_transfer=hawk_transfer_config("kv_producer", transfer="gn-hawk", **extra))
             kv = ["--kv-dtype", "bfp8_b"] if config.endswith("bfp8") else []
@@ -242,7 +252,8 @@ def launch(config: str, model: str, logs: Path, threads: int | None, gg_handoff:
             router = L.hawk(f"{config}-router", ["--role", "router", "--prefill-api", "vllm", "--prefill-url", p.url, "--decode-url", dec,
                                                  "--served-model-name", MODEL_NAME])
             L.wait(router)
-            yield Front(router, serving_url=router, handoff="hawk-router")  # HAWK's decode starts from the first token
+            yield Front(router, serving_url=router, handoff=Handoff.PROMPT_PLUS_FIRST_TOKEN,  # HAWK's decode starts from the first token
+                        handoff_by=HandoffBy.HAWK_ROUTER)
         elif config == "hawk-colocated":
             url = L.hawk(config, ["--transfer", "colocated", "--model", model, "--dtype", "bf16", "--served-model-name", MODEL_NAME,
                                   "--max-num-batched-tokens", str(VLLM_CPU_STEP_TOKENS),
@@ -311,7 +322,8 @@ def run(configs: Sequence[str], lens: Sequence[int], repeats: int, max_tokens: i
                     if config == "vllm-single":
                         reference[(n, rep)] = r["text"]
                     ref = reference.get((n, rep))
-                    rec = {"config": config, "handoff": front.handoff, "prompt_tokens": n, "repeat": rep, "identical": r["text"] == ref,
+                    rec = {"config": config, "handoff": front.handoff and front.handoff.value,
+                           "handoff_by": front.handoff_by and front.handoff_by.value, "prompt_tokens": n, "repeat": rep, "identical": r["text"] == ref,
                            "agreement": agreement(r["text"], ref or ""),
                            **{k: r[k] for k in ("ttft_ms", "decode_first_ms", "tpot_ms", "kv_transfer_ms")}}
                     records.append(rec)
@@ -335,7 +347,7 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         groups.setdefault((r["config"], r["prompt_tokens"]), []).append(r)
     for (config, n), rs in groups.items():
         med = {k: _median([r.get(k) for r in rs]) for k in ("ttft_ms", "decode_first_ms", "tpot_ms", "kv_transfer_ms")}
-        out.append({"config": config, "handoff": rs[0].get("handoff"), "prompt_tokens": n, "identical": all(r["identical"] for r in rs),
+        out.append({"config": config, "handoff": rs[0].get("handoff"), "handoff_by": rs[0].get("handoff_by"), "prompt_tokens": n, "identical": all(r["identical"] for r in rs),
                     "agreement": min(r["agreement"] for r in rs), **med})
     nixl = {s["prompt_tokens"]: s["ttft_ms"] for s in out if s["config"] == "vllm-nixl"}
     for s in out:

@@ -3,7 +3,7 @@
 A request arrives with its first token (sampled by the prefill) and a handle to its KV. Its life:
 
     WAITING       queued here; holds no decode blocks. Its KV waits on the prefill, kept alive
-                  (``KVSource.keep_alive``) so a memory-bound decode delays it instead of letting
+                  (``DecodeKVConnector.keep_alive``) so a memory-bound decode delays it instead of letting
                   the prefill's TTL expire it into an error.
         | admitted: the blocks its prompt + the first step's token need are free (plus a
         | watermark and the next step's growth of the running batch), first come first served
@@ -63,6 +63,7 @@ from hawk.connector.algorithm1 import PushFailed
 from hawk.devices.timing import pace_until
 from hawk.engine.attention import SeqSlice
 from hawk.engine.block_manager import BlockManager
+from hawk.engine.kv_connector import DecodeKVConnector
 from hawk.engine.model import LlamaModel
 from hawk.engine.runner import ModelRunner, StepOutput, StepPath
 from hawk.engine.sampler import NO_TOKEN, make_generator, sample, sample_tokens
@@ -136,34 +137,6 @@ class TokenEvent:
 
 
 OnEvent = Callable[[TokenEvent], None]
-
-
-class KVSource(Protocol):
-    """How the decode engine gets a sequence's prompt KV into blocks it owns."""
-
-    blocks: BlockManager
-    #: The prompt's KV is already in this engine's blocks when a request arrives (``LocalKV`` on a
-    #: CPU): its first token goes out at submit and admission runs on the engine thread.
-    kv_here: bool
-
-    def blocks_needed(self, seq: Sequence) -> int:
-        """Blocks to allocate at admission: the prompt's KV and the first decode step's token."""
-        ...
-
-    def admit(self, seq: Sequence, block_ids: list[int], handle: Any) -> dict[str, Any]:
-        """Fill ``block_ids`` with the prompt KV (blocking); returns transfer info for the client."""
-        ...
-
-    def keep_alive(self, handles: list[Any]) -> None:
-        """Tell the KV's holders that these requests are still queued here (so it is not expired)."""
-        ...
-
-    def drop(self, handle: Any) -> None:
-        """A request leaves before its KV was taken (aborted or closed while queued): give back
-        whatever its handle holds."""
-        ...
-
-    def release(self, seq: Sequence) -> None: ...
 
 
 def _free_blocks(blocks: BlockManager, seq: Sequence) -> None:
@@ -317,7 +290,7 @@ class DecodeEngine:
         self,
         model: LlamaModel,
         attn: Any,
-        kv: KVSource,
+        kv: DecodeKVConnector,
         eos_token_ids: tuple[int, ...] = (),
         max_batch: int = 64,
         transfer_threads: int = 4,

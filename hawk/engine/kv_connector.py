@@ -2,19 +2,18 @@
 
 vLLM splits its ``KVConnectorBase_V1`` into a scheduler side and a worker side; HAWK's engines
 need less, because Algorithm 1 (``hawk/connector/algorithm1.py``) runs the whole transfer. What
-they need is said here, once, as two protocols the engines already call by shape:
+they need is said here, once, as the protocols the engines take:
 
-* :class:`PrefillKVConnector` — the prefill engine's ``Handoff`` (``prefill_engine.py``), today
-  ``HawkSender.add`` or the colocated instance's ``_handoff``.
-* :class:`DecodeKVConnector` — the decode engine's ``KVSource`` (``decode_engine.py``), today
-  ``RemoteKV`` (pull over HAWK) or ``LocalKV`` (colocated, take the blocks over).
+* :class:`PrefillKVConnector` — the prefill engine's ``handoff``: ``HawkSender.add`` or the
+  colocated instance's ``_handoff``.
+* :class:`LayerPushConnector` — the prefill engine's ``layer_push`` (``KVSender.begin_push``).
+* :class:`DecodeKVConnector` — the decode engine's ``kv``: ``RemoteKV`` (pull over HAWK) or
+  ``LocalKV`` (colocated, take the blocks over), both in ``decode_engine.py``.
 
 Ownership, in one line each:
   prefill: the engine allocates; ``hand_off`` transfers ownership; the connector frees, exactly once.
-  decode:  the engine allocates; ``admit`` fills; the engine frees through ``release``, exactly once.
-
-The engines keep their own aliases (``Handoff``, ``KVSource``) until their owners switch to these
-names; the two are the same shape, so either annotation accepts the same objects.
+  decode:  the engine allocates; ``admit`` fills; the engine frees through ``release``, exactly once;
+           a request that leaves before ``admit`` gives its handle back through ``drop``.
 """
 
 from __future__ import annotations
@@ -79,10 +78,14 @@ class DecodeKVConnector(Protocol):
 
     #: The decode cache's allocator: the engine allocates from it before ``admit``.
     blocks: BlockManager
+    #: The prompt's KV is already in this engine's blocks when a request arrives (``LocalKV`` on a
+    #: CPU): its first token goes out at submit and admission runs on the engine thread.
+    kv_here: bool
 
     def blocks_needed(self, seq: Seq) -> int:
-        """Blocks the engine must allocate for ``seq`` (prompt + all outputs, or only the
-        outputs when the prompt's blocks are taken over, as colocated does)."""
+        """Blocks the engine must allocate for ``seq`` at admission (the prompt's KV and the first
+        decode step's token, or only the latter when the prompt's blocks are taken over, as
+        colocated does)."""
         ...
 
     def admit(self, seq: Seq, block_ids: list[int], handle: Any) -> dict[str, Any]:
@@ -93,8 +96,17 @@ class DecodeKVConnector(Protocol):
         (receive buffers, the prefill's staging) on every path, as Algorithm 1 requires."""
         ...
 
+    def keep_alive(self, handles: list[Any]) -> None:
+        """Tell the KV's holders that these requests are still queued here, so a memory-bound
+        decode delays them instead of letting the prefill's TTL expire them."""
+        ...
+
+    def drop(self, handle: Any) -> None:
+        """A request leaves before ``admit`` (aborted, or the engine closed while it queued): give
+        back whatever its handle holds (the prefill's staged KV, a colocated prompt's blocks)."""
+        ...
+
     def release(self, seq: Seq) -> None:
         """Return ``seq``'s blocks to ``blocks`` (finished, aborted or failed); idempotent, so
         the engine may call it on every exit path."""
         ...
-

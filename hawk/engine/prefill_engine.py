@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hawk.engine.block_manager import BlockManager
-from hawk.engine.kv_connector import LayerFeed, LayerPushConnector
+from hawk.engine.kv_connector import LayerFeed, LayerPushConnector, PrefillKVConnector
 from hawk.engine.model import LlamaModel
 from hawk.engine.paged_attention import PagedAttention, SeqSlice
 from hawk.engine.runner import ModelRunner
@@ -113,17 +113,13 @@ class _Piece:
         return self.job.prompt_ids[self.start : self.start + self.q_len]
 
 
-#: ``handoff(request_id, num_tokens, block_ids, free_blocks)``: who takes the KV after prefill.
-Handoff = Callable[[str, int, list[int], Callable[[], None]], None]
-
-
 class PrefillEngine:
     def __init__(
         self,
         model: LlamaModel,
         layout: GpuKVLayout,
         caches: Sequence[torch.Tensor],
-        handoff: Handoff,
+        handoff: PrefillKVConnector,
         max_batch_tokens: int = 8192,
         block_manager: BlockManager | None = None,
         max_prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
