@@ -24,6 +24,7 @@ from hawk.engine.step_threads import KernelThreads, StepThreads, attention_threa
 from hawk.integrations.vllm.servers import free_port, stop_group
 from tests.blocks import blocks_back
 from tests.test_mixed_steps import Client, _prompt
+from tests.test_router_workers import _healthy
 
 TWO_CORES = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
 
@@ -139,7 +140,7 @@ def test_hawk_serve_starts_its_cpu_engine_with_a_thread_place_on_the_serving_cor
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 240
-        while not _healthy(url):
+        while not _healthy(port):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.5)
         with httpx.Client(trust_env=False, timeout=60) as c:
@@ -153,10 +154,3 @@ def test_hawk_serve_starts_its_cpu_engine_with_a_thread_place_on_the_serving_cor
         assert "places reduced" not in text, text
     finally:
         stop_group(proc, kill=True)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200
-    except httpx.HTTPError:
-        return False
