@@ -48,8 +48,12 @@ from hawk.sim.crossval import (
     compare,
     format_one_offs,
     format_table,
+    graph_capture,
+    lost_at_pull,
     per_request,
+    probe_captures,
 )
+from hawk.sim.prefill import GraphCapture
 from hawk.sim.workload import LengthDist, Workload, generate_requests, get_workload
 
 PREFILL_LENS = (8, 32, 64, 128)  # spans chatbot-tiny's 8..128 prompts (the default when no workload is given)
@@ -122,6 +126,48 @@ def probe(url: str, seed: int, lengths: tuple[int, ...] = PREFILL_LENS, repeats:
     return p
 
 
+#: the prefill's first-use graph capture, measured on the GPU the paced runs use (prefill_graph_capture_probe.py)
+GRAPH_CAPTURE = Path(__file__).resolve().parent / "results" / "prefill_graph_capture_h200.json"
+#: when the prefill began replaying CUDA graphs (commit 8348c19, 2026-12-02 06:49:52 UTC): runs saved before
+#: prefilled eagerly, with nothing captured on first use
+PREFILL_GRAPHS_SINCE = 1796194192.0
+
+
+def prefill_graphs(prefill_device: str, graph_tokens: int) -> GraphCapture | None:
+    """The simulator's prefill graph model for a run whose prefill is on ``prefill_device``: None on a
+    CPU (no graphs); without a capture measurement (:data:`GRAPH_CAPTURE`) only the warm-up runs
+    (``ModelRunner.WARMUP_RUNS`` forwards), a lower bound of a first use."""
+    if not prefill_device.startswith("cuda") or graph_tokens <= 0:
+        return None
+    if not GRAPH_CAPTURE.exists():
+        return GraphCapture(graph_tokens, 0.0, "the engine's warm-up runs only (the capture itself not measured here)")
+    return graph_capture(json.loads(GRAPH_CAPTURE.read_text()), graph_tokens)
+
+
+def probe_sends(probes: Probes, concurrent_len: int | None) -> list[tuple[int, int]]:
+    """The probes' simultaneous sends ``(k, prompt tokens)`` in the order :func:`probe` sends them."""
+    sends = [(b, DECODE_PROMPT) for b, _ in probes.decode]
+    if concurrent_len and probes.concurrent:
+        sends += [(k, concurrent_len) for k in sorted({int(k) for k, _, _ in probes.concurrent})]
+    return sends
+
+
+def simulate_rates(sim_cfg: Any, probes: Probes, concurrent_len: int | None, real: list[dict[str, Any]], wl: Workload,
+                   rates: list[float], num_requests: int, seed: int) -> list[dict[str, Any]]:
+    """The simulator over the sweep's rates in the order the real run served them, on one server's
+    state: the graph buckets its probes and each earlier rate captured stay captured; requests the
+    real decode lost at their pull are lost there too (``lost_at_pull``)."""
+    graphs = sim_cfg.prefill_graphs
+    captured = list(probe_captures(graphs, sim_cfg.prefill, probe_sends(probes, concurrent_len))) if graphs else []
+    lost = {round(m["rate"], 9): lost_at_pull(m) for m in real}
+    out = []
+    for r in rates:
+        cfg = dataclasses.replace(sim_cfg, prefill_graphs_captured=tuple(map(tuple, captured)))
+        out.append(simulate(cfg, r, wl, num_requests, seed, per_request=True, lost_at_pull=lost.get(round(r, 9))))
+        captured += [tuple(b) for b in out[-1]["prefill_graph_captures"][0]]
+    return out
+
+
 def served_limits(system: Any, cfg: Any) -> dict[str, int]:
     """The batch and KV capacities the running system resolved (``hawk/engine/capacity.py``'s memory
     rule where the config leaves them open): the simulator admits requests against the same ones."""
@@ -170,8 +216,10 @@ def run_scenario(name: str, a: argparse.Namespace, transfer: str) -> dict[str, A
         params = sum(t.numel() for t in loaded.model.parameters())
         npu_step = engine_step_model("p150a", params, mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.kv_dtype)
         del loaded
-    sim_cfg = calibrated_config(cal, cfg.transfer, npu_step=npu_step, link_gbps=cfg.link_gbps, staging_bytes=limits["prefill_staging_bytes"])
-    sim = [simulate(sim_cfg, r, wl, a.num_requests, a.seed, per_request=True) for r in a.rates]
+    sim_cfg = calibrated_config(cal, cfg.transfer, npu_step=npu_step, link_gbps=cfg.link_gbps, staging_bytes=limits["prefill_staging_bytes"],
+                                prefill_graphs=prefill_graphs(cfg.prefill_device, cfg.prefill_graph_tokens if cfg.graphs is not False else 0))
+    sim = simulate_rates(sim_cfg, probes, int(wl.input.mean) if transfer.endswith("-host") else None, real, wl, a.rates,
+                         a.num_requests, a.seed)
     sims = {round(s["rate"], 9): s for s in sim}
     pairs = [row for m in real if round(m["rate"], 9) in sims for row in per_request(m, sims[round(m["rate"], 9)])]
     one_offs = format_one_offs(pairs, f"[{name}] {transfer}")
@@ -213,8 +261,11 @@ def resimulate(path: str) -> list[dict[str, Any]]:
                         machine=saved.get("machine", {}).get("node", "saved run"), prefill_kv_tokens=lim["prefill_kv_tokens"])
         npu_step = None if s["npu_step_model"] is None else StepModel(**s["npu_step_model"])
         sim_cfg = calibrated_config(cal, cfg["transfer"], npu_step=npu_step, link_gbps=cfg["link_gbps"],
-                                    staging_bytes=lim.get("prefill_staging_bytes"))
-        sim = [simulate(sim_cfg, r, wl, a["num_requests"], a["seed"], per_request=True) for r in a["rates"]]
+                                    staging_bytes=lim.get("prefill_staging_bytes"),
+                                    prefill_graphs=prefill_graphs(cfg["prefill_device"], defaults().prefill_graph_tokens)
+                                    if (s["real"][0].get("started_at") or 0) >= PREFILL_GRAPHS_SINCE else None)
+        sim = simulate_rates(sim_cfg, probes, int(wl.input.mean) if cfg["transfer"].endswith("-host") else None, s["real"], wl,
+                             a["rates"], a["num_requests"], a["seed"])
         rows += compare(s["real"], sim, f"{cfg['transfer']} {s['scenario']}")
     return rows
 

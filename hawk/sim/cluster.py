@@ -32,7 +32,7 @@ from hawk.sim.defaults import (
     load_calibration,
 )
 from hawk.sim.metrics import percentile, summarize
-from hawk.sim.prefill import PrefillInstance
+from hawk.sim.prefill import GraphCapture, PrefillInstance
 from hawk.sim.request import SimRequest
 from hawk.sim.router import Router
 from hawk.sim.transfer import KVTransferService
@@ -61,6 +61,10 @@ class SimConfig:
     #: request front end: router, HTTP hops and streaming, added to TTFT without occupying an
     #: instance (0 for the testbeds; a real run's cross-validation measures it)
     frontend_s: float = 0.0
+    #: the front end's part that grows with the prompt (seconds per prompt token): the prompt travels
+    #: as a JSON list of token ids from the client through the router to the prefill, parsed and
+    #: validated at each hop; a real run's probes measure it beside ``frontend_s``
+    frontend_per_token_s: float = 0.0
     #: decode admission only between steps, as ``DecodeEngine`` and vLLM admit (see ``decode.py``); on
     #: for the ``paper`` testbed (``decode.VLLM_DECODE_FLOW``) and a cross-validation of HAWK's engine
     admit_between_steps: bool = False
@@ -77,6 +81,11 @@ class SimConfig:
     #: the first token comes out of the decode step that includes the request (vLLM's disaggregated
     #: serving, ``decode.VLLM_DECODE_FLOW``) instead of at the join (HAWK's engine)
     first_token_on_decode: bool = False
+    #: the prefill's CUDA graphs, captured on first use (``prefill.py``); None: no first-use cost
+    prefill_graphs: GraphCapture | None = None
+    #: graph buckets each prefill instance captured before this run (earlier traffic to the same
+    #: servers: a cross-validation's probes and earlier rates), beyond the server's startup ones
+    prefill_graphs_captured: tuple[tuple[int, int], ...] = ()
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -97,6 +106,7 @@ class SimConfig:
             "link_gbps": self.link_gbps,
             "npu_timing": getattr(self.decode.floor, "source", None),
             "frontend_s": self.frontend_s,
+            "frontend_per_token_s": self.frontend_per_token_s,
             "admit_between_steps": self.admit_between_steps,
             "prefill_chunk_tokens": self.prefill.chunk_tokens,
             "host_staging": None if self.host is None else self.host.source,
@@ -104,6 +114,7 @@ class SimConfig:
             "link_speedup": list(self.link_speedup),
             "staging_bytes": self.staging_bytes,
             "first_token_on_decode": self.first_token_on_decode,
+            "prefill_graphs": None if self.prefill_graphs is None else self.prefill_graphs.source,
         }
 
 
@@ -152,6 +163,12 @@ def make_config(
     )
 
 
+def frontend_delay(cfg: SimConfig, input_len: int) -> float:
+    """Seconds a request spends in the front end before it reaches a prefill instance: a fixed part
+    and one per prompt token (``SimConfig.frontend_per_token_s``)."""
+    return cfg.frontend_s + cfg.frontend_per_token_s * input_len
+
+
 @dataclass
 class _Occupancy:
     """Time-average of the number of requests in the system (for Little's-law checks)."""
@@ -180,7 +197,8 @@ class Cluster:
         self.transfer = KVTransferService(env, cfg.transfer, cfg.bytes_per_token, cfg.contention, cfg.link_gbps, cfg.link_speedup,
                                           cfg.staging_bytes)
         h = cfg.host or HostStaging()
-        self.prefills = [PrefillInstance(env, i, cfg.prefill, self._prefilled, h.prefill_s_per_byte * cfg.bytes_per_token)
+        self.prefills = [PrefillInstance(env, i, cfg.prefill, self._prefilled, h.prefill_s_per_byte * cfg.bytes_per_token,
+                                         cfg.prefill_graphs, cfg.prefill_graphs_captured)
                          for i in range(cfg.num_prefill)]
         self.decodes = [DecodeInstance(env, i, cfg.decode, self.transfer, self._kv_landed, self._finished, cfg.admit_between_steps,
                                        h.decode_s_per_byte * cfg.bytes_per_token, cfg.transfer_slots,
@@ -202,13 +220,13 @@ class Cluster:
         for r in requests:
             if r.spec.arrival_s > self.env.now:
                 yield self.env.timeout(r.spec.arrival_s - self.env.now)
-            if self.cfg.frontend_s > 0:
+            if self.cfg.frontend_s > 0 or self.cfg.frontend_per_token_s > 0:
                 self.env.process(self._after_frontend(r))
             elif self.router.route(r):
                 self.occupancy.change(self.env.now, +1)
 
     def _after_frontend(self, r: SimRequest):  # simpy process: the front end's delay, then routing
-        yield self.env.timeout(self.cfg.frontend_s)
+        yield self.env.timeout(frontend_delay(self.cfg, r.input_len))
         if self.router.route(r):
             self.occupancy.change(self.env.now, +1)
 
@@ -236,12 +254,15 @@ def simulate(
     calibration: str | Path | None = None,
     horizon_s: float | None = None,
     per_request: bool = False,
+    lost_at_pull: dict[int, str] | None = None,
 ) -> dict[str, Any]:
     """Simulate ``num_requests`` Poisson arrivals at ``rate`` req/s through one configuration.
 
     Returns one record in the serving benchmark's schema (``rate``, ``slo_attainment``,
     ``ttft_p90_ms``, ``output_throughput_tok_s`` ...) plus simulator-only fields: per-stage
     latencies, memory and batch peaks, Little's-law terms. SLOs default to the workload's.
+    ``lost_at_pull``: request index -> error, for requests the decode fails as their pull starts
+    (a cross-validation replays the failures its real run recorded, ``crossval.lost_at_pull``).
     ``num_prefill`` ... ``calibration`` build the configuration when ``config`` is a name; a
     :class:`SimConfig` is used as it is."""
     wl = get_workload(workload)
@@ -251,7 +272,7 @@ def simulate(
     )
     slo_ttft = wl.slo_ttft_ms if slo_ttft_ms is None else slo_ttft_ms
     slo_tpot = wl.slo_tpot_ms if slo_tpot_ms is None else slo_tpot_ms
-    reqs = [SimRequest(s) for s in generate_requests(wl, num_requests, rate, seed)]
+    reqs = [SimRequest(s, lost_at_pull=(lost_at_pull or {}).get(s.index)) for s in generate_requests(wl, num_requests, rate, seed)]
     cluster = Cluster(cfg)
     cluster.run(reqs, horizon_s)
     for r in reqs:
@@ -285,6 +306,7 @@ def simulate(
         decode_host_utilization=[d.host_busy_s / span if span > 0 else 0.0 for d in cluster.decodes],
         link_peak_concurrency=max((lk.peak_concurrency for lk in cluster.transfer.links.values()), default=0),
         rejected=cluster.router.rejected,
+        prefill_graph_captures=[[list(b) for b in p.captures] for p in cluster.prefills],
     )
     if per_request:
         rec["requests"] = [r.to_dict() for r in results]

@@ -14,7 +14,8 @@ What is measured, and what it becomes (:class:`Probes` -> :func:`calibrated_conf
 * decode step time per batch size (B requests at once: the server's median TPOT)
   -> ``DecodeModel`` base + per sequence;
 * the front end (client TTFT minus the server-side stages of the sequential requests: HTTP hops,
-  the router, streaming) -> ``SimConfig.frontend_s``.
+  the router, streaming) -> ``SimConfig.frontend_s`` + ``frontend_per_token_s`` per prompt token
+  (least squares over the same prompt lengths, :func:`frontend_line`).
 
 With timing emulation on, the simulator gets the same pacing the real run had: the decode step's
 floor is the same ``hawk.devices.timing`` model the engine slept to, and transfers are paced to the
@@ -29,11 +30,15 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
+import simpy
 
 from hawk.devices.timing import StepModel
 from hawk.sim.calibration import TransferCurve
 from hawk.sim.cluster import SimConfig
 from hawk.sim.compute import DecodeModel, PrefillModel
+from hawk.sim.prefill import WARMUP_RUNS, GraphCapture, PrefillInstance
+from hawk.sim.request import SimRequest
+from hawk.sim.workload import RequestSpec
 
 #: issue 10's acceptance: P90 TTFT and P90 TPOT within 20 % of the real run
 TOLERANCE = 0.20
@@ -106,12 +111,13 @@ class Calibrated:
     bytes_per_token: int
     frontend_s: float
     link_speedup: tuple[float, ...] = (1.0,)  # s(1), s(2), ... of simultaneous pulls (link_speedup())
+    frontend_per_token_s: float = 0.0  # the front end's growth with the prompt (frontend_line())
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "prefill": self.prefill.to_dict(), "decode": {k: v for k, v in self.decode.to_dict().items() if k != "floor"},
             "transfer": self.transfer.to_dict(), "bytes_per_token": self.bytes_per_token, "frontend_s": self.frontend_s,
-            "link_speedup": list(self.link_speedup),
+            "link_speedup": list(self.link_speedup), "frontend_per_token_s": self.frontend_per_token_s,
         }
 
 
@@ -126,12 +132,28 @@ def calibrate(p: Probes, *, max_batch: int, kv_tokens: int, max_batch_tokens: in
     bpt = sum(b for _, b in p.kv_tokens) / max(1, sum(n for n, _ in p.kv_tokens))
     src = f"measured: probes of the running system on {machine}"
     curve = transfer_curve(p.transfer, src)
+    fe_fixed, fe_per_token = frontend_line(p)
     return Calibrated(
         PrefillModel(pa, pb, 0.0, max_batch_tokens, prefill_kv_tokens or kv_tokens, f"{src}: {pa * 1e3:.1f} ms + {pb * 1e3:.3f} ms/token (least squares)",
                      chunk_tokens=prefill_chunk),
         DecodeModel(da, db, 0.0, max_batch, kv_tokens, f"{src}: {da * 1e3:.1f} ms + {db * 1e3:.2f} ms/sequence (median TPOT at each batch)"),
-        curve, int(round(bpt)), float(np.median(p.frontend)) if p.frontend else 0.0, link_speedup(p, curve),
+        curve, int(round(bpt)), fe_fixed, link_speedup(p, curve), fe_per_token,
     )
+
+
+def frontend_line(p: Probes) -> tuple[float, float]:
+    """(fixed s, s per prompt token) of the front end, fitted like the prefill (:func:`fit_line`) over
+    the sequential probes' prompt lengths, which ``p.frontend`` follows one for one. Why a line and
+    not the median: the prompt travels as a JSON list of token ids from the client through the router
+    to the prefill and is parsed and validated at each hop, so the front end grows with it (one H200,
+    8B shape: 8-9 ms at 16 tokens, 13-15 ms at 2343, ``crossval_h200/paced_bfp8_chatbot_gn-hawk_20261204.json``),
+    and a P90 is set by the longest prompts. Probes without paired lengths (older files whose
+    frontend list does not follow the prefill list) keep the median, flat."""
+    if not p.frontend:
+        return 0.0, 0.0
+    if len(p.frontend) != len(p.prefill):
+        return float(np.median(p.frontend)), 0.0
+    return fit_line([n for n, _ in p.prefill], p.frontend)
 
 
 def link_speedup(p: Probes, curve: TransferCurve, slots: int | None = None) -> tuple[float, ...]:
@@ -161,8 +183,44 @@ def link_speedup(p: Probes, curve: TransferCurve, slots: int | None = None) -> t
 PULL_THREADS = 4
 
 
+def graph_capture(probe: dict[str, Any], max_tokens: int = 2048) -> GraphCapture:
+    """The prefill's first-use graph capture from ``benchmarks/prefill_graph_capture_probe.py``'s record:
+    the capture's own time is each measured first use less the forward it ran ``1 + WARMUP_RUNS``
+    times (warm-up runs and replay), the median over the probed sizes."""
+    runs = int(probe.get("warmup_runs", WARMUP_RUNS))
+    if runs != WARMUP_RUNS:
+        raise ValueError(f"the probe ran {runs} warm-up runs per capture, the engine now {WARMUP_RUNS}: re-measure")
+    own = [(r["first_ms"] - (1 + runs) * r["replay_ms"]) / 1e3 for r in probe["rows"]]
+    return GraphCapture(max_tokens, max(0.0, float(np.median(own))),
+                        f"measured: {probe.get('device', '?')}, {len(own)} two-prompt buckets ({probe.get('started_at', '?')})")
+
+
+def probe_captures(graphs: GraphCapture, prefill: PrefillModel, sends: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """The graph buckets the probes' simultaneous sends captured: ``(k, prompt tokens)`` = k prompts
+    sent at once. The prefill engine's thread takes what is queued the moment it wakes
+    (``PrefillEngine._loop``), so the first prompt runs alone and the other k - 1, arriving during its
+    forward, share the next forwards (token budget, chunks): played here on the simulator's own
+    prefill instance, one send after another."""
+    env = simpy.Environment()
+    inst = PrefillInstance(env, 0, replace(prefill, kv_capacity_tokens=1 << 40), lambda r: None, graphs=graphs)
+    for i, (k, n) in enumerate(sends):
+        env.process(_send_together(env, inst, 1e3 * i, k, n))
+    env.run()
+    return tuple(inst.captures)
+
+
+def _send_together(env: simpy.Environment, inst: PrefillInstance, at: float, k: int, n: int):  # simpy process
+    """``k`` prompts of ``n`` tokens at ``at``: the first alone, the rest just after it is taken."""
+    yield env.timeout(at - env.now)
+    inst.submit(SimRequest(RequestSpec(0, at, n, 1)))
+    yield env.timeout(1e-6)
+    for i in range(1, k):
+        inst.submit(SimRequest(RequestSpec(i, at, n, 1)))
+
+
 def calibrated_config(c: Calibrated, name: str, *, npu_step: StepModel | None = None, link_gbps: float | None = None,
-                      staging_bytes: float | None = None) -> SimConfig:
+                      staging_bytes: float | None = None, prefill_graphs: GraphCapture | None = None,
+                      captured: Sequence[tuple[int, int]] = ()) -> SimConfig:
     """One prefill + one decode instance on the calibrated models, paced as the real run was.
     Contention: none for the direct paths (the real run paces each batch on its own,
     ``transport/paced.py``); for the host-staged ones (``*-host``) the per-byte part of a pull is the
@@ -171,15 +229,36 @@ def calibrated_config(c: Calibrated, name: str, *, npu_step: StepModel | None = 
     :data:`PULL_THREADS` pulls run at once. The decode admits between steps, as
     ``DecodeEngine`` does (a request that arrives during a paced 30 ms step waits for it before its
     KV pull starts). ``staging_bytes``: the served prefill's staging buffer, which a host-staged
-    pull's KV holds until it has landed (``staging.py``); the other paths land in place."""
+    pull's KV holds until it has landed (``staging.py``); the other paths land in place.
+    ``prefill_graphs``: the prefill's CUDA graphs, captured on first use (``prefill.py``), with
+    ``captured`` the buckets the same server captured before (probes, earlier rates)."""
     decode = replace(c.decode, floor=npu_step) if npu_step is not None else c.decode
     return SimConfig(
         name=name, transfer=c.transfer, prefill=c.prefill, decode=decode, bytes_per_token=c.bytes_per_token,
         contention="decode" if name.endswith("-host") else "none", prefill_profile="here-measured", decode_profile="here-measured",
         note="calibrated from probes of the real run's machine", link_gbps=link_gbps, frontend_s=c.frontend_s,
+        frontend_per_token_s=c.frontend_per_token_s,
         admit_between_steps=True, transfer_slots=PULL_THREADS, link_speedup=c.link_speedup,
         staging_bytes=staging_bytes if name.endswith("-host") else None,
+        prefill_graphs=prefill_graphs, prefill_graphs_captured=tuple(tuple(b) for b in captured),
     )
+
+
+def lost_at_pull(real: dict[str, Any]) -> dict[int, str]:
+    """Requests of one real rate that the decode failed as their pull started: index -> error.
+    These are failures of the decode's own reservation for the KV (D3: ``buffer '...'`` in the error,
+    which ``RangeReservations`` raises), made before any byte crosses the link and before the decode
+    host's fix-up; the simulator has no such failure, so it is told about them
+    (``simulate(lost_at_pull=...)``) and both sides then score the same requests, with no phantom
+    pull on the decode host in between. A refusal by the prefill's staging (``prefill refused``) is
+    not one: such a pull first waited for room, holding a pull thread."""
+    out = {}
+    for r in real.get("requests") or []:
+        err = r.get("error") or ""
+        if (not r.get("ok") and r.get("ttft_s") is None and "decode failed" in err and "buffer '" in err
+                and "prefill refused" not in err):
+            out[int(r["index"])] = err
+    return out
 
 
 def deviation(sim: float | None, real: float | None) -> float | None:
@@ -230,7 +309,7 @@ def per_request(real: dict[str, Any], sim: dict[str, Any]) -> list[dict[str, Any
     without its front end), the stage with the largest excess and whether it is a one-off
     (:data:`ONE_OFF_FACTOR`, :data:`ONE_OFF_S`). Requests without a TTFT on either side are left out."""
     sims = {r["index"]: r for r in sim.get("requests") or []}
-    frontend = float(sim.get("frontend_s") or 0.0)
+    frontend, per_token = float(sim.get("frontend_s") or 0.0), float(sim.get("frontend_per_token_s") or 0.0)
     rows = []
     for r in real.get("requests") or []:
         s = sims.get(r["index"])
@@ -239,7 +318,7 @@ def per_request(real: dict[str, Any], sim: dict[str, Any]) -> list[dict[str, Any
         hawk = (r.get("extra") or {}).get("hawk") or {}
         sx = dict(s.get("extra") or {})
         if sx.get("prefill_queue_s") is not None:
-            sx["prefill_queue_s"] = max(0.0, sx["prefill_queue_s"] - frontend)
+            sx["prefill_queue_s"] = max(0.0, sx["prefill_queue_s"] - frontend - per_token * r["input_len"])
         stages = {k: (_ms(hawk.get(k)), _ms(sx.get(k))) for k in STAGES}
         real_ms, sim_ms = r["ttft_s"] * 1e3, s["ttft_s"] * 1e3
         known = {k: a - b for k, (a, b) in stages.items() if a is not None and b is not None}

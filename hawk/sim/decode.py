@@ -102,6 +102,9 @@ class DecodeInstance:
             self.env.process(self._fetch(r))
 
     def _fetch(self, r: SimRequest):  # simpy process
+        if r.lost_at_pull is not None:
+            yield from self._lose(r)
+            return
         yield from self.transfer.move(r)
         self.transferring -= 1
         self.on_kv_landed(r)
@@ -112,6 +115,19 @@ class DecodeInstance:
             self.ready.append(r)
         if self.transfer_slots is not None:
             self._admit()  # a pull thread is free (its request still holds its batch slot)
+        if not self._wake.triggered:
+            self._wake.succeed()
+
+    def _lose(self, r: SimRequest):  # simpy process body
+        """The pull fails as it starts (``SimRequest.lost_at_pull``): nothing crosses, the decode's
+        reservation and the prefill's copy are freed, and the next admission may start."""
+        yield self.env.timeout(0)
+        self.transferring -= 1
+        self.kv_used -= r.kv_reservation
+        r.error = r.lost_at_pull
+        self.on_kv_landed(r)  # the prefill drops its copy
+        self.on_finished(r)
+        self._admit()
         if not self._wake.triggered:
             self._wake.succeed()
 

@@ -14,12 +14,20 @@ token exists) when its last chunk ends, and its prefill time runs from its first
 Host staging (``host_s_per_token`` > 0, see ``host.py``): after each forward the worker copies the
 KV it produced to host memory before it starts the next batch; a prompt is prefilled (its KV can
 be pulled) once its copy is done.
+
+CUDA-graph capture on first use (``graphs``, a :class:`GraphCapture`): HAWK's prefill replays one CUDA
+graph per (token bucket, sequence bucket) (``hawk/engine/runner.py``). The server captures the
+one-prompt buckets before traffic (``warmup_prefill``); any other bucket, such as the first forward
+that batches two prompts, is captured when a batch first needs it: ``WARMUP_RUNS`` eager runs of the
+forward, the capture, then the replay. That forward costs :meth:`GraphCapture.extra_s` more, once per
+bucket per instance.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import simpy
 
@@ -27,11 +35,70 @@ from hawk.sim.compute import PrefillModel
 from hawk.sim.request import SimRequest
 
 
+#: ``ModelRunner.WARMUP_RUNS``: eager runs of a forward before its graph is captured (a test checks they agree)
+WARMUP_RUNS = 2
+#: ``ModelRunner``'s prefill sequence buckets' limit (``prefill_graph_seqs``' default; a test checks it)
+GRAPH_SEQS = 16
+#: token buckets are multiples of this (``prefill_token_buckets``' step, the prefill attention's query block)
+GRAPH_TOKEN_STEP = 128
+
+
+def token_buckets(max_tokens: int) -> tuple[int, ...]:
+    """The prefill graphs' token buckets up to ``max_tokens`` (``runner.prefill_token_buckets``)."""
+    top = -(-max_tokens // GRAPH_TOKEN_STEP) * GRAPH_TOKEN_STEP
+    sizes = [b for b in (16, 32, 64) if b < GRAPH_TOKEN_STEP] + list(range(GRAPH_TOKEN_STEP, top + 1, GRAPH_TOKEN_STEP))
+    return tuple(sizes[: next(i for i, b in enumerate(sizes) if b >= max_tokens) + 1])
+
+
+def seq_buckets(max_seqs: int = GRAPH_SEQS) -> tuple[int, ...]:
+    """Sequences per prefill graph: 1, 2, 4, ... up to ``max_seqs`` (``runner.prefill_seq_buckets``)."""
+    out, b = [], 1
+    while b < max_seqs:
+        out.append(b)
+        b *= 2
+    return (*out, max_seqs)
+
+
+@dataclass(frozen=True)
+class GraphCapture:
+    """The prefill's CUDA graphs: which forwards replay one, and what capturing one costs.
+
+    ``max_tokens``: the engine's ``prefill_graph_tokens`` (larger forwards run eagerly);
+    ``capture_s``: the capture's own time beyond the warm-up runs and the replay (measured,
+    ``benchmarks/prefill_graph_capture_probe.py``); ``source`` says where it was measured."""
+
+    max_tokens: int = 2048
+    capture_s: float = 0.0
+    source: str = "assumption"
+
+    def bucket(self, tokens: int, seqs: int) -> tuple[int, int] | None:
+        """The (tokens, sequences) bucket of a forward, or None where it runs eagerly
+        (``ModelRunner._prefill_bucket``)."""
+        sb = seq_buckets()
+        if tokens > self.max_tokens or seqs > sb[-1]:
+            return None
+        return next(b for b in token_buckets(self.max_tokens) if b >= tokens), next(b for b in sb if b >= seqs)
+
+    def startup(self) -> set[tuple[int, int]]:
+        """What the server captures before traffic: every token bucket for one prompt (``warmup_prefill``)."""
+        return {(t, 1) for t in token_buckets(self.max_tokens)}
+
+    def extra_s(self, forward_s: float) -> float:
+        """A first use's cost beyond the forward itself: the warm-up runs, then the capture."""
+        return WARMUP_RUNS * forward_s + self.capture_s
+
+
 class PrefillInstance:
     def __init__(self, env: simpy.Environment, index: int, model: PrefillModel, on_prefilled: Callable[[SimRequest], None],
-                 host_s_per_token: float = 0.0):
+                 host_s_per_token: float = 0.0, graphs: GraphCapture | None = None,
+                 captured: Iterable[tuple[int, int]] = ()):
+        """``graphs``: capture prefill graphs on first use (None: no first-use cost); ``captured``: buckets
+        already captured beyond the server's startup ones (by earlier traffic to the same instance)."""
         self.env, self.index, self.model, self.on_prefilled = env, index, model, on_prefilled
         self.host_s_per_token = host_s_per_token  # worker time to stage one token's KV in host memory
+        self.graphs = graphs
+        self.captured: set[tuple[int, int]] = (graphs.startup() if graphs else set()) | {tuple(b) for b in captured}
+        self.captures: list[tuple[int, int]] = []  # buckets this run captured, in order
         self.queue: deque[SimRequest] = deque()
         self.active: list[SimRequest] = []  # part-prefilled (chunked prefill), oldest first
         self._done: dict[int, int] = {}  # prompt tokens prefilled so far, by id(request)
@@ -96,7 +163,8 @@ class PrefillInstance:
                 self._wake = self.env.event()
                 continue
             start = self.env.now
-            yield self.env.timeout(self.model.batch_time([n for _, n in pieces]) + self.host_s_per_token * sum(n for _, n in pieces))
+            forward = self.model.batch_time([n for _, n in pieces])
+            yield self.env.timeout(forward + self._first_use_s(pieces, forward) + self.host_s_per_token * sum(n for _, n in pieces))
             self.busy_s += self.env.now - start
             self.batches += 1
             for r, n in pieces:
@@ -106,3 +174,14 @@ class PrefillInstance:
                     self.active.remove(r)
                     r.t_prefilled = self.env.now
                     self.on_prefilled(r)
+
+    def _first_use_s(self, pieces: list[tuple[SimRequest, int]], forward_s: float) -> float:
+        """The capture's cost if this forward's graph bucket is new to this instance (else 0)."""
+        if self.graphs is None:
+            return 0.0
+        b = self.graphs.bucket(sum(n for _, n in pieces), len(pieces))
+        if b is None or b in self.captured:
+            return 0.0
+        self.captured.add(b)
+        self.captures.append(b)
+        return self.graphs.extra_s(forward_s)

@@ -24,6 +24,10 @@ class SimRequest:
     tokens: int = 0
     finished: bool = False
     error: str | None = None
+    #: the decode fails this request as its pull starts, with this error (a cross-validation replays a
+    #: failure its real run recorded there, so that the request's pull does not occupy the decode host
+    #: in the simulation when it did not in the run); None: it is served
+    lost_at_pull: str | None = None
 
     @property
     def input_len(self) -> int:
