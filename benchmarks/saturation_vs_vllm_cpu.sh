@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # HAWK colocated against vLLM's CPU build on this box, one run, one server at a time (issue 31's CPU
-# acceptance): each server's saturation ramp, then both at half of vLLM's saturation rate; SmolLM2-135M in
-# bf16, the chatbot workload scaled to ~257 prompt / ~55 output tokens. Writes OUT/saturation_vs_vllm_cpu.json
-# (python -m hawk.bench.saturation compare) beside each server's records and log. About 20 minutes on 2 cores.
+# acceptance): each server's saturation ramp, then each at half of vLLM's saturation rate; SmolLM2-135M in
+# bf16, the chatbot workload scaled to ~257 prompt / ~55 output tokens. With HAWK_DISAGG=1 (the default)
+# HAWK disaggregated (gn-hawk: a CPU prefill and the emulated NPU's decode, KV moved over HAWK's transfer)
+# runs the same two, laid beside them. Writes OUT/saturation_vs_vllm_cpu.json (python -m hawk.bench.saturation
+# compare) beside each server's records and log. About 20 minutes on 2 cores, 30 with HAWK_DISAGG=1.
 #
 #   flock /tmp/hawk-cpu-bench.lock bash benchmarks/saturation_vs_vllm_cpu.sh [OUT]
 #
@@ -57,7 +59,20 @@ stamp hawk_sat_end
 bench http://127.0.0.1:8033 --rates "$half" --num-requests 40 --config hawk-colocated --json "$out/hawk_half.json" | tee "$out/hawk_half.txt"
 stop "$hp"
 stamp hawk_end
-python -m hawk.bench.saturation compare "$out/hawk_sat.json" "$out/vllm_sat.json" "$out/hawk_half.json" "$out/vllm_half.json" \
+also=()
+if [ "${HAWK_DISAGG:-1}" = 1 ]; then
+  # shellcheck disable=SC2086
+  setsid python -m hawk serve --transfer gn-hawk --dtype bf16 --kv-tokens 46592 --port 8034 ${HAWK_ARGS:-} > "$out/hawk_gn.log" 2>&1 &
+  gp=$!
+  trap 'stop $gp' EXIT
+  up http://127.0.0.1:8034 "$gp"
+  bench http://127.0.0.1:8034 "${sat[@]}" --config hawk-gn-hawk --json "$out/hawk_gn_sat.json" | tee "$out/hawk_gn_sat.txt"
+  bench http://127.0.0.1:8034 --rates "$half" --num-requests 40 --config hawk-gn-hawk --json "$out/hawk_gn_half.json" | tee "$out/hawk_gn_half.txt"
+  stop "$gp"
+  stamp hawk_gn_end
+  also=(--also "$out/hawk_gn_sat.json" "$out/hawk_gn_half.json")
+fi
+python -m hawk.bench.saturation compare "$out/hawk_sat.json" "$out/vllm_sat.json" "$out/hawk_half.json" "$out/vllm_half.json" "${also[@]}" \
   --device "$(nproc)-core CPU box ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)); SmolLM2-135M bf16, one server at a time" \
-  --command "bash benchmarks/saturation_vs_vllm_cpu.sh (HAWK_ARGS='${HAWK_ARGS:-}') at $(git rev-parse --short HEAD 2>/dev/null || echo '?')" \
+  --command "bash benchmarks/saturation_vs_vllm_cpu.sh (HAWK_ARGS='${HAWK_ARGS:-}', HAWK_DISAGG=${HAWK_DISAGG:-1}) at $(git rev-parse --short HEAD 2>/dev/null || echo '?')" \
   --out "$out/saturation_vs_vllm_cpu.json"

@@ -1,12 +1,14 @@
 """``hawk bench serving --saturation``: the ramp's stop rule, the SLO-90 rate, the bound's formula and
 the decode probe's window, on made-up records (the live path runs in the GPU suite's part)."""
 
+import json
 import math
 
 import pytest
 
 from hawk.bench.saturation import (
-    MIN_WINDOW_STEPS, SaturationOptions, bound_from, decode_probe, fit_line, ramp, rows_of, slo90_rate, step_window, summarize,
+    MIN_WINDOW_STEPS, SaturationOptions, bound_from, compare, decode_probe, fit_line, main, ramp, rows_of, slo90_rate, step_window,
+    summarize,
 )
 from hawk.sim.metrics import RequestResult
 from hawk.sim.workload import RequestSpec
@@ -106,6 +108,32 @@ def test_summary_rows_and_acceptance():
     worse = summarize([run("colocated", 10.0, 24.0)], "H200", "cmd")["acceptance"]
     assert not worse["colocated_saturation_over_bound"]["holds"] and "disaggregated_over_colocated" not in worse
     assert math.isclose(worse["colocated_saturation_over_bound"]["value"], 10 / 24)
+
+
+def test_compare_against_another_server_with_more_servers_of_the_same_run(tmp_path):
+    def sat(cfg, rps):
+        return {"config": cfg, "saturation_rps": rps}
+
+    def half(ttft):
+        return {"rate": 0.5, "request_throughput_rps": 0.5, "ttft_median_ms": ttft, "tpot_median_ms": 40.0, "slo_attainment": 0.95}
+
+    out = compare(sat("hawk", 1.5), sat("vllm", 1.0), half(300.0), half(310.0), "box", "cmd", others=[(sat("hawk-gn", 0.5), half(900.0))])
+    acc = out["acceptance"]
+    assert acc["saturation_ours_over_theirs"]["value"] == pytest.approx(1.5) and acc["saturation_ours_over_theirs"]["holds"]
+    assert acc["ttft_p50_ours_over_theirs_at_half"]["holds"]
+    assert out["others"] == [{"config": "hawk-gn", "saturation_rps": 0.5, "over_theirs": 0.5, "at_half_of_theirs": {
+        "rate": 0.5, "request_throughput_rps": 0.5, "ttft_median_ms": 900.0, "ttft_p99_ms": None, "tpot_median_ms": 40.0, "tpot_p99_ms": None,
+        "itl_p99_ms": None, "slo_attainment": 0.95}}]
+    assert [r["config"] for r in out["runs"]] == ["hawk", "vllm", "hawk-gn"] and len(out["half_rate_runs"]) == 3
+    slower = compare(sat("hawk", 0.9), sat("vllm", 1.0), half(320.0), half(310.0), "box", "cmd")["acceptance"]
+    assert not slower["saturation_ours_over_theirs"]["holds"] and not slower["ttft_p50_ours_over_theirs_at_half"]["holds"]
+    # the CLI: --also adds a pair, read like the others (a list of records, or one record)
+    for name, rec in {"o": sat("hawk", 1.5), "t": sat("vllm", 1.0), "oh": [half(300.0)], "th": [half(310.0)],
+                      "d": sat("hawk-gn", 0.5), "dh": [half(900.0)]}.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(rec))
+    f = [str(tmp_path / f"{n}.json") for n in ("o", "t", "oh", "th", "d", "dh")]
+    cli = main(["compare", *f[:4], "--also", *f[4:], "--out", str(tmp_path / "out.json")])
+    assert cli["others"][0]["config"] == "hawk-gn" and json.loads((tmp_path / "out.json").read_text())["others"][0]["over_theirs"] == 0.5
 
 
 def _streamed(sent: float, tokens_at: list[float]) -> dict:

@@ -386,10 +386,12 @@ def summarize(runs: Sequence[dict[str, Any]], device: str, command: str) -> dict
     }
 
 
-def compare(ours: dict[str, Any], theirs: dict[str, Any], ours_half: dict[str, Any], theirs_half: dict[str, Any], device: str, command: str) -> dict[str, Any]:
+def compare(ours: dict[str, Any], theirs: dict[str, Any], ours_half: dict[str, Any], theirs_half: dict[str, Any], device: str, command: str,
+            others: Sequence[tuple[dict[str, Any], dict[str, Any]]] = ()) -> dict[str, Any]:
     """HAWK against another server (vLLM) on the same workload: saturation throughput, and the
     latencies of both at half the other server's saturation rate (``*_half``: ``hawk bench serving
-    --json`` records at that rate)."""
+    --json`` records at that rate). ``others``: more servers of the same run as (saturation run, half-rate
+    record) pairs, e.g. HAWK disaggregated, laid beside them without an acceptance of their own."""
     def lat(rec: dict[str, Any]) -> dict[str, Any]:
         return {k: rec.get(k) for k in ("rate", "request_throughput_rps", "ttft_median_ms", "ttft_p99_ms", "tpot_median_ms", "tpot_p99_ms",
                                         "itl_p99_ms", "slo_attainment")}
@@ -405,7 +407,10 @@ def compare(ours: dict[str, Any], theirs: dict[str, Any], ours_half: dict[str, A
             "ttft_p50_ours_over_theirs_at_half": {"value": ttft[0] / ttft[1] if None not in ttft else None, "limit": "<= 1",
                                                   "holds": None not in ttft and ttft[0] <= ttft[1]},
         },
-        "runs": [ours, theirs], "half_rate_runs": [ours_half, theirs_half],
+        "others": [{"config": o["config"], "saturation_rps": o["saturation_rps"],
+                    "over_theirs": o["saturation_rps"] / theirs["saturation_rps"] if theirs["saturation_rps"] else None,
+                    "at_half_of_theirs": lat(h)} for o, h in others],
+        "runs": [ours, theirs, *(o for o, _ in others)], "half_rate_runs": [ours_half, theirs_half, *(h for _, h in others)],
     }
 
 
@@ -427,17 +432,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     c.add_argument("theirs")
     c.add_argument("ours_half", help="hawk bench serving --json at half their saturation rate (first record)")
     c.add_argument("theirs_half")
+    c.add_argument("--also", nargs=2, action="append", default=[], metavar=("SAT", "HALF"),
+                   help="another server of the same run: its saturation run and its record at the same half rate (repeatable)")
     c.add_argument("--device", default="")
     c.add_argument("--command", default="")
     c.add_argument("--out", required=True)
     a = p.parse_args(argv)
     if a.cmd == "compare":
-        loaded = []
-        for path in (a.ours, a.theirs, a.ours_half, a.theirs_half):
+        def first(path: str) -> dict[str, Any]:
             with open(path) as f:
                 d = json.load(f)
-            loaded.append(d[0] if isinstance(d, list) else d.get("records", [d])[0] if "records" in d else d)
-        out = compare(*loaded, a.device, a.command)
+            return d[0] if isinstance(d, list) else d.get("records", [d])[0] if "records" in d else d
+
+        loaded = [first(path) for path in (a.ours, a.theirs, a.ours_half, a.theirs_half)]
+        out = compare(*loaded, a.device, a.command, others=[(first(s), first(h)) for s, h in a.also])
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1, default=float)
         for k, v in out["acceptance"].items():
