@@ -3,8 +3,8 @@
 Why: on a CPU host the engine computes on cores of its own and leaves one to serving (the router,
 HTTP threads: ``--cpu-bind auto``, as vLLM's CPU build reserves one). That core is mostly idle between
 the tokens it relays, and a step that carries prompt tokens is GEMM-bound and long: on the 2-core
-box, SmolLM2-135M, a mixed step of 8 rows and a 256-token chunk took 430 ms on one thread and 257 ms
-on two, pinned one per core (``benchmarks/cpu_step_probe.py``, docs/throughput.md). So such a step
+box, SmolLM2-135M, a mixed step of one decode row and a 256-token chunk took 399 ms on one thread and
+234 ms on two, one per core (``benchmarks/cpu_step_probe.py``, docs/throughput.md). So such a step
 borrows the serving core; a decode-only step, short and latency-bound, does not, because a parallel
 region waits for its slowest thread and the serving threads preempt the borrowed one.
 
