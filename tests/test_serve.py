@@ -21,6 +21,7 @@ import pytest
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
+from hawk.connector.algorithm1 import BREAKDOWN  # noqa: E402
 from hawk.engine.instances import ColocatedInstance, DecodeInstance, InstanceConfig, PrefillInstance  # noqa: E402
 from hawk.serve.colocated_server import create_colocated_app  # noqa: E402
 from hawk.serve.common import ThreadedServer  # noqa: E402
@@ -153,6 +154,8 @@ def test_chat_completion_answers_and_reports_timings(system):
     assert out["choices"][0]["finish_reason"] == "stop"
     h = out["hawk"]
     assert h["kv_bytes"] > 0 and h["kv_transfer_s"] > 0 and h["kv_mode"]
+    steps = h["kv_breakdown_ms"]  # where the pull's time went, Algorithm 1's steps, as the decode timed them
+    assert set(steps) <= set(BREAKDOWN) and steps["total_s"] == pytest.approx(h["kv_transfer_s"] * 1e3)
     assert 0 < h["ttft_s"] < h["e2e_s"] and h["tpot_s"] > 0
     # the server's TTFT, piece by piece: the router's own work, the prefill call (its engine's queue,
     # forward and hand-off, plus the hop), the decode call (admission + KV + first emission, plus the hop)

@@ -139,6 +139,14 @@ class TokenEvent:
 OnEvent = Callable[[TokenEvent], None]
 
 
+def _pulled(r: Any) -> dict[str, Any]:
+    """What a client sees of one transfer (a ``PullResult``): its time, bytes, requests and mode, and
+    where its time went (``kv_breakdown_ms``, Algorithm 1's steps): a served run's records then show
+    which step held a slow pull back, not only that it was slow."""
+    return {"kv_transfer_s": r.timings["total_s"], "kv_bytes": r.bytes, "kv_requests": r.requests, "kv_mode": r.mode,
+            "kv_breakdown_ms": r.host_breakdown_ms()}
+
+
 def _free_blocks(blocks: BlockManager, seq: Sequence) -> None:
     if seq.block_ids:
         ids, seq.block_ids = seq.block_ids, []
@@ -161,7 +169,7 @@ class RemoteKV:
             return self._pushed(seq, block_ids, handle)
         # the prompt's length lets the receiver plan while its request (D1) is in flight
         r = self.receiver.pull(handle.address, handle.request_id, block_ids, num_tokens=seq.prompt_len)
-        return {"kv_transfer_s": r.timings["total_s"], "kv_bytes": r.bytes, "kv_requests": r.requests, "kv_mode": r.mode}
+        return _pulled(r)
 
     def _pushed(self, seq: Sequence, block_ids: list[int], handle: KVPush) -> dict[str, Any]:
         """Hand the blocks to the prefill, wait for its layers and its first token."""
@@ -173,9 +181,7 @@ class RemoteKV:
         finally:
             handle.handed.set()
         seq.output_ids[0] = int(handle.first_token.result(timeout=self.receiver.timeout_s))
-        info = {"kv_transfer_s": r.timings["total_s"], "kv_bytes": r.bytes, "kv_requests": r.requests, "kv_mode": r.mode}
-        info["kv_exposed_s"] = r.timings.get("sender_exposed_s", 0.0)
-        return info
+        return {**_pulled(r), "kv_exposed_s": r.timings.get("sender_exposed_s", 0.0)}
 
     def _quarantine(self, seq: Sequence, delay_s: float) -> None:
         """Take ``seq``'s blocks out of the engine's hands and free them after ``delay_s``."""

@@ -474,6 +474,8 @@ class Generation:
             "kv_mode": self.kv_info.get("kv_mode"),
             "decode_admit_wait_s": self.kv_info.get("admit_wait_s"),
         }
+        if self.kv_info.get("kv_breakdown_ms"):  # where the pull's time went, step by step (Algorithm 1)
+            out["kv_breakdown_ms"] = self.kv_info["kv_breakdown_ms"]
         if self.t_prefilled is not None and self.t_first is not None:
             out["prefill_to_first_token_s"] = self.t_first - self.t_prefilled
         out.update(self._hops(pre_t))
