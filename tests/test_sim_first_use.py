@@ -15,7 +15,8 @@ from hawk.sim.calibration import TransferCurve
 from hawk.sim.cluster import SimConfig, simulate
 from hawk.sim.compute import DecodeModel, PrefillModel
 from hawk.sim.crossval import Probes, calibrate, calibrated_config, frontend_line, graph_capture, lost_at_pull, per_request, probe_captures
-from hawk.sim.prefill import WARMUP_RUNS, GraphCapture, PrefillInstance, seq_buckets, token_buckets
+from hawk.engine.graph_buckets import PREFILL_GRAPH_SEQS, WARMUP_RUNS, prefill_seq_buckets, prefill_token_buckets
+from hawk.sim.prefill import GraphCapture, PrefillInstance
 from hawk.sim.request import SimRequest
 from hawk.sim.workload import LengthDist, RequestSpec, Workload
 
@@ -23,16 +24,18 @@ PREFILL = PrefillModel(0.010, 1e-5, 0.0, 2048, 1 << 30, "test", chunk_tokens=204
 
 
 def test_the_bucket_rules_are_the_engines():
-    """The simulator's copies of the runner's constants and bucket rules (it imports no torch)."""
+    """The simulator charges first uses by the rules the runner captures by (``graph_buckets``)."""
     from hawk.engine import runner
 
-    assert WARMUP_RUNS == runner.ModelRunner.WARMUP_RUNS
-    for n in (16, 100, 640, 2048, 3000):
-        assert token_buckets(n) == tuple(runner.prefill_token_buckets(n))
+    assert runner.ModelRunner.WARMUP_RUNS == WARMUP_RUNS
     import inspect
 
-    default_seqs = inspect.signature(runner.ModelRunner.__init__).parameters["prefill_graph_seqs"].default
-    assert seq_buckets() == tuple(runner.prefill_seq_buckets(default_seqs))
+    assert inspect.signature(runner.ModelRunner.__init__).parameters["prefill_graph_seqs"].default == PREFILL_GRAPH_SEQS
+    g = GraphCapture(2048)
+    for n in (16, 100, 640, 2048):
+        assert g.bucket(n, 3) == (next(b for b in prefill_token_buckets(2048) if b >= n), 4)
+    assert g.startup() == {(t, 1) for t in prefill_token_buckets(2048)}
+    assert g.bucket(3000, 1) is None and g.bucket(100, prefill_seq_buckets(PREFILL_GRAPH_SEQS)[-1] + 1) is None
 
 
 def _forwards(graphs: GraphCapture | None, batches: list[list[int]]) -> list[float]:

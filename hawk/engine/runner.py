@@ -68,6 +68,7 @@ import torch
 
 from hawk.devices.staging import HostStaging
 from hawk.engine.attention import SeqSlice, leading_decode_rows
+from hawk.engine.graph_buckets import PREFILL_GRAPH_SEQS, WARMUP_RUNS, prefill_seq_buckets, prefill_token_buckets
 from hawk.engine.model import LlamaModel
 from hawk.engine.piecewise import Body, CalledPiece, GraphPiece, Piece, PieceBuffers, PiecewiseForward
 from hawk.engine.sampler import NO_TOKEN
@@ -98,27 +99,6 @@ class StepOutput:
     logits: torch.Tensor
     greedy: torch.Tensor | None
     path: StepPath
-
-
-def prefill_token_buckets(max_tokens: int, step: int = 128) -> list[int]:
-    """Token counts a prefill graph is captured for: 16, 32, 64, then multiples of ``step`` (the
-    prefill attention's query block) up to ``max_tokens`` rounded up. Padding costs under ``step``
-    tokens, a few percent of a compute-bound forward that long."""
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
-    top = -(-max_tokens // step) * step
-    sizes = [b for b in (16, 32, 64) if b < step] + list(range(step, top + 1, step))
-    return sizes[: next(i for i, b in enumerate(sizes) if b >= max_tokens) + 1]
-
-
-def prefill_seq_buckets(max_seqs: int) -> list[int]:
-    """Sequences per prefill graph: 1, 2, 4, ... up to ``max_seqs`` (the metadata holds one more
-    row, for the pad tokens)."""
-    out, b = [], 1
-    while b < max_seqs:
-        out.append(b)
-        b *= 2
-    return [*out, max_seqs]
 
 
 def decode_buckets(max_batch: int) -> list[int]:
@@ -158,8 +138,8 @@ class _Graph:
 class ModelRunner:
     """Runs ragged batches of a model over one attention backend (one runner per backend)."""
 
-    #: Eager warm-up runs before a capture (cuBLAS workspaces, lazy inits), per torch's advice.
-    WARMUP_RUNS = 2
+    #: Eager warm-up runs before a capture (``graph_buckets.WARMUP_RUNS``).
+    WARMUP_RUNS = WARMUP_RUNS
 
     def __init__(
         self,
@@ -169,7 +149,7 @@ class ModelRunner:
         graphs: bool | None = None,
         max_model_len: int | None = None,
         prefill_graph_tokens: int = 0,
-        prefill_graph_seqs: int = 16,
+        prefill_graph_seqs: int = PREFILL_GRAPH_SEQS,
         piecewise_graphs: bool = False,
         mixed_graphs: bool = False,
     ) -> None:

@@ -33,10 +33,11 @@ import numpy as np
 import simpy
 
 from hawk.devices.timing import StepModel
+from hawk.engine.graph_buckets import WARMUP_RUNS
 from hawk.sim.calibration import TransferCurve
 from hawk.sim.cluster import SimConfig
 from hawk.sim.compute import DecodeModel, PrefillModel
-from hawk.sim.prefill import WARMUP_RUNS, GraphCapture, PrefillInstance
+from hawk.sim.prefill import GraphCapture, PrefillInstance
 from hawk.sim.request import SimRequest
 from hawk.sim.workload import RequestSpec
 

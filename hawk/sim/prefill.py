@@ -31,32 +31,9 @@ from dataclasses import dataclass
 
 import simpy
 
+from hawk.engine.graph_buckets import PREFILL_GRAPH_SEQS, WARMUP_RUNS, prefill_seq_buckets, prefill_token_buckets
 from hawk.sim.compute import PrefillModel
 from hawk.sim.request import SimRequest
-
-
-#: ``ModelRunner.WARMUP_RUNS``: eager runs of a forward before its graph is captured (a test checks they agree)
-WARMUP_RUNS = 2
-#: ``ModelRunner``'s prefill sequence buckets' limit (``prefill_graph_seqs``' default; a test checks it)
-GRAPH_SEQS = 16
-#: token buckets are multiples of this (``prefill_token_buckets``' step, the prefill attention's query block)
-GRAPH_TOKEN_STEP = 128
-
-
-def token_buckets(max_tokens: int) -> tuple[int, ...]:
-    """The prefill graphs' token buckets up to ``max_tokens`` (``runner.prefill_token_buckets``)."""
-    top = -(-max_tokens // GRAPH_TOKEN_STEP) * GRAPH_TOKEN_STEP
-    sizes = [b for b in (16, 32, 64) if b < GRAPH_TOKEN_STEP] + list(range(GRAPH_TOKEN_STEP, top + 1, GRAPH_TOKEN_STEP))
-    return tuple(sizes[: next(i for i, b in enumerate(sizes) if b >= max_tokens) + 1])
-
-
-def seq_buckets(max_seqs: int = GRAPH_SEQS) -> tuple[int, ...]:
-    """Sequences per prefill graph: 1, 2, 4, ... up to ``max_seqs`` (``runner.prefill_seq_buckets``)."""
-    out, b = [], 1
-    while b < max_seqs:
-        out.append(b)
-        b *= 2
-    return (*out, max_seqs)
 
 
 @dataclass(frozen=True)
@@ -74,14 +51,14 @@ class GraphCapture:
     def bucket(self, tokens: int, seqs: int) -> tuple[int, int] | None:
         """The (tokens, sequences) bucket of a forward, or None where it runs eagerly
         (``ModelRunner._prefill_bucket``)."""
-        sb = seq_buckets()
+        sb = prefill_seq_buckets(PREFILL_GRAPH_SEQS)
         if tokens > self.max_tokens or seqs > sb[-1]:
             return None
-        return next(b for b in token_buckets(self.max_tokens) if b >= tokens), next(b for b in sb if b >= seqs)
+        return next(b for b in prefill_token_buckets(self.max_tokens) if b >= tokens), next(b for b in sb if b >= seqs)
 
     def startup(self) -> set[tuple[int, int]]:
         """What the server captures before traffic: every token bucket for one prompt (``warmup_prefill``)."""
-        return {(t, 1) for t in token_buckets(self.max_tokens)}
+        return {(t, 1) for t in prefill_token_buckets(self.max_tokens)}
 
     def extra_s(self, forward_s: float) -> float:
         """A first use's cost beyond the forward itself: the warm-up runs, then the capture."""
