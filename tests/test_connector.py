@@ -504,3 +504,29 @@ def test_a_pull_that_comes_before_its_request_is_added_waits_for_it():
         assert pair.freed == ["late"] and not s["in_flight"] and not r["reservations"]
     finally:
         pair.close()
+
+
+def test_a_pull_for_kv_no_longer_held_is_refused_at_once_with_why():
+    """A D1 for a request whose KV expired, was pulled or was discarded does not wait ``handoff_wait_s``
+    for an add that will not come: the decode hears why at once (a late decode fails fast and clearly)."""
+    pair = make_pair("gg-direct", LocalTransport(), LocalTransport(), ttl_s=0.3)
+    try:
+        pair.sender.handoff_wait_s = 30.0
+        dst = dst_blocks_for("gg-direct", 20, start=1)
+        pair.add("pulled", 20, [2, 3])
+        pair.receiver.pull(pair.sender.address, "pulled", dst)
+        pair.add("expired", 20, [4, 5])
+        pair.add("discarded", 20, [6, 7])
+        assert pair.sender.discard("discarded")
+        deadline = time.monotonic() + 5
+        while "expired" in pair.sender.accounting()["waiting"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for rid, why in [("pulled", "pulled already"), ("expired", "not pulled within the TTL of 0.3 s"), ("discarded", "discarded")]:
+            t0 = time.monotonic()
+            with pytest.raises(KVTransferFailed, match=why):
+                pair.receiver.pull(pair.sender.address, rid, dst, timeout_s=20)
+            assert time.monotonic() - t0 < 5  # refused, not waited for
+        _settled(pair)
+        assert sorted(pair.freed) == ["discarded", "expired", "pulled"]
+    finally:
+        pair.close()

@@ -33,7 +33,9 @@ from hawk.integrations.vllm.servers import VllmServer, free_port, hawk_transfer_
 from hawk.transport.registry import available  # noqa: E402
 
 pytestmark = pytest.mark.slow
-TTL_S = 8.0  # HawkConnector's TTL here: the never-pulled test waits it out
+TTL_S = 20.0  # HawkConnector's TTL here: the never-pulled test waits it out (a 2-core box running other tests
+# beside these can take seconds from a prefill's answer to its decode's pull)
+PULL_TIMEOUT_S = 30.0  # the decode's wait for each answer (a dead prefill's request waits it out, then recomputes)
 PROMPTS = [
     "The capital of France is",
     "Once upon a time, in a small village by the sea,",
@@ -117,7 +119,7 @@ class Cluster:
         from hawk.engine.loader import load_hf_dir
 
         self.tokenizer = load_hf_dir(self.model).tokenizer
-        extra = {"ttl_s": TTL_S, "staging_mb": 64, "pull_timeout_s": 10.0}
+        extra = {"ttl_s": TTL_S, "staging_mb": 64, "pull_timeout_s": PULL_TIMEOUT_S}
         # P1: vLLM prefill for HAWK's NPU decode; P2: vLLM prefill for a vLLM decode, and the reference
         # (plain requests to it are a single vLLM instance); D: vLLM decode, no prefix caching (a local
         # hit would recompute instead of pulling).
@@ -129,6 +131,7 @@ class Cluster:
         self.servers.extend([self.p1, self.p2, self.d])
         for i, s in enumerate(self.servers):
             s.start(root / f"vllm{i}.log")
+        self.d_log = root / "vllm2.log"
         dec_port, self.router_port = free_port(), free_port()
         self.dec_url, self.router_url = f"http://127.0.0.1:{dec_port}", f"http://127.0.0.1:{self.router_port}"
         self.dec = hawk_proc(["--role", "decode", "--model", self.model, "--dtype", "bf16", "--transfer", "gn-hawk",
@@ -146,6 +149,8 @@ class Cluster:
         self.procs.append(self.colo)
         for i, s in enumerate(self.servers):
             s.wait_ready()
+        for s in self.servers:  # each engine's first step (lazy kernel set-up) before any request is timed by a TTL
+            self.complete(s, self.ids("A warm-up."), 2)
         wait_http(self.dec_url, self.dec, root / "hawk-decode.log")
         wait_http(self.colo_url, self.colo, root / "hawk-colocated.log")
         self.router = hawk_proc(["--role", "router", "--prefill-api", "vllm", "--prefill-url", self.p1.url, "--decode-url", self.dec_url,
@@ -195,6 +200,22 @@ class Cluster:
     def reference(self, ids: list[int]) -> dict[str, Any]:
         return self.complete(self.p2, ids, MAX_TOKENS)["choices"][0]
 
+    def pulls(self) -> dict[str, Any]:
+        """The vLLM decode worker's ledger (its ``pulled`` and ``pull_failures`` counts)."""
+        return inspect(f"tcp://127.0.0.1:{self.d_port}")
+
+    def pull_errors(self) -> str:
+        """Why the vLLM decode's pulls failed, from its log (for a failing assertion's message)."""
+        lines = self.d_log.read_text(errors="replace").splitlines()
+        return "\n".join(x for x in lines if "KVTransferFailed:" in x or "pulling its KV failed" in x)[-3000:]
+
+    def assert_loaded(self, before: dict[str, Any], pulls: int = 1) -> None:
+        """Since ``before``, the decode loaded ``pulls`` prompts and failed none (a failure would have
+        been recomputed: same tokens, no transfer)."""
+        now = self.pulls()
+        got = (now["pulled"] - before["pulled"], now["pull_failures"] - before["pull_failures"])
+        assert got == (pulls, 0), f"(pulled, failed) since: {got}; the decode's log says:\n{self.pull_errors()}"
+
     def idle(self, server: VllmServer) -> bool:
         """vLLM holds no KV block and HAWK nothing in that server's worker."""
         if kv_cache_usage(server.url) != 0.0:
@@ -233,11 +254,11 @@ def cluster(tmp_path_factory):
 def test_vllm_to_vllm_through_hawk_gives_one_instances_tokens(cluster, prompt):
     ids = cluster.ids(prompt)
     ref = cluster.reference(ids)
+    before = cluster.pulls()
     params = cluster.prefill(cluster.p2, ids)
     out = cluster.complete(cluster.d, ids, MAX_TOKENS, params)["choices"][0]
     assert out["token_ids"] == ref["token_ids"], (out["text"], ref["text"])
-    led = inspect(f"tcp://127.0.0.1:{cluster.d_port}")
-    assert led["pulled"] >= 1 and led["pull_failures"] == 0  # the decode used the pulled KV, not a recompute
+    cluster.assert_loaded(before)  # the decode used the pulled KV, not a recompute
     eventually(lambda: cluster.idle(cluster.p2) and cluster.idle(cluster.d), "vLLM prefill and decode idle after success")
 
 
@@ -263,14 +284,13 @@ def test_vllm_to_vllm_prompt_plus_first_token_gives_one_instances_tokens(cluster
     short of, at, and one past the CPU's 128-token block."""
     ids = {"natural": cluster.ids(PROMPTS[3]), "haiku": cluster.ids(NEAR_TIES), "near-tie": STANDARD_PARTS}.get(case) or random_prompt(int(case), 0)
     ref = cluster.complete(cluster.p1, ids, MAX_TOKENS)["choices"][0]  # one instance (P1: no prefix-cache hit on P2's prefill)
-    before = inspect(f"tcp://127.0.0.1:{cluster.d_port}")["pulled"]
+    before = cluster.pulls()
     step, out = exact_handoff(cluster, ids, MAX_TOKENS)
     assert isinstance(step, Continue)
     (choice,) = out["choices"]
     assert choice["token_ids"] == ref["token_ids"] and choice["text"] == ref["text"], (choice["text"], ref["text"])
     assert out["usage"]["prompt_tokens"] == len(ids) and out["usage"]["completion_tokens"] == len(ref["token_ids"])
-    led = inspect(f"tcp://127.0.0.1:{cluster.d_port}")
-    assert led["pulled"] == before + 1 and led["pull_failures"] == 0  # the decode loaded the prompt, not recomputed it
+    cluster.assert_loaded(before)  # the decode loaded the prompt, not recomputed it
     eventually(lambda: cluster.idle(cluster.p2) and cluster.idle(cluster.d), "vLLM prefill and decode idle after the handoff")
 
 
@@ -280,9 +300,10 @@ def test_the_standard_handoff_parts_on_the_near_tie_prompt(cluster):
     vLLM's CPU attention picks its kernel by the CPU's ISA; on a machine whose kernels round alike for
     this prompt the two handoffs agree on it, and the control says so as a skip rather than a failure."""
     ref = cluster.complete(cluster.p1, STANDARD_PARTS, MAX_TOKENS)["choices"][0]
+    before = cluster.pulls()
     params = cluster.prefill(cluster.p2, STANDARD_PARTS)
     out = cluster.complete(cluster.d, STANDARD_PARTS, MAX_TOKENS, params)["choices"][0]
-    assert inspect(f"tcp://127.0.0.1:{cluster.d_port}")["pull_failures"] == 0  # it loaded the KV, then recomputed one token
+    cluster.assert_loaded(before)  # it loaded the KV, then recomputed one token
     eventually(lambda: cluster.idle(cluster.p2) and cluster.idle(cluster.d), "vLLM prefill and decode idle after the handoff")
     if out["token_ids"] == ref["token_ids"]:
         pytest.skip("this CPU's vLLM kernels give one instance's tokens on STANDARD_PARTS in the standard handoff too: "
@@ -410,9 +431,9 @@ def test_dead_prefill_makes_the_vllm_decode_recompute_and_release(cluster):
     ids = cluster.ids(PROMPTS[0])
     ref = cluster.reference(ids)
     params = cluster.prefill(cluster.p2, ids)
+    before = cluster.pulls()
     cluster.p2.stop(kill=True)
     out = cluster.complete(cluster.d, ids, MAX_TOKENS, params)["choices"][0]
     assert out["token_ids"] == ref["token_ids"]  # vLLM recomputed the blocks HAWK could not load
-    led = inspect(f"tcp://127.0.0.1:{cluster.d_port}")
-    assert led["pull_failures"] >= 1
+    assert cluster.pulls()["pull_failures"] == before["pull_failures"] + 1
     eventually(lambda: cluster.idle(cluster.d), "vLLM decode idle after its prefill died")

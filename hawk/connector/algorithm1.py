@@ -226,6 +226,9 @@ IPC_EVENTS_ENV = "HAWK_IPC_EVENTS"
 #: CUDA when the transport is stream-ordered; ``always``: inline on a CPU too (tests: on a CPU the
 #: copies then run on the forward's thread, which the worker would have overlapped).
 INLINE_ENV = "HAWK_LAYERWISE_INLINE"
+#: How many request ids no longer held (pulled, expired, discarded) a sender remembers, with why: a late or
+#: repeated D1 for one is refused at once with the reason.
+GONE_REMEMBERED = 4096
 
 
 class PushState(Enum):
@@ -337,6 +340,7 @@ class KVSender:
         self._expected: dict[str, float] = {}  # request id -> deadline: its PushTo is on its way
         self._dropped: dict[str, float] = {}  # request id -> deadline: discarded before its forward began
         self._prefilled: dict[str, _Prefilled] = {}
+        self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()  # recent ids no longer held: why
         self._sent: dict[str, _Sent] = {}
         self._receivers: dict[str, _Receiver] = {}
         self._drain: list[tuple[float, Held]] = []
@@ -381,6 +385,7 @@ class KVSender:
                     raise DuplicateRequest(f"request {request_id!r} already has KV waiting")
                 if push is None:
                     self._prefilled[request_id] = job
+                    self._gone.pop(request_id, None)
                     self._added.notify_all()
                     return
                 if push.blocks is not None:
@@ -400,6 +405,8 @@ class KVSender:
         its layer-wise push (the decode hears an Error and releases its side)."""
         with self._lock:
             job = self._prefilled.pop(request_id, None)
+            if job is not None:
+                self._forget(request_id, "discarded by the prefill")
             push = self._pushes.get(request_id)
             expected = self._expected.pop(request_id, None) is not None
             if expected or (push is not None and push.state is PushState.WAITING):
@@ -828,15 +835,19 @@ class KVSender:
         t0 = time.perf_counter()
         with self._lock:
             receiver = self._receivers.get(msg.receiver)
-            if receiver is not None and msg.request_id not in self._prefilled and self.handoff_wait_s > 0:
+            gone = msg.request_id not in self._prefilled and self._gone.get(msg.request_id)
+            if receiver is not None and msg.request_id not in self._prefilled and not gone and self.handoff_wait_s > 0:
                 self._added.wait_for(lambda: msg.request_id in self._prefilled, timeout=self.handoff_wait_s)
             job = self._prefilled.pop(msg.request_id, None)  # P2: retrieve its KV
+            if job is not None and receiver is not None:
+                self._forget(msg.request_id, "pulled already")
         if receiver is None:
             if job is not None:
                 self._restore(msg.request_id, job)
             return Error(msg.request_id, f"unknown receiver {msg.receiver!r}: say hello first")
         if job is None:
-            return Error(msg.request_id, f"no KV waiting for request {msg.request_id!r} (never prefilled, expired, or pulled already)")
+            why = gone or "never prefilled, expired, or pulled already"
+            return Error(msg.request_id, f"no KV waiting for request {msg.request_id!r} ({why})")
         try:
             plan = self.fmt.plan(job.num_tokens, job.block_ids, receiver.info, msg.destination())
             t_plan = time.perf_counter()
@@ -1029,6 +1040,16 @@ class KVSender:
     def _restore(self, request_id: str, job: _Prefilled) -> None:
         with self._lock:
             self._prefilled[request_id] = job
+            self._gone.pop(request_id, None)
+
+    def _forget(self, request_id: str, why: str) -> None:
+        """Remember why a request's KV is no longer held (caller holds the lock), so that a pull for it
+        is refused at once with the reason instead of waiting ``handoff_wait_s`` for an add that
+        will not come. Bounded: the oldest reasons go first."""
+        self._gone[request_id] = why
+        self._gone.move_to_end(request_id)
+        while len(self._gone) > GONE_REMEMBERED:
+            self._gone.popitem(last=False)
 
     def reap(self, now: float | None = None) -> int:
         """Release everything past its deadline; returns how many holds were released."""
@@ -1036,6 +1057,8 @@ class KVSender:
         with self._lock:
             stale_jobs = [k for k, j in self._prefilled.items() if j.deadline <= now]
             jobs = [self._prefilled.pop(k) for k in stale_jobs]
+            for k in stale_jobs:
+                self._forget(k, f"expired: not pulled within the TTL of {self.ttl_s:g} s")
             stale_sent = [k for k, s in self._sent.items() if s.deadline <= now]
             sent = [self._sent.pop(k) for k in stale_sent]
             ready = [r for t, r in self._drain if t <= now]
