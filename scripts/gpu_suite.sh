@@ -17,6 +17,8 @@
 #     paced     - issue 10: real serving with --npu-timing p150a --link-gbps 200 (gn-hawk, gg-direct, gn-host) beside the
 #                 simulator's `here` prediction calibrated from probes of the same system (benchmarks/cross_validate.py);
 #                 PACED_WORKLOAD="chatbot summarization", PACED_RATES, PACED_REQUESTS, PACED_CONFIGS, PACED_LIMIT, PACED_KV_DTYPE, PACED_TILIZE=1
+#     capture   - the prefill's first forward in a new CUDA-graph bucket (two prompts) against its replay, by total tokens
+#                 (benchmarks/prefill_graph_capture_probe.py; the paced cross-validation's first-use cost reads it)
 #     kernels   - the CUDA tests of the attention kernels (paged, NPU-tile) and the fused ops
 #     tp        - 8B token equality across tensor-parallel degrees: prefill TP2 -> decode TP1, TP1 -> TP2 (two GPUs)
 #     fig9      - Fig. 9 on two GPUs with >= 10 repeats (median, IQR): every configuration, bf16 and bfloat8_b NPU KV
@@ -96,6 +98,8 @@ if want mixedprobe; then
   step mixed_step_probe 300 python3 benchmarks/mixed_step_probe.py --batches 16,48,128,256 --context 850 --chunk 64,128,256,512
   step mixed_graph_probe 200 python3 benchmarks/mixed_step_probe.py --mixed-graphs --batches 16,48,128,256 --context 850 --chunk 64,128,256,512
 fi
+want capture && \
+  step prefill_graph_capture 240 python3 benchmarks/prefill_graph_capture_probe.py --json "$OUT/prefill_graph_capture_h200.json"
 want kernels && \
   step gpu_kernels 480 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_paged_attention.py tests/test_npu_attention.py tests/test_triton_ops.py
 want transform && \
