@@ -81,3 +81,35 @@ def test_metadata_carries_region_table(session):
     regions = t.remote_regions(peer)
     assert regions["stage"].length == STAGE_BYTES and regions["stage"].device == "cpu"
     assert {f"ch{c}" for c in range(8)} <= set(regions)
+
+
+def test_a_paused_agent_config_keeps_its_delay_against_the_wrappers_zero():
+    """NIXL's wrapper sets ``pthrDelay = 0`` on every agent config (a progress thread that never pauses keeps a
+    core busy): the config HAWK's agents use keeps the pause; other configs are untouched."""
+    import nixl._api as api
+
+    from hawk.transport.nixl_transport import _delayed_config, pause_progress_threads
+
+    base = api.nixlBind.nixlAgentConfig
+    paused = _delayed_config(base, 200)(True)
+    paused.pthrDelay = 0
+    assert paused.pthrDelay == 200
+    plain = base(True)
+    plain.pthrDelay = 0
+    assert plain.pthrDelay == 0
+    assert pause_progress_threads(0) == 0 and api.nixlBind.nixlAgentConfig is base  # 0: nothing changed
+
+
+def test_the_benchmarks_sitecustomize_pauses_every_agent_of_a_process():
+    """hawk bench vllm-pd's vllm-nixl-paused starts vLLM with nixl_pause/ first on PYTHONPATH: every NIXL agent
+    config made in that process, vLLM's NixlConnector's included, then keeps a pause."""
+    import subprocess
+    import sys
+
+    from hawk.bench.vllm_pd import NIXL_PAUSE_DIR
+
+    code = ("import nixl._api as api\nc = api.nixlBind.nixlAgentConfig(True)\nc.pthrDelay = 0\nprint(c.pthrDelay)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(NIXL_PAUSE_DIR), os.environ.get("PYTHONPATH", "")]),
+           "HAWK_NIXL_PROGRESS_DELAY_US": "150", "UCX_MODULES": "^ib*"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["150"], out.stderr[-2000:]

@@ -4,6 +4,9 @@ Configurations (each started, warmed, measured, stopped in turn; the same model 
 
   vllm-single        one stock vLLM server
   vllm-nixl          vLLM prefill -> vLLM decode over vLLM's NixlConnector (vLLM's own P/D, its standard handoff)
+  vllm-nixl-paused   the same, not stock: its NIXL agents pause between progress sweeps as HAWK's NIXL transport's
+                     do (``nixl_pause/sitecustomize.py``); stock, each keeps a core busy, which on a small CPU
+                     box starves the engines (benchmarks/vllm_prefill_spin_probe.py)
   hawk-gg-direct     vLLM prefill -> vLLM decode over HawkConnector (gg-direct: blocks read in place), in the
                      prompt+first-token handoff (hawk/integrations/vllm/handoff.py; ``--gg-handoff standard``: vLLM's)
   hawk-gn-hawk       vLLM prefill (HawkConnector) -> HAWK's decode on the emulated NPU, bf16 tiles, HAWK's router
@@ -55,7 +58,10 @@ from hawk.integrations.vllm.handoff import Continue, after_prefill, prefill_requ
 from hawk.integrations.vllm.params import Handoff
 from hawk.integrations.vllm.servers import VllmServer, free_port, hawk_transfer_config, inspect, nixl_transfer_config, stop_group
 
-CONFIGS = ("vllm-single", "vllm-nixl", "hawk-gg-direct", "hawk-gn-hawk", "hawk-gn-hawk-bfp8", "hawk-colocated")
+CONFIGS = ("vllm-single", "vllm-nixl", "vllm-nixl-paused", "hawk-gg-direct", "hawk-gn-hawk", "hawk-gn-hawk-bfp8", "hawk-colocated")
+#: A folder whose sitecustomize.py makes NIXL's progress threads pause (vllm-nixl-paused's servers start with it first
+#: on PYTHONPATH).
+NIXL_PAUSE_DIR = Path(__file__).with_name("nixl_pause")
 MODEL_NAME = "hawk-model"
 #: ``--max-num-batched-tokens`` of hawk-colocated: vLLM's OpenAI server's default on a CPU, which the vLLM
 #: servers here run with. A prompt longer than a step's budget is prefilled in chunks, and vLLM's CPU
@@ -226,22 +232,24 @@ def launch(config: str, model: str, logs: Path, threads: int | None, gg_handoff:
             s = L.vllm(config)
             L.wait()
             yield Front(s.url, serving_url=s.url)
-        elif config in ("vllm-nixl", "hawk-gg-direct"):
-            if config == "vllm-nixl":
-                p = L.vllm(f"{config}-prefill", kv_transfer=nixl_transfer_config("kv_producer"), extra_env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
+        elif config in ("vllm-nixl", "vllm-nixl-paused", "hawk-gg-direct"):
+            if config.startswith("vllm-nixl"):
+                env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(NIXL_PAUSE_DIR), os.environ.get("PYTHONPATH")]))} if config.endswith("paused") else {}
+                p = L.vllm(f"{config}-prefill", kv_transfer=nixl_transfer_config("kv_producer"),
+                           extra_env={**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
                 d = L.vllm(f"{config}-decode", kv_transfer=nixl_transfer_config("kv_consumer"), prefix_caching=False,
-                           extra_env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
+                           extra_env={**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
             else:
                 ctl = free_port()
                 p = L.vllm(f"{config}-prefill", kv_transfer=hawk_transfer_config("kv_producer", transfer="gg-direct", **extra))
                 d = L.vllm(f"{config}-decode", kv_transfer=hawk_transfer_config("kv_consumer", transfer="gg-direct", port=ctl, **extra),
                            prefix_caching=False)
             L.wait()
-            xfer = nixl_xfer_ms(d.url) if config == "vllm-nixl" else hawk_pull_ms(f"tcp://127.0.0.1:{ctl}")
+            xfer = nixl_xfer_ms(d.url) if config.startswith("vllm-nixl") else hawk_pull_ms(f"tcp://127.0.0.1:{ctl}")
             front = L.router(f"{config}-router", p.url, d.url) if shutil.which("vllm-router") else None
             if front:
                 L.wait(front)
-            handoff = Handoff.STANDARD if config == "vllm-nixl" else Handoff(gg_handoff)
+            handoff = Handoff.STANDARD if config.startswith("vllm-nixl") else Handoff(gg_handoff)
             yield Front(d.url, prefill_url=p.url, transfer_ms=xfer, serving_url=front, handoff=handoff, handoff_by=HandoffBy.CLIENT)
         elif config.startswith("hawk-gn-hawk"):
             p = L.vllm(f"{config}-prefill", kv_transfer=hawk_transfer_config("kv_producer", transfer="gn-hawk", **extra))
@@ -349,10 +357,11 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         med = {k: _median([r.get(k) for r in rs]) for k in ("ttft_ms", "decode_first_ms", "tpot_ms", "kv_transfer_ms")}
         out.append({"config": config, "handoff": rs[0].get("handoff"), "handoff_by": rs[0].get("handoff_by"), "prompt_tokens": n, "identical": all(r["identical"] for r in rs),
                     "agreement": min(r["agreement"] for r in rs), **med})
-    nixl = {s["prompt_tokens"]: s["ttft_ms"] for s in out if s["config"] == "vllm-nixl"}
-    for s in out:
-        if s["prompt_tokens"] in nixl and s["ttft_ms"] is not None and nixl[s["prompt_tokens"]]:
-            s["ttft_vs_vllm_nixl"] = s["ttft_ms"] / nixl[s["prompt_tokens"]]
+    for anchor in ("vllm-nixl", "vllm-nixl-paused"):
+        ttft = {s["prompt_tokens"]: s["ttft_ms"] for s in out if s["config"] == anchor}
+        for s in out:
+            if ttft.get(s["prompt_tokens"]) and s["ttft_ms"] is not None:
+                s[f"ttft_vs_{anchor.replace('-', '_')}"] = s["ttft_ms"] / ttft[s["prompt_tokens"]]
     return out
 
 

@@ -84,25 +84,39 @@ def _progress_delay_default() -> int:
     return 0 if (os.cpu_count() or 1) >= 8 else 200
 
 
-def _agent_with_progress_delay(nixl_agent: Any, name: str, conf: Any, delay_us: int) -> Any:
-    """Create an agent whose progress thread sleeps ``delay_us`` between sweeps.
-
-    The wrapper hard-codes ``pthrDelay = 0`` on the bindings' config object; a config subclass
-    that keeps our delay when the wrapper assigns it is the least intrusive way to change that.
-    """
-    import nixl._api as api
-
-    base = api.nixlBind.nixlAgentConfig
+def _delayed_config(base: type, delay_us: int) -> type:
+    """The bindings' agent config, keeping ``delay_us`` when NIXL's wrapper assigns ``pthrDelay = 0``
+    (hard-coded there): the least intrusive way to make its progress thread pause between sweeps."""
 
     class _Config(base):  # type: ignore[misc, valid-type]
         def __setattr__(self, key: str, value: Any) -> None:
             super().__setattr__(key, max(int(value), delay_us) if key == "pthrDelay" else value)
 
-    api.nixlBind.nixlAgentConfig = _Config
+    return _Config
+
+
+def _agent_with_progress_delay(nixl_agent: Any, name: str, conf: Any, delay_us: int) -> Any:
+    """Create an agent whose progress thread sleeps ``delay_us`` between sweeps (this agent only)."""
+    import nixl._api as api
+
+    base = api.nixlBind.nixlAgentConfig
+    api.nixlBind.nixlAgentConfig = _delayed_config(base, delay_us)
     try:
         return nixl_agent(name, conf)
     finally:
         api.nixlBind.nixlAgentConfig = base
+
+
+def pause_progress_threads(delay_us: int | None = None) -> int:
+    """Make every NIXL agent this process creates from now on pause ``delay_us`` between progress sweeps
+    (default: ``_progress_delay_default``), agents HAWK does not create included (vLLM's NixlConnector in
+    ``hawk bench vllm-pd``'s ``vllm-nixl-paused``). Returns the delay; 0 changes nothing."""
+    delay = _progress_delay_default() if delay_us is None else delay_us
+    if delay:
+        import nixl._api as api
+
+        api.nixlBind.nixlAgentConfig = _delayed_config(api.nixlBind.nixlAgentConfig, delay)
+    return delay
 
 
 def _mem_type(info: RegionInfo) -> str:
