@@ -109,7 +109,7 @@ def test_the_benchmarks_sitecustomize_pauses_every_agent_of_a_process():
     from hawk.bench.vllm_pd import NIXL_PAUSE_DIR
 
     code = ("import nixl._api as api\nc = api.nixlBind.nixlAgentConfig(True)\nc.pthrDelay = 0\nprint(c.pthrDelay)\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(NIXL_PAUSE_DIR), os.environ.get("PYTHONPATH", "")]),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(NIXL_PAUSE_DIR), os.environ.get("PYTHONPATH")])),
            "HAWK_NIXL_PROGRESS_DELAY_US": "150", "UCX_MODULES": "^ib*"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["150"], out.stderr[-2000:]
