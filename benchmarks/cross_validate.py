@@ -144,6 +144,12 @@ def prefill_graphs(prefill_device: str, graph_tokens: int) -> GraphCapture | Non
     return graph_capture(json.loads(GRAPH_CAPTURE.read_text()), graph_tokens)
 
 
+def concurrent_prompt_len(transfer: str, wl: Workload) -> int | None:
+    """The prompt length of the probes' simultaneous sends: the workload's mean for the host-staged paths
+    (whose pulls share the decode host: ``hawk.sim.crossval.link_speedup``); None: the probes send none."""
+    return int(wl.input.mean) if transfer.endswith("-host") else None
+
+
 def probe_sends(probes: Probes, concurrent_len: int | None) -> list[tuple[int, int]]:
     """The probes' simultaneous sends ``(k, prompt tokens)`` in the order :func:`probe` sends them."""
     sends = [(b, DECODE_PROMPT) for b, _ in probes.decode]
@@ -200,7 +206,7 @@ def run_scenario(name: str, a: argparse.Namespace, transfer: str) -> dict[str, A
         print(f"[{name}] system up in {time.monotonic() - t0:.1f} s at {system.url}", flush=True)
         limits = served_limits(system, cfg)
         probes = probe(system.url, a.seed, prefill_lengths(wl, longest_prompt(wl, a.num_requests, a.seed)),
-                       concurrent_len=int(wl.input.mean) if transfer.endswith("-host") else None)
+                       concurrent_len=concurrent_prompt_len(transfer, wl))
         print(f"[{name}] probes done at {time.monotonic() - t0:.1f} s", flush=True)
         real = run_serving_bench(system.url, a.rates, wl, a.num_requests, a.seed, warmup_requests=1, per_request=True)
         print(f"[{name}] sweep done at {time.monotonic() - t0:.1f} s", flush=True)
@@ -218,7 +224,7 @@ def run_scenario(name: str, a: argparse.Namespace, transfer: str) -> dict[str, A
         del loaded
     sim_cfg = calibrated_config(cal, cfg.transfer, npu_step=npu_step, link_gbps=cfg.link_gbps, staging_bytes=limits["prefill_staging_bytes"],
                                 prefill_graphs=prefill_graphs(cfg.prefill_device, cfg.prefill_graph_tokens if cfg.graphs is not False else 0))
-    sim = simulate_rates(sim_cfg, probes, int(wl.input.mean) if transfer.endswith("-host") else None, real, wl, a.rates,
+    sim = simulate_rates(sim_cfg, probes, concurrent_prompt_len(transfer, wl), real, wl, a.rates,
                          a.num_requests, a.seed)
     sims = {round(s["rate"], 9): s for s in sim}
     pairs = [row for m in real if round(m["rate"], 9) in sims for row in per_request(m, sims[round(m["rate"], 9)])]
@@ -264,7 +270,7 @@ def resimulate(path: str) -> list[dict[str, Any]]:
                                     staging_bytes=lim.get("prefill_staging_bytes"),
                                     prefill_graphs=prefill_graphs(cfg["prefill_device"], defaults().prefill_graph_tokens)
                                     if (s["real"][0].get("started_at") or 0) >= PREFILL_GRAPHS_SINCE else None)
-        sim = simulate_rates(sim_cfg, probes, int(wl.input.mean) if cfg["transfer"].endswith("-host") else None, s["real"], wl,
+        sim = simulate_rates(sim_cfg, probes, concurrent_prompt_len(cfg["transfer"], wl), s["real"], wl,
                              a["rates"], a["num_requests"], a["seed"])
         rows += compare(s["real"], sim, f"{cfg['transfer']} {s['scenario']}")
     return rows
