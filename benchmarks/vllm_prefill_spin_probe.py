@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from hawk.bench.procs import cpu_seconds
 from hawk.integrations.vllm.servers import VllmServer, free_port, hawk_transfer_config, nixl_transfer_config
 
 #: name -> (vLLM's --kv-transfer-config, whether it is NixlConnector); a consumer is measured idle only
@@ -42,13 +43,11 @@ CONFIGS = {
 
 def group_cpu_s(pid: int) -> float:
     """CPU seconds (user + system) of every process in ``pid``'s process group (vLLM's API server, engine, worker)."""
-    pg, total, tick = os.getpgid(pid), 0.0, os.sysconf("SC_CLK_TCK")
-    for p in filter(str.isdigit, os.listdir("/proc")):
+    pg, total = os.getpgid(pid), 0.0
+    for p in map(int, filter(str.isdigit, os.listdir("/proc"))):
         try:
-            if os.getpgid(int(p)) != pg:
-                continue
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
+            if os.getpgid(p) == pg:
+                total += cpu_seconds(p)
         except (OSError, ValueError, IndexError):
             continue  # a process that ended between the listing and the read
     return total

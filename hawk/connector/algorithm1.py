@@ -1040,7 +1040,6 @@ class KVSender:
     def _restore(self, request_id: str, job: _Prefilled) -> None:
         with self._lock:
             self._prefilled[request_id] = job
-            self._gone.pop(request_id, None)
 
     def _forget(self, request_id: str, why: str) -> None:
         """Remember why a request's KV is no longer held (caller holds the lock), so that a pull for it
