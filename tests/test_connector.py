@@ -521,9 +521,9 @@ def test_a_pull_for_kv_no_longer_held_is_refused_at_once_with_why():
         deadline = time.monotonic() + 5
         while "expired" in pair.sender.accounting()["waiting"] and time.monotonic() < deadline:
             time.sleep(0.05)
-        for rid, why in [("pulled", "pulled already"), ("expired", "not pulled within the TTL of 0.3 s"), ("discarded", "discarded")]:
+        for rid, why in [("pulled", "pulled already"), ("expired", "not pulled within the TTL of 0.3 s"), ("discarded", "discarded by the prefill")]:
             t0 = time.monotonic()
-            with pytest.raises(KVTransferFailed, match=why):
+            with pytest.raises(KVTransferFailed, match=why + r", \d+\.\d s before this pull"):  # and how long before it
                 pair.receiver.pull(pair.sender.address, rid, dst, timeout_s=20)
             assert time.monotonic() - t0 < 5  # refused, not waited for
         _settled(pair)

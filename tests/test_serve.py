@@ -156,6 +156,9 @@ def test_chat_completion_answers_and_reports_timings(system):
     assert h["kv_bytes"] > 0 and h["kv_transfer_s"] > 0 and h["kv_mode"]
     steps = h["kv_breakdown_ms"]  # where the pull's time went, Algorithm 1's steps, as the decode timed them
     assert set(steps) <= set(BREAKDOWN) and steps["total_s"] == pytest.approx(h["kv_transfer_s"] * 1e3)
+    assert {"connect_s", "send_s", "control_s", "release_s"} <= set(steps)  # a one-rank decode's own steps, not only the total
+    inside = sum(v for k, v in steps.items() if k not in ("total_s", "release_s", "notify_s"))  # those two come after it
+    assert inside <= steps["total_s"] * (1 + 1e-9)
     assert 0 < h["ttft_s"] < h["e2e_s"] and h["tpot_s"] > 0
     # the server's TTFT, piece by piece: the router's own work, the prefill call (its engine's queue,
     # forward and hand-off, plus the hop), the decode call (admission + KV + first emission, plus the hop)
@@ -455,6 +458,6 @@ def test_a_failed_warmup_stops_the_start(system, monkeypatch):
 
     monkeypatch.setattr(router_mod.Generation, "start", fail)
     r = router_mod.Router(RouterConfig([system.prefill.url], [system.decode.url], warmup=True), None)
-    with pytest.raises(RuntimeError, match=r"warm-up request 1 \(.* -> .*\) failed: prefill refused"):
+    with pytest.raises(RuntimeError, match=r"warm-up request 1 \(.* -> .*\) failed after [0-9.]+ s: prefill refused"):
         asyncio.run(r.startup())
     assert r.client is not None and r.client.is_closed  # the failed start closed what it opened

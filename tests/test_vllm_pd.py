@@ -33,8 +33,9 @@ from hawk.integrations.vllm.servers import VllmServer, free_port, hawk_transfer_
 from hawk.transport.registry import available  # noqa: E402
 
 pytestmark = pytest.mark.slow
-TTL_S = 20.0  # HawkConnector's TTL here: the never-pulled test waits it out (a 2-core box running other tests
-# beside these can take seconds from a prefill's answer to its decode's pull)
+TTL_S = 60.0  # HawkConnector's TTL here: the never-pulled tests wait it out. A first pull between two processes
+# that never met (the router's warm-up) took 8-18 s from the prefill's answer on this 2-core box with four busy
+# processes beside it (1.2 s on a quiet box): the KV of a 20 s TTL once expired before it (CI, 2026-12-04)
 PULL_TIMEOUT_S = 30.0  # the decode's wait for each answer (a dead prefill's request waits it out, then recomputes)
 PROMPTS = [
     "The capital of France is",
@@ -82,11 +83,13 @@ def hawk_proc(args: list[str], log: Path) -> subprocess.Popen:
                                 start_new_session=True)
 
 
-def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 400.0) -> None:
+def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 400.0, peers: tuple[Path, ...] = ()) -> None:
+    """Wait for ``url``'s health; a process that exits fails with its log's tail and its ``peers``' logs."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            pytest.fail(f"{url} exited with {proc.returncode}: {log.read_text()[-3000:]}")
+            others = "".join(f"\n--- {p.name}:\n{p.read_text()[-2000:]}" for p in peers if p.exists())
+            pytest.fail(f"{url} exited with {proc.returncode}: {log.read_text()[-3000:]}{others}")
         try:
             if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
                 return
@@ -156,7 +159,7 @@ class Cluster:
         self.router = hawk_proc(["--role", "router", "--prefill-api", "vllm", "--prefill-url", self.p1.url, "--decode-url", self.dec_url,
                                  "--port", str(self.router_port), "--served-model-name", self.p1.served_name], root / "hawk-router.log")
         self.procs.append(self.router)
-        wait_http(self.router_url, self.router, root / "hawk-router.log")
+        wait_http(self.router_url, self.router, root / "hawk-router.log", peers=(root / "hawk-decode.log",))
         # vllm-router in P/D mode in front of the vLLM prefill and HAWK's router as the decode front
         # (it sends the decode the prefill's kv_transfer_params, which carry HAWK's KV handle)
         self.pd_url = None

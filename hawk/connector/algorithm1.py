@@ -340,7 +340,7 @@ class KVSender:
         self._expected: dict[str, float] = {}  # request id -> deadline: its PushTo is on its way
         self._dropped: dict[str, float] = {}  # request id -> deadline: discarded before its forward began
         self._prefilled: dict[str, _Prefilled] = {}
-        self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()  # recent ids no longer held: why
+        self._gone: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()  # recent ids no longer held: why, when
         self._sent: dict[str, _Sent] = {}
         self._receivers: dict[str, _Receiver] = {}
         self._drain: list[tuple[float, Held]] = []
@@ -836,6 +836,8 @@ class KVSender:
         with self._lock:
             receiver = self._receivers.get(msg.receiver)
             gone = msg.request_id not in self._prefilled and self._gone.get(msg.request_id)
+            if gone:  # how long before this pull says whose clock ran out: a slow decode's, or a TTL too short
+                gone = f"{gone[0]}, {time.monotonic() - gone[1]:.1f} s before this pull"
             if receiver is not None and msg.request_id not in self._prefilled and not gone and self.handoff_wait_s > 0:
                 self._added.wait_for(lambda: msg.request_id in self._prefilled, timeout=self.handoff_wait_s)
             job = self._prefilled.pop(msg.request_id, None)  # P2: retrieve its KV
@@ -1045,7 +1047,7 @@ class KVSender:
         """Remember why a request's KV is no longer held (caller holds the lock), so that a pull for it
         is refused at once with the reason instead of waiting ``handoff_wait_s`` for an add that
         will not come. Bounded: the oldest reasons go first."""
-        self._gone[request_id] = why
+        self._gone[request_id] = (why, time.monotonic())
         self._gone.move_to_end(request_id)
         while len(self._gone) > GONE_REMEMBERED:
             self._gone.popitem(last=False)
@@ -1161,9 +1163,11 @@ class PullResult:
 
 #: The host-side breakdown of one pull, in order. ``control_s`` is the D1-D2 round trip less the
 #: sender's handler (the messages themselves); the ``sender_*`` steps run inside that round trip;
-#: ``total_s`` runs from D1 to the KV in the cache (after D7); release and notify come after it.
+#: ``total_s`` runs from D1 to the KV in the cache (after D7); release and notify come after it. A decode
+#: instance adds ``connect_s``, the handshake with a prefill it had not met (near 0 after its first
+#: pull), and its ``total_s`` then starts before it.
 BREAKDOWN: tuple[str, ...] = (
-    "send_s", "plan_overlap_s", "control_s", "sender_plan_s", "sender_reserve_s", "sender_transform_s",
+    "connect_s", "send_s", "plan_overlap_s", "control_s", "sender_plan_s", "sender_reserve_s", "sender_transform_s",
     "sender_transform_wait_s", "sender_other_s", "plan_s", "reserve_s", "descs_s", "submit_s", "transfer_wait_s",
     "finish_s", "release_s", "notify_s", "total_s",
 )

@@ -522,7 +522,8 @@ class DecodeEngine:
             e.kv_taken = True
             error = None
         except Exception as ex:  # noqa: BLE001 - fail this request, keep serving the rest
-            log.warning("KV fetch for %s failed: %s", e.seq.request_id, ex)
+            log.warning("KV fetch for %s failed %.1f s after its admission (%.1f s after it arrived): %s",
+                        e.seq.request_id, time.monotonic() - t0, t0 - e.seq.arrival, ex)
             error = str(ex)
         e.info["admit_wait_s"] = t0 - e.seq.arrival
         with self._lock:

@@ -275,7 +275,10 @@ class TPReceiver:
             raise KVTransferFailed("; ".join(errors))
         total = time.perf_counter() - t0
         modes = sorted({r.mode for r in results})
-        return PullResult(request_id, results[0].num_tokens, sum(r.bytes for r in results), sum(r.requests for r in results), ",".join(modes), {"total_s": total})
+        timings = {"total_s": total}
+        if len(results) == 1 and "total_s" in results[0].timings:  # one pull: its steps, and the handshake before it
+            timings = {**results[0].timings, "connect_s": max(0.0, total - results[0].timings["total_s"]), "total_s": total}
+        return PullResult(request_id, results[0].num_tokens, sum(r.bytes for r in results), sum(r.requests for r in results), ",".join(modes), timings)
 
     @property
     def timeout_s(self) -> float:

@@ -270,11 +270,14 @@ class Router:
         ids = self.tokenizer.encode("Hello") or [0]
         params = SamplingParams(max_tokens=2, temperature=0.0)
         for i in range(max(len(self.pool.prefill), len(self.pool.decode))):  # round-robin: each instance at least once
-            gen = self.new_generation(new_id("warmup"), ids, params, [], time.monotonic())
+            t0 = time.monotonic()
+            gen = self.new_generation(new_id("warmup"), ids, params, [], t0)
             try:
                 await asyncio.wait_for(self._drain(gen), self.cfg.startup_timeout_s)
             except Exception as e:  # noqa: BLE001 - any failure is the start's
-                raise RuntimeError(f"warm-up request {i + 1} ({gen.prefill_url} -> {gen.decode_url}) failed: {e}") from e
+                raise RuntimeError(f"warm-up request {i + 1} ({gen.prefill_url} -> {gen.decode_url}) failed "
+                                   f"after {time.monotonic() - t0:.1f} s: {e}") from e
+            log.info("warm-up request %d (%s -> %s): %.2f s", i + 1, gen.prefill_url, gen.decode_url, time.monotonic() - t0)
 
     @staticmethod
     async def _drain(gen: Generation) -> None:
