@@ -313,20 +313,6 @@ def test_the_standard_handoff_parts_on_the_near_tie_prompt(cluster):
                     "the near-tie case above does not tell the handoffs apart here")
 
 
-def test_a_first_token_that_matches_a_stop_string_needs_no_decode(cluster):
-    """The first token's text matches a stop string: the prefill's answer is the whole answer. vLLM matches
-    stop strings in its front end, after its engine finished the one-token request by length, so
-    HawkConnector was told of a length-capped request and holds its KV: it goes back at the TTL."""
-    ids = cluster.ids(NEAR_TIES)
-    first = cluster.complete(cluster.p1, ids, 1)["choices"][0]
-    step, out = exact_handoff(cluster, ids, MAX_TOKENS, stop=[first["text"][-1]])
-    assert isinstance(step, Done) and out["choices"][0]["finish_reason"] == "stop"
-    held = read_handle(out["kv_transfer_params"])
-    assert held is not None and kv_cache_usage(cluster.p2.url) > 0.0
-    cluster.address[cluster.p2.port] = held.address
-    eventually(lambda: cluster.idle(cluster.p2), "vLLM prefill idle at the TTL", timeout_s=TTL_S + 30)
-
-
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_vllm_prefill_to_hawk_npu_decode_gives_one_instances_tokens(cluster, prompt):
     ids = cluster.ids(prompt)
@@ -371,14 +357,18 @@ def test_hawk_colocated_gives_one_instances_tokens_on_near_ties(cluster, n, seed
 
 
 def test_hawk_decode_starts_from_the_prefills_first_token(cluster):
+    """The prefill samples one instance's first token, and HAWK's decode answers with it (the KV handle
+    handed to HAWK's router as a P/D router hands it, so the held KV is pulled, not left to the TTL)."""
     ids = cluster.ids(NEAR_TIES)
     ref = cluster.reference(ids)
-    first = read_handle(cluster.prefill(cluster.p1, ids)).first_token
-    assert first == ref["token_ids"][0]  # the prefill sampled what one instance samples
+    params = cluster.prefill(cluster.p1, ids)
+    assert read_handle(params).first_token == ref["token_ids"][0]  # the prefill sampled what one instance samples
     r = httpx.post(f"{cluster.router_url}/v1/completions", timeout=300,
-                   json={"model": "hawk-model", "prompt": NEAR_TIES, "max_tokens": 1, "temperature": 0})
+                   json={"model": "hawk-model", "prompt": NEAR_TIES, "max_tokens": 1, "temperature": 0, "kv_transfer_params": params})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == cluster.tokenizer.decode([ref["token_ids"][0]])
+    assert r.json()["hawk"]["kv_bytes"] > 0  # the decode pulled the handed KV
+    eventually(lambda: cluster.decode_idle() and kv_cache_usage(cluster.p1.url) == 0.0, "vLLM prefill and HAWK decode idle")
 
 
 def test_openai_client_through_vllm_router_to_hawk_decode(cluster):
@@ -407,12 +397,22 @@ def test_client_abort_releases_both_sides(cluster):
 
 
 def test_kv_nobody_pulls_goes_back_to_vllm_at_the_ttl(cluster):
-    """A decode that dies before pulling: the prefill's blocks come back when HAWK's TTL passes."""
+    """KV that nobody will pull comes back to vLLM when HAWK's TTL passes, both cases waiting out one TTL:
+    a decode that dies before pulling (P1), and a first token whose text matches a stop string (P2): the
+    prefill's answer is the whole answer, but vLLM matches stop strings in its front end, after its engine
+    finished the one-token request by length, so HawkConnector was told of a length-capped request and holds
+    its KV."""
+    ids = cluster.ids(NEAR_TIES)
+    first = cluster.complete(cluster.p1, ids, 1)["choices"][0]
+    step, out = exact_handoff(cluster, ids, MAX_TOKENS, stop=[first["text"][-1]])
+    assert isinstance(step, Done) and out["choices"][0]["finish_reason"] == "stop"
+    stopped = read_handle(out["kv_transfer_params"])
+    assert stopped is not None and kv_cache_usage(cluster.p2.url) > 0.0
+    cluster.address[cluster.p2.port] = stopped.address
     params = cluster.prefill(cluster.p1, cluster.ids(PROMPTS[2]))
-    addr = read_handle(params).address
-    held = inspect(addr)
+    held = inspect(read_handle(params).address)
     assert held["sender"]["waiting"] and kv_cache_usage(cluster.p1.url) > 0.0  # held for the pull
-    eventually(lambda: cluster.idle(cluster.p1), "vLLM prefill idle after the TTL", timeout_s=TTL_S + 30)
+    eventually(lambda: cluster.idle(cluster.p1) and cluster.idle(cluster.p2), "vLLM prefills idle after the TTL", timeout_s=TTL_S + 30)
 
 
 def test_dead_prefill_fails_the_hawk_decodes_request_and_it_releases(cluster):
