@@ -1,9 +1,9 @@
-"""The import graph of ``hawk/`` has no circles.
+"""The import graph of ``hawk/`` has no circles, and its packages import only the layers below them.
 
-Data flows one way (layouts → plan → transform → memory/devices → transport → connector → engine →
-serve, bench and sim on top); a circle between two modules means neither can be understood, tested or
-loaded without the other. Imports inside functions count too: deferring one hides a circle from the
-interpreter, not from the reader."""
+Data flows one way (layouts → plan → transform → devices → memory → transport → connector → engine /
+integrations → serve, sim and bench on top; docs/design.md §2); a circle between two modules means neither
+can be understood, tested or loaded without the other. Imports inside functions count too: deferring one
+hides a circle from the interpreter, not from the reader."""
 
 from __future__ import annotations
 
@@ -113,3 +113,61 @@ def test_hawk_has_no_import_circles():
 def test_known_edges_are_seen(name: str):
     """The graph is not empty by accident: modules that import others have edges."""
     assert import_graph(_hawk_modules())[name]
+
+
+#: The layers, bottom first: a package imports only packages of lower layers (and itself). Two packages
+#: in one layer know nothing of each other.
+LAYERS: list[set[str]] = [
+    {"errors", "triton_launch"},
+    {"layouts"},
+    {"config"},  # the one serving configuration (device strings parsed by layouts)
+    {"config_cli"},  # the CLIs generated from it
+    {"plan"},
+    {"transform"},
+    {"devices"},
+    {"memory"},
+    {"transport"},
+    {"connector"},
+    {"engine", "integrations"},  # HAWK's engine; HawkConnector inside vLLM's
+    {"serve"},
+    {"sim"},
+    {"bench"},
+    {"cli"},
+    {"__main__"},
+]
+
+
+def _package(module: str) -> str:
+    """``hawk.connector.algorithm1`` -> ``connector``; a top-level module is its own package."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def upward_imports(graph: dict[str, set[str]], layers: list[set[str]]) -> list[str]:
+    """Every import of a package in the same or a higher layer (other than itself), as ``a -> b``."""
+    rank = {p: i for i, layer in enumerate(layers) for p in layer}
+    bad = []
+    for module, targets in sorted(graph.items()):
+        a = _package(module)
+        for t in sorted(targets):
+            b = _package(t)
+            if a and b and a != b and rank.get(b, -1) >= rank.get(a, len(layers)):
+                bad.append(f"{module} -> {t}")
+    return bad
+
+
+def test_the_layer_check_finds_an_import_of_a_higher_layer():
+    graph = {"hawk.plan.x": {"hawk.layouts.y"}, "hawk.layouts.y": set()}
+    assert upward_imports(graph, [{"layouts"}, {"plan"}]) == []
+    assert upward_imports(graph, [{"plan"}, {"layouts"}]) == ["hawk.plan.x -> hawk.layouts.y"]
+    assert upward_imports({"hawk.engine.a": {"hawk.integrations.b"}}, [{"engine", "integrations"}]) == ["hawk.engine.a -> hawk.integrations.b"]
+
+
+def test_every_package_is_in_a_layer():
+    packages = {_package(m) for m in _hawk_modules()} - {""}
+    assert packages == set().union(*LAYERS), "place a new package in LAYERS (and docs/design.md §2)"
+
+
+def test_packages_import_only_lower_layers():
+    bad = upward_imports(import_graph(_hawk_modules()), LAYERS)
+    assert not bad, "imports of a layer not below: " + "; ".join(bad)

@@ -82,7 +82,7 @@ _CHILD = textwrap.dedent(
     import hawk.transform.triton_kernel as tk
 
     counts = {"uploads": [], "groups": 0, "layouts": 0}
-    real_upload, real_groups, real_layout = tk._upload, tk._build_groups, tk._build_layout
+    real_upload, real_groups, real_layout = tk.upload_int64, tk._build_groups, tk._build_layout
     def upload(arr, device):
         counts["uploads"].append(int(arr.size))
         return real_upload(arr, device)
@@ -92,7 +92,7 @@ _CHILD = textwrap.dedent(
     def layout(plan, used):
         counts["layouts"] += 1
         return real_layout(plan, used)
-    tk._upload, tk._build_groups, tk._build_layout = upload, groups, layout
+    tk.upload_int64, tk._build_groups, tk._build_layout = upload, groups, layout
 
     def run(caches, plan, kernel):
         counts["uploads"].clear()
@@ -185,7 +185,7 @@ def test_launch_keys_do_not_depend_on_the_request(monkeypatch):
 
             return launch
 
-    real_upload = tk._upload
+    real_upload = tk.upload_int64
     count = [0]
 
     def upload(arr, device):  # every third table 8 bytes off a 16-byte boundary
@@ -204,7 +204,7 @@ def test_launch_keys_do_not_depend_on_the_request(monkeypatch):
     rec = {"v1": Recorder(tk._transform_kernel), "v2": Recorder(tk._rows_kernel)}
     monkeypatch.setattr(tk, "_transform_kernel", rec["v1"])
     monkeypatch.setattr(tk, "_rows_kernel", rec["v2"])
-    monkeypatch.setattr(tk, "_upload", upload)
+    monkeypatch.setattr(tk, "upload_int64", upload)
     for name in ("groups", "blk"):
         for k in rec.values():
             assert next(p for p in k.kernel.params if p.name == name).do_not_specialize_on_alignment

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from hawk.plan.requests import Copy, Runs
+from hawk.transform.upload import upload_int64
 
 _UNIT = 8  # copies move 8-byte words; offsets and lengths are multiples of the DRAM alignment (>= 32)
 _BLOCK = 4096  # words per program
@@ -71,24 +72,6 @@ def batched_copy(memory: torch.Tensor, copies: Sequence[Copy] | Runs) -> None:
         return
     for s, d, n in zip(src.tolist(), dst.tolist(), lens.tolist()):
         flat[d : d + n].copy_(flat[s : s + n])
-
-
-def upload_int64(arr: np.ndarray, device: torch.device | str) -> torch.Tensor:
-    """``arr`` as an int64 tensor on ``device``, without stalling the host on CUDA.
-
-    ``torch.as_tensor(arr, device="cuda")`` copies from pageable memory and synchronizes the stream
-    (tens of microseconds, and it waits for every kernel queued before it). Here the bytes go through
-    pinned memory, enqueued on ``device``'s current stream: work launched after it on that stream sees
-    them, and torch's caching host allocator keeps the pinned block until the copy has run.
-    Elsewhere (CPU, the Triton interpreter) it is a plain copy.
-    """
-    a = np.ascontiguousarray(arr, dtype=np.int64)
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return torch.from_numpy(a.copy()).to(dev)
-    host = torch.empty(a.shape, dtype=torch.int64, pin_memory=True)
-    host.numpy()[...] = a
-    return host.to(dev, non_blocking=True)
 
 
 def vector_align(src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> int:

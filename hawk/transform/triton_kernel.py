@@ -73,6 +73,7 @@ import triton.language as tl
 from hawk.layouts.paged import NotStridedError
 from hawk.layouts.tt import TILE
 from hawk.plan.kv_plan import KVTransferPlan, TileDest
+from hawk.transform.upload import upload_int64
 from hawk.triton_launch import launch_hooks_idle, launchable, on_device, pointer_args, raw_stream, run_compiled
 
 #: Attribute set on a plan holding its launch states (:class:`_Launch`), keyed by the caches.
@@ -402,17 +403,8 @@ def _pow2_divisor(values: np.ndarray, cap: int) -> int:
     return cap if acc == 0 else min(cap, acc & -acc)
 
 
-def _upload(arr: np.ndarray, device: torch.device) -> torch.Tensor:
-    """``arr`` (int64) on ``device`` in one copy that does not stall the host: pinned memory, enqueued
-    on the device's current stream (:func:`hawk.devices.batched_copy.upload_int64`; torch's caching
-    host allocator keeps each pinned block until its copy has run, so none is reused in flight)."""
-    from hawk.devices.batched_copy import upload_int64
-
-    return upload_int64(arr, device)
-
-
 class _Table:
-    """A host table and its device copy, uploaded on first use (:func:`_upload`), and the stream and
+    """A host table and its device copy, uploaded on first use (:func:`~hawk.transform.upload.upload_int64`), and the stream and
     event of that copy: a launch on another stream waits for the event on the device once (and marks
     the tensor as used there, so its memory is not reused before that stream's work is done)."""
 
@@ -433,7 +425,7 @@ class _Table:
             with self._lock:
                 if self._dev is None:
                     flat = self.host.reshape(-1)
-                    t = _upload(flat.view(np.int64), self.device)
+                    t = upload_int64(flat.view(np.int64), self.device)
                     if flat.dtype == np.int32:
                         t = t.view(torch.int32)  # a reinterpretation on the device: no copy
                     if self.device.type == "cuda":
@@ -635,7 +627,7 @@ class _Launch:
     request's GPU block ids (a :class:`_Table`; the only part that changes with every request).
 
     It holds no cache tensor, so a plan that outlives its caches does not keep them allocated. Device
-    tables are uploaded on first use, each in one copy that does not stall the host (:func:`_upload`);
+    tables are uploaded on first use, each in one copy that does not stall the host (:func:`~hawk.transform.upload.upload_int64`);
     a launch on another stream than an upload's waits for it on the device (:meth:`order_after_uploads`).
     """
 
