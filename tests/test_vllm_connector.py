@@ -20,8 +20,10 @@ from hawk.integrations.vllm.params import (
     read_handle,
     wants_remote_decode,
 )
+from hawk.integrations.vllm.plan import StepPlan
 from hawk.integrations.vllm.scheduler_half import SchedulerHalf
 from hawk.integrations.vllm.settings import ConnectorSettings
+from hawk.integrations.vllm.worker_half import WorkerHalf
 from hawk.serve.vllm_prefill import EndedAtPrefill, prefill_body, prefill_response
 
 
@@ -104,7 +106,7 @@ def test_consumer_loads_a_handle_once_and_recomputes_what_it_cannot_pull():
     params = handoff_params(handle(num_tokens=3))
     r = Req("d", [1, 2, 3], params)
     assert s.matched_tokens(r, 0) == (3, True)
-    assert s.matched_tokens(r, 0) == (0, False)  # asked again while its blocks are being allocated
+    assert s.matched_tokens(r, 0) == (3, True)  # asked again before allocation (vLLM found no room last step): still a pull
     s.allocated(r, [11], 3)
     (job,) = s.take_plan().recvs
     assert (job.request_id, job.block_ids, job.handle.request_id) == ("d", (11,), "r-1")
@@ -117,6 +119,55 @@ def test_consumer_loads_a_handle_once_and_recomputes_what_it_cannot_pull():
     npu = handoff_params(handle(transfer="gn-hawk", num_tokens=3))
     assert s.matched_tokens(Req("npu", [1, 2, 3], npu), 0) == (0, False)  # tiles for an NPU: not loadable here
     assert s.take_plan().recvs == []
+
+
+def test_a_request_waiting_in_the_decode_is_kept_alive_until_its_blocks_are_allocated():
+    """vLLM may queue a request longer than the prefill's TTL (a busy decode): from its arrival until its
+    blocks are allocated, every sixth of the TTL, the step plan asks the worker to keep its KV alive."""
+    s = SchedulerHalf(ConnectorSettings.from_extra({"transfer": "gg-direct", "ttl_s": 30}), producer=False, consumer=True)
+    a, b = handoff_params(handle(num_tokens=3)), handoff_params(handle(num_tokens=3, request_id="r-2", address="tcp://127.0.0.1:6000"))
+    ra, rb = Req("a", [1, 2, 3], a), Req("b", [1, 2, 3], b)
+    s.arrived(ra)
+    s.arrived(rb)
+    s.arrived(Req("plain", [1, 2]))
+    s.arrived(Req("npu", [1, 2, 3], handoff_params(handle(transfer="gn-hawk", num_tokens=3))))  # not pullable here
+    s.arrived(Req("bad", [1], {"do_remote_prefill": True, "hawk": {"version": 0}}))  # malformed: refused later, not here
+    assert s.take_plan(now=100.0).keep_alive == {"tcp://127.0.0.1:5000": ["r-1"], "tcp://127.0.0.1:6000": ["r-2"]}
+    assert s.take_plan(now=104.0).keep_alive == {}  # within a sixth of the TTL
+    assert s.matched_tokens(ra, 0) == (3, True)
+    assert s.take_plan(now=105.0).keep_alive == {"tcp://127.0.0.1:5000": ["r-1"], "tcp://127.0.0.1:6000": ["r-2"]}
+    s.allocated(ra, [11], 3)  # its pull starts with the next step
+    assert s.take_plan(now=111.0).keep_alive == {"tcp://127.0.0.1:6000": ["r-2"]}
+    s.finished(rb, [])  # aborted while it waited
+    assert s.take_plan(now=200.0).keep_alive == {}
+    s.arrived(rc := Req("c", [1, 2], a))  # a prompt its handle does not hold: recomputed, nothing kept alive
+    assert s.matched_tokens(rc, 0) == (0, False)
+    assert s.take_plan(now=300.0).keep_alive == {}
+
+
+def test_the_worker_sends_the_plans_keep_alives_and_counts_them():
+    calls: list[tuple[str, list[str]]] = []
+
+    class Receiver:
+        def keep_alive(self, address: str, ids: list[str]) -> bool:
+            calls.append((address, ids))
+            if address == "dead":
+                raise RuntimeError("no answer")
+            return True
+
+        def accounting(self) -> dict[str, list[str]]:
+            return {"reservations": []}
+
+    w = WorkerHalf(ConnectorSettings.from_extra({"transfer": "gg-direct"}), producer=False, consumer=True)
+    w.receiver = Receiver()  # type: ignore[assignment]
+    try:
+        w.start(StepPlan(keep_alive={"tcp://p1": ["r-1", "r-2"], "dead": ["r-3"]}))
+        w._keep_alives.shutdown(wait=True)  # the sends run off the forward path: wait for them here
+        assert sorted(calls) == [("dead", ["r-3"]), ("tcp://p1", ["r-1", "r-2"])]
+        assert w.ledger()["keep_alives"] == 1  # the failed one is logged, not counted, and breaks nothing
+    finally:
+        w.receiver = None
+        w.close()
 
 
 def test_consumer_loads_the_prompt_of_a_prompt_plus_first_token_request():

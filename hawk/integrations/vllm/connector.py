@@ -102,6 +102,10 @@ class HawkConnector(KVConnectorBase_V1):
         assert self._sched is not None
         self._sched.set_worker_address({rank: m.address for rank, m in metadata.items() if isinstance(m, HawkHandshake)})
 
+    def on_new_request(self, request: Any) -> None:
+        assert self._sched is not None
+        self._sched.arrived(request)
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._sched is not None
         return self._sched.matched_tokens(request, num_computed_tokens)

@@ -33,3 +33,6 @@ class RecvJob:
 class StepPlan:
     sends: list[SendJob] = field(default_factory=list)
     recvs: list[RecvJob] = field(default_factory=list)
+    #: Decode: prefill address -> the KV request ids of requests still waiting here for their pull; the
+    #: worker asks each prefill to keep their KV another TTL (Algorithm 1's KeepAlive)
+    keep_alive: dict[str, list[str]] = field(default_factory=dict)

@@ -21,6 +21,10 @@ The request lifecycle, once (the worker half, worker_half.py, does the moving):
     prompt+first-token       its prompt is the prefill's prompt plus the handle's ``first_token``
                              (handoff.py builds it): the prompt's KV loads and vLLM computes only the first
                              token, as a one-token step, sampling the second: what one instance computes
+    0 ``on_new_request``: while it waits in vLLM's queue (a busy decode may keep it there longer than the
+      prefill's TTL), every sixth of the TTL the step plan asks the worker to keep its KV alive on the
+      prefill (as vLLM's NixlConnector renews its KV lease by heartbeats), until its blocks are allocated
+      or it finishes
     1 ``get_num_new_matched_tokens``: the handle's prompt tokens load asynchronously
     2 ``update_state_after_alloc``: vLLM allocated the blocks; the next step's plan carries a RecvJob
     3 the worker pulls into them (D1..D9) and reports the request as finished receiving (a failed pull
@@ -32,9 +36,11 @@ The request lifecycle, once (the worker half, worker_half.py, does the moving):
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from hawk.connector.configs import CONFIGS
+from hawk.errors import BadRequest
 from hawk.integrations.vllm.params import (
     HANDLE_VERSION,
     KVHandle,
@@ -60,6 +66,8 @@ class SchedulerHalf:
         self._loading: dict[str, KVHandle] = {}  # request id -> its handle, from matched to allocated
         self._tried: set[str] = set()  # requests whose handle was loaded once: a failed load is rescheduled
         # by vLLM and must then recompute, not pull again (until the request finishes)
+        self._waiting: dict[str, KVHandle] = {}  # request id -> its handle, from arrival to allocation: kept alive
+        self._next_keep_alive = 0.0  # monotonic time of the next keep-alive the plan may carry
 
     def set_worker_address(self, addresses: dict[int, str]) -> None:
         """vLLM's handshake metadata, by tensor-parallel rank. HAWK's handle names one socket."""
@@ -69,11 +77,41 @@ class SchedulerHalf:
 
     # -- decode: loading a prompt's KV ----------------------------------------------------------
 
+    def arrived(self, request: Any) -> None:
+        """A new request: one whose handle this decode can pull is kept alive until it is allocated."""
+        if not self.consumer:
+            return
+        try:
+            handle = read_handle(request.kv_transfer_params)
+        except BadRequest:
+            return  # matched_tokens refuses it, and it is recomputed
+        if handle is not None and CONFIGS[handle.transfer].decode_on == "gpu":
+            self._waiting[request.request_id] = handle
+
+    def _keep_alive(self, now: float) -> dict[str, list[str]]:
+        """The waiting requests' KV ids by prefill address, at most every sixth of the TTL."""
+        if not self._waiting or now < self._next_keep_alive:
+            return {}
+        self._next_keep_alive = now + self.settings.ttl_s / 6
+        out: dict[str, list[str]] = {}
+        for h in self._waiting.values():
+            out.setdefault(h.address, []).append(h.request_id)
+        return out
+
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        n, load = self._match(request, num_computed_tokens)
+        if not load:  # it recomputes: its KV need not be kept alive
+            self._waiting.pop(request.request_id, None)
+        return n, load
+
+    def _match(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         if not self.consumer:
             return 0, False
         handle = read_handle(request.kv_transfer_params)
-        if handle is None or request.request_id in self._loading or request.request_id in self._tried:
+        # asked again before its blocks were allocated (vLLM found no room and retries next step): the same
+        # answer, checked again; asked again after (its load failed, or it was preempted): recompute
+        self._loading.pop(request.request_id, None)
+        if handle is None or request.request_id in self._tried:
             return 0, False
         if CONFIGS[handle.transfer].decode_on != "gpu":
             log.warning("request %s: its prefill sent in %s, which decodes on an NPU; recomputing", request.request_id, handle.transfer)
@@ -87,12 +125,15 @@ class SchedulerHalf:
                         request.request_id, handle.num_tokens, handle.first_token, len(request.prompt_token_ids))
             return 0, False
         self._loading[request.request_id] = handle
-        self._tried.add(request.request_id)
         return handle.num_tokens, True
 
     def allocated(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        self._waiting.pop(request.request_id, None)  # its pull starts with the next step (or it recomputes)
         handle = self._loading.pop(request.request_id, None)
-        if handle is None or num_external_tokens == 0:
+        if handle is None:
+            return
+        self._tried.add(request.request_id)
+        if num_external_tokens == 0:
             return
         self._plan.recvs.append(RecvJob(request.request_id, handle, tuple(block_ids)))
 
@@ -101,6 +142,7 @@ class SchedulerHalf:
     def finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._loading.pop(request.request_id, None)
         self._tried.discard(request.request_id)
+        self._waiting.pop(request.request_id, None)
         params = request.kv_transfer_params
         if not self.producer or not wants_remote_decode(params):
             return False, None
@@ -115,6 +157,7 @@ class SchedulerHalf:
                           first_token=int(request.output_token_ids[0]), transfer=self.settings.transfer)
         return True, handoff_params(handle)
 
-    def take_plan(self) -> StepPlan:
+    def take_plan(self, now: float | None = None) -> StepPlan:
         plan, self._plan = self._plan, StepPlan()
+        plan.keep_alive = self._keep_alive(time.monotonic() if now is None else now)
         return plan

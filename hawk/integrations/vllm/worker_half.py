@@ -45,9 +45,11 @@ class WorkerHalf:
         self._loading: set[str] = set()  # pulls in flight
         self._loaded: set[str] = set()  # ... done (or failed), not yet reported
         self._load_errors: set[int] = set()
-        self._counts = {"pulled": 0, "pull_failures": 0, "handed_to_sender": 0}
+        self._counts = {"pulled": 0, "pull_failures": 0, "handed_to_sender": 0, "keep_alives": 0}
         self._last_pull_s: float | None = None  # the last successful pull's time (connect + D1..D9)
         self._pulls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hawk-vllm-pull")
+        # keep-alives off the forward path and behind no pull (a first one waits for its prefill's handshake)
+        self._keep_alives = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hawk-vllm-keepalive")
 
     def register(self, caches: Sequence[torch.Tensor], layout: Any) -> None:
         """vLLM's per-layer caches (in layer order) and their described layout: build the sides."""
@@ -88,6 +90,18 @@ class WorkerHalf:
             with self._lock:
                 self._loading.add(job.request_id)
             self._pulls.submit(self._pull, job)
+        for address, ids in plan.keep_alive.items():
+            self._keep_alives.submit(self._keep_alive, address, ids)
+
+    def _keep_alive(self, address: str, request_ids: list[str]) -> None:
+        """Ask a prefill to keep these queued requests' KV another TTL (a failure leaves the TTL to decide)."""
+        try:
+            assert self.receiver is not None
+            if self.receiver.keep_alive(address, request_ids):
+                with self._lock:
+                    self._counts["keep_alives"] += 1
+        except Exception as e:  # noqa: BLE001 - the pull itself reports what is wrong with that prefill
+            log.warning("keeping %d queued requests' KV alive at %s failed: %s", len(request_ids), address, e)
 
     def _given_back(self, request_id: str) -> None:
         with self._lock:
@@ -145,6 +159,7 @@ class WorkerHalf:
 
     def close(self) -> None:
         """Give everything back: the sender returns held blocks (reported by ``finished``), pulls end."""
+        self._keep_alives.shutdown(wait=True, cancel_futures=True)
         self._pulls.shutdown(wait=True, cancel_futures=True)
         if self.sender is not None:
             self.sender.close()
