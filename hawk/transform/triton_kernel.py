@@ -404,9 +404,10 @@ def _pow2_divisor(values: np.ndarray, cap: int) -> int:
 
 
 class _Table:
-    """A host table and its device copy, uploaded on first use (:func:`~hawk.transform.upload.upload_int64`), and the stream and
-    event of that copy: a launch on another stream waits for the event on the device once (and marks
-    the tensor as used there, so its memory is not reused before that stream's work is done)."""
+    """A host table and its device copy, uploaded on first use (:func:`~hawk.transform.upload.upload_int64`),
+    and the stream and event of that copy: a launch on another stream waits for the event on the device
+    once (and marks the tensor as used there, so its memory is not reused before that stream's work is
+    done)."""
 
     __slots__ = ("host", "device", "_dev", "_stream", "_event", "_seen", "_lock")
 
@@ -627,8 +628,9 @@ class _Launch:
     request's GPU block ids (a :class:`_Table`; the only part that changes with every request).
 
     It holds no cache tensor, so a plan that outlives its caches does not keep them allocated. Device
-    tables are uploaded on first use, each in one copy that does not stall the host (:func:`~hawk.transform.upload.upload_int64`);
-    a launch on another stream than an upload's waits for it on the device (:meth:`order_after_uploads`).
+    tables are uploaded on first use, each in one copy that does not stall the host
+    (:func:`~hawk.transform.upload.upload_int64`); a launch on another stream than an upload's waits for
+    it on the device (:meth:`order_after_uploads`).
     """
 
     layout: _Layout
