@@ -835,10 +835,8 @@ class KVSender:
         t0 = time.perf_counter()
         with self._lock:
             receiver = self._receivers.get(msg.receiver)
-            gone = msg.request_id not in self._prefilled and self._gone.get(msg.request_id)
-            if gone:  # how long before this pull says whose clock ran out: a slow decode's, or a TTL too short
-                gone = f"{gone[0]}, {time.monotonic() - gone[1]:.1f} s before this pull"
-            if receiver is not None and msg.request_id not in self._prefilled and not gone and self.handoff_wait_s > 0:
+            gone = self._why_gone(msg.request_id)
+            if receiver is not None and msg.request_id not in self._prefilled and gone is None and self.handoff_wait_s > 0:
                 self._added.wait_for(lambda: msg.request_id in self._prefilled, timeout=self.handoff_wait_s)
             job = self._prefilled.pop(msg.request_id, None)  # P2: retrieve its KV
             if job is not None and receiver is not None:
@@ -1051,6 +1049,14 @@ class KVSender:
         self._gone.move_to_end(request_id)
         while len(self._gone) > GONE_REMEMBERED:
             self._gone.popitem(last=False)
+
+    def _why_gone(self, request_id: str) -> str | None:
+        """Why a request's KV is no longer held, and how long ago (caller holds the lock): how long before a
+        pull says whose clock ran out, a slow decode's or a TTL too short. None: held, or never known."""
+        if request_id in self._prefilled or request_id not in self._gone:
+            return None
+        why, at = self._gone[request_id]
+        return f"{why}, {time.monotonic() - at:.1f} s before this pull"
 
     def reap(self, now: float | None = None) -> int:
         """Release everything past its deadline; returns how many holds were released."""
