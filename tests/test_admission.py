@@ -298,14 +298,29 @@ def test_close_with_swapped_and_waiting_requests_frees_every_block():
 # ---- back-pressure, not expiry --------------------------------------------------------------
 
 
+# Short enough that the waits below outlive it, long enough that a loaded 2-core CI box (the other
+# xdist worker running vLLM servers) does not delay a keep-alive (sent every TTL/4) past it.
+TTL_S = 2.0
+
+
+def _connected_pair(ttl_s: float) -> Pair:
+    """A gn-hawk pair whose decode has already pulled once: the handshake (seconds on a loaded box)
+    is over, so what follows measures keep-alive, not the first contact."""
+    pr = Pair("gn-hawk", ttl_s=ttl_s)
+    col = pr.submit("hello", _prompt(9, 20), SamplingParams(max_tokens=2, ignore_eos=True))
+    assert col.done.wait(60) and col.info["finish_reason"] == "length", col.info
+    assert pr.blocks_back()
+    return pr
+
+
 def test_a_request_queued_past_the_prefill_ttl_is_still_served():
     """The decode is memory-bound for 3 TTLs; the queued request's KV is kept alive, not expired."""
-    pr = Pair("gn-hawk", ttl_s=1.0)
+    pr = _connected_pair(ttl_s=TTL_S)
     try:
         squatter = pr.blocks.allocate(pr.blocks.num_blocks, "squatter")  # the decode's memory is all taken
         params = SamplingParams(max_tokens=6, ignore_eos=True)
         col = pr.submit("patient", _prompt(4, 50), params)
-        time.sleep(3.0)
+        time.sleep(2.5 * TTL_S)
         assert not col.done.is_set() and pr.engine.stats()["waiting"] == 1
         assert pr.p.accounting()["kv_waiting"] == ["patient"]  # still held by the prefill
         pr.blocks.free(squatter)
@@ -320,11 +335,11 @@ def test_a_request_queued_past_the_prefill_ttl_is_still_served():
 
 def test_an_aborted_queued_request_still_expires_on_the_prefill():
     """Keep-alive lasts only while the decode has the request queued: once aborted, the TTL frees it."""
-    pr = Pair("gn-hawk", ttl_s=1.0)
+    pr = _connected_pair(ttl_s=TTL_S)
     try:
         squatter = pr.blocks.allocate(pr.blocks.num_blocks, "squatter")
         col = pr.submit("gives-up", _prompt(6, 50), SamplingParams(max_tokens=6, ignore_eos=True))
-        time.sleep(2.0)
+        time.sleep(2 * TTL_S)
         assert pr.p.accounting()["kv_waiting"] == ["gives-up"]
         assert pr.engine.abort("gives-up") and col.done.wait(5)
         deadline = time.monotonic() + 5
