@@ -4,6 +4,7 @@ and on the host (the launch: the call until it returns, before any sync).
 
     python benchmarks/mixed_step_probe.py --model llama-3.1-8b --batches 16,48,64,128,256 --context 850 --chunk 512
     python benchmarks/mixed_step_probe.py --batches 48 --chunk 32,64,128,192,256,512   # a step's cost against its chunk
+    python benchmarks/mixed_step_probe.py --mixed-graphs --batches 48 --chunk 128,512 --kernels   # where a chunk's time goes
 
 One JSON line per point: ``{kind, batch, chunk, gpu_ms, host_ms, path}``; kind is ``decode`` (the batch
 alone, as the engine runs it: its decode graph), ``prefill`` (the chunk alone: its prefill graph),
@@ -13,7 +14,9 @@ batch has more than 16 sequences: PIECEWISE, graph pieces with attention between
 ``--mixed-graphs`` GRAPH, the decode rows padded to their bucket in one mixed graph), ``eager``
 (``--eager``: the one-forward step launched eagerly) and ``sum`` (decode + prefill, with the ratios
 mixed / split and mixed / decode: issue 31 wants the TPOT of a step carrying a chunk near the decode
-step). A first ``capture`` line: the piece (or mixed) graphs captured, the seconds and GPU memory it took. The
+step). With ``--kernels``, a ``kernels`` line per point: GPU µs per step by kernel name in the decode
+step and in the mixed step (a profiler trace of 5 of each), the kernels the chunk adds most to first:
+whether a chunk's cost is its GEMMs' extra rows (compute past the weight reads) or the rest. A first ``capture`` line: the piece (or mixed) graphs captured, the seconds and GPU memory it took. The
 pieces run a bucket of tokens (multiples of 128 past 128): 48 rows + 512 tokens run as 640, where the
 engine's steps that carry a chunk fill their token budget (640 by default) and pad nothing.
 """
@@ -123,6 +126,7 @@ def main() -> None:
     ap.add_argument("--mixed-graphs", action="store_true",
                     help="the mixed step past the prefill graphs' sequences as one mixed graph (the engine's default), not graph pieces")
     ap.add_argument("--eager", action="store_true", help="also time the mixed step as one eager forward")
+    ap.add_argument("--kernels", action="store_true", help="also GPU time per kernel name, decode step against mixed step")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--device", default="cuda:0")
     a = ap.parse_args()
@@ -147,10 +151,11 @@ def main() -> None:
                         max_batch=top, graphs=False) if a.eager else None
     for chunk in chunks:
         for b in batches:
-            _point(runner, eager, case, b, chunk, device, a.reps)
+            _point(runner, eager, case, b, chunk, device, a.reps, a.kernels)
 
 
-def _point(runner: ModelRunner, eager: ModelRunner | None, case: StepCase, b: int, chunk: int, device: torch.device, reps: int) -> None:
+def _point(runner: ModelRunner, eager: ModelRunner | None, case: StepCase, b: int, chunk: int, device: torch.device, reps: int,
+           kernels: bool = False) -> None:
     """One JSON line per kind of step at ``b`` decode rows beside a ``chunk``-token prompt, then the sums."""
     path: list[str] = []
     steps = _steps(runner, eager, case.decode(b), case.prefill(chunk), path)
@@ -164,6 +169,15 @@ def _point(runner: ModelRunner, eager: ModelRunner | None, case: StepCase, b: in
     print(json.dumps({"kind": "sum", "batch": b, "chunk": chunk, "gpu_ms": round(parts, 3),
                       "mixed_over_sum": round(rows["mixed"] / parts, 3), "mixed_over_split": round(rows["mixed"] / rows["split"], 3),
                       "mixed_over_decode": round(rows["mixed"] / rows["decode"], 3)}), flush=True)
+    if kernels:
+        from decode_step_probe import kernel_times  # benchmarks/ is sys.path[0] when run as a script
+
+        dec = kernel_times({"step": steps["decode"]}, 5)
+        mix = kernel_times({"step": steps["mixed"]}, 5)
+        added = sorted(set(dec) | set(mix), key=lambda k: dec.get(k, 0.0) - mix.get(k, 0.0))
+        print(json.dumps({"kind": "kernels", "batch": b, "chunk": chunk, "decode_us": round(sum(dec.values()), 1),
+                          "mixed_us": round(sum(mix.values()), 1),
+                          "added_us": {k: [round(dec.get(k, 0.0), 1), round(mix.get(k, 0.0), 1)] for k in added[:14]}}), flush=True)
 
 
 if __name__ == "__main__":

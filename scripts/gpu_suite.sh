@@ -53,6 +53,9 @@
 #     vllm      - issue 30: the fused transform reading vLLM 0.32's GPU layouts (views as vLLM's create_kv_cache_views makes
 #                 them, tests/data/vllm_kv_layouts.json): its GPU tests byte-exact on every KVCacheLayout, then throughput
 #                 from vLLM's default FlashAttention layout (LBNHC) and from HAWK's NHD, each against a same-run copy
+#     rate80    - issue 31: colocated (8B shape, bf16) at one chatbot rate, RATE80_RATE (default 20.4: 80 % of its saturation),
+#                 under several step policies, one server each: RATE80_ARGS="name=hawk serve flags;name=flags;..." ->
+#                 $OUT/rate80_<name>.json (RATE80_REQUESTS per server, default 300)
 # LOGS=DIR keeps the per-step logs out of $OUT (the device tool returns at most 8 files); each step's tail still prints.
 # Wheels missing on the box (nixl, nixl_cu13, pyzmq for cp312) are carried in .whl/ (see docs/gpu.md).
 set -uo pipefail
@@ -276,6 +279,21 @@ if want saturation; then
     "$OUT/saturation_gn-hawk_gpu0_bfp8.json" \
     --device "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), one GPU, both roles on GPU0 (emulated NPU)" \
     --command "bash scripts/gpu_suite.sh saturation" --out "$OUT/saturation_h200.json"
+fi
+if want rate80; then
+  IFS=';' read -ra r80 <<< "${RATE80_ARGS:-default=}"
+  for kv in "${r80[@]}"; do
+    name=${kv%%=*}; args=${kv#*=}
+    # shellcheck disable=SC2086  # the flags split on purpose
+    python3 -m hawk serve --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device cuda:0 --transfer colocated \
+      --port 8100 $args > "$LOGS/serve_rate80_$name.log" 2>&1 &
+    spid=$!
+    for _ in $(seq 1 300); do curl -sf 127.0.0.1:8100/health > /dev/null && break; kill -0 $spid 2> /dev/null || break; sleep 1; done
+    echo "rate80 $name: hawk serve ... $args"
+    step "rate80_$name" 240 python3 -m hawk.bench.serving_cli --url http://127.0.0.1:8100 --workload chatbot \
+      --rates "${RATE80_RATE:-20.4}" --num-requests "${RATE80_REQUESTS:-300}" --warmup 4 --json "$OUT/rate80_$name.json"
+    kill -INT $spid; wait $spid
+  done
 fi
 # Issue 12: the four configurations, prefill GPU0 -> decode GPU1, as fast as they run and with timing emulated
 # (gn-*: the p150a's NPU steps and DRAM copies; all: a 200 Gb/s link); SWEEP_CONFIGS / SWEEP_TIMING pick a subset,
