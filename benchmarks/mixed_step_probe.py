@@ -5,6 +5,7 @@ and on the host (the launch: the call until it returns, before any sync).
     python benchmarks/mixed_step_probe.py --model llama-3.1-8b --batches 16,48,64,128,256 --context 850 --chunk 512
     python benchmarks/mixed_step_probe.py --batches 48 --chunk 32,64,128,192,256,512   # a step's cost against its chunk
     python benchmarks/mixed_step_probe.py --mixed-graphs --batches 48 --chunk 128,512 --kernels   # where a chunk's time goes
+    python benchmarks/mixed_step_probe.py --mixed-graphs --batches 48 --chunk 64,128,144 --step-token-target 192 --kernels
 
 One JSON line per point: ``{kind, batch, chunk, gpu_ms, host_ms, path}``; kind is ``decode`` (the batch
 alone, as the engine runs it: its decode graph), ``prefill`` (the chunk alone: its prefill graph),
@@ -126,6 +127,8 @@ def main() -> None:
     ap.add_argument("--mixed-graphs", action="store_true",
                     help="the mixed step past the prefill graphs' sequences as one mixed graph (the engine's default), not graph pieces")
     ap.add_argument("--eager", action="store_true", help="also time the mixed step as one eager forward")
+    ap.add_argument("--step-token-target", type=int, default=0,
+                    help="a token bucket of its own (hawk serve --step-token-target): e.g. 192, so 48 rows + 128 tokens pad to 192, not 256")
     ap.add_argument("--kernels", action="store_true", help="also GPU time per kernel name, decode step against mixed step")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--device", default="cuda:0")
@@ -137,7 +140,8 @@ def main() -> None:
     case = StepCase.build(a.model, device, torch.bfloat16, top, a.context, most)
     attn = PagedAttention(case.layout, case.caches, max_batch=top + 17, max_model_len=a.context + most + 8)
     runner = ModelRunner(case.loaded.model, attn, max_batch=top, prefill_graph_tokens=a.prefill_graph_tokens or top + most,
-                         prefill_graph_seqs=a.prefill_graph_seqs, piecewise_graphs=True, mixed_graphs=a.mixed_graphs)
+                         prefill_graph_seqs=a.prefill_graph_seqs, piecewise_graphs=True, mixed_graphs=a.mixed_graphs,
+                         extra_token_buckets=(a.step_token_target,) if a.step_token_target else ())
     runner.warmup()
     torch.cuda.synchronize(device)
     alloc, reserved, t0 = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device), time.perf_counter()

@@ -123,6 +123,7 @@ class ServeConfig:
     mixed_steps: bool = opt(True, "colocated: decode tokens and prefill chunks run in one forward under --max-num-batched-tokens (vLLM's chunked-prefill scheduler); --no-mixed-steps runs prefill and decode as separate forwards from two threads", flags=("--mixed-steps/--no-mixed-steps",))
     max_num_batched_tokens: int = opt(640, "colocated mixed steps: most tokens one forward carries, one per running sequence first, prefill chunks in the rest (vLLM's name); must exceed --max-num-seqs. The default keeps a step carrying a chunk within about three decode steps (inter-token latency p99 <= 3x TPOT); larger budgets prefill faster and stretch those steps", min=2)
     mixed_graphs: bool = opt(False, "colocated mixed steps past 16 sequences replay one CUDA graph per (tokens, chunks) bucket, attention inside, instead of graph pieces with attention launched between them: about 1 ms of host time a step instead of 9-12 (8B, H200); off until a saturation run shows it no slower there (docs/throughput.md)", flags=("--mixed-graphs/--no-mixed-graphs",))
+    step_token_target: int = opt(0, "colocated mixed steps: while the waiting prompts fit in a few such steps, a step carries only the prompt tokens this many tokens leave beside its decode rows (a CUDA-graph token bucket of its own; the GEMMs' knee, about 180 tokens for an 8B model on an H200, keeps such a step near a decode step's time); when prompts queue, the whole --max-num-batched-tokens; 0 = always the whole budget", min=0)
     graphs: bool | None = opt(None, "decode CUDA graphs (default: when the device and backend allow)", flags=("--graphs/--no-graphs",))
     prefill_graph_tokens: int = opt(2048, "prefill: iterations of at most this many tokens replay a CUDA graph per (tokens, sequences) bucket, padded to a multiple of 128 tokens (on CUDA, prefill TP 1, unless --no-graphs); 0 = eager prefill", min=0)
     async_scheduling: bool | None = opt(None, "decode: launch each step before the previous step's tokens reach the host, its ids taken on the device, so the host's work between steps overlaps the GPU's (vLLM's async scheduling; default: on a GPU without --decode-tp > 1 or --npu-timing)", flags=("--async-scheduling/--no-async-scheduling",))
@@ -181,6 +182,9 @@ class ServeConfig:
         if self.transfer == "colocated" and self.mixed_steps and self.max_batch is not None and self.max_num_batched_tokens <= self.max_batch:
             raise ConfigError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must exceed --max-num-seqs ({self.max_batch}): "
                               "each running sequence's token comes first, prefill chunks take what is left")
+        if self.step_token_target and self.step_token_target >= self.max_num_batched_tokens:
+            raise ConfigError(f"--step-token-target ({self.step_token_target}) must be below --max-num-batched-tokens "
+                              f"({self.max_num_batched_tokens}): it is the smaller step, taken while the prompts keep up")
         if not CPU_BIND_FORM.fullmatch(self.cpu_bind):
             raise ConfigError(f"--cpu-bind: {self.cpu_bind!r} is not auto, nobind or a core list such as 1-3, 2,3 or 1|2")
         if self.kv_flow == "layerwise" and self.transfer != "colocated":  # colocated moves nothing

@@ -38,11 +38,11 @@ def loaded():
 
 
 def _instance(loaded, mixed: bool = True, kv_tokens: int = 4096, max_batch: int = 8, chunk: int = 2048,
-              overlap: bool = False) -> ColocatedInstance:
+              overlap: bool = False, target: int = 0) -> ColocatedInstance:
     """``overlap``: async scheduling as on a GPU (each step launched before the previous one is
     read; on the CPU the tokens are ready at once, but the schedule is the GPU's)."""
     cfg = InstanceConfig(model="tiny", transfer="colocated", kv_tokens=kv_tokens, gpu_kv_dtype="fp32", mixed_steps=mixed,
-                         max_num_batched_tokens=BUDGET, max_batch=max_batch, max_prefill_chunk=chunk)
+                         max_num_batched_tokens=BUDGET, max_batch=max_batch, max_prefill_chunk=chunk, step_token_target=target)
     inst = ColocatedInstance(cfg, loaded=loaded)
     inst.decode.overlap = overlap
     return inst
@@ -350,3 +350,88 @@ def test_the_budget_must_leave_room_for_prefill(loaded):
     InstanceConfig(transfer="colocated", max_batch=256, max_num_batched_tokens=256, mixed_steps=False).validate()
     with pytest.raises(ValueError, match="must exceed max_batch"):
         DecodeEngine(loaded.model, None, LocalKV(None), max_batch=8, prefill=object(), max_num_batched_tokens=8)
+
+
+# ---- a step token target ----------------------------------------------------------------------
+
+TARGET = 40
+
+
+class _Backlog:
+    """A stepped prefill's backlog, as the decode engine asks for it."""
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens, self.asked = tokens, []
+
+    def backlog_exceeds(self, tokens: int) -> bool:
+        self.asked.append(tokens)
+        return self.tokens > tokens
+
+
+def _budget(engine: DecodeEngine, rows: int, backlog: int) -> int:
+    engine.prefill, engine._running = _Backlog(backlog), [object()] * rows
+    return engine._prefill_budget()
+
+
+def test_a_step_token_target_holds_while_the_prompts_keep_up_and_yields_the_budget_when_they_queue(loaded):
+    """Target 40, budget 96: beside 1 row a step takes 39 prompt tokens while at most 4 such steps wait
+    (156 tokens), the whole 95 past that; with as many rows as the target it takes the whole budget
+    (a target step would carry nothing); no target, always the whole budget."""
+    inst = _instance(loaded, target=TARGET)
+    try:
+        e = inst.decode
+        assert e.step_token_target == TARGET
+        assert _budget(e, 1, 100) == TARGET - 1 and e.prefill.asked == [decode_engine.TARGET_KEEP_UP_STEPS * (TARGET - 1)]
+        assert _budget(e, 1, 156) == TARGET - 1 and _budget(e, 1, 157) == BUDGET - 1
+        assert _budget(e, 30, 10) == TARGET - 30 and _budget(e, TARGET, 10) == BUDGET - TARGET
+        e.step_token_target = 0
+        assert _budget(e, 1, 10) == BUDGET - 1
+    finally:
+        inst.decode.prefill = inst.prefill
+        inst.decode._running = []
+        inst.close()
+    with pytest.raises(ConfigError, match="step-token-target"):
+        InstanceConfig(transfer="colocated", max_num_batched_tokens=96, step_token_target=96).validate()
+
+
+def test_with_a_step_token_target_a_prompt_beside_a_decode_rides_in_target_steps(loaded, monkeypatch):
+    """A 100-token prompt beside one running request (backlog under 4 target steps): every step that
+    carries it holds at most the target, decode row included, and the request's tokens are the ones
+    a whole-budget engine gives."""
+    out = {}
+    for target in (0, TARGET):
+        inst = _instance(loaded, target=target)
+        try:
+            running = _decoding(inst, 60, 3)
+            log = _record(monkeypatch, inst)
+            res = inst.prefill.submit("p", _prompt(100, 7), SamplingParams(max_tokens=1)).result(120)
+            chunks = [s for s in list(log) if any(q > 1 for _, q in s)]
+            out[target] = (running.wait(), res.first_token)
+            assert sum(q for s in chunks for _, q in s[1:]) == 100
+            if target:
+                assert all(sum(q for _, q in s) <= TARGET for s in chunks) and len(chunks) == -(-100 // (TARGET - 1))
+            else:
+                assert len(chunks) == -(-100 // (BUDGET - 1))
+            inst.discard("p")
+            assert blocks_back(inst, 10)
+        finally:
+            inst.close()
+    assert out[0] == out[TARGET]
+
+
+def test_the_prefill_backlog_counts_queued_prompts_and_the_unplanned_rest_of_started_ones(loaded):
+    inst = _instance(loaded)
+    pre = inst.prefill
+    try:
+        with pre._cv:  # as the engine's planner sees it, without a step racing the test
+            started = type("J", (), {"prompt_ids": [1] * 50, "planned": 30})()
+            queued = type("J", (), {"prompt_ids": [1] * 40})()
+            pre._active.append(started)
+            pre._queue.append(queued)
+        assert pre.backlog_exceeds(59) and not pre.backlog_exceeds(60)  # 20 left of the first, 40 of the second
+        with pre._cv:
+            pre._active.remove(started)
+            pre._queue.remove(queued)
+        assert not pre.backlog_exceeds(0)
+    finally:
+        inst.close()

@@ -196,6 +196,8 @@ def test_prefill_buckets() -> None:
     assert prefill_token_buckets(300) == [16, 32, 64, 128, 256, 384]
     assert prefill_token_buckets(40, step=16) == [16, 32, 48]
     assert prefill_seq_buckets(16) == [1, 2, 4, 8, 16] and prefill_seq_buckets(5) == [1, 2, 4, 5]
+    # a mixed step's token target is a bucket of its own; sizes past the largest or not positive are not
+    assert prefill_token_buckets(640, extra=(192, 5000, 0)) == [16, 32, 64, 128, 192, 256, 384, 512, 640]
     with pytest.raises(ValueError):
         prefill_token_buckets(0)
 
@@ -500,6 +502,24 @@ def test_mixed_batches_past_the_prefill_graphs_replay_mixed_graphs_on_the_cpu(ti
     assert torch.allclose(want, got, atol=1e-5)
 
 
+def test_an_extra_token_bucket_takes_the_steps_that_fit_it(tiny: LlamaModel) -> None:
+    """A token target between two buckets (48, between 32 and 64) is a bucket of its own, for mixed
+    graphs and graph pieces alike: the 34-token mixed step pads to 48, not 64, and gives the eager
+    runner's logits and cache."""
+    eager = ModelRunner(tiny, _paged(tiny), max_batch=8, graphs=False)
+    mg = CpuStepRunner(tiny, _paged(tiny), max_batch=8, prefill_graph_tokens=64, prefill_graph_seqs=2, mixed_graphs=True,
+                       piecewise_graphs=True, extra_token_buckets=(48,))
+    assert mg.prefill_tokens == mg.piecewise_tokens == [16, 32, 48, 64]
+    le, _, _, _ = _run_mixed(eager, tiny, hook=False)
+    lm, pm, _, _ = _run_mixed(mg, tiny, hook=False)
+    assert pm == [StepPath.PIECEWISE, StepPath.GRAPH, StepPath.GRAPH, StepPath.EAGER]
+    assert sorted(mg._mixed_graphs) == [(32, 1), (48, 2)] and sorted(mg._piecewise) == [32]
+    for a, b in zip(le, lm):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
+    for a, b in zip(eager.attn.caches, mg.attn.caches):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
 def test_mixed_graph_warmup_writes_nothing_and_its_graphs_replay_after(tiny: LlamaModel) -> None:
     runner = CpuStepRunner(tiny, _paged(tiny), max_batch=8, prefill_graph_tokens=32, prefill_graph_seqs=2, mixed_graphs=True)
     assert runner.warmup_mixed((1, 2)) == [(32, 2), (32, 1), (16, 2), (16, 1)]
@@ -684,11 +704,13 @@ def _tokens_agree_but_near_ties(want: torch.Tensor, got: torch.Tensor, tol: floa
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [48, 256])
+@pytest.mark.parametrize("rows, chunk, extra", [(48, 512, ()), (256, 512, ()), (48, 128, (192,))])
 @pytest.mark.parametrize("mixed", [False, True])
-def test_cuda_piecewise_step_of_decode_rows_beside_a_512_token_chunk(rows: int, dtype: torch.dtype, mixed: bool) -> None:
+def test_cuda_piecewise_step_of_decode_rows_beside_a_prompt_chunk(rows: int, chunk: int, extra: tuple[int, ...], dtype: torch.dtype,
+                                                                  mixed: bool) -> None:
     """Issue 31's step on the 8B layer shapes (two layers): ``rows`` decode rows at contexts of 100-900
-    tokens beside a 512-token prompt chunk, as one forward of piece graphs (``mixed``: one mixed graph,
+    tokens beside a 512-token prompt chunk (or 128 with a 192-token bucket of its own, a step token
+    target: the 176-token step pads to it, not to 256), as one forward of piece graphs (``mixed``: one mixed graph,
     its decode rows padded to their bucket) against the eager forward: the logits within tolerance, the
     same greedy tokens (but near ties), the same K/V written, the decode rows' ids from the device
     (async scheduling)."""
@@ -696,7 +718,7 @@ def test_cuda_piecewise_step_of_decode_rows_beside_a_512_token_chunk(rows: int, 
     model = LlamaModel.from_config(cfg, seed=0, dtype=dtype, device="cuda")
     ctx = [100 + (37 * i) % 800 for i in range(rows)]
     first = list(itertools.accumulate([0] + [-(-(c + 1) // BLOCK) for c in ctx]))
-    chunk_blocks = 512 // BLOCK
+    chunk_blocks = chunk // BLOCK
     lay = GpuKVLayout(cfg.num_layers, first[-1] + chunk_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim,
                       "fp32" if dtype == torch.float32 else "bf16")
     assert lay.order == "NHD"  # caches [2, blocks, BLOCK, Hkv, D]
@@ -704,12 +726,12 @@ def test_cuda_piecewise_step_of_decode_rows_beside_a_512_token_chunk(rows: int, 
     for c in caches:  # the rows' contexts
         c.normal_()
     slices = [SeqSlice(list(range(first[i], first[i + 1])), ctx[i], 1) for i in range(rows)]
-    slices.append(SeqSlice(list(range(first[-1], first[-1] + chunk_blocks)), 0, 512))
+    slices.append(SeqSlice(list(range(first[-1], first[-1] + chunk_blocks)), 0, chunk))
     new_slots = torch.tensor([sl.block_ids[sl.start // BLOCK] * BLOCK + sl.start % BLOCK for sl in slices[:-1]]
                              + list(range(first[-1] * BLOCK, (first[-1] + chunk_blocks) * BLOCK)), device="cuda")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (rows,), generator=g)
-    prompt = torch.randint(0, cfg.vocab_size, (512,), generator=g).tolist()
+    prompt = torch.randint(0, cfg.vocab_size, (chunk,), generator=g).tolist()
 
     def paged() -> PagedAttention:  # both runners over the same cache: each step writes the new K/V before reading them
         return PagedAttention(lay, caches, max_batch=rows + 17, max_model_len=1024)
@@ -719,10 +741,12 @@ def test_cuda_piecewise_step_of_decode_rows_beside_a_512_token_chunk(rows: int, 
 
     eager = ModelRunner(model, paged(), max_batch=rows, graphs=False, max_model_len=1024)
     if mixed:
-        pw = ModelRunner(model, paged(), max_batch=rows, max_model_len=1024, prefill_graph_tokens=rows + 512, mixed_graphs=True)
+        pw = ModelRunner(model, paged(), max_batch=rows, max_model_len=1024, prefill_graph_tokens=rows + chunk, mixed_graphs=True,
+                         extra_token_buckets=extra)
         assert (pw.prefill_tokens[-1], 1) in pw.warmup_mixed()
     else:
-        pw = ModelRunner(model, paged(), max_batch=rows, max_model_len=1024, prefill_graph_tokens=rows + 512, piecewise_graphs=True)
+        pw = ModelRunner(model, paged(), max_batch=rows, max_model_len=1024, prefill_graph_tokens=rows + chunk, piecewise_graphs=True,
+                         extra_token_buckets=extra)
         assert pw.warmup_piecewise() == list(reversed(pw.prefill_tokens))
         assert sum(len(f.pieces) for f in pw._piecewise.values()) == (cfg.num_layers + 1) * len(pw.prefill_tokens)
     want = eager.step([[int(t)] for t in ids] + [prompt], slices).logits.clone()
@@ -731,6 +755,8 @@ def test_cuda_piecewise_step_of_decode_rows_beside_a_512_token_chunk(rows: int, 
         c.flatten(1, 2)[:, new_slots] = float("nan")
     out = pw.step([[0]] * rows + [prompt], slices, ids=ids.to("cuda"))
     assert out.path is (StepPath.GRAPH if mixed else StepPath.PIECEWISE) and out.logits.shape == want.shape
+    if extra:
+        assert next(b for b in pw.prefill_tokens if b >= rows + chunk) == extra[0]  # the bucket the step ran
     tol = 1e-3 if dtype == torch.float32 else 5e-2
     assert torch.allclose(want, out.logits, atol=tol, rtol=tol), (want - out.logits).abs().max()
     assert mixed or (out.greedy is not None and torch.equal(out.greedy, greedy_tokens(out.logits)))

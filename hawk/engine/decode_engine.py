@@ -79,6 +79,9 @@ log = logging.getLogger(__name__)
 #: Most prompts one mixed step carries beside its decode rows (their graphs are bucketed by sequences:
 #: the attention backend of a mixed engine is sized for ``max_batch + MIXED_PREFILL_SEQS + 1`` rows).
 MIXED_PREFILL_SEQS = 16
+#: With a step token target, steps stay at the target while the prompts waiting fit in this many of them:
+#: a prompt then waits a few small steps at most, and a burst of prompts gets the whole budget.
+TARGET_KEEP_UP_STEPS = 4
 
 
 class PrefillSteps(Protocol):
@@ -90,6 +93,8 @@ class PrefillSteps(Protocol):
     def has_work(self) -> bool: ...
 
     def plan_step(self, budget: int, max_pieces: int = ...) -> list[Any]: ...
+
+    def backlog_exceeds(self, tokens: int) -> bool: ...
 
     def complete_step(self, batch: list[Any], logits: torch.Tensor) -> None: ...
 
@@ -311,6 +316,7 @@ class DecodeEngine:
         max_num_batched_tokens: int = 640,
         mixed_graphs: bool = False,
         mixed_graph_tokens: int = 0,
+        step_token_target: int = 0,
         step_threads: StepThreads | None = None,
     ):
         """``graphs``: CUDA-graph decode steps (None = when the backend allows, see ModelRunner);
@@ -329,7 +335,9 @@ class DecodeEngine:
         tokens included; ``mixed_graph_tokens`` > 0: mixed and prefill-only steps of at most that
         many tokens replay CUDA graphs (the runner's prefill graphs, and past MIXED_PREFILL_SEQS
         sequences its graph pieces, or with ``mixed_graphs`` its mixed graphs; ``attn`` must hold
-        ``max_batch + MIXED_PREFILL_SEQS + 1`` rows); ``step_threads``: a CPU engine's OpenMP threads per
+        ``max_batch + MIXED_PREFILL_SEQS + 1`` rows); ``step_token_target`` > 0: while the prompts keep
+        up, a step carries only what this many tokens leave beside its decode rows (a token bucket of
+        its own, see :meth:`_prefill_budget`); ``step_threads``: a CPU engine's OpenMP threads per
         step, more for a step carrying prompt tokens (:mod:`hawk.engine.step_threads`; None: unchanged)."""
         if prefill is not None and max_num_batched_tokens <= max_batch:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must exceed max_batch ({max_batch}): "
@@ -337,11 +345,13 @@ class DecodeEngine:
         self.max_len = min(max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings)
         self.prefill = prefill
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.step_token_target = step_token_target if 0 < step_token_target < max_num_batched_tokens else 0
         # Mixed and prefill-only steps of up to MIXED_PREFILL_SEQS sequences replay a prefill graph;
         # larger mixed batches graph pieces, or with ``mixed_graphs`` a mixed graph (runner.py).
         self.runner = ModelRunner(model, attn, max_batch=max_batch, graphs=graphs, max_model_len=self.max_len,
                                   prefill_graph_tokens=mixed_graph_tokens if prefill is not None else 0, prefill_graph_seqs=MIXED_PREFILL_SEQS,
-                                  mixed_graphs=mixed_graphs, piecewise_graphs=True)
+                                  mixed_graphs=mixed_graphs, piecewise_graphs=True,
+                                  extra_token_buckets=(self.step_token_target,) if self.step_token_target else ())
         self.kv = kv
         self.swapper = swapper if swapper is not None else swapper_for(attn)
         self.eos = set(eos_token_ids)
@@ -704,11 +714,26 @@ class DecodeEngine:
             return False
         return self.kv.blocks.num_free - blocks >= self.watermark_blocks + len(self._running)
 
+    def _prefill_budget(self) -> int:
+        """Prompt tokens this step may carry: the token budget less one per running sequence, or, with
+        a step token target, what the target leaves while the prompts keep up (at most
+        TARGET_KEEP_UP_STEPS such steps of backlog). Why: a decode step reads every weight for few rows,
+        so prompt tokens that keep the step under the GEMMs' knee ride that read almost free, where a
+        step past it pays their compute and stretches every running sequence's token; when prompts
+        queue, the whole budget prefills them in the fewer, efficient steps that saturation needs."""
+        assert self.prefill is not None
+        rows = len(self._running)
+        whole = self.max_num_batched_tokens - rows
+        small = self.step_token_target - rows
+        if self.step_token_target and 0 < small < whole and not self.prefill.backlog_exceeds(TARGET_KEEP_UP_STEPS * small):
+            return small
+        return whole
+
     def _plan_prefill(self) -> list[Any]:
-        """This step's prefill chunks: the token budget less one token per running sequence."""
+        """This step's prefill chunks, within :meth:`_prefill_budget`."""
         assert self.prefill is not None
         try:
-            return self.prefill.plan_step(self.max_num_batched_tokens - len(self._running), MIXED_PREFILL_SEQS)
+            return self.prefill.plan_step(self._prefill_budget(), MIXED_PREFILL_SEQS)
         except Exception:  # noqa: BLE001 - the decode steps on; the prompts stay queued
             log.exception("planning the prefill share of a step failed")
             return []

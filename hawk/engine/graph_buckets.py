@@ -13,15 +13,18 @@ WARMUP_RUNS = 2
 PREFILL_GRAPH_SEQS = 16
 
 
-def prefill_token_buckets(max_tokens: int, step: int = 128) -> list[int]:
+def prefill_token_buckets(max_tokens: int, step: int = 128, extra: tuple[int, ...] = ()) -> list[int]:
     """Token counts a prefill graph is captured for: 16, 32, 64, then multiples of ``step`` (the
     prefill attention's query block) up to ``max_tokens`` rounded up. Padding costs under ``step``
-    tokens, a few percent of a compute-bound forward that long."""
+    tokens, a few percent of a compute-bound forward that long. ``extra``: more sizes below the
+    largest (a mixed step's token target: a step that fills it pads nothing, and padding a
+    memory-bound step past the GEMMs' knee is what makes a small chunk expensive)."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
     top = -(-max_tokens // step) * step
     sizes = [b for b in (16, 32, 64) if b < step] + list(range(step, top + 1, step))
-    return sizes[: next(i for i, b in enumerate(sizes) if b >= max_tokens) + 1]
+    sizes = sizes[: next(i for i, b in enumerate(sizes) if b >= max_tokens) + 1]
+    return sorted(set(sizes) | {b for b in extra if 0 < b < sizes[-1]})
 
 
 def prefill_seq_buckets(max_seqs: int) -> list[int]:

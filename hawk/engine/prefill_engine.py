@@ -294,6 +294,21 @@ class PrefillEngine:
             batch = self._take_batch(budget, max_pieces)
         return self._runnable(batch)
 
+    def backlog_exceeds(self, tokens: int) -> bool:
+        """Whether more than ``tokens`` prompt tokens wait to be planned (queued prompts and the rest of
+        part-prefilled ones). Stops counting once past ``tokens``: a stepping engine asks every step."""
+        with self._cv:
+            left = tokens
+            for j in self._active:
+                left -= len(j.prompt_ids) - j.planned
+                if left < 0:
+                    return True
+            for j in self._queue:
+                left -= len(j.prompt_ids)
+                if left < 0:
+                    return True
+        return False
+
     def complete_step(self, batch: list[_Piece], logits: torch.Tensor, ready: torch.cuda.Event | None = None) -> None:
         """The forward of ``batch`` ran; ``logits[i]`` is piece i's last-token logits (the caller's
         to keep until this returns). Prompts it completed get their first token and hand off.

@@ -152,6 +152,7 @@ class ModelRunner:
         prefill_graph_seqs: int = PREFILL_GRAPH_SEQS,
         piecewise_graphs: bool = False,
         mixed_graphs: bool = False,
+        extra_token_buckets: tuple[int, ...] = (),
     ) -> None:
         """``graphs``: None = use CUDA graphs when possible, False = never, True = required
         (raises :class:`GraphsUnavailable` otherwise); decode steps. ``max_model_len`` (default: the
@@ -164,7 +165,8 @@ class ModelRunner:
         (tokens, chunk sequences) bucket where the backend pads them (``begin(..., pad_decode=)``;
         captured on first use or by :meth:`warmup_mixed`). ``piecewise_graphs``: the other such batches
         run as graph pieces per token bucket (captured on first use or by :meth:`warmup_piecewise`) rather
-        than eagerly."""
+        than eagerly. ``extra_token_buckets``: token buckets besides the default ones (a mixed step's
+        token target, so steps that fill it pad nothing)."""
         self.model, self.attn = model.fuse_projections(), attn
         self.device = model.device
         self.max_batch = max_batch
@@ -185,7 +187,7 @@ class ModelRunner:
         if self.use_graphs:
             self._io = torch.zeros(2 * self.buckets[-1], dtype=torch.int64, device=self.device)
             self._io_stage = HostStaging([self._io])
-        self.prefill_tokens = prefill_token_buckets(prefill_graph_tokens) if prefill_graph_tokens > 0 else []
+        self.prefill_tokens = prefill_token_buckets(prefill_graph_tokens, extra=extra_token_buckets) if prefill_graph_tokens > 0 else []
         self.prefill_seqs = prefill_seq_buckets(prefill_graph_seqs) if self.prefill_tokens else []
         params = inspect.signature(attn.begin).parameters
         if self.prefill_tokens and (why_not or "pad_tokens" not in params):
