@@ -39,7 +39,9 @@
 #                 and gn-hawk with both roles on GPU0 (transport auto), each beside its same-run bound; then
 #                 `python -m hawk.bench.saturation summarize` -> $OUT/saturation_h200.json (SAT_START rate, SAT_DURATION s or
 #                 SAT_REQUESTS per rate, SAT_CONFIGS: one server per call at 30 s a rate, colocated, gn-hawk_gpu0 or
-#                 colocated-mixed-graphs, gn-hawk_gpu0_bfp8; SAT_SERVE_ARGS: more hawk serve flags, e.g. "--api-server-count 4")
+#                 colocated-mixed-graphs, gn-hawk_gpu0_bfp8; SAT_SERVE_ARGS: more hawk serve flags, e.g. "--api-server-count 4";
+#                 SAT_BOUND_BATCH: the bound's decode batch, 256 by default: at most the server's --max-num-seqs, or its probe
+#                 never sees the whole batch decoding and the call fails after minutes)
 #     steps     - the engine's step paths on CUDA: the runner's graphs (decode, prefill, graph pieces for a mixed batch
 #                 past 16 sequences, e.g. 48 and 256 decode rows beside a 512-token chunk on the 8B layer shapes), async
 #                 scheduling and overlapped mixed steps against the synchronous loop (pytest -m gpu)
@@ -269,9 +271,9 @@ sat_bench() {  # sat_bench NAME TRANSFER DECODE_DEVICE BOUND_BATCH [hawk serve a
 if want saturation; then
   for c in ${SAT_CONFIGS:-colocated gn-hawk_gpu0}; do
     case $c in
-      colocated) sat_bench colocated colocated cuda:0 256 ;;
+      colocated) sat_bench colocated colocated cuda:0 "${SAT_BOUND_BATCH:-256}" ;;
       gn-hawk_gpu0) sat_bench gn-hawk_gpu0 gn-hawk npu-emu:cuda:0 0 --transport auto ;;  # no bound: measured against colocated
-      colocated-mixed-graphs) sat_bench colocated-mixed-graphs colocated cuda:0 256 --mixed-graphs ;;  # against colocated's pieces
+      colocated-mixed-graphs) sat_bench colocated-mixed-graphs colocated cuda:0 "${SAT_BOUND_BATCH:-256}" --mixed-graphs ;;  # against colocated's pieces
       gn-hawk_gpu0_bfp8) sat_bench gn-hawk_gpu0_bfp8 gn-hawk npu-emu:cuda:0 0 --transport auto --kv-dtype bfp8_b ;;  # the NPU's KV in bfloat8_b
     esac
   done
