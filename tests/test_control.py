@@ -470,3 +470,68 @@ def test_inline_types_are_served_by_the_listener():
         for c in (client, stranger):
             c.close()
         server.close()
+
+
+_DIES_ON_REQUEST = """
+import os, sys
+from hawk.connector.control import ControlServer
+def handler(msg, peer):
+    os._exit(3)  # the process dies with the request in hand: no reply, ever
+server = ControlServer(handler)
+print(server.address, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_peer_that_dies_while_a_call_waits_fails_the_call_at_once_not_at_its_timeout():
+    """A prefill process killed while a decode waits for its answer: the call ends when the
+    connection drops (the socket's monitor), not 30 s later; the client then serves a new peer at
+    the same address, whose earlier disconnect is not held against the next call."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _DIES_ON_REQUEST], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        address = proc.stdout.readline().strip()
+        assert address.startswith("tcp://"), address
+        client = ControlClient(address)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(PeerUnreachable, match="connection .* was lost"):
+                client.call(Done("doomed", True), 30)
+            assert time.monotonic() - t0 < 10 and proc.wait(10) == 3
+            port = int(address.rsplit(":", 1)[1])
+            server = ControlServer(_echo, port=port)  # a restarted peer on the same address
+            try:
+                assert client.call(Done("after", True), 10) == Ack("after")
+                assert client.call(Done("again", True), 10) == Ack("again")
+            finally:
+                server.close()
+        finally:
+            client.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_server_that_closes_while_a_deferred_reply_is_pending_fails_the_call_at_once():
+    held: list[Deferred] = []
+
+    def handler(msg: Any, peer: bytes) -> Any:
+        held.append(Deferred())
+        return held[-1]
+
+    server = ControlServer(handler)
+    client = ControlClient(server.address)
+    try:
+        pending = client.start(Done("waits", True))
+        deadline = time.monotonic() + 5
+        while not held and time.monotonic() < deadline:
+            time.sleep(0.005)
+        server.close()
+        t0 = time.monotonic()
+        with pytest.raises(PeerUnreachable, match="lost"):
+            pending.result(30)
+        assert time.monotonic() - t0 < 10
+    finally:
+        client.close()

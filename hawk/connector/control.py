@@ -41,6 +41,7 @@ from collections.abc import Callable, Collection
 
 import msgpack
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from hawk.connector.messages import AuthError, Error, Message, ProtocolError, decode, encode, sign, verify
 
@@ -56,6 +57,7 @@ _FLUSH_MS = 100  # how long a closed client's socket may still flush fire-and-fo
 #: multipart messages each way (D1, D2, D9).
 _NB, _MORE_NB = int(zmq.NOBLOCK), int(zmq.SNDMORE | zmq.NOBLOCK)
 _RCVMORE, _EVENTS, _POLLIN = int(zmq.RCVMORE), int(zmq.EVENTS), int(zmq.POLLIN)
+_DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
 
 
 def _send_frames(sock: zmq.Socket, frames: list[bytes]) -> None:
@@ -321,7 +323,13 @@ class ControlServer:
 
 class ControlClient:
     """Calls a :class:`ControlServer`; safe to use from many threads at once (each call waits on a
-    socket of its own, so concurrent callers do not wait for each other)."""
+    socket of its own, so concurrent callers do not wait for each other).
+
+    A call whose connection drops while it waits (the peer's process died or closed its server) ends
+    at once with :class:`PeerUnreachable`, not at its timeout: each socket has a ZeroMQ monitor, and
+    a disconnect it reports after the request went out fails the call. Earlier disconnects (a peer
+    restarted on the same address since the socket's last call) do not: the socket reconnects and
+    the request goes to whoever serves there now."""
 
     def __init__(self, address: str, secret: str | bytes | None = None):
         self.address = address
@@ -330,6 +338,7 @@ class ControlClient:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # guards _free, _closed, _opened
         self._free: list[zmq.Socket] = []  # connected sockets no call owns
+        self._monitors: dict[zmq.Socket, zmq.Socket] = {}  # each socket's disconnect monitor
         self._opened = 0
         self._closed = False
         self._wake_r, self._wake_w = _pipe()  # readable once closed: wakes every waiting call
@@ -339,10 +348,27 @@ class ControlClient:
     def _open(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        monitor = sock.get_monitor_socket(_DISCONNECTED)
         sock.connect(self.address)
         with self._lock:
             self._opened += 1
+            self._monitors[sock] = monitor
         return sock
+
+    def _close_socket(self, sock: zmq.Socket, linger_ms: int) -> None:
+        with self._lock:
+            monitor = self._monitors.pop(sock, None)
+        sock.close(linger=linger_ms)
+        if monitor is not None:
+            monitor.close(linger=0)
+
+    def _disconnected(self, sock: zmq.Socket) -> bool:
+        """Whether ``sock``'s monitor reported a disconnect since it was last asked (events consumed)."""
+        monitor = self._monitors.get(sock)
+        lost = False
+        while monitor is not None and monitor.getsockopt(_EVENTS) & _POLLIN:
+            lost = lost or parse_monitor_message(monitor.recv_multipart(_NB))["event"] == _DISCONNECTED
+        return lost
 
     def _take(self) -> zmq.Socket:
         with self._lock:
@@ -357,7 +383,7 @@ class ControlClient:
             if not self._closed:
                 self._free.append(sock)
                 return
-        sock.close(linger=_FLUSH_MS)
+        self._close_socket(sock, _FLUSH_MS)
 
     def call(self, msg: Message, timeout_s: float) -> Message:
         """Send ``msg`` and wait for its reply; :class:`PeerUnreachable` after ``timeout_s``."""
@@ -370,6 +396,7 @@ class ControlClient:
         payload = encode(msg)
         frames = [corr, sign(self._key, corr, payload), payload]
         sock = self._take()
+        self._disconnected(sock)  # a disconnect before this request is not this call's
         try:
             _send_frames(sock, frames)
         except zmq.ZMQError as e:  # Again: the queue to the peer is full, it has not been reading
@@ -380,7 +407,8 @@ class ControlClient:
     def _wait(self, sock: zmq.Socket, msg: Message, corr: bytes, timeout_s: float) -> tuple[bytes, bytes]:
         """Read ``sock`` until the reply to ``corr`` comes (others are stale: dropped)."""
         deadline = time.monotonic() + timeout_s
-        items = [(sock, zmq.POLLIN), (self._wake_r, zmq.POLLIN)]
+        monitor = self._monitors.get(sock)
+        items = [(sock, zmq.POLLIN), (self._wake_r, zmq.POLLIN)] + ([(monitor, zmq.POLLIN)] if monitor is not None else [])
         while True:
             if self._closed:
                 raise PeerUnreachable(f"control client for {self.address} closed while waiting for the reply to {msg.TYPE}")
@@ -404,6 +432,9 @@ class ControlClient:
                         log.warning("dropped a control reply from %s with a bad tag", self.address)
                         continue
                 return tag, payload
+            if self._disconnected(sock):  # after reading: a reply sent just before the peer went is kept
+                raise PeerUnreachable(f"the connection to {self.address} was lost while waiting for the reply to {msg.TYPE} "
+                                      "(the peer closed or died)")
 
     def _decode(self, tag: bytes, payload: bytes) -> Message:
         reply = decode(payload)
@@ -435,7 +466,7 @@ class ControlClient:
             self._closed = True
             free, self._free = self._free, []
         for sock in free:
-            sock.close(linger=_FLUSH_MS)
+            self._close_socket(sock, _FLUSH_MS)
         _signal(self._wake_w)
 
 
