@@ -535,3 +535,65 @@ def test_a_server_that_closes_while_a_deferred_reply_is_pending_fails_the_call_a
         assert time.monotonic() - t0 < 10
     finally:
         client.close()
+
+
+_MANY_WAITING = """
+import resource, sys, threading
+from hawk.serve.common import raise_open_file_limit
+from hawk.connector.control import ControlClient, ControlServer, Deferred
+from hawk.connector.messages import Ack, Done
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))  # a common default, raised as an engine does
+print("limit", raise_open_file_limit(), flush=True)
+N = int(sys.argv[1])
+held, lock = [], threading.Lock()
+def handler(msg, peer):
+    d = Deferred()
+    with lock:
+        held.append(d)
+    return d
+server = ControlServer(handler)
+client = ControlClient(server.address)
+calls = [client.start(Done(f"r{i}", True)) for i in range(N)]
+while True:
+    with lock:
+        if len(held) == N:
+            break
+for i, d in enumerate(held):
+    d.resolve(Ack("ok"))
+assert all(c.result(60) == Ack("ok") for c in calls)
+print("ok", client._opened, flush=True)
+client.close(); server.close()
+"""
+
+
+def test_hundreds_of_calls_wait_at_once_in_an_engine_process():
+    """A layer-wise decode keeps one call waiting per admitted request: 400 at once on one client
+    (each a socket and its monitor's two, and a connection on the server) fit the process's ZeroMQ
+    context and its open files once raised as an engine process raises them."""
+    import resource
+    import subprocess
+    import sys
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 8192:
+        pytest.skip(f"the hard open-file limit ({hard}) is too low to raise")
+    out = subprocess.run([sys.executable, "-c", _MANY_WAITING, "400"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.split()
+    assert int(lines[1]) >= 8192 and lines[2] == "ok" and int(lines[3]) == 400
+
+
+def test_an_engine_process_raises_its_open_file_limit_and_never_lowers_it():
+    import resource
+    import subprocess
+    import sys
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    script = ("import resource; from hawk.serve.common import raise_open_file_limit as r; s, h = resource.getrlimit(resource.RLIMIT_NOFILE); "
+              "resource.setrlimit(resource.RLIMIT_NOFILE, (256, h)); print(r(), r(128), resource.getrlimit(resource.RLIMIT_NOFILE)[0])")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    raised, again, now = (int(x) for x in out.stdout.split())
+    want = 65536 if hard == resource.RLIM_INFINITY else min(65536, hard)
+    assert raised == again == now == max(256, want)

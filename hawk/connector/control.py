@@ -58,6 +58,18 @@ _FLUSH_MS = 100  # how long a closed client's socket may still flush fire-and-fo
 _NB, _MORE_NB = int(zmq.NOBLOCK), int(zmq.SNDMORE | zmq.NOBLOCK)
 _RCVMORE, _EVENTS, _POLLIN = int(zmq.RCVMORE), int(zmq.EVENTS), int(zmq.POLLIN)
 _DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
+#: Sockets the process's ZeroMQ context may hold (libzmq's default is 1023): a waiting call holds a
+#: DEALER and its monitor's two PAIR sockets, and a layer-wise decode has one call waiting per request.
+MAX_SOCKETS = 65536
+
+
+def _context() -> zmq.Context:
+    """The process's shared context, allowed MAX_SOCKETS sockets (libzmq reads the limit when the
+    context starts, at its first socket: the control channel's are usually the first)."""
+    ctx = zmq.Context.instance()
+    if ctx.get(zmq.MAX_SOCKETS) < MAX_SOCKETS:
+        ctx.set(zmq.MAX_SOCKETS, MAX_SOCKETS)
+    return ctx
 
 
 def _send_frames(sock: zmq.Socket, frames: list[bytes]) -> None:
@@ -185,7 +197,7 @@ class ControlServer:
         self._handler = handler
         self._key = _secret(secret)
         self._inline = frozenset(inline)
-        self._ctx = zmq.Context.instance()
+        self._ctx = _context()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
@@ -334,7 +346,7 @@ class ControlClient:
     def __init__(self, address: str, secret: str | bytes | None = None):
         self.address = address
         self._key = _secret(secret)
-        self._ctx = zmq.Context.instance()
+        self._ctx = _context()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # guards _free, _closed, _opened
         self._free: list[zmq.Socket] = []  # connected sockets no call owns

@@ -62,6 +62,27 @@ def engine_alive(engine: Any) -> bool:
 # ============================================================================ child processes
 
 
+#: Open files an engine process asks for (vLLM and SGLang raise theirs likewise): each KV control
+#: call waiting on a peer holds sockets, and a layer-wise decode has one waiting per request.
+OPEN_FILE_TARGET = 65536
+
+
+def raise_open_file_limit(target: int = OPEN_FILE_TARGET) -> int:
+    """Raise this process's soft limit on open files to ``target`` (at most the hard limit); returns
+    the soft limit now. Never lowers it; a refusal is logged, not raised."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as e:
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, want, e)
+    return soft
+
+
 def watch_parent(parent_pid: int) -> None:
     """SIGTERM this process (its server stops gracefully) once its launcher ``parent_pid`` is gone:
     a launcher killed without stopping its children must not leave them serving."""

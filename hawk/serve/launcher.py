@@ -58,6 +58,7 @@ from hawk.serve.common import (
     cluster_secret_from_env,
     engine_alive,
     is_loopback,
+    raise_open_file_limit,
     serve_foreground,
     set_torch_threads,
     stop_processes,
@@ -300,6 +301,7 @@ def run_instance(
     channel, which reads it from the environment: it is put there for that. ``cores``: this
     process's binding as the launcher planned it (one engine group); None plans it here from
     ``--cpu-bind`` (a role run on its own)."""
+    raise_open_file_limit()
     plan = cores if cores is not None else instance_cores(role, cfg)
     threads = cfg.threads if cfg.threads is not None or plan is None else default_threads(plan, 1)
     cfg = dataclasses.replace(cfg, threads=threads, prompt_threads=cfg.prompt_threads if role == "colocated" else None)
