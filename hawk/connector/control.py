@@ -61,6 +61,7 @@ _DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
 #: Sockets the process's ZeroMQ context may hold (libzmq's default is 1023): a waiting call holds a
 #: DEALER and its monitor's two PAIR sockets, and a layer-wise decode has one call waiting per request.
 MAX_SOCKETS = 65536
+_MONITOR_IDS = itertools.count()
 
 
 def _context() -> zmq.Context:
@@ -360,7 +361,9 @@ class ControlClient:
     def _open(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        monitor = sock.get_monitor_socket(_DISCONNECTED)
+        # a name of its own: pyzmq's default names it by the socket's fd, which a closed socket's monitor
+        # may still hold (sockets close in libzmq's reaper thread) when a new socket gets that fd
+        monitor = sock.get_monitor_socket(_DISCONNECTED, addr=f"inproc://hawk-ctl-monitor-{next(_MONITOR_IDS)}")
         sock.connect(self.address)
         with self._lock:
             self._opened += 1
