@@ -314,7 +314,7 @@ def _connected_pair(ttl_s: float) -> Pair:
 
 
 def test_a_request_queued_past_the_prefill_ttl_is_still_served():
-    """The decode is memory-bound for 3 TTLs; the queued request's KV is kept alive, not expired."""
+    """The decode is memory-bound for 2.5 TTLs; the queued request's KV is kept alive, not expired."""
     pr = _connected_pair(ttl_s=TTL_S)
     try:
         squatter = pr.blocks.allocate(pr.blocks.num_blocks, "squatter")  # the decode's memory is all taken
