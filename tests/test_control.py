@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import zmq
 
-from hawk.connector.control import ControlClient, ControlServer, Deferred, PeerUnreachable
+from hawk.connector.control import RECONNECT_GRACE_S, ControlClient, ControlServer, Deferred, PeerUnreachable
 from hawk.connector.messages import Ack, AuthError, Done, Error, KeepAlive, decode, encode, sign
 
 
@@ -485,8 +485,9 @@ sys.stdin.read()
 
 def test_a_peer_that_dies_while_a_call_waits_fails_the_call_at_once_not_at_its_timeout():
     """A prefill process killed while a decode waits for its answer: the call ends when the
-    connection drops (the socket's monitor), not 30 s later; the client then serves a new peer at
-    the same address, whose earlier disconnect is not held against the next call."""
+    connection drops (the socket's monitor), not 30 s later; a call made while nobody listens
+    there fails once the reconnect grace is over, not at its timeout; and a new peer at the same
+    address is served, the earlier disconnect not held against it."""
     import subprocess
     import sys
 
@@ -500,6 +501,10 @@ def test_a_peer_that_dies_while_a_call_waits_fails_the_call_at_once_not_at_its_t
             with pytest.raises(PeerUnreachable, match="connection .* was lost"):
                 client.call(Done("doomed", True), 30)
             assert time.monotonic() - t0 < 10 and proc.wait(10) == 3
+            t0 = time.monotonic()
+            with pytest.raises(PeerUnreachable, match="did not come back"):
+                client.call(Done("while-down", True), 30)
+            assert time.monotonic() - t0 < RECONNECT_GRACE_S + 5
             port = int(address.rsplit(":", 1)[1])
             server = ControlServer(_echo, port=port)  # a restarted peer on the same address
             try:

@@ -57,7 +57,10 @@ _FLUSH_MS = 100  # how long a closed client's socket may still flush fire-and-fo
 #: multipart messages each way (D1, D2, D9).
 _NB, _MORE_NB = int(zmq.NOBLOCK), int(zmq.SNDMORE | zmq.NOBLOCK)
 _RCVMORE, _EVENTS, _POLLIN = int(zmq.RCVMORE), int(zmq.EVENTS), int(zmq.POLLIN)
-_DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
+_DISCONNECTED, _CONNECTED = int(zmq.EVENT_DISCONNECTED), int(zmq.EVENT_CONNECTED)
+#: How long a call on a socket whose connection dropped before it waits for the reconnect (libzmq
+#: retries every 100 ms) before it fails: a peer listening there again is back well within it.
+RECONNECT_GRACE_S = 2.0
 #: Sockets the process's ZeroMQ context may hold (libzmq's default is 1023): a waiting call holds a
 #: DEALER and its monitor's two PAIR sockets, and a layer-wise decode has one call waiting per request.
 MAX_SOCKETS = 65536
@@ -340,9 +343,9 @@ class ControlClient:
 
     A call whose connection drops while it waits (the peer's process died or closed its server) ends
     at once with :class:`PeerUnreachable`, not at its timeout: each socket has a ZeroMQ monitor, and
-    a disconnect it reports after the request went out fails the call. Earlier disconnects (a peer
-    restarted on the same address since the socket's last call) do not: the socket reconnects and
-    the request goes to whoever serves there now."""
+    a disconnect it reports after the request went out fails the call. A call that takes a socket
+    whose connection dropped earlier waits up to RECONNECT_GRACE_S for it to come back (a peer
+    restarted on the same address) and otherwise fails then: nobody listens there."""
 
     def __init__(self, address: str, secret: str | bytes | None = None):
         self.address = address
@@ -351,7 +354,8 @@ class ControlClient:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # guards _free, _closed, _opened
         self._free: list[zmq.Socket] = []  # connected sockets no call owns
-        self._monitors: dict[zmq.Socket, zmq.Socket] = {}  # each socket's disconnect monitor
+        self._monitors: dict[zmq.Socket, zmq.Socket] = {}  # each socket's connection monitor
+        self._down: set[zmq.Socket] = set()  # sockets whose connection dropped and has not come back
         self._opened = 0
         self._closed = False
         self._wake_r, self._wake_w = _pipe()  # readable once closed: wakes every waiting call
@@ -363,7 +367,7 @@ class ControlClient:
         sock.setsockopt(zmq.LINGER, 0)
         # a name of its own: pyzmq's default names it by the socket's fd, which a closed socket's monitor
         # may still hold (sockets close in libzmq's reaper thread) when a new socket gets that fd
-        monitor = sock.get_monitor_socket(_DISCONNECTED, addr=f"inproc://hawk-ctl-monitor-{next(_MONITOR_IDS)}")
+        monitor = sock.get_monitor_socket(_DISCONNECTED | _CONNECTED, addr=f"inproc://hawk-ctl-monitor-{next(_MONITOR_IDS)}")
         sock.connect(self.address)
         with self._lock:
             self._opened += 1
@@ -373,17 +377,40 @@ class ControlClient:
     def _close_socket(self, sock: zmq.Socket, linger_ms: int) -> None:
         with self._lock:
             monitor = self._monitors.pop(sock, None)
+            self._down.discard(sock)
         sock.close(linger=linger_ms)
         if monitor is not None:
             monitor.close(linger=0)
 
     def _disconnected(self, sock: zmq.Socket) -> bool:
-        """Whether ``sock``'s monitor reported a disconnect since it was last asked (events consumed)."""
+        """Whether ``sock``'s monitor reported a disconnect since it was last asked (its events are
+        consumed here, and ``_down`` follows them)."""
         monitor = self._monitors.get(sock)
         lost = False
         while monitor is not None and monitor.getsockopt(_EVENTS) & _POLLIN:
-            lost = lost or parse_monitor_message(monitor.recv_multipart(_NB))["event"] == _DISCONNECTED
+            event = parse_monitor_message(monitor.recv_multipart(_NB))["event"]
+            if event == _DISCONNECTED:
+                lost = True
+                self._down.add(sock)
+            elif event == _CONNECTED:
+                self._down.discard(sock)
         return lost
+
+    def _ensure_up(self, sock: zmq.Socket, msg: Message) -> None:
+        """Before a request goes out on ``sock``: a connection that dropped earlier gets
+        RECONNECT_GRACE_S to come back, else :class:`PeerUnreachable` (the socket goes back)."""
+        self._disconnected(sock)
+        if sock not in self._down:
+            return
+        monitor = self._monitors[sock]
+        deadline = time.monotonic() + RECONNECT_GRACE_S
+        while sock in self._down and (left := deadline - time.monotonic()) > 0:
+            if monitor.poll(max(1, math.ceil(left * 1000))):
+                self._disconnected(sock)
+        if sock in self._down:
+            self._give(sock)
+            raise PeerUnreachable(f"{msg.TYPE} to {self.address} not sent: the connection dropped and did not come back "
+                                  f"within {RECONNECT_GRACE_S:.3g} s (the peer is down)")
 
     def _take(self) -> zmq.Socket:
         with self._lock:
@@ -411,7 +438,7 @@ class ControlClient:
         payload = encode(msg)
         frames = [corr, sign(self._key, corr, payload), payload]
         sock = self._take()
-        self._disconnected(sock)  # a disconnect before this request is not this call's
+        self._ensure_up(sock, msg)  # a disconnect before this request is not this call's, unless it lasts
         try:
             _send_frames(sock, frames)
         except zmq.ZMQError as e:  # Again: the queue to the peer is full, it has not been reading
