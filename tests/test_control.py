@@ -602,3 +602,41 @@ def test_an_engine_process_raises_its_open_file_limit_and_never_lowers_it():
     raised, again, now = (int(x) for x in out.stdout.split())
     want = 65536 if hard == resource.RLIM_INFINITY else min(65536, hard)
     assert raised == again == now == max(256, want)
+
+
+_FLAPPING_PEER = """
+import os, socket, threading, time, zmq
+from hawk.connector.control import ControlClient, ControlServer
+from hawk.connector.messages import Ack, Done
+lsn = socket.socket(); lsn.bind(("127.0.0.1", 0)); lsn.listen(64)  # accepts, then drops, every connection
+def flap():
+    while True:
+        c, _ = lsn.accept(); c.close()
+threading.Thread(target=flap, daemon=True).start()
+client = ControlClient("tcp://127.0.0.1:1")  # its monitors are the ones under test
+d = zmq.Context.instance().socket(zmq.DEALER)
+d.setsockopt(zmq.RECONNECT_IVL, 1); d.setsockopt(zmq.RECONNECT_IVL_MAX, 1)
+monitor = client._monitor(d)  # as an idle pooled socket's: nobody reads it
+d.connect(f"tcp://127.0.0.1:{lsn.getsockname()[1]}")
+time.sleep(4)  # hundreds of connects and drops a second, none of their events read
+server = ControlServer(lambda m, p: Ack(m.request_id)); other = ControlClient(server.address)
+print(other.call(Done("still-served", True), 5) == Ack("still-served"), flush=True)
+events = 0
+while monitor.poll(0):
+    monitor.recv_multipart(); events += 1
+print(events, flush=True)
+os._exit(0)
+"""
+
+
+def test_events_nobody_reads_never_stall_the_context():
+    """libzmq's I/O thread sends monitor events blocking: a monitor queue that fills (an idle socket
+    whose peer drops every connection) would stall every socket of the process. The control channel's
+    monitors queue without limit; after thousands of unread events another call is still served."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FLAPPING_PEER], capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stderr[-2000:]
+    served, events = out.stdout.split()
+    assert served == "True" and int(events) > 2000, out.stdout  # more than a default queue (1000 messages) holds

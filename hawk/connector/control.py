@@ -365,14 +365,25 @@ class ControlClient:
     def _open(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        # a name of its own: pyzmq's default names it by the socket's fd, which a closed socket's monitor
-        # may still hold (sockets close in libzmq's reaper thread) when a new socket gets that fd
-        monitor = sock.get_monitor_socket(_DISCONNECTED | _CONNECTED, addr=f"inproc://hawk-ctl-monitor-{next(_MONITOR_IDS)}")
+        monitor = self._monitor(sock)
         sock.connect(self.address)
         with self._lock:
             self._opened += 1
             self._monitors[sock] = monitor
         return sock
+
+    def _monitor(self, sock: zmq.Socket) -> zmq.Socket:
+        """A PAIR socket receiving ``sock``'s connects and disconnects. Its queue has no limit: libzmq's
+        I/O thread sends events blocking, so events nobody reads (an idle socket) must never fill it
+        (a peer that drops every connection would otherwise stall the whole context). The name is its
+        own: pyzmq's default, by fd, may still be bound by a closing socket's monitor."""
+        addr = f"inproc://hawk-ctl-monitor-{next(_MONITOR_IDS)}"
+        sock.monitor(addr, _DISCONNECTED | _CONNECTED)
+        monitor = self._ctx.socket(zmq.PAIR)
+        monitor.setsockopt(zmq.RCVHWM, 0)
+        monitor.setsockopt(zmq.LINGER, 0)
+        monitor.connect(addr)
+        return monitor
 
     def _close_socket(self, sock: zmq.Socket, linger_ms: int) -> None:
         with self._lock:
