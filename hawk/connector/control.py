@@ -41,7 +41,6 @@ from collections.abc import Callable, Collection
 
 import msgpack
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from hawk.connector.messages import AuthError, Error, Message, ProtocolError, decode, encode, sign, verify
 
@@ -57,23 +56,6 @@ _FLUSH_MS = 100  # how long a closed client's socket may still flush fire-and-fo
 #: multipart messages each way (D1, D2, D9).
 _NB, _MORE_NB = int(zmq.NOBLOCK), int(zmq.SNDMORE | zmq.NOBLOCK)
 _RCVMORE, _EVENTS, _POLLIN = int(zmq.RCVMORE), int(zmq.EVENTS), int(zmq.POLLIN)
-_DISCONNECTED, _CONNECTED = int(zmq.EVENT_DISCONNECTED), int(zmq.EVENT_CONNECTED)
-#: How long a call on a socket whose connection dropped before it waits for the reconnect (libzmq
-#: retries every 100 ms) before it fails: a peer listening there again is back well within it.
-RECONNECT_GRACE_S = 2.0
-#: Sockets the process's ZeroMQ context may hold (libzmq's default is 1023): a waiting call holds a
-#: DEALER and its monitor's two PAIR sockets, and a layer-wise decode has one call waiting per request.
-MAX_SOCKETS = 65536
-_MONITOR_IDS = itertools.count()
-
-
-def _context() -> zmq.Context:
-    """The process's shared context, allowed MAX_SOCKETS sockets (libzmq reads the limit when the
-    context starts, at its first socket: the control channel's are usually the first)."""
-    ctx = zmq.Context.instance()
-    if ctx.get(zmq.MAX_SOCKETS) < MAX_SOCKETS:
-        ctx.set(zmq.MAX_SOCKETS, MAX_SOCKETS)
-    return ctx
 
 
 def _send_frames(sock: zmq.Socket, frames: list[bytes]) -> None:
@@ -201,7 +183,7 @@ class ControlServer:
         self._handler = handler
         self._key = _secret(secret)
         self._inline = frozenset(inline)
-        self._ctx = _context()
+        self._ctx = zmq.Context.instance()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
@@ -339,23 +321,15 @@ class ControlServer:
 
 class ControlClient:
     """Calls a :class:`ControlServer`; safe to use from many threads at once (each call waits on a
-    socket of its own, so concurrent callers do not wait for each other).
-
-    A call whose connection drops while it waits (the peer's process died or closed its server) ends
-    at once with :class:`PeerUnreachable`, not at its timeout: each socket has a ZeroMQ monitor, and
-    a disconnect it reports after the request went out fails the call. A call that takes a socket
-    whose connection dropped earlier waits up to RECONNECT_GRACE_S for it to come back (a peer
-    restarted on the same address) and otherwise fails then: nobody listens there."""
+    socket of its own, so concurrent callers do not wait for each other)."""
 
     def __init__(self, address: str, secret: str | bytes | None = None):
         self.address = address
         self._key = _secret(secret)
-        self._ctx = _context()
+        self._ctx = zmq.Context.instance()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # guards _free, _closed, _opened
         self._free: list[zmq.Socket] = []  # connected sockets no call owns
-        self._monitors: dict[zmq.Socket, zmq.Socket] = {}  # each socket's connection monitor
-        self._down: set[zmq.Socket] = set()  # sockets whose connection dropped and has not come back
         self._opened = 0
         self._closed = False
         self._wake_r, self._wake_w = _pipe()  # readable once closed: wakes every waiting call
@@ -365,63 +339,10 @@ class ControlClient:
     def _open(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        monitor = self._monitor(sock)
         sock.connect(self.address)
         with self._lock:
             self._opened += 1
-            self._monitors[sock] = monitor
         return sock
-
-    def _monitor(self, sock: zmq.Socket) -> zmq.Socket:
-        """A PAIR socket receiving ``sock``'s connects and disconnects. Its queue has no limit: libzmq's
-        I/O thread sends events blocking, so events nobody reads (an idle socket) must never fill it
-        (a peer that drops every connection would otherwise stall the whole context). The name is its
-        own: pyzmq's default, by fd, may still be bound by a closing socket's monitor."""
-        addr = f"inproc://hawk-ctl-monitor-{next(_MONITOR_IDS)}"
-        sock.monitor(addr, _DISCONNECTED | _CONNECTED)
-        monitor = self._ctx.socket(zmq.PAIR)
-        monitor.setsockopt(zmq.RCVHWM, 0)
-        monitor.setsockopt(zmq.LINGER, 0)
-        monitor.connect(addr)
-        return monitor
-
-    def _close_socket(self, sock: zmq.Socket, linger_ms: int) -> None:
-        with self._lock:
-            monitor = self._monitors.pop(sock, None)
-            self._down.discard(sock)
-        sock.close(linger=linger_ms)
-        if monitor is not None:
-            monitor.close(linger=0)
-
-    def _disconnected(self, sock: zmq.Socket) -> bool:
-        """Whether ``sock``'s monitor reported a disconnect since it was last asked (its events are
-        consumed here, and ``_down`` follows them)."""
-        monitor = self._monitors.get(sock)
-        lost = False
-        while monitor is not None and monitor.getsockopt(_EVENTS) & _POLLIN:
-            event = parse_monitor_message(monitor.recv_multipart(_NB))["event"]
-            if event == _DISCONNECTED:
-                lost = True
-                self._down.add(sock)
-            elif event == _CONNECTED:
-                self._down.discard(sock)
-        return lost
-
-    def _ensure_up(self, sock: zmq.Socket, msg: Message) -> None:
-        """Before a request goes out on ``sock``: a connection that dropped earlier gets
-        RECONNECT_GRACE_S to come back, else :class:`PeerUnreachable` (the socket goes back)."""
-        self._disconnected(sock)
-        if sock not in self._down:
-            return
-        monitor = self._monitors[sock]
-        deadline = time.monotonic() + RECONNECT_GRACE_S
-        while sock in self._down and (left := deadline - time.monotonic()) > 0:
-            if monitor.poll(max(1, math.ceil(left * 1000))):
-                self._disconnected(sock)
-        if sock in self._down:
-            self._give(sock)
-            raise PeerUnreachable(f"{msg.TYPE} to {self.address} not sent: the connection dropped and did not come back "
-                                  f"within {RECONNECT_GRACE_S:.3g} s (the peer is down)")
 
     def _take(self) -> zmq.Socket:
         with self._lock:
@@ -436,7 +357,7 @@ class ControlClient:
             if not self._closed:
                 self._free.append(sock)
                 return
-        self._close_socket(sock, _FLUSH_MS)
+        sock.close(linger=_FLUSH_MS)
 
     def call(self, msg: Message, timeout_s: float) -> Message:
         """Send ``msg`` and wait for its reply; :class:`PeerUnreachable` after ``timeout_s``."""
@@ -449,7 +370,6 @@ class ControlClient:
         payload = encode(msg)
         frames = [corr, sign(self._key, corr, payload), payload]
         sock = self._take()
-        self._ensure_up(sock, msg)  # a disconnect before this request is not this call's, unless it lasts
         try:
             _send_frames(sock, frames)
         except zmq.ZMQError as e:  # Again: the queue to the peer is full, it has not been reading
@@ -460,8 +380,7 @@ class ControlClient:
     def _wait(self, sock: zmq.Socket, msg: Message, corr: bytes, timeout_s: float) -> tuple[bytes, bytes]:
         """Read ``sock`` until the reply to ``corr`` comes (others are stale: dropped)."""
         deadline = time.monotonic() + timeout_s
-        monitor = self._monitors.get(sock)
-        items = [(sock, zmq.POLLIN), (self._wake_r, zmq.POLLIN)] + ([(monitor, zmq.POLLIN)] if monitor is not None else [])
+        items = [(sock, zmq.POLLIN), (self._wake_r, zmq.POLLIN)]
         while True:
             if self._closed:
                 raise PeerUnreachable(f"control client for {self.address} closed while waiting for the reply to {msg.TYPE}")
@@ -485,9 +404,6 @@ class ControlClient:
                         log.warning("dropped a control reply from %s with a bad tag", self.address)
                         continue
                 return tag, payload
-            if self._disconnected(sock):  # after reading: a reply sent just before the peer went is kept
-                raise PeerUnreachable(f"the connection to {self.address} was lost while waiting for the reply to {msg.TYPE} "
-                                      "(the peer closed or died)")
 
     def _decode(self, tag: bytes, payload: bytes) -> Message:
         reply = decode(payload)
@@ -519,7 +435,7 @@ class ControlClient:
             self._closed = True
             free, self._free = self._free, []
         for sock in free:
-            self._close_socket(sock, _FLUSH_MS)
+            sock.close(linger=_FLUSH_MS)
         _signal(self._wake_w)
 
 

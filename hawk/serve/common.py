@@ -63,7 +63,8 @@ def engine_alive(engine: Any) -> bool:
 
 
 #: Open files an engine process asks for (vLLM and SGLang raise theirs likewise): each KV control
-#: call waiting on a peer holds sockets, and a layer-wise decode has one waiting per request.
+#: call waiting on a peer holds a socket, a layer-wise decode has one waiting per request, and every
+#: transfer peer holds connections of its own.
 OPEN_FILE_TARGET = 65536
 
 
