@@ -234,13 +234,16 @@ want engine && \
     --batches 1,8,32,64 --contexts 1024,8192 --prefill-tokens 512,2048,8192 --paths gpu-paged,npu-tile \
     --kv-dtypes bf16,bfp8_b --steps 30 --point-budget-s 8 --time-budget-s 320 --json "$OUT/engine_h200.json"
 
+wait_health() {  # wait_health PORT PID SECONDS: until the server answers /health, its process exits, or SECONDS pass
+  for _ in $(seq 1 "$3"); do curl -sf "127.0.0.1:$1/health" > /dev/null && return; kill -0 "$2" 2> /dev/null || return; sleep 1; done
+}
 serve_bench() {  # serve_bench NAME CONFIG DECODE_DEVICE RATES "WORKLOADS" [hawk serve args...]: one server, its sweeps, clean stop
   local name=$1 cfg=$2 dev=$3 rates=$4 workloads=$5 port=8100; shift 5
   python3 -c 'import fastapi, uvicorn, httpx, zmq' || { echo "serving needs fastapi/uvicorn/pydantic wheels (docs/gpu.md)"; return 1; }
   python3 -m hawk serve --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device "$dev" \
     --transfer "$cfg" --port $port --kv-tokens 65536 --post "$post" "$@" > "$LOGS/serve_$name.log" 2>&1 &
   local spid=$!
-  for _ in $(seq 1 240); do curl -sf 127.0.0.1:$port/health > /dev/null && break; kill -0 $spid 2> /dev/null || break; sleep 1; done
+  wait_health $port $spid 240
   for w in $workloads; do
     step "serving_${name}_$w" 200 python3 -m hawk.bench.serving_cli --url http://127.0.0.1:$port --workload "$w" \
       --rates "$rates" --num-requests "${SERVE_REQUESTS:-30}" --output-scale 0.25 --json "$OUT/serving_${name}_$w.json"
@@ -259,7 +262,7 @@ sat_bench() {  # sat_bench NAME TRANSFER DECODE_DEVICE BOUND_BATCH [hawk serve a
   python3 -m hawk serve --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device "$dev" \
     --transfer "$cfg" --port $port "$@" ${SAT_SERVE_ARGS:-} > "$LOGS/serve_sat_$name.log" 2>&1 &
   local spid=$!
-  for _ in $(seq 1 300); do curl -sf 127.0.0.1:$port/health > /dev/null && break; kill -0 $spid 2> /dev/null || break; sleep 1; done
+  wait_health $port $spid 300
   grep "KV cache" "$LOGS/serve_sat_$name.log"
   step "saturation_$name" "${SAT_LIMIT:-480}" python3 -m hawk.bench.serving_cli --url http://127.0.0.1:$port --workload chatbot --saturation \
     --rates "${SAT_START:-8}" --num-requests "${SAT_REQUESTS:-150}" --rate-duration-s "${SAT_DURATION:-30}" --bound-batch "$bound" \
@@ -290,7 +293,7 @@ if want rate80; then
     python3 -m hawk serve --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --decode-device cuda:0 --transfer colocated \
       --port 8100 $args > "$LOGS/serve_rate80_$name.log" 2>&1 &
     spid=$!
-    for _ in $(seq 1 300); do curl -sf 127.0.0.1:8100/health > /dev/null && break; kill -0 $spid 2> /dev/null || break; sleep 1; done
+    wait_health 8100 $spid 300
     echo "rate80 $name: hawk serve ... $args"
     step "rate80_$name" 240 python3 -m hawk.bench.serving_cli --url http://127.0.0.1:8100 --workload chatbot \
       --rates "${RATE80_RATE:-20.4}" --num-requests "${RATE80_REQUESTS:-300}" --warmup 4 --json "$OUT/rate80_$name.json"

@@ -350,6 +350,8 @@ def test_the_budget_must_leave_room_for_prefill(loaded):
     InstanceConfig(transfer="colocated", max_batch=256, max_num_batched_tokens=256, mixed_steps=False).validate()
     with pytest.raises(ValueError, match="must exceed max_batch"):
         DecodeEngine(loaded.model, None, LocalKV(None), max_batch=8, prefill=object(), max_num_batched_tokens=8)
+    with pytest.raises(ValueError, match="step_token_target"):
+        DecodeEngine(loaded.model, None, LocalKV(None), max_batch=8, max_num_batched_tokens=96, step_token_target=96)
 
 
 # ---- a step token target ----------------------------------------------------------------------

@@ -342,10 +342,13 @@ class DecodeEngine:
         if prefill is not None and max_num_batched_tokens <= max_batch:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must exceed max_batch ({max_batch}): "
                              "decode tokens go first, and prefill needs what they leave")
+        if not 0 <= step_token_target < max_num_batched_tokens:
+            raise ValueError(f"step_token_target ({step_token_target}) must be 0 (off) or below max_num_batched_tokens "
+                             f"({max_num_batched_tokens})")
         self.max_len = min(max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings)
         self.prefill = prefill
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.step_token_target = step_token_target if 0 < step_token_target < max_num_batched_tokens else 0
+        self.step_token_target = step_token_target
         # Mixed and prefill-only steps of up to MIXED_PREFILL_SEQS sequences replay a prefill graph;
         # larger mixed batches graph pieces, or with ``mixed_graphs`` a mixed graph (runner.py).
         self.runner = ModelRunner(model, attn, max_batch=max_batch, graphs=graphs, max_model_len=self.max_len,
