@@ -3,7 +3,8 @@ freed while a step that may still write it is in flight.
 
 On a GPU the overlap is the default; here (CPU) it is switched on, so the engine's bookkeeping runs
 the same code: step N+1 launched on step N's device tokens before they are read, sequences that
-finish at step N riding along in step N+1, any change to the batch draining the step in flight.
+finish at step N riding along in step N+1 (and the rest chaining on past them), any other change to
+the batch draining the step in flight.
 """
 
 import threading
@@ -36,11 +37,13 @@ class Spy:
     """Counts the steps launched on device ids, and checks every block release against the step in flight."""
 
     def __init__(self, engine):
-        self.engine, self.chained, self.deferred, self.early = engine, 0, 0, []
+        self.engine, self.chained, self.shrunk, self.deferred, self.early = engine, 0, 0, 0, []
         step, release, defer = engine.runner.step, engine.kv.release, engine._release
 
         def spy_step(tokens, slices, ids=None):
             self.chained += ids is not None
+            f = engine._inflight  # still the step this one chains from
+            self.shrunk += ids is not None and f is not None and ids.shape[0] < len(f.batch)
             return step(tokens, slices, ids=ids) if ids is not None else step(tokens, slices)
 
         def spy_release(seq):
@@ -164,6 +167,7 @@ def _same_tokens_and_late_frees(sync, overlap):
     for rid, col in want.items():
         assert got[rid].tokens == col.tokens and got[rid].reason == col.reason, rid
     assert spy.chained > 0  # steps did launch on the previous step's device tokens
+    assert spy.shrunk > 0  # also past a row that finished (its last step rode along): the others' ids picked on the device
     after = overlap.decode.stats()  # and the engine counts them (/metrics: hawk_decode_engine_steps_*)
     assert after["steps_overlapped"] - before["steps_overlapped"] == spy.chained
     assert after["steps_synchronous"] > before["steps_synchronous"] and sync.decode.stats()["steps_overlapped"] == 0

@@ -376,14 +376,16 @@ def _budget(engine: DecodeEngine, rows: int, backlog: int) -> int:
 
 
 def test_a_step_token_target_holds_while_the_prompts_keep_up_and_yields_the_budget_when_they_queue(loaded):
-    """Target 40, budget 96: beside 1 row a step takes 39 prompt tokens while at most 4 such steps wait
-    (156 tokens), the whole 95 past that; with as many rows as the target it takes the whole budget
-    (a target step would carry nothing); no target, always the whole budget."""
+    """Target 40, budget 96: beside 1 row a step takes 39 prompt tokens while at most
+    ``step_target_backlog`` such steps wait (4: 156 tokens), the whole 95 past that; with as many rows
+    as the target it takes the whole budget (a target step would carry nothing); no target, always
+    the whole budget."""
     inst = _instance(loaded, target=TARGET)
     try:
         e = inst.decode
-        assert e.step_token_target == TARGET
-        assert _budget(e, 1, 100) == TARGET - 1 and e.prefill.asked == [decode_engine.TARGET_KEEP_UP_STEPS * (TARGET - 1)]
+        assert e.step_token_target == TARGET and e.step_target_backlog == InstanceConfig.step_target_backlog
+        assert _budget(e, 1, 100) == TARGET - 1 and e.prefill.asked == [e.step_target_backlog * (TARGET - 1)]
+        e.step_target_backlog = 4
         assert _budget(e, 1, 156) == TARGET - 1 and _budget(e, 1, 157) == BUDGET - 1
         assert _budget(e, 30, 10) == TARGET - 30 and _budget(e, TARGET, 10) == BUDGET - TARGET
         e.step_token_target = 0
@@ -397,7 +399,7 @@ def test_a_step_token_target_holds_while_the_prompts_keep_up_and_yields_the_budg
 
 
 def test_with_a_step_token_target_a_prompt_beside_a_decode_rides_in_target_steps(loaded, monkeypatch):
-    """A 100-token prompt beside one running request (backlog under 4 target steps): every step that
+    """A 100-token prompt beside one running request (a backlog of a few target steps): every step that
     carries it holds at most the target, decode row included, and the request's tokens are the ones
     a whole-budget engine gives."""
     out = {}

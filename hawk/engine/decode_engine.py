@@ -30,8 +30,8 @@ that joined since (their first token is on the host) come after them, and a mixe
 chunks after those; a mixed step's prompts complete (first token, handoff) when it is read, and the
 prefill engine plans the next chunks of a prompt before that (its planned cursor runs ahead of its
 done one). A sequence that finishes at step N (stop token or length) has ridden along in step N+1:
-that row is dropped and its blocks are freed only once step N+1 is done (the step may still write
-its KV row there). Any other change (a request resumes or is aborted, or a step would need a
+that row is dropped (step N+2 chains on without it, the other rows' ids picked on the device) and its
+blocks are freed only once step N+1 is done (the step may still write its KV row there). Any other change (a request resumes or is aborted, or a step would need a
 preemption) first waits for the step in flight and emits its tokens, then runs as a synchronous
 loop would.
 
@@ -79,9 +79,6 @@ log = logging.getLogger(__name__)
 #: Most prompts one mixed step carries beside its decode rows (their graphs are bucketed by sequences:
 #: the attention backend of a mixed engine is sized for ``max_batch + MIXED_PREFILL_SEQS + 1`` rows).
 MIXED_PREFILL_SEQS = 16
-#: With a step token target, steps stay at the target while the prompts waiting fit in this many of them:
-#: a prompt then waits a few small steps at most, and a burst of prompts gets the whole budget.
-TARGET_KEEP_UP_STEPS = 4
 
 
 class PrefillSteps(Protocol):
@@ -150,6 +147,13 @@ def _pulled(r: Any) -> dict[str, Any]:
     which step held a slow pull back, not only that it was slow."""
     return {"kv_transfer_s": r.timings["total_s"], "kv_bytes": r.bytes, "kv_requests": r.requests, "kv_mode": r.mode,
             "kv_breakdown_ms": r.host_breakdown_ms()}
+
+
+def _device_ids(tokens: torch.Tensor, keep: list[int], n: int) -> torch.Tensor:
+    """The rows ``keep`` of a step's ``n`` device tokens, in order, without leaving the device."""
+    if len(keep) == n:
+        return tokens
+    return tokens.index_select(0, torch.tensor(keep, dtype=torch.int64).to(tokens.device, non_blocking=True))
 
 
 def _free_blocks(blocks: BlockManager, seq: Sequence) -> None:
@@ -317,6 +321,7 @@ class DecodeEngine:
         mixed_graphs: bool = False,
         mixed_graph_tokens: int = 0,
         step_token_target: int = 0,
+        step_target_backlog: int = 16,
         step_threads: StepThreads | None = None,
     ):
         """``graphs``: CUDA-graph decode steps (None = when the backend allows, see ModelRunner);
@@ -336,8 +341,8 @@ class DecodeEngine:
         many tokens replay CUDA graphs (the runner's prefill graphs, and past MIXED_PREFILL_SEQS
         sequences its graph pieces, or with ``mixed_graphs`` its mixed graphs; ``attn`` must hold
         ``max_batch + MIXED_PREFILL_SEQS + 1`` rows); ``step_token_target`` > 0: while the prompts keep
-        up, a step carries only what this many tokens leave beside its decode rows (a token bucket of
-        its own, see :meth:`_prefill_budget`); ``step_threads``: a CPU engine's OpenMP threads per
+        up (their tokens fit in ``step_target_backlog`` such steps), a step carries only what this many
+        tokens leave beside its decode rows (a token bucket of its own, see :meth:`_prefill_budget`); ``step_threads``: a CPU engine's OpenMP threads per
         step, more for a step carrying prompt tokens (:mod:`hawk.engine.step_threads`; None: unchanged)."""
         if prefill is not None and max_num_batched_tokens <= max_batch:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must exceed max_batch ({max_batch}): "
@@ -349,6 +354,7 @@ class DecodeEngine:
         self.prefill = prefill
         self.max_num_batched_tokens = max_num_batched_tokens
         self.step_token_target = step_token_target
+        self.step_target_backlog = step_target_backlog
         # Mixed and prefill-only steps of up to MIXED_PREFILL_SEQS sequences replay a prefill graph;
         # larger mixed batches graph pieces, or with ``mixed_graphs`` a mixed graph (runner.py).
         self.runner = ModelRunner(model, attn, max_batch=max_batch, graphs=graphs, max_model_len=self.max_len,
@@ -695,9 +701,9 @@ class DecodeEngine:
             except Exception as ex:  # noqa: BLE001
                 self._fail(e, f"starting the request failed: {ex}")
         mixing = self._prefill_pending()
-        if self._running and self._inflight is not None and self._continues(self._inflight.batch):
-            if self._step_ahead(mixing):
-                return True
+        keep = self._carried(self._inflight.batch) if self._running and self._inflight is not None else None
+        if keep is not None and self._step_ahead(mixing, keep):
+            return True
         self._drain()
         if self._running:
             self._reserve_next_slots()
@@ -720,7 +726,7 @@ class DecodeEngine:
     def _prefill_budget(self) -> int:
         """Prompt tokens this step may carry: the token budget less one per running sequence, or, with
         a step token target, what the target leaves while the prompts keep up (at most
-        TARGET_KEEP_UP_STEPS such steps of backlog). Why: a decode step reads every weight for few rows,
+        ``step_target_backlog`` such steps of backlog). Why: a decode step reads every weight for few rows,
         so prompt tokens that keep the step under the GEMMs' knee ride that read almost free, where a
         step past it pays their compute and stretches every running sequence's token; when prompts
         queue, the whole budget prefills them in the fewer, efficient steps that saturation needs."""
@@ -728,7 +734,7 @@ class DecodeEngine:
         rows = len(self._running)
         whole = self.max_num_batched_tokens - rows
         small = self.step_token_target - rows
-        if self.step_token_target and 0 < small < whole and not self.prefill.backlog_exceeds(TARGET_KEEP_UP_STEPS * small):
+        if self.step_token_target and 0 < small < whole and not self.prefill.backlog_exceeds(self.step_target_backlog * small):
             return small
         return whole
 
@@ -812,18 +818,23 @@ class DecodeEngine:
         else:
             self._collect(launched)
 
-    def _continues(self, prev: list[_Entry]) -> bool:
-        """The running batch is the step in flight's, in order, plus rows that joined since (their
-        first token is on the host): the next step may take the former's ids from the device."""
+    def _carried(self, prev: list[_Entry]) -> list[int] | None:
+        """Where the next step may take its leading rows' ids from the device: the in-flight step's
+        rows still running, in order, then rows that joined since (their first token is on the host).
+        Their indices in ``prev`` (rows that finished at the step before are left out: their last
+        step is the one in flight), or None where the running batch is otherwise changed."""
+        keep = [i for i, e in enumerate(prev) if e.seq.status is Status.RUNNING and not e.aborted]
         run = self._running
-        return len(run) >= len(prev) and all(a is b for a, b in zip(run, prev))
+        if len(run) < len(keep) or any(run[j] is not prev[i] for j, i in enumerate(keep)):
+            return None
+        return keep
 
-    def _step_ahead(self, mixing: bool) -> bool:
-        """Launch the next step, the in-flight step's rows taking its device tokens as their ids (and
-        this step's prefill chunks when ``mixing``), then read the in-flight step. False (nothing
-        launched) where the next step must be a synchronous one: its blocks need a preemption. A
-        sequence whose last token is in flight rides along too (its position is still below
-        ``prompt + max_tokens``, whose blocks submit() checked exist)."""
+    def _step_ahead(self, mixing: bool, keep: list[int]) -> bool:
+        """Launch the next step, the in-flight step's rows ``keep`` (see :meth:`_carried`) taking its
+        device tokens as their ids (and this step's prefill chunks when ``mixing``), then read the
+        in-flight step. False (nothing launched) where the next step must be a synchronous one: its
+        blocks need a preemption. A sequence whose last token is in flight rides along too (its
+        position is still below ``prompt + max_tokens``, whose blocks submit() checked exist)."""
         prev = self._inflight
         assert prev is not None
         batch = list(self._running)
@@ -831,7 +842,7 @@ class DecodeEngine:
             return False
         pieces = self._plan_prefill() if mixing else []
         try:
-            nxt = self._launch(batch, prev, pieces)
+            nxt = self._launch(batch, prev, pieces, keep)
         except Exception as ex:  # noqa: BLE001
             log.exception("decode step failed")
             self._drain()
@@ -858,14 +869,15 @@ class DecodeEngine:
             e.seq.block_ids.extend(got)  # append-only: backends may keep the list object
         return True
 
-    def _launch(self, batch: list[_Entry], prev: _Launched | None, pieces: list[Any]) -> _Launched:
+    def _launch(self, batch: list[_Entry], prev: _Launched | None, pieces: list[Any], keep: list[int] | None = None) -> _Launched:
         """Run one step of ``batch`` (decode rows first) and ``pieces``, prefill chunks, in the same
         forward; start sampling and fetching the rows' tokens. With ``prev`` (the step in flight),
-        its rows lead ``batch`` and take its tokens on the device as their ids, one position after
-        each sequence's last known token; rows after them joined since and bring host ids. A failed
-        forward fails the pieces here and the rows in the caller. The pieces' prompts complete
-        (first tokens, handoffs) when the step is read (:meth:`_collect`)."""
-        k = len(prev.batch) if prev is not None else 0
+        its rows ``keep`` lead ``batch`` and take its tokens on the device as their ids, one position
+        after each sequence's last known token; rows after them joined since and bring host ids. A
+        failed forward fails the pieces here and the rows in the caller. The pieces' prompts
+        complete (first tokens, handoffs) when the step is read (:meth:`_collect`)."""
+        k = len(keep) if prev is not None and keep is not None else 0
+        ids = _device_ids(prev.tokens.device, keep, len(prev.batch)) if k else None  # type: ignore[union-attr]
         slices = [SeqSlice(e.seq.block_ids, e.seq.total_len - 1 + (i < k), 1) for i, e in enumerate(batch)]
         tokens = [[0] if i < k else [e.seq.last_token] for i, e in enumerate(batch)]
         slices += [SeqSlice(p.job.blocks, p.start, p.q_len) for p in pieces]
@@ -875,7 +887,7 @@ class DecodeEngine:
             self.step_threads.enter(sum(p.q_len for p in pieces))
         t0 = time.perf_counter()
         try:
-            out = self.runner.step(tokens, slices, ids=prev.tokens.device if k else None)
+            out = self.runner.step(tokens, slices, ids=ids)
         except Exception as ex:
             if pieces:
                 self.prefill.fail_step(pieces, ex)  # type: ignore[union-attr]
