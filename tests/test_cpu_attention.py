@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hawk.engine.cpu_attention import DecodeWorkspace, decode_groups, decode_plan
+from hawk.engine.cpu_attention import DecodeWorkspace, KeptBuffers, decode_groups, decode_plan
 from hawk.engine.cpu_numerics import attend_widened
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -114,3 +114,14 @@ def test_mixed_lengths_split_into_groups() -> None:
     plans = decode_groups(np.arange(64 * 4).reshape(4, 64), np.array([1000, 30, 900, 40]), 16)
     assert [p.index.tolist() for p in plans if p.index is not None] == [[0, 2], [1, 3]]
     assert [p.width for p in plans] == [63, 3]
+
+
+def test_a_kept_buffer_made_under_inference_mode_takes_writes_outside_it():
+    """Engine threads run under inference mode and the tests under no_grad: a buffer kept across both
+    must be a normal tensor (one made as an inference tensor refuses in-place writes later)."""
+    kept = KeptBuffers(zeroed=True)
+    with torch.inference_mode():
+        kept.get("k", 8, torch.float32).copy_(torch.ones(8))
+    with torch.no_grad():
+        kept.get("k", 8, torch.float32).add_(1)
+    assert kept.get("k", 8, torch.float32).tolist() == [2.0] * 8

@@ -122,7 +122,8 @@ class KeptBuffers:
         b = self._bufs.get(name)
         if b is None or b.numel() < numel or b.dtype != dtype:
             new = torch.zeros if self.zeroed else torch.empty
-            b = self._bufs[name] = new(max(numel, 2 * (0 if b is None else b.numel())), dtype=dtype)
+            with torch.inference_mode(False):  # a kept buffer outlives the mode it was made in: never an inference tensor
+                b = self._bufs[name] = new(max(numel, 2 * (0 if b is None else b.numel())), dtype=dtype)
         return b[:numel]
 
 
