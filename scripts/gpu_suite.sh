@@ -40,8 +40,7 @@
 #                 `python -m hawk.bench.saturation summarize` -> $OUT/saturation_h200.json (SAT_START rate, SAT_DURATION s or
 #                 SAT_REQUESTS per rate, SAT_CONFIGS: one server per call at 30 s a rate, colocated, gn-hawk_gpu0 or
 #                 colocated-mixed-graphs, gn-hawk_gpu0_bfp8; SAT_SERVE_ARGS: more hawk serve flags, e.g. "--api-server-count 4";
-#                 SAT_BOUND_BATCH: the bound's decode batch, 256 by default: at most the server's --max-num-seqs, or its probe
-#                 never sees the whole batch decoding and the call fails after minutes)
+#                 SAT_BOUND_BATCH: the bound's decode batch, 256 by default; the bench lowers it to the server's --max-num-seqs)
 #     steps     - the engine's step paths on CUDA: the runner's graphs (decode, prefill, graph pieces for a mixed batch
 #                 past 16 sequences, e.g. 48 and 256 decode rows beside a 512-token chunk on the 8B layer shapes), async
 #                 scheduling and overlapped mixed steps against the synchronous loop (pytest -m gpu)

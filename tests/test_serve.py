@@ -21,6 +21,7 @@ import pytest
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
+from hawk.bench.saturation import bound_batch_for, served_batch  # noqa: E402
 from hawk.connector.algorithm1 import BREAKDOWN  # noqa: E402
 from hawk.engine.instances import ColocatedInstance, DecodeInstance, InstanceConfig, PrefillInstance  # noqa: E402
 from hawk.serve.colocated_server import create_colocated_app  # noqa: E402
@@ -141,6 +142,9 @@ def test_health_models_and_info(system):
     models = system.http.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "smollm2-135m"
     assert models["data"][0]["max_model_len"] == 8192
+    batch = system.decode_inst.engine.max_batch  # what a saturation bench's bound may ask of one step
+    assert models["data"][0]["max_num_seqs"] == batch and served_batch(system.router.url) == batch
+    assert bound_batch_for(256, served_batch(system.router.url)) == batch
     assert system.http.get("/v1/models/smollm2-135m").status_code == 200
     info = httpx.get(f"{system.decode.url}/internal/info", trust_env=False).json()
     assert info["emulated_npu"] and "emulated" in info["device_label"]

@@ -33,7 +33,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import httpx
@@ -297,12 +297,33 @@ def _tput(rec: dict[str, Any]) -> float:
     return rec.get("steady_throughput_rps") or rec.get("request_throughput_rps") or 0.0
 
 
+def served_batch(base_url: str) -> int | None:
+    """The server's ``--max-num-seqs`` where it says so (a HAWK router's ``/v1/models`` carries
+    ``max_num_seqs``), else None."""
+    try:
+        data = httpx.get(f"{base_url.rstrip('/')}/v1/models", timeout=10.0, trust_env=False).json().get("data") or []
+    except (httpx.HTTPError, ValueError):
+        return None
+    n = data[0].get("max_num_seqs") if data else None
+    return n if isinstance(n, int) and n > 0 else None
+
+
+def bound_batch_for(requested: int, served: int | None) -> int:
+    """The bound's decode batch: as asked, but never past what the server runs in one step (a probe of
+    more sequences never sees its whole batch decoding, and would fail after minutes)."""
+    return requested if served is None or requested <= 0 else min(requested, served)
+
+
 def run_saturation(base_url: str, workload: str | Workload, opts: SaturationOptions, *, model: str | None = None,
                    config: str | None = None, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
                    timeout_s: float = 900.0, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Bound, ramp, and the 80 %-of-saturation run; one JSON-ready record of all of it."""
     wl = get_workload(workload)
     t0 = time.time()
+    b = bound_batch_for(opts.bound_batch, served_batch(base_url))
+    if b != opts.bound_batch:
+        log(f"bound batch: the server runs at most {b} sequences a step, not {opts.bound_batch}")
+        opts = replace(opts, bound_batch=b)
     bound = asyncio.run(measure_bound(base_url, wl, opts, model, timeout_s)) if opts.bound_batch > 0 else None
     if bound is not None:
         log(f"bound: {bound.bound_rps:.3g} req/s (prefill {bound.prefill_ms_mean:.1f} ms/request [{bound.prefill_source}], "

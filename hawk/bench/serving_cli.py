@@ -44,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--min-growth", type=float, default=0.05, help="--saturation: stop once throughput grows by less than this fraction")
     p.add_argument("--max-steps", type=int, default=8, help="--saturation: most rates in the ramp")
     p.add_argument("--rate-duration-s", type=float, default=0.0, help="--saturation: each rate sends at least rate x this many requests (default: --num-requests only)")
-    p.add_argument("--bound-batch", type=int, default=256, help="--saturation: the decode batch of the bound (the server's --max-num-seqs); 0 = no bound (nor the step at 80%%)")
+    p.add_argument("--bound-batch", type=int, default=256, help="--saturation: the decode batch of the bound (the server's --max-num-seqs; at most what a HAWK server reports in /v1/models); 0 = no bound (nor the step at 80%%)")
     add_trace_options(p)
     p.add_argument("--trace-tokenizer", default=None, help="ShareGPT: count tokens with this model's tokenizer (a spec as for serve --model); default: 4 chars/token")
     a = p.parse_args(argv)

@@ -36,6 +36,7 @@ def create_colocated_app(instance: ColocatedInstance, close_on_shutdown: bool = 
         device_label=f"{cfg.prefill_device} (colocated reference, no KV transfer)", kv_address=COLOCATED_ADDRESS,
         max_prompt_tokens=instance.prefill.max_prompt_tokens, max_model_len=min(mc.max_position_embeddings, instance.decode.max_len),
         max_kv_tokens=instance.blocks.num_blocks * instance.blocks.block_size, vocab_size=mc.vocab_size,
+        max_num_seqs=instance.decode.max_batch,
     )
 
     def accounting() -> dict[str, Any]:

@@ -181,6 +181,7 @@ class InstanceInfo(Message):
     max_prompt_tokens: int | None = None  # prefill and colocated
     max_model_len: int
     max_kv_tokens: int | None = None  # decode and colocated
+    max_num_seqs: int | None = None  # decode and colocated: the most sequences one decode step runs (--max-num-seqs)
     staging_bytes: int | None = None  # prefill: its KV staging buffer (P4), where a pull's KV waits for D9
     vocab_size: int
     kv_flow: KVFlow = "pull"  # colocated moves no KV: always "pull"

@@ -315,6 +315,7 @@ def create_decode_app(instance: DecodeInstance, close_on_shutdown: bool = True, 
         arch=cfg.arch if on_npu else None,
         kv_dtype=cfg.kv_dtype if on_npu else cfg.gpu_kv_dtype, emulated_npu=on_npu,
         max_model_len=instance.engine.max_len, max_kv_tokens=blocks.num_blocks * blocks.block_size, vocab_size=mc.vocab_size,
+        max_num_seqs=instance.engine.max_batch,
         kv_flow=cfg.kv_flow,
     )
 

@@ -373,6 +373,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "hawk"
     max_model_len: int | None = None
+    max_num_seqs: int | None = None  # HAWK's own field: a decode instance's --max-num-seqs (the smallest, with several)
 
 
 class ModelList(BaseModel):

@@ -139,6 +139,7 @@ class InstancePool:
         self.max_prompt_tokens = min(i.info.max_prompt_tokens or i.info.max_model_len - 1 for i in limits)
         self.max_model_len = min(i.info.max_model_len for i in [*prefill, *decode])
         self.max_kv_tokens = min(i.info.max_kv_tokens or self.max_model_len for i in decode)
+        self.max_num_seqs = min((i.info.max_num_seqs for i in decode if i.info.max_num_seqs), default=None)
         self.vocab_size = min(i.info.vocab_size for i in limits)
 
     def next_prefill(self, down: dict[str, str] | None = None) -> Instance:
@@ -743,16 +744,18 @@ def create_router_app(cfg: RouterConfig, tokenizer: Tokenizer | None = None) -> 
         gen = router.new_generation(rid, ids, params, req.stop_list(), arrival, req.kv_transfer_params)
         return await router.run(request, gen, req.stream, ChunkMaker(True, rid, router.model_name), req.usage_report)
 
+    def card(name: str) -> ModelCard:
+        assert router.pool is not None
+        return ModelCard(id=name, max_model_len=router.pool.max_model_len, max_num_seqs=router.pool.max_num_seqs)
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        assert router.pool is not None
-        return ModelList(data=[ModelCard(id=n, max_model_len=router.pool.max_model_len) for n in router.names]).model_dump()
+        return ModelList(data=[card(n) for n in router.names]).model_dump()
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
         router.check_model(model_id)
-        assert router.pool is not None
-        return ModelCard(id=model_id, max_model_len=router.pool.max_model_len).model_dump()
+        return card(model_id).model_dump()
 
     @app.get("/health")
     async def health() -> JSONResponse:
