@@ -30,10 +30,10 @@ that joined since (their first token is on the host) come after them, and a mixe
 chunks after those; a mixed step's prompts complete (first token, handoff) when it is read, and the
 prefill engine plans the next chunks of a prompt before that (its planned cursor runs ahead of its
 done one). A sequence that finishes at step N (stop token or length) has ridden along in step N+1:
-that row is dropped (step N+2 chains on without it, the other rows' ids picked on the device) and its
-blocks are freed only once step N+1 is done (the step may still write its KV row there). Any other change (a request resumes or is aborted, or a step would need a
-preemption) first waits for the step in flight and emits its tokens, then runs as a synchronous
-loop would.
+that row is dropped (step N+2 chains on without it, the other rows' ids picked on the device) and
+its blocks are freed only once step N+1 is done (the step may still write its KV row there). Any
+other change (a request resumes or is aborted, or a step would need a preemption) first waits for
+the step in flight and emits its tokens, then runs as a synchronous loop would.
 
 Admission policy: first come, first served by *current* need, as vLLM does: a request needs only
 its prompt's blocks (+1 token) to start, so a request with a huge ``max_tokens`` does not hold
@@ -342,8 +342,9 @@ class DecodeEngine:
         sequences its graph pieces, or with ``mixed_graphs`` its mixed graphs; ``attn`` must hold
         ``max_batch + MIXED_PREFILL_SEQS + 1`` rows); ``step_token_target`` > 0: while the prompts keep
         up (their tokens fit in ``step_target_backlog`` such steps), a step carries only what this many
-        tokens leave beside its decode rows (a token bucket of its own, see :meth:`_prefill_budget`); ``step_threads``: a CPU engine's OpenMP threads per
-        step, more for a step carrying prompt tokens (:mod:`hawk.engine.step_threads`; None: unchanged)."""
+        tokens leave beside its decode rows (a token bucket of its own, see :meth:`_prefill_budget`);
+        ``step_threads``: a CPU engine's OpenMP threads per step, more for a step carrying prompt
+        tokens (:mod:`hawk.engine.step_threads`; None: unchanged)."""
         if prefill is not None and max_num_batched_tokens <= max_batch:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must exceed max_batch ({max_batch}): "
                              "decode tokens go first, and prefill needs what they leave")
@@ -726,10 +727,11 @@ class DecodeEngine:
     def _prefill_budget(self) -> int:
         """Prompt tokens this step may carry: the token budget less one per running sequence, or, with
         a step token target, what the target leaves while the prompts keep up (at most
-        ``step_target_backlog`` such steps of backlog). Why: a decode step reads every weight for few rows,
-        so prompt tokens that keep the step under the GEMMs' knee ride that read almost free, where a
-        step past it pays their compute and stretches every running sequence's token; when prompts
-        queue, the whole budget prefills them in the fewer, efficient steps that saturation needs."""
+        ``step_target_backlog`` such steps of backlog). Why: a decode step reads every weight for few
+        rows, so prompt tokens that keep the step under the GEMMs' knee ride that read almost free,
+        where a step past it pays their compute and stretches every running sequence's token; when
+        prompts queue, the whole budget prefills them in the fewer, efficient steps that saturation
+        needs."""
         assert self.prefill is not None
         rows = len(self._running)
         whole = self.max_num_batched_tokens - rows

@@ -405,7 +405,8 @@ class ColocatedInstance:
             graphs=cfg.graphs, max_model_len=cfg.max_model_len or None, overlap=cfg.async_scheduling,
             prefill=self.prefill if mixed else None, max_num_batched_tokens=cfg.max_num_batched_tokens,
             mixed_graphs=cfg.mixed_graphs,
-            mixed_graph_tokens=min(prefill_graph_tokens(cfg), cfg.max_num_batched_tokens), step_token_target=cfg.step_token_target, step_target_backlog=cfg.step_target_backlog,
+            mixed_graph_tokens=min(prefill_graph_tokens(cfg), cfg.max_num_batched_tokens),
+            step_token_target=cfg.step_token_target, step_target_backlog=cfg.step_target_backlog,
             step_threads=step_threads(cfg) if mixed else None,
         )
         self.decode.warmup()
