@@ -4,6 +4,8 @@
 # sampled, and py-spy (when its wheel is carried in .whl/) records the engine's and the router's stacks.
 #
 #   PROFILE_RATE=18 PROFILE_S=40 bash benchmarks/serving_host_profile.sh [hawk serve args...]
+#   (PYSPY_IDLE=1: the engines' stacks include idle samples, where a thread waits on a lock or the GIL;
+#   python benchmarks/profile_summary.py $OUT reads the outputs)
 #
 # Default server: colocated, 8B shape, bf16, cuda:0, default capacity. Writes under $OUT:
 # serve.log, bench.json, gpu_util.csv, cpu.txt (per-process and per-thread CPU seconds over the window),
@@ -39,7 +41,7 @@ npid=$!
 { echo "# ticks/s $(getconf CLK_TCK), window $((DUR / 2)) s"; echo "## start"; cpu $spid $engines $bpid; for e in ${engines:-$spid}; do threads "$e"; done; } > "$OUT/cpu.txt"
 if command -v py-spy > /dev/null; then
   for e in ${engines:-}; do
-    py-spy record -p "$e" -d $((DUR / 2)) -r 50 -f raw -o "$OUT/pyspy_engine_$e.txt" --threads > "$OUT/pyspy_engine_$e.log" 2>&1 &
+    py-spy record -p "$e" -d $((DUR / 2)) -r 50 -f raw -o "$OUT/pyspy_engine_$e.txt" --threads ${PYSPY_IDLE:+--idle} > "$OUT/pyspy_engine_$e.log" 2>&1 &
   done
   py-spy record -p "$spid" -d $((DUR / 2)) -r 50 -f raw -o "$OUT/pyspy_router.txt" --threads > "$OUT/pyspy_router.log" 2>&1 &
   py-spy record -p "$bpid" -d $((DUR / 2)) -r 50 -f raw -o "$OUT/pyspy_client.txt" --threads > "$OUT/pyspy_client.log" 2>&1 &
