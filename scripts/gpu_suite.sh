@@ -39,7 +39,7 @@
 #                 and gn-hawk with both roles on GPU0 (transport auto), each beside its same-run bound; then
 #                 `python -m hawk.bench.saturation summarize` -> $OUT/saturation_h200.json (SAT_START rate, SAT_DURATION s or
 #                 SAT_REQUESTS per rate, SAT_CONFIGS: one server per call at 30 s a rate, colocated, gn-hawk_gpu0 or
-#                 colocated-mixed-graphs, gn-hawk_gpu0_bfp8; SAT_SERVE_ARGS: more hawk serve flags, e.g. "--api-server-count 4";
+#                 colocated-mixed-graphs, colocated-mixed192 (--mixed-graphs --step-token-target 192), gn-hawk_gpu0_bfp8; SAT_SERVE_ARGS: more hawk serve flags, e.g. "--api-server-count 4";
 #                 SAT_BOUND_BATCH: the bound's decode batch, 256 by default; the bench lowers it to the server's --max-num-seqs)
 #     steps     - the engine's step paths on CUDA: the runner's graphs (decode, prefill, graph pieces for a mixed batch
 #                 past 16 sequences, e.g. 48 and 256 decode rows beside a 512-token chunk on the 8B layer shapes), async
@@ -276,11 +276,12 @@ if want saturation; then
       colocated) sat_bench colocated colocated cuda:0 "${SAT_BOUND_BATCH:-256}" ;;
       gn-hawk_gpu0) sat_bench gn-hawk_gpu0 gn-hawk npu-emu:cuda:0 0 --transport auto ;;  # no bound: measured against colocated
       colocated-mixed-graphs) sat_bench colocated-mixed-graphs colocated cuda:0 "${SAT_BOUND_BATCH:-256}" --mixed-graphs ;;  # against colocated's pieces
+      colocated-mixed192) sat_bench colocated-mixed192 colocated cuda:0 "${SAT_BOUND_BATCH:-256}" --mixed-graphs --step-token-target 192 ;;  # the best TPOT at 80 % (docs/throughput.md)
       gn-hawk_gpu0_bfp8) sat_bench gn-hawk_gpu0_bfp8 gn-hawk npu-emu:cuda:0 0 --transport auto --kv-dtype bfp8_b ;;  # the NPU's KV in bfloat8_b
     esac
   done
   python3 -m hawk.bench.saturation summarize "$OUT/saturation_colocated.json" "$OUT/saturation_gn-hawk_gpu0.json" "$OUT/saturation_colocated-mixed-graphs.json" \
-    "$OUT/saturation_gn-hawk_gpu0_bfp8.json" \
+    "$OUT/saturation_gn-hawk_gpu0_bfp8.json" "$OUT/saturation_colocated-mixed192.json" \
     --device "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), one GPU, both roles on GPU0 (emulated NPU)" \
     --command "bash scripts/gpu_suite.sh saturation" --out "$OUT/saturation_h200.json"
 fi
