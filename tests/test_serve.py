@@ -432,6 +432,9 @@ def test_metrics(system):
     # the decode's steps by kind (a CPU decode does not overlap them)
     assert "hawk_decode_engine_steps_overlapped 0.0" in inst
     assert float(re.search(r"^hawk_decode_engine_steps_synchronous (\S+)$", inst, re.M).group(1)) >= 1
+    # and where its step loop's time went (hawk/engine/loop_clock.py)
+    busy = float(re.search(r"^hawk_decode_engine_loop_busy_s (\S+)$", inst, re.M).group(1))
+    assert busy > 0 and float(re.search(r"^hawk_decode_engine_loop_blocked_s (\S+)$", inst, re.M).group(1)) <= busy
 
 
 # ============================================================================ warm-up

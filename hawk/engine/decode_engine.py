@@ -64,6 +64,7 @@ from hawk.devices.timing import pace_until
 from hawk.engine.attention import SeqSlice
 from hawk.engine.block_manager import BlockManager
 from hawk.engine.kv_connector import DecodeKVConnector
+from hawk.engine.loop_clock import LoopClock
 from hawk.engine.model import LlamaModel
 from hawk.engine.runner import ModelRunner, StepOutput, StepPath
 from hawk.engine.sampler import NO_TOKEN, make_generator, sample, sample_tokens
@@ -381,6 +382,8 @@ class DecodeEngine:
         #: graph pieces (runner.py: mixed steps past MIXED_PREFILL_SEQS sequences)
         self.steps = {"overlapped": 0, "synchronous": 0, "mixed": 0, "piecewise": 0}
         self.preemptions = 0
+        #: the step loop's busy time, its waits on the device and its time blocked (hawk/engine/loop_clock.py)
+        self.clock = LoopClock()
         self._lock = threading.Condition()
         self._waiting: deque[_Entry] = deque()
         self._transferring: dict[str, _Entry] = {}
@@ -647,8 +650,9 @@ class DecodeEngine:
         """The engine thread: it must outlive any one request's failure, so every iteration is guarded."""
         while True:
             try:
-                if not self._iterate():
-                    return
+                with self.clock.iteration():
+                    if not self._iterate():
+                        return
             except Exception:  # noqa: BLE001 - a bug here must not stop every other request
                 log.exception("decode loop iteration failed; continuing")
                 time.sleep(0.01)
@@ -667,7 +671,8 @@ class DecodeEngine:
             resumed = self._admit()
             while (not self._stop and not self._ready and not self._running and not resumed and self._inflight is None
                    and not self._prefill_pending()):
-                self._lock.wait(0.05)
+                with self.clock.idle():
+                    self._lock.wait(0.05)
                 resumed = self._admit()
             if self._stop:
                 stopping = resumed
@@ -712,7 +717,8 @@ class DecodeEngine:
         if self._running or pieces:
             self._step(pieces)
         elif mixing:  # prompts wait for blocks, nothing runs to free them here: the requests' ends will
-            time.sleep(0.002)
+            with self.clock.idle():
+                time.sleep(0.002)
         return True
 
     def _may_start_prompt(self, blocks: int, prefilling: int) -> bool:
@@ -925,7 +931,8 @@ class DecodeEngine:
         since its launch rode along: its row is dropped), then free what waited for the step.
         ``emit`` False (stopping): only wait for the step and free."""
         try:
-            toks = launched.tokens.result()
+            with self.clock.device_wait():
+                toks = launched.tokens.result()
         except Exception as ex:  # noqa: BLE001 - the device failed this step: its rows fail
             log.exception("reading a decode step's tokens failed")
             toks = [ex] * len(launched.batch)
@@ -955,6 +962,9 @@ class DecodeEngine:
         try:
             if not emit:
                 raise EngineFailure("the engine is stopping")
+            if launched.ready is not None:  # the forward's end, timed here as the device's
+                with self.clock.device_wait():
+                    launched.ready.synchronize()
             self.prefill.complete_step(launched.pieces, launched.prefill_logits, launched.ready)
         except Exception as ex:  # noqa: BLE001 - a bug there must not lose the decode rows' tokens
             if emit:
@@ -964,7 +974,8 @@ class DecodeEngine:
     def _pace(self, t0: float, batch: list[_Entry]) -> None:
         """Timing emulation: hold the step's tokens until the modelled step time has passed."""
         modelled = self.step_time(len(batch), sum(e.seq.total_len for e in batch))  # type: ignore[misc]
-        pace_until(t0, modelled)
+        with self.clock.device_wait():
+            pace_until(t0, modelled)
 
     def _sample(self, batch: list[_Entry], out: StepOutput) -> TokenFetch:
         """The batch's tokens, sampled on the device and on their way to the host; if batched
@@ -999,7 +1010,7 @@ class DecodeEngine:
         """Whether the step loop still runs: a dead one answers nothing, ever."""
         return self._thread.is_alive()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         with self._lock:
             return {
                 "waiting": len(self._waiting),
@@ -1013,6 +1024,7 @@ class DecodeEngine:
                 "steps_synchronous": self.steps["synchronous"],
                 "steps_mixed": self.steps["mixed"],
                 "steps_piecewise": self.steps["piecewise"],
+                **self.clock.stats(),
             }
 
     def close(self) -> None:
