@@ -4,7 +4,7 @@ step counters over the window, and where each engine thread's samples went.
     python benchmarks/profile_summary.py DIR [--thread hawk-decode] [--under DecodeEngine._iterate] [--depth 2]
 
 DIR holds the script's outputs (gpu_util.csv, profile.tgz with metrics_before/after.txt and the py-spy raw
-stacks). The py-spy part groups a thread's samples (py-spy's default: active samples only, so a thread
+stacks); the engine's loop clock (hawk/engine/loop_clock.py) comes from the two /metrics reads. The py-spy part groups a thread's samples (py-spy's default: active samples only, so a thread
 spinning on a CUDA event counts, one blocked on a lock or the GIL does not) by the first ``--depth`` frames
 below ``--under``; "active" is that thread's share of the samples the window allows (rate x seconds).
 """
@@ -18,7 +18,8 @@ import re
 import tarfile
 from pathlib import Path
 
-STEP_COUNTERS = ("steps_overlapped", "steps_synchronous", "steps_mixed", "steps_piecewise")
+STEP_COUNTERS = ("steps_overlapped", "steps_synchronous", "steps_mixed", "steps_piecewise",
+                 "loop_busy_s", "loop_device_wait_s", "loop_blocked_s")  # the last three: hawk/engine/loop_clock.py
 
 
 def gpu_busy(path: Path) -> tuple[float, int]:
@@ -28,7 +29,7 @@ def gpu_busy(path: Path) -> tuple[float, int]:
 
 
 def counters(text: str) -> dict[str, float]:
-    """The engine's step counters in a /metrics page (summed over instances)."""
+    """The engine's step counters and loop clock in a /metrics page (summed over instances)."""
     out: dict[str, float] = collections.Counter()
     for line in text.splitlines():
         for name in STEP_COUNTERS:
@@ -94,6 +95,9 @@ def main() -> None:
         if steps:
             print(f"steps between the two /metrics reads: {steps:.0f}, synchronous {d['steps_synchronous'] / steps:.1%}, "
                   f"carrying prompt chunks {d['steps_mixed'] / steps:.1%}, graph pieces {d['steps_piecewise'] / steps:.1%}")
+        if d["loop_busy_s"]:
+            print(f"decode loop busy {d['loop_busy_s']:.1f} s: waiting on the device {d['loop_device_wait_s'] / d['loop_busy_s']:.1%}, "
+                  f"blocked (a lock or the GIL) {d['loop_blocked_s'] / d['loop_busy_s']:.1%}")
     for name, raw in sorted(files.items()):
         if not (name.startswith("pyspy_engine_") and name.endswith(".txt")):
             continue
