@@ -236,6 +236,9 @@ want engine && \
 wait_health() {  # wait_health PORT PID SECONDS: until the server answers /health, its process exits, or SECONDS pass
   for _ in $(seq 1 "$3"); do curl -sf "127.0.0.1:$1/health" > /dev/null && return; kill -0 "$2" 2> /dev/null || return; sleep 1; done
 }
+engine_counters() {  # engine_counters PORT: the engines' step counts and loop clock so far (hawk/engine/loop_clock.py), one line
+  curl -s "127.0.0.1:$1/metrics" | grep -E "_engine_(steps|loop)_" | grep -v "^#" | sed -E 's/^hawk_([a-z]+)_engine_([a-z_]+)\{[^}]*\}/\1.\2/' | paste -sd' '
+}
 serve_bench() {  # serve_bench NAME CONFIG DECODE_DEVICE RATES "WORKLOADS" [hawk serve args...]: one server, its sweeps, clean stop
   local name=$1 cfg=$2 dev=$3 rates=$4 workloads=$5 port=8100; shift 5
   python3 -c 'import fastapi, uvicorn, httpx, zmq' || { echo "serving needs fastapi/uvicorn/pydantic wheels (docs/gpu.md)"; return 1; }
@@ -266,6 +269,7 @@ sat_bench() {  # sat_bench NAME TRANSFER DECODE_DEVICE BOUND_BATCH [hawk serve a
   step "saturation_$name" "${SAT_LIMIT:-480}" python3 -m hawk.bench.serving_cli --url http://127.0.0.1:$port --workload chatbot --saturation \
     --rates "${SAT_START:-8}" --num-requests "${SAT_REQUESTS:-150}" --rate-duration-s "${SAT_DURATION:-30}" --bound-batch "$bound" \
     --config "$name" --json "$OUT/saturation_$name.json"
+  echo "engine $name: $(engine_counters $port)"
   kill -INT $spid; wait $spid
 }
 # A rate runs at least SAT_DURATION seconds (a steady state at 40 req/s needs many 4-s requests), so one server's
@@ -297,6 +301,7 @@ if want rate80; then
     echo "rate80 $name: hawk serve ... $args"
     step "rate80_$name" 240 python3 -m hawk.bench.serving_cli --url http://127.0.0.1:8100 --workload chatbot \
       --rates "${RATE80_RATE:-20.4}" --num-requests "${RATE80_REQUESTS:-300}" --warmup 4 --json "$OUT/rate80_$name.json"
+    echo "engine $name: $(engine_counters 8100)"
     kill -INT $spid; wait $spid
   done
 fi
