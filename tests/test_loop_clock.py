@@ -64,3 +64,19 @@ def test_a_decode_engines_stats_carry_its_loop_clock_and_a_blocked_host_shows(mo
         assert after["loop_busy_s"] - before["loop_busy_s"] >= sum(slept)
     finally:
         inst.close()
+
+
+def test_a_steps_event_waited_for_by_the_prefill_counts_as_a_device_wait():
+    """The decode engine hands the prefill its step's event wrapped: the prefill decides whether to wait
+    (only when a prompt completes), and the wait, when it comes, is the device's, not blocked time."""
+    from hawk.engine.decode_engine import _DeviceWaited
+
+    class Event:
+        def synchronize(self):
+            time.sleep(0.05)
+
+    clock = LoopClock()
+    with clock.iteration():
+        _DeviceWaited(Event(), clock).synchronize()
+    s = clock.stats()
+    assert s["loop_device_wait_s"] >= 0.045 and s["loop_blocked_s"] < 0.02

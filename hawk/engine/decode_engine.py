@@ -157,6 +157,18 @@ def _device_ids(tokens: torch.Tensor, keep: list[int], n: int) -> torch.Tensor:
     return tokens.index_select(0, torch.tensor(keep, dtype=torch.int64).to(tokens.device, non_blocking=True))
 
 
+class _DeviceWaited:
+    """A step's event as the prefill engine gets it: the prefill decides whether to wait for the
+    forward (only when a prompt completes), and the loop clock counts that wait as the device's."""
+
+    def __init__(self, event: Any, clock: LoopClock) -> None:
+        self.event, self.clock = event, clock
+
+    def synchronize(self) -> None:
+        with self.clock.device_wait():
+            self.event.synchronize()
+
+
 def _free_blocks(blocks: BlockManager, seq: Sequence) -> None:
     if seq.block_ids:
         ids, seq.block_ids = seq.block_ids, []
@@ -962,10 +974,8 @@ class DecodeEngine:
         try:
             if not emit:
                 raise EngineFailure("the engine is stopping")
-            if launched.ready is not None:  # the forward's end, timed here as the device's
-                with self.clock.device_wait():
-                    launched.ready.synchronize()
-            self.prefill.complete_step(launched.pieces, launched.prefill_logits, launched.ready)
+            ready = None if launched.ready is None else _DeviceWaited(launched.ready, self.clock)
+            self.prefill.complete_step(launched.pieces, launched.prefill_logits, ready)
         except Exception as ex:  # noqa: BLE001 - a bug there must not lose the decode rows' tokens
             if emit:
                 log.exception("completing a step's prefill chunks failed")

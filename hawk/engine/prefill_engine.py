@@ -41,6 +41,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -309,11 +310,12 @@ class PrefillEngine:
                     return True
         return False
 
-    def complete_step(self, batch: list[_Piece], logits: torch.Tensor, ready: torch.cuda.Event | None = None) -> None:
+    def complete_step(self, batch: list[_Piece], logits: torch.Tensor, ready: Any = None) -> None:
         """The forward of ``batch`` ran; ``logits[i]`` is piece i's last-token logits (the caller's
         to keep until this returns). Prompts it completed get their first token and hand off.
-        ``ready``: an event recorded behind that forward (the stepping engine may have launched the
-        next step behind it: the stream is not waited for), else the current stream is."""
+        ``ready``: an event recorded behind that forward, or anything whose ``synchronize()`` waits
+        for it (the stepping engine may have launched the next step behind it: the stream is not
+        waited for), else the current stream is."""
         if logits.is_cuda and any(p.last for p in batch):  # their prefill time ends with the forward, not its launch
             if ready is not None:
                 ready.synchronize()
