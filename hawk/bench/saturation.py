@@ -300,11 +300,11 @@ def _tput(rec: dict[str, Any]) -> float:
 def served_batch(base_url: str) -> int | None:
     """The server's ``--max-num-seqs`` where it says so (a HAWK router's ``/v1/models`` carries
     ``max_num_seqs``), else None."""
-    try:
-        data = httpx.get(f"{base_url.rstrip('/')}/v1/models", timeout=10.0, trust_env=False).json().get("data") or []
-    except (httpx.HTTPError, ValueError):
-        return None
-    n = data[0].get("max_num_seqs") if data else None
+    async def info() -> dict[str, Any]:
+        async with httpx.AsyncClient(trust_env=False) as client:
+            return await _server_info(client, base_url.rstrip("/"))
+
+    n = asyncio.run(info()).get("max_num_seqs")
     return n if isinstance(n, int) and n > 0 else None
 
 
