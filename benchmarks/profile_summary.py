@@ -18,7 +18,7 @@ import re
 import tarfile
 from pathlib import Path
 
-STEP_COUNTERS = ("steps_overlapped", "steps_synchronous", "steps_mixed", "steps_piecewise",
+ENGINE_COUNTERS = ("steps_overlapped", "steps_synchronous", "steps_mixed", "steps_piecewise",
                  "loop_busy_s", "loop_device_wait_s", "loop_blocked_s")  # the last three: hawk/engine/loop_clock.py
 
 
@@ -32,7 +32,7 @@ def counters(text: str) -> dict[str, float]:
     """The engine's step counters and loop clock in a /metrics page (summed over instances)."""
     out: dict[str, float] = collections.Counter()
     for line in text.splitlines():
-        for name in STEP_COUNTERS:
+        for name in ENGINE_COUNTERS:
             if not line.startswith("#") and f"_engine_{name}" in line:
                 out[name] += float(line.rsplit(" ", 1)[1])
     return out
@@ -90,7 +90,7 @@ def main() -> None:
         files = {Path(m.name).name: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}  # type: ignore[union-attr]
     if "metrics_before.txt" in files and "metrics_after.txt" in files:
         before, after = counters(files["metrics_before.txt"]), counters(files["metrics_after.txt"])
-        d = {k: after[k] - before[k] for k in STEP_COUNTERS}
+        d = {k: after[k] - before[k] for k in ENGINE_COUNTERS}
         steps = d["steps_overlapped"] + d["steps_synchronous"]
         if steps:
             print(f"steps between the two /metrics reads: {steps:.0f}, synchronous {d['steps_synchronous'] / steps:.1%}, "
