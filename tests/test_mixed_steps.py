@@ -406,11 +406,12 @@ def test_with_a_step_token_target_a_prompt_beside_a_decode_rides_in_target_steps
     for target in (0, TARGET):
         inst = _instance(loaded, target=target)
         try:
-            running = _decoding(inst, 60, 3)
+            running = _decoding(inst, 200, 3)  # long enough to outlast the prompt's steps on a starved box
             log = _record(monkeypatch, inst)
             res = inst.prefill.submit("p", _prompt(100, 7), SamplingParams(max_tokens=1)).result(120)
             chunks = [s for s in list(log) if any(q > 1 for _, q in s)]
             out[target] = (running.wait(), res.first_token)
+            assert all(s[0][1] == 1 for s in chunks), chunks  # the decode row leads every step of the prompt
             assert sum(q for s in chunks for _, q in s[1:]) == 100
             if target:
                 assert all(sum(q for _, q in s) <= TARGET for s in chunks) and len(chunks) == -(-100 // (TARGET - 1))

@@ -117,6 +117,7 @@ class Cluster:
         from hawk.engine.loader import load_model, save_hf_dir
 
         self.root = root
+        self.address = {}  # server -> its worker's KV control address (learned from a handle)
         self.model = str(root / "model")
         save_hf_dir(load_model("smollm2-135m", dtype=torch.bfloat16), self.model)
         from hawk.engine.loader import load_hf_dir
@@ -134,7 +135,7 @@ class Cluster:
         self.servers.extend([self.p1, self.p2, self.d])
         for i, s in enumerate(self.servers):
             s.start(root / f"vllm{i}.log")
-        self.d_log = root / "vllm2.log"
+        self.p2_log, self.d_log = root / "vllm1.log", root / "vllm2.log"
         dec_port, self.router_port = free_port(), free_port()
         self.dec_url, self.router_url = f"http://127.0.0.1:{dec_port}", f"http://127.0.0.1:{self.router_port}"
         self.dec = hawk_proc(["--role", "decode", "--model", self.model, "--dtype", "bf16", "--transfer", "gn-hawk",
@@ -154,6 +155,7 @@ class Cluster:
             s.wait_ready()
         for s in self.servers:  # each engine's first step (lazy kernel set-up) before any request is timed by a TTL
             self.complete(s, self.ids("A warm-up."), 2)
+        self._first_contact()
         wait_http(self.dec_url, self.dec, root / "hawk-decode.log")
         wait_http(self.colo_url, self.colo, root / "hawk-colocated.log")
         self.router = hawk_proc(["--role", "router", "--prefill-api", "vllm", "--prefill-url", self.p1.url, "--decode-url", self.dec_url,
@@ -172,7 +174,18 @@ class Cluster:
                                                    stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
             self.pd_url = f"http://127.0.0.1:{port}"
             wait_http(self.pd_url, self.procs[-1], root / "vllm-router.log")
-        self.address = {}  # server -> its worker's KV control address (learned from a handle)
+
+    def _first_contact(self, attempts: int = 3) -> None:
+        """P2 and D meet (their handshake, UCX's first connection) before any test counts D's pulls: on a
+        loaded 2-core box the first hello once went unanswered for the decode's 30 s (CI, 2026-12-04). A
+        pull that fails recomputes; the next attempt handshakes again."""
+        ids = self.ids("A first contact.")
+        for _ in range(attempts):
+            before = self.pulls()
+            self.complete(self.d, ids, 2, self.prefill(self.p2, ids))
+            if self.pulls()["pulled"] > before["pulled"]:
+                return
+        pytest.fail(f"D never pulled from P2 in {attempts} attempts:\n{self.pull_errors()}")
 
     def close(self) -> None:
         for s in self.servers:
@@ -210,7 +223,8 @@ class Cluster:
     def pull_errors(self) -> str:
         """Why the vLLM decode's pulls failed, from its log (for a failing assertion's message)."""
         lines = self.d_log.read_text(errors="replace").splitlines()
-        return "\n".join(x for x in lines if "KVTransferFailed:" in x or "pulling its KV failed" in x)[-3000:]
+        lines += self.p2_log.read_text(errors="replace").splitlines()  # the prefill's slow-handshake warnings
+        return "\n".join(x for x in lines if "KVTransferFailed:" in x or "pulling its KV failed" in x or "hello from" in x)[-3000:]
 
     def assert_loaded(self, before: dict[str, Any], pulls: int = 1) -> None:
         """Since ``before``, the decode loaded ``pulls`` prompts and failed none (a failure would have

@@ -134,6 +134,8 @@ from hawk.transport.base import Desc, DescArray, Transport, TransferError, desc_
 from hawk.transport.paced import PacedTransport
 
 log = logging.getLogger(__name__)
+#: A handshake's transport connect slower than this is logged (the decode gives up at its pull timeout).
+SLOW_HELLO_S = 1.0
 
 
 class KVTransferFailed(RuntimeError):
@@ -821,7 +823,10 @@ class KVSender:
         if msg.extra.get("format") != self.fmt.name:
             return Error("", f"decode expects send format {msg.extra.get('format')!r}; this prefill ({self.config}) sends {self.fmt.name!r}")
         layout = layout_from_wire(msg.layout)
+        t0 = time.perf_counter()
         peer = self.transport.connect(msg.transport_md)
+        if (took := time.perf_counter() - t0) > SLOW_HELLO_S:  # the decode waits for this answer under its pull timeout
+            log.warning("hello from %s: connecting its %s transport took %.1f s", msg.extra.get("receiver"), self.transport.name, took)
         receiver = str(msg.extra.get("receiver") or uuid.uuid4().hex)
         info = _with_tuple_bases({"layout": layout, **msg.extra})
         with self._lock:
