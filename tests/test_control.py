@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import zmq
 
-from hawk.connector.control import ControlClient, ControlServer, Deferred, PeerUnreachable
+from hawk.connector.control import LIVENESS_EVERY_S, ControlClient, ControlServer, Deferred, PeerUnreachable, refuses_connections
 from hawk.connector.messages import Ack, AuthError, Done, Error, KeepAlive, decode, encode, sign
 
 
@@ -159,6 +159,62 @@ def test_timeout_is_peer_unreachable_and_the_late_reply_is_dropped():
     finally:
         client.close()
         server.close()
+
+
+def test_a_peer_whose_address_refuses_connections_fails_the_call_before_its_timeout():
+    """The server goes away (its port closes, as when its process dies) while a call waits on a 30 s
+    timeout: the call ends within a few liveness checks, saying why, not at the timeout."""
+    started = threading.Event()
+
+    def stalls(msg: Any, peer: bytes) -> Any:
+        started.set()
+        time.sleep(0.5)
+        return Deferred()  # never answered
+
+    server = ControlServer(stalls)
+    client = ControlClient(server.address)
+    try:
+        pending = client.start(Done("r", True))
+        assert started.wait(5)
+        server.close()
+        t0 = time.monotonic()
+        with pytest.raises(PeerUnreachable, match="refuses connections"):
+            pending.result(30)
+        assert time.monotonic() - t0 < 3 * LIVENESS_EVERY_S + 2
+    finally:
+        client.close()
+
+
+def test_a_slow_peer_that_still_listens_is_waited_for():
+    """Liveness checks while a slow handler works do not end the call: the reply comes, after several checks."""
+    def slow(msg: Any, peer: bytes) -> Any:
+        time.sleep(2.5 * LIVENESS_EVERY_S)
+        return Ack(msg.request_id)
+
+    server = ControlServer(slow)
+    client = ControlClient(server.address)
+    try:
+        assert client.call(Done("slow", True), 30) == Ack("slow")
+    finally:
+        client.close()
+        server.close()
+
+
+def test_refuses_connections_tells_a_closed_port_and_socket_file_from_a_live_one(tmp_path):
+    server = ControlServer(_echo)
+    try:
+        assert not refuses_connections(server.address)
+    finally:
+        server.close()
+    deadline = time.monotonic() + 5  # ZeroMQ's I/O thread closes the listening socket shortly after close()
+    while not refuses_connections(server.address) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert refuses_connections(server.address)
+    assert refuses_connections(f"ipc://{tmp_path}/nobody.sock")
+    with zmq.Context.instance().socket(zmq.ROUTER) as live:
+        live.bind(f"ipc://{tmp_path}/live.sock")
+        assert not refuses_connections(f"ipc://{tmp_path}/live.sock")
+    assert not refuses_connections("inproc://anything")  # nothing to probe: never called gone
 
 
 def test_no_server_is_peer_unreachable():

@@ -36,7 +36,7 @@ pytestmark = pytest.mark.slow
 TTL_S = 60.0  # HawkConnector's TTL here: the never-pulled tests wait it out. A first pull between two processes
 # that never met (the router's warm-up) can take seconds on a loaded 2-core box: a 20 s TTL once expired before it
 # (CI, 2026-12-04)
-PULL_TIMEOUT_S = 30.0  # the decode's wait for each answer (a dead prefill's request waits it out, then recomputes)
+PULL_TIMEOUT_S = 30.0  # the decode's wait for each answer (a dead prefill's refused port ends it sooner; then vLLM recomputes)
 PROMPTS = [
     "The capital of France is",
     "Once upon a time, in a small village by the sea,",
@@ -437,10 +437,12 @@ def test_dead_prefill_fails_the_hawk_decodes_request_and_it_releases(cluster):
     cluster.p1.stop(kill=True)
     body = DecodeRequest.of(request_id="dead-prefill", prompt_len=h.num_tokens, first_token=h.first_token,
                             params={"max_tokens": 8, "temperature": 0.0}, kv=KVRef(address=h.address, request_id=h.request_id))
+    t0 = time.monotonic()
     with httpx.stream("POST", f"{cluster.dec_url}/internal/decode", content=body.model_dump_json(), timeout=120,
                       headers={"content-type": "application/json"}) as r:
         lines = [json.loads(x) for x in r.iter_lines() if x]
     assert r.status_code != 200 or lines[-1]["finish_reason"] == "error", lines
+    assert time.monotonic() - t0 < PULL_TIMEOUT_S / 2  # the dead prefill's port refused: no wait for the timeout
     eventually(lambda: cluster.decode_idle(), "HAWK decode idle after its prefill died")
 
 
@@ -450,7 +452,9 @@ def test_dead_prefill_makes_the_vllm_decode_recompute_and_release(cluster):
     params = cluster.prefill(cluster.p2, ids)
     before = cluster.pulls()
     cluster.p2.stop(kill=True)
+    t0 = time.monotonic()
     out = cluster.complete(cluster.d, ids, MAX_TOKENS, params)["choices"][0]
+    assert time.monotonic() - t0 < PULL_TIMEOUT_S / 2  # the dead prefill's port refused: no wait for the timeout
     assert out["token_ids"] == ref["token_ids"]  # vLLM recomputed the blocks HAWK could not load
     assert cluster.pulls()["pull_failures"] == before["pull_failures"] + 1
     eventually(lambda: cluster.idle(cluster.d), "vLLM decode idle after its prefill died")

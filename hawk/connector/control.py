@@ -24,6 +24,11 @@ correlation id. With a cluster secret (the ``secret`` argument, or $HAWK_CLUSTER
 the launcher gives its children), the tag is an HMAC of the frame (messages.sign); the server
 checks it before decoding and answers a bad one with an Error, and the client drops replies
 whose tag is wrong.
+
+Liveness: ZeroMQ reconnects to a dead peer silently and keeps the request queued, so a call alone
+would learn of the death only at its timeout. A call still waiting after ``LIVENESS_EVERY_S`` checks,
+once per that period per client, that the peer's address still takes a plain connection; a refusal
+(its process is gone) ends the call with :class:`PeerUnreachable` then.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import logging
 import math
 import os
 import select
+import socket
 import struct
 import threading
 import time
@@ -87,6 +93,57 @@ def _secret(secret: str | bytes | None) -> bytes | None:
 class PeerUnreachable(TimeoutError):
     """No reply from the control peer in time: it may be dead, or the address is wrong (or the
     client was closed while the call waited)."""
+
+
+#: A call still unanswered after this long checks, once per this period, that its peer's address still
+#: takes connections: a peer whose process is gone fails the call then, not at its timeout.
+LIVENESS_EVERY_S = 1.0
+
+
+def refuses_connections(address: str, timeout_s: float = 0.5) -> bool:
+    """Whether nothing listens at a ``tcp://`` or ``ipc://`` address any more (the connection is refused:
+    the process that bound it is gone). A slow or unreachable host is not a refusal: False.
+
+    Why a plain connect: ZeroMQ reconnects to a dead peer silently and queues the request, so a caller
+    would learn of the death only at its timeout (a pull's 30 s); the kernel answers a connect to a
+    closed port or socket file at once. ZeroMQ drops the probe's connection when no handshake follows."""
+    scheme, _, rest = address.partition("://")
+    try:
+        if scheme == "tcp":
+            host, _, port = rest.rpartition(":")
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+                return False
+        if scheme == "ipc":
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(timeout_s)
+                sock.connect(rest)
+                return False
+    except (ConnectionRefusedError, FileNotFoundError):
+        return True
+    except (OSError, ValueError):
+        return False
+    return False
+
+
+class _Liveness:
+    """One client's view of whether its peer's address still takes connections, checked at most once
+    per :data:`LIVENESS_EVERY_S` however many calls wait (each check is a connect)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._lock = threading.Lock()
+        self._checked_at = -math.inf
+        self._refused = False
+
+    def gone(self) -> bool:
+        with self._lock:  # one caller checks; the others read the last answer meanwhile
+            now = time.monotonic()
+            due = now - self._checked_at >= LIVENESS_EVERY_S
+            if due:
+                self._checked_at = now
+        if due:
+            self._refused = refuses_connections(self.address)
+        return self._refused
 
 
 def _pipe() -> tuple[int, int]:
@@ -333,6 +390,7 @@ class ControlClient:
         self._opened = 0
         self._closed = False
         self._wake_r, self._wake_w = _pipe()  # readable once closed: wakes every waiting call
+        self._liveness = _Liveness(address)
         weakref.finalize(self, _close_fds, self._wake_r, self._wake_w)  # after the last waiter is gone
         self._free.append(self._open())  # connect now, as the handshake is being prepared
 
@@ -378,16 +436,23 @@ class ControlClient:
         return PendingCall(self, msg, corr, sock)
 
     def _wait(self, sock: zmq.Socket, msg: Message, corr: bytes, timeout_s: float) -> tuple[bytes, bytes]:
-        """Read ``sock`` until the reply to ``corr`` comes (others are stale: dropped)."""
-        deadline = time.monotonic() + timeout_s
+        """Read ``sock`` until the reply to ``corr`` comes (others are stale: dropped). While it waits,
+        a peer whose address refuses connections ends the wait (:class:`_Liveness`)."""
+        start = time.monotonic()
+        deadline, check = start + timeout_s, start + LIVENESS_EVERY_S
         items = [(sock, zmq.POLLIN), (self._wake_r, zmq.POLLIN)]
         while True:
             if self._closed:
                 raise PeerUnreachable(f"control client for {self.address} closed while waiting for the reply to {msg.TYPE}")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            now = time.monotonic()
+            if now >= deadline:
                 raise PeerUnreachable(f"no reply to {msg.TYPE} from {self.address} within {timeout_s:.3g} s")
-            if not zmq.zmq_poll(items, max(1, math.ceil(remaining * 1000))):
+            if now >= check:
+                if self._liveness.gone():
+                    raise PeerUnreachable(f"no reply to {msg.TYPE} from {self.address}: it refuses connections "
+                                          f"(nothing listens there any more) after {now - start:.1f} s")
+                check = now + LIVENESS_EVERY_S
+            if not zmq.zmq_poll(items, max(1, math.ceil((min(deadline, check) - now) * 1000))):
                 continue
             while True:
                 try:
