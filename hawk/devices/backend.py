@@ -1,11 +1,11 @@
 """The seam where an NPU plugs into HAWK.
 
 HAWK needs four things from an NPU: its DRAM as per-channel windows a transfer engine can
-register, an allocator that places buffers as the NPU's runtime does, byte reads/writes, and
-device-side copies (the intra-channel finish of HAWK, the cross-channel rearrangement of the
-single-buffer baseline). The emulated device implements them over torch memory. A real
+register (``channel_memory``, on ``torch_device``), an allocator that places buffers as the NPU's
+runtime does (``allocator``, ``interleaved_pages``), byte reads/writes, and device-side copies (the
+intra-channel finish of HAWK, the cross-channel rearrangement of the single-buffer baseline). The emulated device implements them over torch memory. A real
 Tenstorrent backend would implement them with ttnn / tt-umd, registering one tt-kmd dma-buf TLB
-window per DRAM bank (DESIGN.md §2) as the per-channel RDMA regions.
+window per DRAM bank (docs/design.md §3) as the per-channel RDMA regions.
 """
 
 from __future__ import annotations

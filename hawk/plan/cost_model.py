@@ -9,7 +9,8 @@ Staging sends one request per channel and then copies every byte once inside its
 placement sends one request per contiguous run of cache pages and copies nothing. Few large
 requests win when requests are expensive (RDMA over a NIC, TCP); direct wins when the device copy
 is the slower part. The numbers are per transport and per destination device; the defaults are the
-ceilings measured on the machines here (DESIGN.md §4) and can be overridden.
+ceilings measured on the machines here (docs/benchmarks.md) and can be overridden. A new transport
+needs its row in ``LINKS`` (a new NPU memory kind its ``DEVICE_COPY``) before a decode on the NPU can plan with it.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class CostModel:
 
 GB = 1e9
 
-#: Per-request overhead and bandwidth by (transport, where the memory is), as measured here (DESIGN.md §4).
+#: Per-request overhead and bandwidth by (transport, where the memory is), as measured here (docs/benchmarks.md).
 LINKS: dict[tuple[str, str], tuple[float, float]] = {
     ("nixl", "cpu"): (5e-6, 10 * GB),  # UCX shared memory between two processes on the CPU box
     ("nixl", "cuda"): (10e-6, 350 * GB),  # UCX cuda_ipc between the two H200s
