@@ -207,9 +207,10 @@ def _decode_side(spec: BenchSpec, config: str, mode: str) -> tuple[Any, Any]:
     blocks = -(-spec.max_tokens // s.npu_block) + 1
     arch0 = get_arch(spec.arch)
     probe = NpuKVLayout(arch0, s.layers, blocks, s.kv_heads, s.npu_block, s.head_dim, spec.kv_dtype, shard_pages=spec.shard_pages)
-    per_bank = probe.num_tensors * probe.tensor_buffer(0).bytes_per_bank + -(-rx // arch0.num_banks) * (2 if config == "gn-direct-single" else 1)
+    one_bank = get_config(config).rx_in_one_bank
+    per_bank = probe.num_tensors * probe.tensor_buffer(0).bytes_per_bank + -(-rx // arch0.num_banks) * (2 if one_bank else 1)
     bank = -(-int(per_bank * 1.25 + 8 * MiB) // (64 * 1024)) * 64 * 1024
-    if config == "gn-direct-single":  # the single buffer must fit in one bank
+    if one_bank:  # the single buffer must fit in one bank
         bank = max(bank, rx + probe.num_tensors * probe.tensor_buffer(0).bytes_per_bank + 8 * MiB)
     npu = open_npu(spec.npu_device, spec.arch, bank_capacity=bank)
     layout = NpuKVLayout(npu.arch, s.layers, blocks, s.kv_heads, s.npu_block, s.head_dim, spec.kv_dtype, shard_pages=spec.shard_pages)

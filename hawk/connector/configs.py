@@ -50,6 +50,12 @@ class TransferConfig:
     landing: str
     prefill_on: str = "gpu"
 
+    @property
+    def rx_in_one_bank(self) -> bool:
+        """Whether the decode's receive buffer is one contiguous range in one DRAM bank (the
+        single-buffer baseline) rather than spread over every channel: it sizes the banks."""
+        return self.landing == "single"
+
 
 CONFIGS: dict[str, TransferConfig] = {
     c.name: c

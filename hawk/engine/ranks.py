@@ -120,7 +120,7 @@ class DecodeRank:
             blocks = -(-cfg.kv_tokens // cfg.npu_block_size)
             probe = NpuKVLayout(arch0, mc.num_layers, blocks, len(heads), cfg.npu_block_size, mc.head_dim, cfg.kv_dtype, shard_pages=cfg.npu_shard_pages, head_start=heads.start)
             kv_per_bank = probe.num_tensors * probe.tensor_buffer(0).bytes_per_bank
-            rx_per_bank = rx if cfg.transfer == "gn-direct-single" else -(-rx // arch0.num_channels)
+            rx_per_bank = rx if tc.rx_in_one_bank else -(-rx // arch0.num_channels)
             bank = int((kv_per_bank + rx_per_bank) * 1.25) + 4 * MiB
             self.npu = open_npu(cfg.decode_device, cfg.arch, bank_capacity=-(-bank // MiB) * MiB, copy_timing=copy_model_for(cfg.npu_timing))
             layout = NpuKVLayout(self.npu.arch, mc.num_layers, blocks, len(heads), cfg.npu_block_size, mc.head_dim, cfg.kv_dtype, shard_pages=cfg.npu_shard_pages, head_start=heads.start)
