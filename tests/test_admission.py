@@ -299,9 +299,9 @@ def test_close_with_swapped_and_waiting_requests_frees_every_block():
 
 
 # Short enough that the waits below outlive it, long enough that a loaded 2-core CI box (the other
-# xdist worker running vLLM servers) does not delay a keep-alive (sent every TTL/4) past it.
-TTL_S = 4.0  # keep-alives go out every TTL/4 and extend to TTL: a 2 s TTL left 1.5 s of slack, which a loaded
-# 2-core CI box (the vLLM cluster on the other worker) once overran (2026-12-04)
+# xdist worker running vLLM servers) does not delay a keep-alive past it: they go out every TTL/4 and
+# extend to one TTL, and 2 s (1.5 s of slack) was once overrun.
+TTL_S = 4.0
 
 
 def _connected_pair(ttl_s: float) -> Pair:

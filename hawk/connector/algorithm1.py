@@ -41,12 +41,11 @@ Staging is back-pressure too: a pull that finds P4's buffer full waits, in arriv
 and expiries to make room (the stager thread answers its D1 then), rather than failing or holding a
 control thread (the D9s that free staging arrive on those threads). It waits at most one TTL, and
 no longer than its decode waits for D2: a decode that stops waiting sends D9 not ok, which drops it
-from the queue (so a dead prefill is still noticed, within a second by its refused port or else at the
-decode's own timeout). The decode's
-receive buffers are back-pressure too: a D3 that finds no free range large enough (concurrent pulls
-fragment a first-fit buffer) waits, in arrival order, for D8s to make room, at most the pull's timeout
-and half the sender's TTL (the staged bytes must outlive D5-D6); one that exceeds the empty buffer
-fails at once.
+from the queue (so a dead prefill is still noticed: within seconds by its refused port, else at the
+decode's own timeout). The decode's receive buffers are back-pressure too: a D3 that finds no free
+range large enough (concurrent pulls fragment a first-fit buffer) waits, in arrival order, for D8s to
+make room, at most the pull's timeout and half the sender's TTL (the staged bytes must outlive
+D5-D6); one that exceeds the empty buffer fails at once.
 
 Layer-wise flow (``kv_flow=layerwise``; the prefill offers ``layerwise`` in its handshake). The same
 steps, reordered so that the transfer hides behind prefill: the decode allocates the request's
