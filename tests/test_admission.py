@@ -314,16 +314,46 @@ def _connected_pair(ttl_s: float) -> Pair:
     return pr
 
 
-def test_a_request_queued_past_the_prefill_ttl_is_still_served():
+class _KeepAlives:
+    """When the decode sent keep-alives and the prefill took them, for a failing assertion's message
+    (CI has lost a queued request's KV to its TTL twice; this says which side was late)."""
+
+    def __init__(self, pr: Pair, monkeypatch) -> None:
+        self.t0, self.sent, self.taken = time.monotonic(), [], []
+        self.sender = pr.p.sender
+        receiver, sender = pr.d.rank.receiver, pr.p.sender
+        send, take = receiver.keep_alive, sender._keep_alive
+
+        def sent(address, ids):
+            out = send(address, ids)
+            self.sent.append((round(time.monotonic() - self.t0, 2), list(ids), out))
+            return out
+
+        def taken(msg):
+            self.taken.append((round(time.monotonic() - self.t0, 2), list(msg.request_ids)))
+            return take(msg)
+
+        monkeypatch.setattr(receiver, "keep_alive", sent)
+        monkeypatch.setattr(sender, "_keep_alive", taken)
+
+    def why(self, rid: str) -> str:
+        with self.sender._lock:
+            gone = self.sender._gone.get(rid)
+        fate = "held" if gone is None else f"{gone[0]} at {gone[1] - self.t0:.2f} s"
+        return f"prefill: {fate}; decode sent (s, ids, went out): {self.sent}; prefill took (s, ids): {self.taken}"
+
+
+def test_a_request_queued_past_the_prefill_ttl_is_still_served(monkeypatch):
     """The decode is memory-bound for 2.5 TTLs; the queued request's KV is kept alive, not expired."""
     pr = _connected_pair(ttl_s=TTL_S)
     try:
+        seen = _KeepAlives(pr, monkeypatch)
         squatter = pr.blocks.allocate(pr.blocks.num_blocks, "squatter")  # the decode's memory is all taken
         params = SamplingParams(max_tokens=6, ignore_eos=True)
         col = pr.submit("patient", _prompt(4, 50), params)
         time.sleep(2.5 * TTL_S)
         assert not col.done.is_set() and pr.engine.stats()["waiting"] == 1
-        assert pr.p.accounting()["kv_waiting"] == ["patient"]  # still held by the prefill
+        assert pr.p.accounting()["kv_waiting"] == ["patient"], seen.why("patient")  # still held by the prefill
         pr.blocks.free(squatter)
         assert col.done.wait(30)
         assert col.info["finish_reason"] == "length" and len(col.tokens) == 6, col.info
@@ -334,14 +364,15 @@ def test_a_request_queued_past_the_prefill_ttl_is_still_served():
         pr.close()
 
 
-def test_an_aborted_queued_request_still_expires_on_the_prefill():
+def test_an_aborted_queued_request_still_expires_on_the_prefill(monkeypatch):
     """Keep-alive lasts only while the decode has the request queued: once aborted, the TTL frees it."""
     pr = _connected_pair(ttl_s=TTL_S)
     try:
+        seen = _KeepAlives(pr, monkeypatch)
         squatter = pr.blocks.allocate(pr.blocks.num_blocks, "squatter")
         col = pr.submit("gives-up", _prompt(6, 50), SamplingParams(max_tokens=6, ignore_eos=True))
         time.sleep(2 * TTL_S)
-        assert pr.p.accounting()["kv_waiting"] == ["gives-up"]
+        assert pr.p.accounting()["kv_waiting"] == ["gives-up"], seen.why("gives-up")
         assert pr.engine.abort("gives-up") and col.done.wait(5)
         deadline = time.monotonic() + TTL_S + 3
         while pr.p.accounting()["gpu_blocks_used"] and time.monotonic() < deadline:
