@@ -530,3 +530,20 @@ def test_a_pull_for_kv_no_longer_held_is_refused_at_once_with_why():
         assert sorted(pair.freed) == ["discarded", "expired", "pulled"]
     finally:
         pair.close()
+
+
+def test_a_stalled_prefill_process_moves_its_deadlines_instead_of_expiring_them():
+    """The reaper wakes 100 s late: the process did not run, so no keep-alive or D9 could have been taken,
+    and the waiting KV gets 100 s more instead of expiring; rounds on time expire it at its deadline."""
+    pair = make_pair("gn-hawk", LocalTransport(), LocalTransport(), ttl_s=30.0)
+    try:
+        t0 = time.monotonic()
+        pair.add("r", 20, [2, 3])
+        assert pair.sender._reap_tick(t0, 0.2, now=t0 + 100) == t0 + 100.2
+        assert pair.sender.accounting()["waiting"] == ["r"]  # its 30 s TTL is over, but 100 s of it were a stall
+        pair.sender._reap_tick(t0 + 129, 0.2, now=t0 + 129.1)  # on time: nothing moves, and 129 s is not yet due
+        assert pair.sender.accounting()["waiting"] == ["r"]
+        pair.sender._reap_tick(t0 + 131, 0.2, now=t0 + 131.1)
+        assert pair.sender.accounting()["waiting"] == [] and pair.freed == ["r"]
+    finally:
+        pair.close()

@@ -36,7 +36,9 @@ Back-pressure: a decode that has a request queued, waiting for its own KV memory
 for it (about four per TTL); each extends the un-pulled KV's deadline by one TTL. So a busy decode
 delays a request instead of letting it expire into an error, while an aborted request, or a dead
 or closed decode, stops the keep-alives and the TTL still releases the KV. The prefill offers this
-in its handshake (``keepalive``, ``ttl_s``), and a decode sends it to no prefill that did not.
+in its handshake (``keepalive``, ``ttl_s``), and a decode sends it to no prefill that did not. A TTL
+counts the decode's silence: a stall of the prefill's own process (its reaper wakes late) moves the
+deadlines by the stall, as no keep-alive or D9 could be taken meanwhile.
 Staging is back-pressure too: a pull that finds P4's buffer full waits, in arrival order, for D9s
 and expiries to make room (the stager thread answers its D1 then), rather than failing or holding a
 control thread (the D9s that free staging arrive on those threads). It waits at most one TTL, and
@@ -136,6 +138,9 @@ from hawk.transport.paced import PacedTransport
 log = logging.getLogger(__name__)
 #: A handshake's transport connect slower than this is logged (the decode gives up at its pull timeout).
 SLOW_HELLO_S = 1.0
+#: The prefill's reaper waking this much later than it asked means the process stalled (a long collection,
+#: CPU starvation, a stopped process): the holds that wait on decodes are moved by the stall, not expired by it.
+STALL_S = 0.5
 
 
 class KVTransferFailed(RuntimeError):
@@ -1103,11 +1108,31 @@ class KVSender:
         return len(jobs) + len(sent) + len(ready) + len(expired) + len(stale_pushes) + waited
 
     def _reap_loop(self, every_s: float) -> None:
-        while not self._stop.wait(every_s):
-            try:
-                self.reap()
-            except Exception:  # noqa: BLE001
-                log.exception("KV reaper failed")
+        due = time.monotonic() + every_s
+        while not self._stop.wait(max(0.0, due - time.monotonic())):
+            due = self._reap_tick(due, every_s)
+
+    def _reap_tick(self, due: float, every_s: float, now: float | None = None) -> float:
+        """One round of the reaper, woken at ``now`` for ``due``; returns the next round's time. A round
+        that wakes more than :data:`STALL_S` late first moves the deadlines that wait on decodes by the
+        delay: this process did not run, so neither did the threads that take their keep-alives and D9s,
+        and a TTL measures the decode's silence, not this process's."""
+        now = time.monotonic() if now is None else now
+        if now - due > STALL_S:
+            self._postpone(now - due)
+        try:
+            self.reap(now)
+        except Exception:  # noqa: BLE001
+            log.exception("KV reaper failed")
+        return now + every_s
+
+    def _postpone(self, stalled_s: float) -> None:
+        with self._lock:
+            held = [*self._prefilled.values(), *self._sent.values()]
+            for h in held:
+                h.deadline += stalled_s
+        if held:
+            log.warning("this process stalled for %.1f s: %d KV holds waiting on decodes get as much longer", stalled_s, len(held))
 
     def accounting(self) -> dict[str, Any]:
         """What the prefill side holds right now, and for whom."""
