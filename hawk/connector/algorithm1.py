@@ -1124,7 +1124,7 @@ class KVSender:
             self.reap(now)
         except Exception:  # noqa: BLE001
             log.exception("KV reaper failed")
-        return now + every_s
+        return max(now, time.monotonic()) + every_s  # from the round's end: a long round is no stall
 
     def _postpone(self, stalled_s: float) -> None:
         with self._lock:
