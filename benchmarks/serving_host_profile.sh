@@ -5,6 +5,8 @@
 #
 #   PROFILE_RATE=18 PROFILE_S=40 bash benchmarks/serving_host_profile.sh [hawk serve args...]
 #   (PYSPY_IDLE=1: the engines' stacks include idle samples, where a thread waits on a lock or the GIL;
+#   GIL_SWITCH_MS=0.5: the server's processes hand the interpreter lock between threads that often instead
+#   of CPython's 5 ms, through a sitecustomize.py put first on their PYTHONPATH (it shadows any other);
 #   python benchmarks/profile_summary.py $OUT reads the outputs)
 #
 # Default server: colocated, 8B shape, bf16, cuda:0, default capacity. Writes under $OUT:
@@ -22,7 +24,12 @@ else
   export PYTHONPATH=$PWD
 fi
 args=("$@"); [ ${#args[@]} -eq 0 ] && args=(--transfer colocated --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0)
-python3 -m hawk serve "${args[@]}" --port "$PORT" > "$OUT/serve.log" 2>&1 &
+serve_path=$PYTHONPATH
+if [ -n "${GIL_SWITCH_MS:-}" ]; then
+  gil=$(mktemp -d); printf 'import sys\nsys.setswitchinterval(%s / 1000)\n' "$GIL_SWITCH_MS" > "$gil/sitecustomize.py"
+  serve_path=$gil:$PYTHONPATH
+fi
+PYTHONPATH=$serve_path python3 -m hawk serve "${args[@]}" --port "$PORT" > "$OUT/serve.log" 2>&1 &
 spid=$!
 for _ in $(seq 1 300); do curl -sf "127.0.0.1:$PORT/health" > /dev/null && break; kill -0 $spid 2> /dev/null || break; sleep 1; done
 grep -E "KV cache|max-num" "$OUT/serve.log"
@@ -38,7 +45,7 @@ cpu() { for p in "$@"; do awk -v p="$p" '{print p, $14 + $15}' "/proc/$p/stat" 2
 threads() { for t in /proc/"$1"/task/*; do awk -v t="${t##*/}" '{print t, $14 + $15}' "$t/stat" 2> /dev/null | paste - "$t/comm"; done; }
 nvidia-smi --query-gpu=timestamp,utilization.gpu --format=csv,noheader -lms 100 > "$OUT/gpu_util.csv" &
 npid=$!
-{ echo "# ticks/s $(getconf CLK_TCK), window $((DUR / 2)) s"; echo "## start"; cpu $spid $engines $bpid; for e in ${engines:-$spid}; do threads "$e"; done; } > "$OUT/cpu.txt"
+{ echo "# ticks/s $(getconf CLK_TCK), window $((DUR / 2)) s, GIL switch interval ${GIL_SWITCH_MS:-5 (CPython default)} ms"; echo "## start"; cpu $spid $engines $bpid; for e in ${engines:-$spid}; do threads "$e"; done; } > "$OUT/cpu.txt"
 if command -v py-spy > /dev/null; then
   for e in ${engines:-}; do
     py-spy record -p "$e" -d $((DUR / 2)) -r 50 -f raw -o "$OUT/pyspy_engine_$e.txt" --threads ${PYSPY_IDLE:+--idle} > "$OUT/pyspy_engine_$e.log" 2>&1 &
