@@ -1128,7 +1128,7 @@ class KVSender:
 
     def _postpone(self, stalled_s: float) -> None:
         with self._lock:
-            held = [*self._prefilled.values(), *self._sent.values()]
+            held = [*self._prefilled.values(), *self._sent.values(), *self._pushes.values()]
             for h in held:
                 h.deadline += stalled_s
         if held:
