@@ -20,7 +20,6 @@ state): run it beside the real thing once it exists.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import multiprocessing as mp
@@ -37,7 +36,7 @@ from fastapi.responses import StreamingResponse
 
 from hawk.serve.contract import DecodeRequest, TokenLine, receive
 from hawk.serve.decode_server import DecodeService, LoopMailbox, decode_routes
-from stream_probe import StubEngine  # benchmarks/ is sys.path[0] when run as a script
+from stream_probe import StubEngine, parse_args  # benchmarks/ is sys.path[0] when run as a script
 
 
 def _app(streams: int, tokens: int) -> FastAPI:
@@ -139,12 +138,7 @@ def probe(layout: str, streams: int, tokens: int, port: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--streams", default="64,256", help="concurrent requests (comma-separated)")
-    ap.add_argument("--tokens", type=int, default=400, help="tokens per request")
-    ap.add_argument("--port", type=int, default=8871)
-    ap.add_argument("--json", help="write the records here")
-    args = ap.parse_args()
+    args = parse_args(__doc__.splitlines()[0], "64,256", 8871)
     recs = []
     for i, r in enumerate(int(x) for x in args.streams.split(",")):
         for j, layout in enumerate(("per-request", "multiplexed")):

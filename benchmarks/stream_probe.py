@@ -119,13 +119,18 @@ def probe(streams: int, tokens: int, port: int) -> dict[str, Any]:
             "engine_emit_ms_per_step": 1e3 * emit}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--streams", default="64,128,256", help="concurrent streams (comma-separated)")
+def parse_args(description: str, streams: str, port: int) -> argparse.Namespace:
+    """The options of this probe and of ``stream_mux_probe.py``: streams, tokens per stream, first port, output."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--streams", default=streams, help="concurrent streams (comma-separated)")
     ap.add_argument("--tokens", type=int, default=400, help="tokens per stream")
-    ap.add_argument("--port", type=int, default=8791)
+    ap.add_argument("--port", type=int, default=port)
     ap.add_argument("--json", help="write the records here")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0], "64,128,256", 8791)
     recs = []
     for i, r in enumerate(int(x) for x in args.streams.split(",")):
         rec = probe(r, args.tokens, args.port + i)
