@@ -3,6 +3,8 @@ it reports as blocked; idle waits do not count; and a decode engine's stats carr
 
 import time
 
+import pytest
+
 from hawk.engine.loop_clock import LoopClock
 
 
@@ -12,20 +14,46 @@ def _spin(seconds: float) -> None:
         pass
 
 
+class _Clocks:
+    """A wall clock and a thread-CPU clock the test advances: exact answers, whatever else the box runs."""
+
+    def __init__(self) -> None:
+        self.wall = self.cpu = 0.0
+
+    def spin(self, s: float) -> None:  # on the CPU
+        self.wall += s
+        self.cpu += s
+
+    def sleep(self, s: float) -> None:  # off it
+        self.wall += s
+
+
 def test_sleeping_in_an_iteration_is_blocked_spinning_is_not_and_device_and_idle_waits_are_apart():
+    t = _Clocks()
+    clock = LoopClock(wall=lambda: t.wall, cpu=lambda: t.cpu)
+    with clock.iteration():
+        t.spin(0.05)  # work on the CPU
+        t.sleep(0.1)  # blocked: off the CPU, no device wait
+        with clock.device_wait():
+            t.spin(0.05)  # a CUDA event's spin-wait runs the CPU clock: a device wait all the same
+            t.sleep(0.05)
+        with clock.idle():
+            t.sleep(0.2)  # waiting for requests: not busy at all
+    s = clock.stats()
+    assert s["loop_busy_s"] == pytest.approx(0.25)  # the spans, not the idle 0.2
+    assert s["loop_device_wait_s"] == pytest.approx(0.1)
+    assert s["loop_blocked_s"] == pytest.approx(0.1)  # the 0.1-s sleep, not the device wait's
+
+
+def test_the_default_clocks_tell_a_sleep_from_a_spin():
+    """What the class relies on: the thread's CPU clock stands still while it sleeps and runs while it spins."""
     clock = LoopClock()
     with clock.iteration():
-        _spin(0.05)  # work on the CPU
-        time.sleep(0.1)  # blocked: off the CPU, no device wait
-        with clock.device_wait():
-            _spin(0.05)  # a CUDA event's spin-wait runs the CPU clock: a device wait all the same
-            time.sleep(0.05)
-        with clock.idle():
-            time.sleep(0.2)  # waiting for requests: not busy at all
+        time.sleep(0.1)
+    with clock.iteration():
+        _spin(0.1)
     s = clock.stats()
-    assert 0.24 <= s["loop_busy_s"] < 0.45  # 0.25 of spans, not the idle 0.2
-    assert 0.095 <= s["loop_device_wait_s"] < 0.2
-    assert 0.09 <= s["loop_blocked_s"] < 0.18  # the 0.1-s sleep, not the device wait's
+    assert s["loop_busy_s"] >= 0.2 and 0.095 <= s["loop_blocked_s"] < s["loop_busy_s"]  # the spin ran on the CPU
 
 
 def test_a_decode_engines_stats_carry_its_loop_clock_and_a_blocked_host_shows(monkeypatch):

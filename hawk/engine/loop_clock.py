@@ -12,37 +12,37 @@ Only the loop's own thread enters the clock; :meth:`LoopClock.stats` may be read
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 
 
 class LoopClock:
     """Wall and thread-CPU seconds of a loop's iterations, and of the idle and device waits inside them."""
 
-    def __init__(self) -> None:
+    def __init__(self, wall: Callable[[], float] = time.perf_counter, cpu: Callable[[], float] = time.thread_time) -> None:
+        self._wall, self._cpu = wall, cpu
         self._s = {"loop": [0.0, 0.0], "idle": [0.0, 0.0], "device": [0.0, 0.0]}  # wall, CPU
 
     @contextmanager
     def _span(self, kind: str) -> Iterator[None]:
-        t, c = time.perf_counter(), time.thread_time()
+        t, c = self._wall(), self._cpu()
         try:
             yield
         finally:
             acc = self._s[kind]
-            acc[0] += time.perf_counter() - t
-            acc[1] += time.thread_time() - c
+            acc[0] += self._wall() - t
+            acc[1] += self._cpu() - c
 
-    def iteration(self) -> contextlib.AbstractContextManager[None]:
+    def iteration(self) -> AbstractContextManager[None]:
         """One pass of the loop."""
         return self._span("loop")
 
-    def idle(self) -> contextlib.AbstractContextManager[None]:
+    def idle(self) -> AbstractContextManager[None]:
         """A wait for work (requests, blocks): not counted at all."""
         return self._span("idle")
 
-    def device_wait(self) -> contextlib.AbstractContextManager[None]:
+    def device_wait(self) -> AbstractContextManager[None]:
         """A wait for the device (a step's tokens, an event behind a forward, a modelled step time)."""
         return self._span("device")
 
