@@ -121,6 +121,18 @@ def wait_released(system: System, timeout_s: float) -> float:
         time.sleep(0.05)
 
 
+def wait_prefill_idle(system: System, timeout_s: float) -> float:
+    """Poll until the prefill engine runs and queues nothing; returns how long it took."""
+    t0 = time.monotonic()
+    while True:
+        a = accounting(system.prefill.url)
+        if a["engine_waiting"] == 0 and a["engine_prefilling"] == 0:
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout_s:
+            pytest.fail(f"the prefill engine still busy after {timeout_s}s: {a}")
+        time.sleep(0.05)
+
+
 def complete(system: System, **body) -> dict:
     r = system.http.post("/v1/completions", json={"max_tokens": 16, **body})
     assert r.status_code == 200, r.text
@@ -354,11 +366,33 @@ def test_disconnect_during_prefill_discards_the_kv(system):
         with pytest.raises(httpx.ReadTimeout):
             with c.stream("POST", "/v1/completions", json=body) as r:
                 r.read()
-    wait_released(system, 40)
+    # the prefill's own pace sets when its batch ends (minutes on a starved 2-core box, seconds here);
+    # the KV must be gone soon after that, far inside its 60-s TTL
+    prefill_s = wait_prefill_idle(system, 240)
+    assert wait_released(system, 10) < 10, f"prefill idle after {prefill_s:.1f} s"
     after = accounting(system.prefill.url)
     # the router's abort arrived mid-batch and the KV was dropped as soon as the batch ended
     assert after["aborts_pending"] == before["aborts_pending"] + 1
     assert after["aborts_discarded_after_prefill"] == before["aborts_discarded_after_prefill"] + 1
+
+
+def test_an_abort_that_overtakes_its_prefill_refuses_it(system):
+    """The router's prefill call and its abort travel on different connections, so on a busy
+    prefill the abort can come first: it is remembered, and the prefill arriving after it is
+    refused (499) instead of leaving KV nobody pulls until its TTL."""
+    url, rid = system.prefill.url, "overtaken-by-its-abort"
+    before = accounting(url)
+    r = httpx.post(f"{url}/internal/abort", json={"version": CONTRACT_VERSION, "request_id": rid}, trust_env=False)
+    assert r.json()["result"] == "unknown"
+    prefill = {"version": CONTRACT_VERSION, "request_id": rid, "prompt_ids": [1, 2, 3]}
+    _error(httpx.post(f"{url}/internal/prefill", json=prefill, trust_env=False), 499, "aborted before its prefill")
+    after = accounting(url)
+    assert after["aborts_before_prefill"] == before["aborts_before_prefill"] + 1
+    assert after["engine_waiting"] == 0 and after["engine_prefilling"] == 0 and not any(held(system).values())
+    # remembered once: the id may be used again
+    r = httpx.post(f"{url}/internal/prefill", json=prefill, trust_env=False)
+    assert r.status_code == 200, r.text
+    assert httpx.post(f"{url}/internal/abort", json={"version": CONTRACT_VERSION, "request_id": rid}, trust_env=False).json()["result"] == "discarded"
 
 
 def test_non_streaming_client_timeout_frees_everything(system):

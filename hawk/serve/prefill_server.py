@@ -39,7 +39,8 @@ class PrefillService:
     """Submits prompts, tracks which are still running, and turns aborts into the right release.
 
     An abort can arrive in three states: queued (cancel it), prefilled with KV waiting (discard it),
-    or inside the running batch (neither works yet: remember it and discard when it finishes).
+    or inside the running batch (neither works yet: remember it and discard when it finishes). One
+    for an id not seen yet is remembered too: a prefill arriving after its abort is refused.
     """
 
     def __init__(
@@ -64,7 +65,8 @@ class PrefillService:
         self._running: set[str] = set()
         self._aborted: dict[str, float] = {}
         # how aborts ended, for /internal/accounting and /metrics
-        self.aborts = {"aborts_cancelled": 0, "aborts_discarded": 0, "aborts_pending": 0, "aborts_unknown": 0, "aborts_discarded_after_prefill": 0}
+        self.aborts = {"aborts_cancelled": 0, "aborts_discarded": 0, "aborts_pending": 0, "aborts_unknown": 0, "aborts_discarded_after_prefill": 0,
+                       "aborts_before_prefill": 0}
         if kv_flow == "layerwise":  # push destinations released because their prefill failed or was refused
             self.aborts["push_destinations_released"] = 0
 
@@ -112,6 +114,9 @@ class PrefillService:
         rid = req.request_id
         if rid in self._running:
             raise DuplicateRequest(f"request {rid!r} is already being prefilled")
+        if self._aborted.pop(rid, None) is not None:  # its abort overtook it (two connections, no order)
+            self.aborts["aborts_before_prefill"] += 1
+            raise Aborted(f"request {rid!r} was aborted before its prefill arrived")
         if req.kv_flow == "layerwise":
             self.expect(rid)
         try:
@@ -160,7 +165,10 @@ class PrefillService:
         if rid in self._running:
             self._aborted[rid] = now
             return "pending"
-        return "unknown"  # pulled already (the decode side owns it now) or never seen
+        # pulled already (the decode side owns it now), or never seen: its prefill may still be on its
+        # way (the router's prefill and abort calls travel on different connections), so remembered
+        self._aborted[rid] = now
+        return "unknown"
 
 
 def prefill_routes(svc: PrefillService) -> APIRouter:
@@ -177,6 +185,12 @@ def prefill_routes(svc: PrefillService) -> APIRouter:
     return r
 
 
+def engine_stats(engine: PrefillEngine) -> dict[str, int]:
+    """The engine's queue for /internal/accounting: prompts waiting, and prompts holding blocks
+    whose last chunk has not finished (``engine_prefilling``)."""
+    return {f"engine_{k}": v for k, v in engine.stats().items()}
+
+
 def create_prefill_app(instance: PrefillInstance, close_on_shutdown: bool = True, cluster_secret: str | None = None) -> FastAPI:
     """The HTTP face of a :class:`PrefillInstance`; shutdown closes it unless told not to (tests
     that reuse one loaded instance across apps)."""
@@ -191,6 +205,6 @@ def create_prefill_app(instance: PrefillInstance, close_on_shutdown: bool = True
         max_model_len=mc.max_position_embeddings, vocab_size=mc.vocab_size, kv_flow=cfg.kv_flow, staging_bytes=instance.rank.staging_bytes,
     )
     return build_instance_app(
-        "prefill", [prefill_routes(svc)], info, lambda: {**instance.accounting(), **svc.aborts}, instance.loaded.tokenizer,
+        "prefill", [prefill_routes(svc)], info, lambda: {**instance.accounting(), **engine_stats(instance.engine), **svc.aborts}, instance.loaded.tokenizer,
         instance.close if close_on_shutdown else None, [instance.engine], cluster_secret, lambda: dead_rank_names(instance),
     )
