@@ -1,19 +1,14 @@
-"""One HTTP stream per request against one stream carrying every request's tokens: CPU per token on each side.
+"""One HTTP stream per request against one shared stream per router process: CPU per token on each side.
 
-The decode instance streams each request's tokens to the router on a stream of its own
-(``/internal/decode``, NDJSON, one line per token); vLLM's front end instead gets one message per engine
-step with every request's outputs. This probe prices the two with the engine stubbed, on this machine:
-
-- per request: the real ``DecodeService`` and a stub engine thread (``stream_probe.StubEngine``), R
-  streams read the way the router reads them (httpx ``aiter_lines``, each line parsed as ``TokenLine``);
-- multiplexed: a stub engine thread posts one line per step, ``{"events": [[request id, token], ...]}``,
-  through the same ``LoopMailbox`` onto one stream; the reader parses each line and hands every token to
-  its request's queue, where R consumer tasks take them.
+The router reads a decode instance's tokens either on a stream per request (``--decode-stream request``,
+one NDJSON line per token on each) or on one shared stream that carries every request's lines, a decode
+step's lines in one write (``--decode-stream shared``; hawk/serve/decode_lines.py). This probe prices the
+two with the engine stubbed, on this machine: the real ``DecodeService`` and a stub engine thread
+(``stream_probe.StubEngine``) serve; the reader is the router's own code (``RequestLines`` or
+``SharedStreams``), R requests of N tokens each, every line parsed as ``TokenLine``.
 
 Reported per layout: tokens per second, the reading process's CPU per token (the router's side) and the
 serving process's (the decode instance's: its event loop shares the interpreter with the engine thread).
-The multiplexed side is a ceiling for a design HAWK does not have yet (no aborts, no errors, no per-request
-state): run it beside the real thing once it exists.
 
     python benchmarks/stream_mux_probe.py --streams 64,256 --tokens 400 --json out.json
 """
@@ -32,43 +27,18 @@ from typing import Any
 import httpx
 import uvicorn
 from fastapi import FastAPI
-from fastapi.responses import StreamingResponse
 
-from hawk.serve.contract import DecodeRequest, TokenLine, receive
-from hawk.serve.decode_server import DecodeService, LoopMailbox, decode_routes
+from hawk.serve.contract import DecodeRequest, KVRef
+from hawk.serve.decode_lines import DecodeLines, RequestLines, SharedStreams
+from hawk.serve.decode_server import DecodeService, decode_routes
 from stream_probe import StubEngine, parse_args  # benchmarks/ is sys.path[0] when run as a script
+
+LAYOUTS = ("request", "shared")
 
 
 def _app(streams: int, tokens: int) -> FastAPI:
     app = FastAPI()
     app.include_router(decode_routes(DecodeService(StubEngine(streams, tokens), handle_for=lambda req: None)))
-
-    @app.get("/mux")
-    async def mux() -> StreamingResponse:
-        queue: asyncio.Queue[bytes | None] = asyncio.Queue()
-        box = LoopMailbox(asyncio.get_running_loop())
-
-        def engine() -> None:  # one line per step, every request's token in it
-            for step in range(1, tokens + 1):
-                box.post(queue, json.dumps({"events": [[f"r{i}", step] for i in range(streams)]}).encode() + b"\n")
-                time.sleep(0)  # a real step waits for its device here, without the interpreter lock
-            box.post(queue, None)
-
-        threading.Thread(target=engine, daemon=True).start()
-
-        async def lines():
-            while True:
-                out = [await queue.get()]
-                while out[-1] is not None and not queue.empty():  # behind: what waits goes in one write
-                    out.append(queue.get_nowait())
-                done = out[-1] is None
-                if body := b"".join(x for x in out if x is not None):
-                    yield body
-                if done:
-                    return
-
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
-
     return app
 
 
@@ -82,40 +52,28 @@ def _serve(port: int, streams: int, tokens: int, q: Any) -> None:
     q.put(time.process_time() - c0)
 
 
-async def _per_request(port: int, streams: int, tokens: int) -> int:
+async def _read(layout: str, port: int, streams: int, tokens: int) -> int:
+    url = f"http://127.0.0.1:{port}"
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=None), trust_env=False) as c:
+        shared = SharedStreams(c) if layout == "shared" else None
+
         async def one(i: int) -> int:
-            body = DecodeRequest.of(request_id=f"r{i}", prompt_len=8, first_token=1, params={"max_tokens": tokens},
-                                    kv={"address": "stub", "request_id": f"r{i}"}).model_dump()
+            rid = f"r{i}"
+            lines: DecodeLines = shared.lines(url, rid) if shared is not None else RequestLines(c, url, rid)
+            await lines.open(DecodeRequest.of(request_id=rid, prompt_len=8, first_token=1, params={"max_tokens": tokens},
+                                              kv=KVRef(address="stub", request_id=rid)))
             n = 0
-            async with c.stream("POST", f"http://127.0.0.1:{port}/internal/decode", json=body) as r:
-                async for line in r.aiter_lines():
-                    if line:
-                        receive(TokenLine, line, "probe")
-                        n += 1
+            while (ev := await lines.read()) is not None:
+                n += 1
+                if ev.finish_reason is not None:
+                    break
+            await lines.close(stop=False)
             return n
 
-        return sum(await asyncio.gather(*(one(i) for i in range(streams))))
-
-
-async def _multiplexed(port: int, streams: int, tokens: int) -> int:
-    queues: dict[str, asyncio.Queue[int | None]] = {f"r{i}": asyncio.Queue() for i in range(streams)}
-
-    async def consumer(q: asyncio.Queue[int | None]) -> int:
-        n = 0
-        while await q.get() is not None:
-            n += 1
+        n = sum(await asyncio.gather(*(one(i) for i in range(streams))))
+        if shared is not None:
+            await shared.close()
         return n
-
-    tasks = [asyncio.ensure_future(consumer(q)) for q in queues.values()]
-    async with httpx.AsyncClient(timeout=300, trust_env=False) as c, c.stream("GET", f"http://127.0.0.1:{port}/mux") as r:
-        async for line in r.aiter_lines():
-            if line:
-                for rid, tok in json.loads(line)["events"]:
-                    queues[rid].put_nowait(tok)
-    for q in queues.values():
-        q.put_nowait(None)
-    return sum(await asyncio.gather(*tasks))
 
 
 def probe(layout: str, streams: int, tokens: int, port: int) -> dict[str, Any]:
@@ -126,8 +84,7 @@ def probe(layout: str, streams: int, tokens: int, port: int) -> dict[str, Any]:
     time.sleep(1.0)
     q.put("go")
     c0, t0 = time.process_time(), time.perf_counter()
-    read = _per_request if layout == "per-request" else _multiplexed
-    n = asyncio.run(read(port, streams, tokens))
+    n = asyncio.run(_read(layout, port, streams, tokens))
     wall, client = time.perf_counter() - t0, time.process_time() - c0
     q.put("done")
     server = q.get()
@@ -141,7 +98,7 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0], "64,256", 8871)
     recs = []
     for i, r in enumerate(int(x) for x in args.streams.split(",")):
-        for j, layout in enumerate(("per-request", "multiplexed")):
+        for j, layout in enumerate(LAYOUTS):
             rec = probe(layout, r, args.tokens, args.port + 2 * i + j)
             recs.append(rec)
             print(f"{layout}: {r} streams x {args.tokens}: {rec['tokens_per_s']:,.0f} tokens/s, reader CPU "

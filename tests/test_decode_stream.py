@@ -19,6 +19,15 @@ def test_a_token_line_is_the_contract_models_line(token: int) -> None:
     assert TokenLine.model_validate_json(event_line(TokenEvent("r", token=token))).token == token
 
 
+@given(st.integers(min_value=0, max_value=2**31 - 1), st.text(min_size=1, max_size=40))
+def test_a_shared_streams_token_line_is_the_contract_models_line(token: int, request_id: str) -> None:
+    """On a shared stream the line names its request (any id, quotes and unicode included)."""
+    line = event_line(TokenEvent(request_id, token=token), request_id)
+    assert TokenLine.model_validate_json(line) == TokenLine.of(token=token, request_id=request_id)
+    last = event_line(TokenEvent(request_id, token=token, finish_reason="stop"), request_id)
+    assert TokenLine.model_validate_json(last) == TokenLine.of(token=token, finish_reason="stop", request_id=request_id)
+
+
 def test_lines_with_more_than_a_token_go_through_the_model() -> None:
     last = event_line(TokenEvent("r", token=7, finish_reason="length"))
     assert TokenLine.model_validate_json(last) == TokenLine.of(token=7, finish_reason="length")

@@ -49,6 +49,7 @@ class System:
         self.coloc = self._start(create_colocated_app(self.coloc_inst))
         self.router = self._start(create_router_app(RouterConfig([self.prefill.url], [self.decode.url], default_temperature=0.0)))
         self.coloc_router = self._start(create_router_app(RouterConfig([self.coloc.url], [self.coloc.url], default_temperature=0.0)))
+        self.shared_router = self._start(create_router_app(RouterConfig([self.prefill.url], [self.decode.url], default_temperature=0.0, decode_stream="shared")))
         self.http = httpx.Client(base_url=self.router.url, timeout=60.0, trust_env=False)
 
     def _start(self, app) -> ThreadedServer:
@@ -429,6 +430,94 @@ def test_a_stop_string_is_a_normal_finish_not_a_client_abort(system):
     assert accounting(system.decode.url)["aborted_on_disconnect"] == before
     inst = httpx.get(f"{system.decode.url}/metrics", trust_env=False).text
     assert f"hawk_decode_aborted_on_disconnect_total {float(before)}" in inst
+
+
+# ============================================================================ the shared decode stream
+
+
+def test_a_shared_decode_stream_carries_each_request_its_own_tokens(system):
+    """A router with ``decode_stream="shared"`` reads every request's tokens from one stream per decode:
+    the same greedy text as a stream per request, streamed or not, and concurrent requests' lines
+    never cross."""
+    prompts = [f"{i} + {i} =" for i in range(6)] + ["The capital of France is"]
+    want = {p: complete(system, prompt=p, max_tokens=10, ignore_eos=True)["choices"][0]["text"] for p in prompts}
+    got: dict[str, str] = {}
+
+    def one(p: str) -> None:
+        with httpx.Client(base_url=system.shared_router.url, timeout=60, trust_env=False) as c:
+            got[p] = c.post("/v1/completions", json={"prompt": p, "max_tokens": 10, "ignore_eos": True}).json()["choices"][0]["text"]
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert got == want
+    with httpx.Client(base_url=system.shared_router.url, timeout=60, trust_env=False) as c:
+        with c.stream("POST", "/v1/completions", json={"prompt": prompts[-1], "max_tokens": 10, "ignore_eos": True, "stream": True}) as r:
+            events = sse_events(r.iter_lines())
+    assert "".join(e["choices"][0]["text"] for e in events) == want[prompts[-1]]
+    assert events[-1]["hawk"]["kv_bytes"] > 0
+    wait_released(system, 5)
+
+
+def test_a_shared_stream_request_whose_client_leaves_or_stops_is_released(system):
+    """Client gone: the router aborts it on the decode (counted as a disconnect); a stop string ends it
+    without counting; both free everything."""
+    before = accounting(system.decode.url)["aborted_on_disconnect"]
+    body = {"prompt": "Write a long story:", "max_tokens": 400, "ignore_eos": True}
+    with httpx.Client(base_url=system.shared_router.url, timeout=httpx.Timeout(60, read=1.5), trust_env=False) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/completions", json=body)
+    wait_released(system, 10)
+    assert accounting(system.decode.url)["aborted_on_disconnect"] == before + 1
+    prompt = "Count to a thousand: 1, 2, 3,"
+    free = complete(system, prompt=prompt, max_tokens=12, ignore_eos=True)["choices"][0]["text"]
+    stop = free[len(free) // 2:][:3]
+    with httpx.Client(base_url=system.shared_router.url, timeout=60, trust_env=False) as c:
+        choice = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 300, "ignore_eos": True, "stop": [stop]}).json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["text"] == free[: free.index(stop)]
+    wait_released(system, 10)
+    assert accounting(system.decode.url)["aborted_on_disconnect"] == before + 1
+
+
+def _prefilled(system: System, rid: str, prompt_ids: list[int]) -> dict:
+    """Prefill one prompt on the prefill instance directly: what a DecodeRequest needs (pull)."""
+    r = httpx.post(f"{system.prefill.url}/internal/prefill", json={"version": CONTRACT_VERSION, "request_id": rid, "prompt_ids": prompt_ids}, trust_env=False, timeout=60)
+    assert r.status_code == 200, r.text
+    pre = r.json()
+    return {"version": CONTRACT_VERSION, "request_id": rid, "prompt_len": pre["num_prompt_tokens"], "first_token": pre["first_token"],
+            "params": {"max_tokens": 400, "ignore_eos": True}, "kv": pre["kv"]}
+
+
+def test_closing_a_shared_stream_aborts_its_running_requests(system):
+    """The decode side of a shared stream: each line names its request; a DecodeRequest naming a stream
+    that is not open is refused (400) and a second stream of the same name too; closing the stream (its
+    router gone) aborts the requests still running on it and frees everything."""
+    url = system.decode.url
+    before = accounting(url)["aborted_on_disconnect"]
+    req = _prefilled(system, "shared-close-1", list(range(100, 140)))
+    _error(httpx.post(f"{url}/internal/decode", json={**req, "subscriber": "nobody"}, trust_env=False), 400, "no decode event stream named 'nobody'")
+    with httpx.Client(timeout=httpx.Timeout(60, read=10), trust_env=False) as c:
+        with c.stream("GET", f"{url}/internal/decode_events", params={"subscriber": "test-sub"}) as events:
+            assert events.status_code == 200
+            _error(c.get(f"{url}/internal/decode_events", params={"subscriber": "test-sub"}), 400, "already open")
+            for i in (1, 2):
+                body = req if i == 1 else _prefilled(system, "shared-close-2", list(range(200, 230)))
+                r = c.post(f"{url}/internal/decode", json={**body, "subscriber": "test-sub"})
+                assert r.status_code == 200 and r.json()["request_id"] == body["request_id"], r.text
+            seen: dict[str, int] = {}
+            for line in events.iter_lines():
+                if line:
+                    ev = json.loads(line)
+                    assert ev["version"] == CONTRACT_VERSION and "finish_reason" not in ev, ev
+                    seen[ev["request_id"]] = seen.get(ev["request_id"], 0) + 1
+                if len(seen) == 2 and min(seen.values()) >= 3:
+                    break
+            assert held(system)["decode_requests"] == 2
+        # leaving the block closed the stream with both requests generating
+    wait_released(system, 10)
+    assert accounting(url)["aborted_on_disconnect"] == before + 2
 
 
 def test_a_string_where_a_number_belongs_is_a_400(system):

@@ -4,7 +4,8 @@ import pytest
 from pydantic import ValidationError
 
 from hawk.serve.common import validation_message
-from hawk.serve.generation import StopMatcher, upstream_error
+from hawk.serve.generation import StopMatcher
+from hawk.serve.protocol import upstream_error
 from hawk.serve.protocol import (
     ChatCompletionChunk,
     ChatChunkChoice,

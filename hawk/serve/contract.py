@@ -11,6 +11,8 @@ Routes (all under a cluster secret when one is set):
   POST /internal/prefill       PrefillRequest  -> PrefillResponse
   POST /internal/abort         AbortRequest    -> PrefillAbortReply
   POST /internal/decode        DecodeRequest   -> NDJSON stream of TokenLine
+                               (with ``subscriber``: DecodeAccepted; the lines go to that stream)
+  GET  /internal/decode_events?subscriber=S  -> NDJSON stream of TokenLine, each with its request_id
   POST /internal/first_token   FirstToken      -> FirstTokenReply   (kv_flow=layerwise only)
   POST /internal/decode_abort  AbortRequest    -> DecodeAbortReply
   GET  /internal/info          InstanceInfo
@@ -26,7 +28,14 @@ naming the prefill that will push the KV; the decode's stream opens with a ``han
 blocks are reserved and sent to that prefill as the push destination; then the PrefillRequest; then
 FirstToken hands the prefill's first token to the decode, whose stream continues as in pull mode.
 
-Version history: 2 added ``kv_flow`` (PrefillRequest, DecodeRequest, InstanceInfo),
+Shared decode streams (the router's ``decode_stream="shared"``): one router process opens one event
+stream per decode instance and names it (``subscriber``) in each DecodeRequest, so a decode step's tokens
+for all of that router's requests leave in one write instead of one per request. Closing that stream
+aborts every request of it still running, as closing a request's own stream does; a client that leaves
+is an AbortRequest with ``client_gone``.
+
+Version history: 3 added the shared decode stream (``DecodeRequest.subscriber``, ``TokenLine.request_id``,
+DecodeAccepted, ``AbortRequest.client_gone``). 2 added ``kv_flow`` (PrefillRequest, DecodeRequest, InstanceInfo),
 ``TokenLine.handed``, FirstToken/FirstTokenReply, and made ``DecodeRequest.first_token`` optional
 (required in pull mode, refused in layer-wise mode).
 """
@@ -40,7 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from hawk.errors import BadUpstream, first_problem
 
 #: Bump when a message changes shape; both ends must agree exactly.
-CONTRACT_VERSION = 2
+CONTRACT_VERSION = 3
 
 Role = Literal["prefill", "decode", "colocated"]
 #: How a request's KV reaches the decode (hawk/config.py ``kv_flow``): pulled after prefill, or
@@ -111,6 +120,7 @@ class DecodeRequest(Message):
     params: dict[str, Any] = Field(default_factory=dict)
     kv: KVRef
     kv_flow: KVFlow = "pull"
+    subscriber: str | None = Field(default=None, min_length=1, max_length=128)  # a shared stream's name
 
     @model_validator(mode="after")
     def _first_token_matches_the_flow(self) -> DecodeRequest:
@@ -133,6 +143,13 @@ class TokenLine(Message):
     error: str | None = None
     info: dict[str, Any] | None = None
     handed: bool | None = None
+    request_id: str | None = None  # on a shared stream: whose line it is
+
+
+class DecodeAccepted(Message):
+    """A DecodeRequest naming a shared stream was admitted: its lines come on that stream."""
+
+    request_id: str
 
 
 class FirstToken(Message):
@@ -152,7 +169,11 @@ class FirstTokenReply(Message):
 
 
 class AbortRequest(Message):
+    """``client_gone``: the decode counts it as the client's disconnect (closing a request's own
+    stream says the same); else the router ends it (a stop string)."""
+
     request_id: str
+    client_gone: bool = False
 
 
 class PrefillAbortReply(Message):

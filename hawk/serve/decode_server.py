@@ -17,11 +17,19 @@ prefill then (the prefill waits a moment for a destination still on its way). PO
 /internal/first_token later brings the prefill's first token, which the engine emits once the last
 layer has landed. A reader that leaves also fails the first token it is waiting for, so the engine
 stops waiting at once.
+
+Shared streams (GET /internal/decode_events?subscriber=S): a router process reads the lines of all its
+requests here from one stream, each line naming its request, and its DecodeRequests name ``S``; they are
+answered with DecodeAccepted. The lines of one loop wake-up (a decode step's tokens) leave in one write.
+Closing that stream aborts every request of it still running, as closing a request's own stream does;
+an AbortRequest with ``client_gone`` ends one request the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import logging
 import threading
 import weakref
@@ -30,7 +38,7 @@ from concurrent.futures import InvalidStateError
 from typing import Any
 
 from fastapi import APIRouter, FastAPI
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from hawk.devices.timing import timing_label
@@ -39,7 +47,17 @@ from hawk.engine.instances import DecodeInstance
 from hawk.engine.sequence import SamplingParams
 from hawk.layouts.device import parse_device
 from hawk.errors import Aborted, BadRequest, ContractMismatch, EngineUnavailable, PromptTooLong, UnknownKV
-from hawk.serve.contract import CONTRACT_VERSION, AbortRequest, DecodeAbortReply, DecodeRequest, FirstToken, FirstTokenReply, InstanceInfo, TokenLine
+from hawk.serve.contract import (
+    CONTRACT_VERSION,
+    AbortRequest,
+    DecodeAbortReply,
+    DecodeAccepted,
+    DecodeRequest,
+    FirstToken,
+    FirstTokenReply,
+    InstanceInfo,
+    TokenLine,
+)
 from hawk.serve.instance_app import build_instance_app, dead_rank_names, unavailable_reason
 
 log = logging.getLogger(__name__)
@@ -62,11 +80,20 @@ def remote_handle(req: DecodeRequest) -> KVHandle:
 _TOKEN_LINE = b'{"version":%d,"token":%%d}\n' % CONTRACT_VERSION
 
 
-def event_line(ev: TokenEvent) -> bytes:
-    """One NDJSON line of the decode stream (unset fields are left out)."""
+@functools.lru_cache(maxsize=4096)
+def _shared_token_line(request_id: str) -> bytes:
+    """A shared stream's token line for ``request_id``, its token left as ``%d`` (made once a request)."""
+    rid = json.dumps(request_id).encode().replace(b"%", b"%%")  # a literal "%" in the id stays one
+    return b'{"version":%d,"request_id":%s,"token":%%d}\n' % (CONTRACT_VERSION, rid)
+
+
+def event_line(ev: TokenEvent, request_id: str | None = None) -> bytes:
+    """One NDJSON line of the decode stream (unset fields are left out); ``request_id`` on a shared stream."""
     if ev.finish_reason is None and not ev.error and not ev.info and ev.token is not None:
-        return _TOKEN_LINE % ev.token
-    line = TokenLine.of(token=ev.token, finish_reason=ev.finish_reason, error=ev.error or None, info=ev.info or None)
+        if request_id is None:
+            return _TOKEN_LINE % ev.token
+        return _shared_token_line(request_id) % ev.token
+    line = TokenLine.of(token=ev.token, finish_reason=ev.finish_reason, error=ev.error or None, info=ev.info or None, request_id=request_id)
     return (line.model_dump_json(exclude_none=True) + "\n").encode()
 
 
@@ -108,6 +135,12 @@ class Handed:
 
     LINE = (TokenLine.of(handed=True).model_dump_json(exclude_none=True) + "\n").encode()
 
+    @staticmethod
+    def line(request_id: str | None) -> bytes:
+        if request_id is None:
+            return Handed.LINE
+        return (TokenLine.of(handed=True, request_id=request_id).model_dump_json(exclude_none=True) + "\n").encode()
+
 
 #: What the engine thread puts on a request's stream: its events, and (layer-wise) the handover.
 StreamItem = TokenEvent | Handed
@@ -130,6 +163,16 @@ class _HandedSignal(threading.Event):
             self._on_first_set()
 
 
+class _Subscriber:
+    """A shared stream: the (request id, item) pairs waiting to be written, and the requests it
+    carries with their stream state (until each finishes)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.queue: asyncio.Queue[tuple[str, StreamItem]] = asyncio.Queue()
+        self.requests: dict[str, dict[str, bool]] = {}
+
+
 class DecodeService:
     def __init__(
         self, engine: DecodeEngine, handle_for: HandleFor = remote_handle, give_back: GiveBack | None = None,
@@ -145,9 +188,12 @@ class DecodeService:
         self.aborts = {"aborted_on_disconnect": 0}
         self._pushes: dict[str, KVPush] = {}  # layer-wise requests admitted here, until their stream ends
         self._streams: dict[str, dict[str, bool]] = {}  # each open stream's state, by request id
+        self._subscribers: dict[str, _Subscriber] = {}  # open shared streams, by name
         self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopMailbox] = weakref.WeakKeyDictionary()
 
-    def start(self, req: DecodeRequest) -> StreamingResponse:
+    def start(self, req: DecodeRequest) -> StreamingResponse | JSONResponse:
+        """Admit one request: its own stream of lines, or (``req.subscriber``) DecodeAccepted, its
+        lines going to that shared stream."""
         down = self.unavailable()
         if down is not None:  # before the handle: nothing was taken
             raise EngineUnavailable(down)
@@ -159,14 +205,15 @@ class DecodeService:
         if req.prompt_len + params.max_tokens > self.engine.max_len:  # before the handle: nothing to give back
             raise PromptTooLong(f"prompt ({req.prompt_len}) + max_tokens ({params.max_tokens}) exceeds the context length {self.engine.max_len}")
         self.check_prompt(req.prompt_len)  # before the handle: nothing to give back
-        queue: asyncio.Queue[StreamItem] = asyncio.Queue()
+        rid = req.request_id
+        sub = self._subscriber(req.subscriber)
+        queue: asyncio.Queue[Any] = sub.queue if sub is not None else asyncio.Queue()
         mailbox = self._mailbox()
 
         def put(item: StreamItem) -> None:  # engine thread -> event loop
-            mailbox.post(queue, item)
+            mailbox.post(queue, item if sub is None else (rid, item))
 
         handle = self._handle(req, lambda: put(Handed()))
-        rid = req.request_id
         try:
             self.engine.submit(rid, req.prompt_len, self._first_token(req), params, handle, put)
         except ValueError as e:  # the engine's own refusals (a duplicate id, a cache too small)
@@ -179,6 +226,9 @@ class DecodeService:
             self._pushes[rid] = handle
         state = {"finished": False, "stopped": False}
         self._streams[rid] = state
+        if sub is not None:  # its lines go to the shared stream, which ends it if it closes first
+            sub.requests[rid] = state
+            return JSONResponse(DecodeAccepted.of(request_id=rid).model_dump())
 
         async def lines() -> AsyncIterator[bytes]:
             try:
@@ -192,6 +242,56 @@ class DecodeService:
 
         # The background task runs even when the stream was never started (a reader gone early).
         return StreamingResponse(lines(), media_type=NDJSON, background=BackgroundTask(self._abort_unfinished, rid, state))
+
+    def _subscriber(self, name: str | None) -> _Subscriber | None:
+        if name is None:
+            return None
+        sub = self._subscribers.get(name)
+        if sub is None:
+            raise BadRequest(f"no decode event stream named {name!r} is open here: GET /internal/decode_events?subscriber={name} first")
+        return sub
+
+    def subscribe(self, name: str) -> StreamingResponse:
+        """Open the shared stream ``name``: the lines of every request that names it, batched per
+        loop wake-up. Its close (the reader gone) aborts those still running."""
+        if not name or len(name) > 128:
+            raise BadRequest("subscriber must be 1-128 characters")
+        if name in self._subscribers:
+            raise BadRequest(f"a decode event stream named {name!r} is already open here")
+        sub = self._subscribers[name] = _Subscriber(name)
+
+        async def lines() -> AsyncIterator[bytes]:
+            try:
+                while True:
+                    out = [self._shared_line(sub, *await sub.queue.get())]
+                    while not sub.queue.empty():
+                        out.append(self._shared_line(sub, *sub.queue.get_nowait()))
+                    yield b"".join(out)
+            finally:
+                self._close_subscriber(sub)
+
+        return StreamingResponse(lines(), media_type=NDJSON, background=BackgroundTask(self._close_subscriber, sub))
+
+    def _shared_line(self, sub: _Subscriber, rid: str, item: StreamItem) -> bytes:
+        """A line of a shared stream; a request's last line ends its state there."""
+        if isinstance(item, Handed):
+            return Handed.line(rid)
+        state = sub.requests.get(rid)
+        if item.finish_reason is not None and state is not None:
+            del sub.requests[rid]
+            state["finished"] = True
+            self._abort_unfinished(rid, state)  # finished: only its bookkeeping goes
+        return event_line(item, rid)
+
+    def _close_subscriber(self, sub: _Subscriber) -> None:
+        """A shared stream ended (its reader left, or the server stops): its running requests are aborted."""
+        if self._subscribers.get(sub.name) is sub:
+            del self._subscribers[sub.name]
+        requests, sub.requests = sub.requests, {}
+        for rid, state in requests.items():
+            self._abort_unfinished(rid, state)
+        if requests:
+            log.info("decode event stream %s closed with %d requests running: aborted", sub.name, len(requests))
 
     def _mailbox(self) -> LoopMailbox:
         """The running loop's mailbox (one per loop: a test may serve from several)."""
@@ -258,14 +358,19 @@ class DecodeService:
         if self._streams.get(rid) is state:
             del self._streams[rid]
 
-    def stop(self, rid: str) -> bool:
-        """The router ends a request (it met a stop string, or gives up on it): abort it here, and
-        do not count the stream's close that follows as a client's disconnect."""
+    def stop(self, rid: str, client_gone: bool = False) -> bool:
+        """The router ends a request: it met a stop string, or gave up on it (then the stream's close
+        that follows is not counted as a client's disconnect); or (``client_gone``) its client left."""
         state = self._streams.get(rid)
-        if state is not None:
+        ended_before = state is not None and state["stopped"]
+        if state is not None:  # whatever closes its stream next is not a disconnect (again)
             state["stopped"] = True
         self.stop_waiting(rid)
-        return self.engine.abort(rid)
+        aborted = self.engine.abort(rid)
+        if aborted and client_gone and not ended_before:
+            self.aborts["aborted_on_disconnect"] += 1
+            log.info("decode %s aborted: its client went away", rid)
+        return aborted
 
     def stop_waiting(self, rid: str) -> None:
         """A layer-wise request whose reader left will get no first token: fail the wait, so the
@@ -282,8 +387,13 @@ def decode_routes(svc: DecodeService) -> APIRouter:
     r = APIRouter()
 
     @r.post("/internal/decode")
-    async def decode(req: DecodeRequest) -> StreamingResponse:
+    async def decode(req: DecodeRequest) -> Response:
         return svc.start(req)
+
+    @r.get("/internal/decode_events")
+    async def decode_events(subscriber: str) -> StreamingResponse:
+        """A router process's shared stream: the lines of every request naming ``subscriber``."""
+        return svc.subscribe(subscriber)
 
     @r.post("/internal/first_token")
     async def first_token(msg: FirstToken) -> FirstTokenReply:
@@ -294,7 +404,7 @@ def decode_routes(svc: DecodeService) -> APIRouter:
     async def abort(req: AbortRequest) -> DecodeAbortReply:
         """Explicit abort by the router, e.g. on a stop string (closing the /internal/decode stream
         does the same, but counts as the client's disconnect)."""
-        return DecodeAbortReply.of(request_id=req.request_id, aborted=svc.stop(req.request_id))
+        return DecodeAbortReply.of(request_id=req.request_id, aborted=svc.stop(req.request_id, req.client_gone))
 
     return r
 

@@ -35,7 +35,6 @@ timings the client gets in ``hawk``.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -59,7 +58,8 @@ from hawk.serve.contract import (
     TokenLine,
     receive,
 )
-from hawk.serve.protocol import InstanceDown, OpenAIError
+from hawk.serve.decode_lines import DecodeLines, RequestLines, SharedStreams
+from hawk.serve.protocol import InstanceDown, OpenAIError, upstream_error
 from hawk.serve.vllm_prefill import EndedAtPrefill, prefill_body, prefill_response
 
 _Reply = TypeVar("_Reply")  # a contract reply model
@@ -104,22 +104,6 @@ class StopMatcher:
         return out
 
 
-def upstream_error(resp_status: int, body: bytes, who: str) -> OpenAIError:
-    """Map an instance's error answer to what the client sees: its 4xx stays a 4xx (bad input),
-    an instance that says it is unavailable (503, e.g. a dead tensor-parallel rank, restarting)
-    stays a 503 the client may retry, anything else is the server's fault (502)."""
-    try:
-        err = json.loads(body).get("error", {})
-        msg, code = str(err.get("message") or body[:300].decode(errors="replace")), err.get("code")
-    except (ValueError, AttributeError):
-        msg, code = body[:300].decode(errors="replace"), None
-    if 400 <= resp_status < 500:
-        return OpenAIError(400, msg, code=code)
-    if resp_status == 503 and code == "instance_unavailable":
-        return InstanceDown(f"{who}: {msg}")
-    return OpenAIError(502, f"{who} failed ({resp_status}): {msg}", type="server_error", code=code)
-
-
 class Generation:
     """The life of one request between the router and its two instances."""
 
@@ -139,10 +123,13 @@ class Generation:
         kv_address: str | None = None,
         prefill_api: str = "hawk",
         prefill_model: str = "",
+        shared: SharedStreams | None = None,
     ):
         """``kv_flow="layerwise"`` needs ``kv_address``: the chosen prefill's KV control address,
         which the decode hands its blocks to before the prefill runs. ``prefill_api="vllm"``: the prefill
-        is a vLLM server with HawkConnector serving ``prefill_model`` (vllm_prefill.py; pull only)."""
+        is a vLLM server with HawkConnector serving ``prefill_model`` (vllm_prefill.py; pull only). ``shared``:
+        the decode's lines come on this router process's shared stream (decode_lines.py), else on the
+        request's own."""
         if kv_flow == "layerwise" and not kv_address:
             raise ValueError("a layer-wise generation needs the prefill's KV address")
         if prefill_api == "vllm" and kv_flow != "pull":
@@ -154,8 +141,8 @@ class Generation:
         self.tokenizer, self.stop, self.arrival = tokenizer, stop, arrival
         self.extra_info = dict(extra_info or {})
         self.kv_flow, self.kv_address = kv_flow, kv_address
-        self._resp: httpx.Response | None = None
-        self._lines: AsyncIterator[str] | None = None
+        self._decode: DecodeLines = shared.lines(decode_url, request_id) if shared is not None else RequestLines(client, decode_url, request_id)
+        self._decode_open = False
         self._pending: asyncio.Future[TokenLine | None] | None = None  # a decode line being read ahead
         self._prefilled = False
         self._got_token = False
@@ -264,18 +251,9 @@ class Generation:
         )
 
     async def _open_decode(self, body: DecodeRequest) -> None:
-        req = self.client.build_request("POST", f"{self.decode_url}/internal/decode", content=body.model_dump_json(), headers=_JSON)
         self.t_decode_sent = time.monotonic()
-        try:
-            resp = await self.client.send(req, stream=True)
-        except httpx.HTTPError as e:
-            raise InstanceDown(f"decode instance {self.decode_url} unreachable: {e!r}") from None
-        if resp.status_code != 200:
-            content = await resp.aread()
-            await resp.aclose()
-            raise upstream_error(resp.status_code, content, f"decode at {self.decode_url}")
-        self._resp = resp
-        self._lines = resp.aiter_lines()
+        self._decode_open = True  # from here on the decode may hold something for this request
+        await self._decode.open(body)
 
     async def _await_handed(self) -> None:
         """The decode's first line: its blocks are the prefill's push destination (or why not)."""
@@ -353,7 +331,7 @@ class Generation:
             decoder = self.tokenizer.incremental_decoder()
             yield TextDelta(StopMatcher(self.stop).feed(decoder.step(self.ended_at_prefill) + decoder.flush())[0], "stop")
             return
-        assert self._resp is not None, "start() first"
+        assert self._decode_open, "start() first"
         decoder = self.tokenizer.incremental_decoder()
         stopper = StopMatcher(self.stop)
         try:
@@ -406,14 +384,7 @@ class Generation:
 
     async def _read_event(self) -> TokenLine | None:
         """One line of the decode stream, checked against the contract; None at its end."""
-        assert self._lines is not None
-        try:
-            async for line in self._lines:
-                if line:
-                    return receive(TokenLine, line, f"decode at {self.decode_url}")
-        except httpx.HTTPError as e:
-            raise BadUpstream(f"decode stream from {self.decode_url} broke: {e!r}") from None
-        return None
+        return await self._decode.read()
 
     # -- the end ----------------------------------------------------------------------------
 
@@ -426,19 +397,10 @@ class Generation:
             if self._pending is not None:  # a read ahead that nobody will take
                 await _cancel(self._pending)
                 self._pending = None
-            if self._resp is not None:
-                if self._stop_hit:  # a normal finish: stopped explicitly, not counted as a client's abort
-                    await self._stop_decode()
-                await self._resp.aclose()  # a decode still running sees its reader leave and aborts
+            if self._decode_open:  # a stop string is a normal finish, not counted as a client's abort
+                await self._decode.close(stop=self._stop_hit)
             if self._prefilled and self.prefill_url and not self._got_token and self.finish_reason is None:
                 await self._abort_prefill()
-
-    async def _stop_decode(self) -> None:
-        try:
-            body = AbortRequest.of(request_id=self.request_id)
-            await self.client.post(f"{self.decode_url}/internal/decode_abort", content=body.model_dump_json(), headers=_JSON)
-        except httpx.HTTPError as e:  # closing the stream still stops it
-            log.warning("could not tell %s to stop %s: %r", self.decode_url, self.request_id, e)
 
     async def _abort_prefill(self) -> None:
         if self.prefill_api == "vllm":  # vLLM aborts a prefill whose call was cancelled; KV it kept waits for its TTL

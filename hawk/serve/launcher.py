@@ -660,7 +660,7 @@ def router_config(cfg: ServeConfig, prefill_urls: list[str], decode_urls: list[s
         list(prefill_urls), list(decode_urls), model=names[0] if names else None, aliases=list(names[1:]),
         default_temperature=cfg.default_temperature, startup_timeout_s=cfg.startup_timeout_s, api_key=cfg.api_key,
         cluster_secret=secret, max_body_bytes=None if cfg.max_body_mb is None else int(cfg.max_body_mb * 2**20),
-        warmup=cfg.warmup, prefill_api=cfg.prefill_api,
+        warmup=cfg.warmup, prefill_api=cfg.prefill_api, decode_stream=cfg.decode_stream,
     )
 
 

@@ -10,6 +10,7 @@ bug is found here rather than by a server that guessed.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from enum import Enum
@@ -63,6 +64,22 @@ class InstanceDown(OpenAIError):
 
     def __init__(self, message: str):
         super().__init__(503, message, "server_error", code="instance_unavailable")
+
+
+def upstream_error(resp_status: int, body: bytes, who: str) -> OpenAIError:
+    """Map an instance's error answer to what the client sees: its 4xx stays a 4xx (bad input),
+    an instance that says it is unavailable (503, e.g. a dead tensor-parallel rank, restarting)
+    stays a 503 the client may retry, anything else is the server's fault (502)."""
+    try:
+        err = json.loads(body).get("error", {})
+        msg, code = str(err.get("message") or body[:300].decode(errors="replace")), err.get("code")
+    except (ValueError, AttributeError):
+        msg, code = body[:300].decode(errors="replace"), None
+    if 400 <= resp_status < 500:
+        return OpenAIError(400, msg, code=code)
+    if resp_status == 503 and code == "instance_unavailable":
+        return InstanceDown(f"{who}: {msg}")
+    return OpenAIError(502, f"{who} failed ({resp_status}): {msg}", type="server_error", code=code)
 
 
 def error_body(message: str, type: str = "invalid_request_error", code: str | None = None, param: str | None = None) -> dict[str, Any]:  # noqa: A002

@@ -41,6 +41,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from hawk.config import DECODE_STREAMS
 from hawk.engine.sequence import SamplingParams
 from hawk.engine.tokenizer import Tokenizer
 from hawk.errors import BadRequest, HawkError
@@ -48,6 +49,7 @@ from hawk.integrations.vllm.params import read_handle
 from hawk.serve.common import API_KEY_ENV, CLIENT_KEEPALIVE_S, LimitBody, RequireBearer, install_error_handlers
 from hawk.serve.contract import Accounting, InstanceInfo, receive
 from hawk.serve.errors import CLIENT_CLOSED, http_error
+from hawk.serve.decode_lines import SharedStreams
 from hawk.serve.generation import ClientGone, Generation, until_disconnected
 from hawk.serve.metrics import CONTENT_TYPE, RouterMetrics
 from hawk.serve.protocol import (
@@ -101,6 +103,7 @@ class RouterConfig:
     health_misses: int = 3  # consecutive misses before a slow instance counts as down
     warmup: bool = False  # one tiny request through every instance at startup (``hawk serve`` turns it on)
     prefill_api: str = "hawk"  # "vllm": the prefill URLs are vLLM servers running HawkConnector (vllm_prefill.py)
+    decode_stream: str = "request"  # "shared": one stream of token lines per decode instance (decode_lines.py)
 
     def body_limit(self, max_model_len: int) -> int:
         """The configured limit, or room for a maximal prompt even as JSON-escaped text."""
@@ -202,6 +205,7 @@ class Router:
         self.tokenizer = tokenizer
         self.metrics = RouterMetrics()
         self.client: httpx.AsyncClient | None = None
+        self.shared: SharedStreams | None = None  # decode_stream="shared"
         self.pool: InstancePool | None = None
         self.names: list[str] = []
         self.max_body_bytes: int | None = None  # known once the instances' limits are
@@ -220,6 +224,10 @@ class Router:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=CLIENT_KEEPALIVE_S),
             trust_env=False,  # internal loopback/cluster traffic must not go through an HTTP proxy
         )
+        if cfg.decode_stream not in DECODE_STREAMS:
+            raise ValueError(f"decode_stream must be one of {DECODE_STREAMS}, got {cfg.decode_stream!r}")
+        if cfg.decode_stream == "shared":
+            self.shared = SharedStreams(self.client)
         if cfg.prefill_api not in PREFILL_APIS:
             raise ValueError(f"prefill_api must be one of {PREFILL_APIS}, got {cfg.prefill_api!r}")
         if cfg.prefill_api == "vllm":  # vLLM has no /internal/info: the decodes say what is served
@@ -288,6 +296,8 @@ class Router:
     async def shutdown(self) -> None:
         if self._monitor is not None:
             self._monitor.cancel()
+        if self.shared is not None:
+            await self.shared.close()
         if self.client is not None:
             await self.client.aclose()
 
@@ -496,7 +506,7 @@ class Router:
         extra = {"transfer": d.info.transfer, "decode_device": d.info.device_label or d.info.device, "kv_dtype": d.info.kv_dtype}
         gen = Generation(
             self.client, p_url, d.url, rid, prompt_ids, params, self.tokenizer, stop, arrival, extra,
-            kv_flow=self.kv_flow, kv_address=kv_address, prefill_api=self.cfg.prefill_api, prefill_model=model,
+            kv_flow=self.kv_flow, kv_address=kv_address, prefill_api=self.cfg.prefill_api, prefill_model=model, shared=self.shared,
         )
         if handle is not None:
             if handle.num_tokens != len(prompt_ids):
