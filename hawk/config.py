@@ -146,7 +146,7 @@ class ServeConfig:
     prefill_urls: list[str] = opt([], "role=router: a prefill instance URL (repeatable)", flags=("--prefill-url",), commands=SERVE)
     decode_urls: list[str] = opt([], "role=router: a decode instance URL (repeatable)", flags=("--decode-url",), commands=SERVE)
     prefill_api: str = opt("hawk", "role=router: what the prefill URLs are: HAWK prefill instances, or stock vLLM servers running HawkConnector (docs/vllm.md)", choices=("hawk", "vllm"), commands=SERVE)
-    decode_stream: str = opt("request", "role=router: how each router process reads the decode instances' tokens: a stream per request, or one shared stream per decode instance whose writes carry a whole decode step's tokens for that router process (hawk/serve/decode_lines.py)", choices=DECODE_STREAMS, commands=SERVE)
+    decode_stream: str = opt("shared", "role=router: how each router process reads the decode instances' tokens: a stream per request, or one shared stream per decode instance whose writes carry a whole decode step's tokens for that router process (hawk/serve/decode_lines.py)", choices=DECODE_STREAMS, commands=SERVE)
     num_prefill: int = opt(1, "prefill instances (role=all)", min=1, commands=SERVE)
     num_decode: int = opt(1, "decode instances (role=all)", min=1, commands=SERVE)
     default_temperature: float = opt(1.0, "temperature of requests that omit it (OpenAI's default is 1.0)", min=0, commands=SERVE)

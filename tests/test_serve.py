@@ -49,7 +49,7 @@ class System:
         self.coloc = self._start(create_colocated_app(self.coloc_inst))
         self.router = self._start(create_router_app(RouterConfig([self.prefill.url], [self.decode.url], default_temperature=0.0)))
         self.coloc_router = self._start(create_router_app(RouterConfig([self.coloc.url], [self.coloc.url], default_temperature=0.0)))
-        self.shared_router = self._start(create_router_app(RouterConfig([self.prefill.url], [self.decode.url], default_temperature=0.0, decode_stream="shared")))
+        self.request_router = self._start(create_router_app(RouterConfig([self.prefill.url], [self.decode.url], default_temperature=0.0, decode_stream="request")))
         self.http = httpx.Client(base_url=self.router.url, timeout=60.0, trust_env=False)
 
     def _start(self, app) -> ThreadedServer:
@@ -432,19 +432,20 @@ def test_a_stop_string_is_a_normal_finish_not_a_client_abort(system):
     assert f"hawk_decode_aborted_on_disconnect_total {float(before)}" in inst
 
 
-# ============================================================================ the shared decode stream
+# ============================================================================ the two decode streams
 
 
 def test_a_shared_decode_stream_carries_each_request_its_own_tokens(system):
-    """A router with ``decode_stream="shared"`` reads every request's tokens from one stream per decode:
-    the same greedy text as a stream per request, streamed or not, and concurrent requests' lines
-    never cross."""
+    """The default router reads every request's tokens from one stream per decode (``decode_stream="shared"``):
+    the same greedy text as a router reading a stream per request, streamed or not, and concurrent
+    requests' lines never cross."""
     prompts = [f"{i} + {i} =" for i in range(6)] + ["The capital of France is"]
-    want = {p: complete(system, prompt=p, max_tokens=10, ignore_eos=True)["choices"][0]["text"] for p in prompts}
+    with httpx.Client(base_url=system.request_router.url, timeout=60, trust_env=False) as c:
+        want = {p: c.post("/v1/completions", json={"prompt": p, "max_tokens": 10, "ignore_eos": True}).json()["choices"][0]["text"] for p in prompts}
     got: dict[str, str] = {}
 
     def one(p: str) -> None:
-        with httpx.Client(base_url=system.shared_router.url, timeout=60, trust_env=False) as c:
+        with httpx.Client(base_url=system.router.url, timeout=60, trust_env=False) as c:
             got[p] = c.post("/v1/completions", json={"prompt": p, "max_tokens": 10, "ignore_eos": True}).json()["choices"][0]["text"]
 
     threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
@@ -453,20 +454,19 @@ def test_a_shared_decode_stream_carries_each_request_its_own_tokens(system):
     for t in threads:
         t.join(60)
     assert got == want
-    with httpx.Client(base_url=system.shared_router.url, timeout=60, trust_env=False) as c:
-        with c.stream("POST", "/v1/completions", json={"prompt": prompts[-1], "max_tokens": 10, "ignore_eos": True, "stream": True}) as r:
-            events = sse_events(r.iter_lines())
+    with system.http.stream("POST", "/v1/completions", json={"prompt": prompts[-1], "max_tokens": 10, "ignore_eos": True, "stream": True}) as r:
+        events = sse_events(r.iter_lines())
     assert "".join(e["choices"][0]["text"] for e in events) == want[prompts[-1]]
     assert events[-1]["hawk"]["kv_bytes"] > 0
     wait_released(system, 5)
 
 
-def test_a_shared_stream_request_whose_client_leaves_or_stops_is_released(system):
-    """Client gone: the router aborts it on the decode (counted as a disconnect); a stop string ends it
-    without counting; both free everything."""
+def test_a_request_stream_whose_client_leaves_or_stops_is_released(system):
+    """A stream per request (``decode_stream="request"``): the client gone closes it (counted as a
+    disconnect), a stop string ends it without counting; both free everything."""
     before = accounting(system.decode.url)["aborted_on_disconnect"]
     body = {"prompt": "Write a long story:", "max_tokens": 400, "ignore_eos": True}
-    with httpx.Client(base_url=system.shared_router.url, timeout=httpx.Timeout(60, read=1.5), trust_env=False) as c:
+    with httpx.Client(base_url=system.request_router.url, timeout=httpx.Timeout(60, read=1.5), trust_env=False) as c:
         with pytest.raises(httpx.ReadTimeout):
             c.post("/v1/completions", json=body)
     wait_released(system, 10)
@@ -474,7 +474,7 @@ def test_a_shared_stream_request_whose_client_leaves_or_stops_is_released(system
     prompt = "Count to a thousand: 1, 2, 3,"
     free = complete(system, prompt=prompt, max_tokens=12, ignore_eos=True)["choices"][0]["text"]
     stop = free[len(free) // 2:][:3]
-    with httpx.Client(base_url=system.shared_router.url, timeout=60, trust_env=False) as c:
+    with httpx.Client(base_url=system.request_router.url, timeout=60, trust_env=False) as c:
         choice = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 300, "ignore_eos": True, "stop": [stop]}).json()["choices"][0]
     assert choice["finish_reason"] == "stop" and choice["text"] == free[: free.index(stop)]
     wait_released(system, 10)

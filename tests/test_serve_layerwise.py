@@ -56,7 +56,7 @@ class Pair:
         self.prefill = self.start(create_prefill_app(self.prefill_inst))
         self.decode = self.start(create_decode_app(self.decode_inst))
         self.router = self.start(create_router_app(RouterConfig([self.prefill.url], [self.decode.url], default_temperature=0.0)))
-        self.shared_router = self.start(create_router_app(RouterConfig([self.prefill.url], [self.decode.url], default_temperature=0.0, decode_stream="shared")))
+        self.request_router = self.start(create_router_app(RouterConfig([self.prefill.url], [self.decode.url], default_temperature=0.0, decode_stream="request")))
         self.http = httpx.Client(base_url=self.router.url, timeout=60.0, trust_env=False)
 
     def start(self, app: Any) -> ThreadedServer:
@@ -222,8 +222,8 @@ def test_layerwise_streams_the_same_greedy_tokens_as_pull(systems):
         assert ref["kv_mode"] != "layerwise" and "kv_flow" not in ref
     plain = lw.http.post("/v1/completions", json={**GOOD, "max_tokens": 20}).json()
     assert plain["choices"][0]["text"] == want and plain["usage"]["completion_tokens"] == 20
-    with httpx.Client(base_url=lw.shared_router.url, timeout=60.0, trust_env=False) as shared:  # its handed line too
-        got, summary = stream_text(shared, "/v1/completions", {**GOOD, "max_tokens": 20})
+    with httpx.Client(base_url=lw.request_router.url, timeout=60.0, trust_env=False) as own:  # a stream per request
+        got, summary = stream_text(own, "/v1/completions", {**GOOD, "max_tokens": 20})
     assert got == want and summary["kv_flow"] == "layerwise" and summary["decode_handed_s"] is not None
     info = httpx.get(f"{lw.decode.url}/internal/info", trust_env=False).json()
     assert info["kv_flow"] == "layerwise"
@@ -234,8 +234,8 @@ def test_layerwise_streams_the_same_greedy_tokens_as_pull(systems):
 def test_concurrent_layerwise_requests(lw):
     results: list[dict] = []
 
-    def one(i: int) -> None:  # half of them on the shared decode stream
-        with httpx.Client(base_url=(lw.router, lw.shared_router)[i % 2].url, timeout=60, trust_env=False) as c:
+    def one(i: int) -> None:  # half of them on a decode stream of their own
+        with httpx.Client(base_url=(lw.router, lw.request_router)[i % 2].url, timeout=60, trust_env=False) as c:
             results.append(c.post("/v1/completions", json={**GOOD, "prompt": f"{i} + {i} ="}).json())
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
@@ -300,7 +300,7 @@ def test_client_gone_while_waiting_for_decode_memory_frees_everything(lw, gate):
     assert after["aborts_unknown"] == before["aborts_unknown"] + 1  # B's abort found nothing at the prefill
 
 
-@pytest.mark.parametrize("router", ["router", "shared_router"])
+@pytest.mark.parametrize("router", ["router", "request_router"])
 def test_client_gone_during_prefill_frees_everything(lw, gate, router):
     """A is mid-forward (held), B is queued behind it; both clients leave. The decode frees both at
     once, before the prefill's forward ends (A's push is failed, B's prompt cancelled and its

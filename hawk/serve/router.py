@@ -103,7 +103,7 @@ class RouterConfig:
     health_misses: int = 3  # consecutive misses before a slow instance counts as down
     warmup: bool = False  # one tiny request through every instance at startup (``hawk serve`` turns it on)
     prefill_api: str = "hawk"  # "vllm": the prefill URLs are vLLM servers running HawkConnector (vllm_prefill.py)
-    decode_stream: str = "request"  # "shared": one stream of token lines per decode instance (decode_lines.py)
+    decode_stream: str = "shared"  # one stream of token lines per decode instance, or "request": one per request (decode_lines.py)
 
     def body_limit(self, max_model_len: int) -> int:
         """The configured limit, or room for a maximal prompt even as JSON-escaped text."""
