@@ -48,7 +48,8 @@
 #                 then as mixed graphs, against its decode graph + prefill graph (GPU ms from CUDA events, host ms of the launch)
 #                 (benchmarks/mixed_step_probe.py; one JSON line per point in $LOGS/mixed_step_probe.log)
 #     router    - CPU per streamed token in the router and the engine process (benchmarks/router_probe.py, 8B shape
-#                 colocated on GPU0, 64 and 256 streams), with one router process and with four (--api-server-count 4)
+#                 colocated on GPU0, 64 and 256 streams, four router processes), with a decode stream per request
+#                 and with the shared one (--decode-stream request|shared)
 #     posts     - the host work of layer-wise posts on the forward's thread: `hawk bench ttft` at 1k (both roles on GPU0)
 #                 under cProfile (--profile-posts), the profile in $OUT/ttft_posts_profile.txt
 #     vllm      - issue 30: the fused transform reading vLLM 0.32's GPU layouts (views as vLLM's create_kv_cache_views makes
@@ -90,10 +91,10 @@ if want vllm; then
       --blocks shuffled --src-layout $src --json "$OUT/transform_${src}_h200.json"
   done
 fi
-if want router; then  # one router process, then four (--api-server-count): tokens/s at 256 streams against the graph's step
-  for n in 1 4; do
-    step "router_probe_x$n" 280 python3 benchmarks/router_probe.py --streams 64,256 --tokens 300 --json "$OUT/router_probe_h200_x$n.json" \
-      -- --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --transfer colocated --api-server-count $n
+if want router; then  # four router processes, a decode stream per request, then the shared one (--decode-stream)
+  for ds in request shared; do
+    step "router_probe_x4_$ds" 280 python3 benchmarks/router_probe.py --streams 64,256 --tokens 300 --json "$OUT/router_probe_h200_x4_$ds.json" \
+      -- --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 --transfer colocated --api-server-count 4 --decode-stream $ds
   done
 fi
 want steps && \

@@ -25,7 +25,7 @@ END = object()
 
 class ScriptedDecode:
     """A decode whose event streams send each admitted request two tokens; request ``"cut"`` gets one,
-    then its stream ends (as a decode that stops does)."""
+    then its stream ends (as a decode that stops does); request ``"late"`` gets its two after 1 s."""
 
     def __init__(self) -> None:
         self.subscribers: list[str] = []
@@ -48,8 +48,15 @@ class ScriptedDecode:
         async def decode(req: DecodeRequest) -> dict:
             queue = self.queues[req.subscriber or ""]
             line = {"version": CONTRACT_VERSION, "request_id": req.request_id, "token": 7}
-            queue.put_nowait((json.dumps(line) + "\n").encode())
-            queue.put_nowait(END if req.request_id == "cut" else (json.dumps({**line, "token": 8}) + "\n").encode())
+
+            def send() -> None:
+                queue.put_nowait((json.dumps(line) + "\n").encode())
+                queue.put_nowait(END if req.request_id == "cut" else (json.dumps({**line, "token": 8}) + "\n").encode())
+
+            if req.request_id == "late":  # the stream idles a while first
+                asyncio.get_running_loop().call_later(1.0, send)
+            else:
+                send()
             return DecodeAccepted.of(request_id=req.request_id).model_dump()
 
         @app.post("/internal/decode_abort")
@@ -116,6 +123,22 @@ def test_a_refused_request_leaves_nothing_registered(decode):
             await lines.close(stop=False)
             stream = await streams.stream(decode.server.url)
             assert stream.queues == {} and decode.aborts == []
+            await streams.close()
+
+    asyncio.run(main())
+
+
+def test_a_shared_stream_outlives_the_clients_read_timeout(decode):
+    """Idle longer than the router's request timeout, the shared stream still carries the next lines
+    (it has no read timeout of its own; a request's own stream would have timed out)."""
+
+    async def main() -> None:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(0.3), trust_env=False) as client:
+            streams = SharedStreams(client)
+            late = streams.lines(decode.server.url, "late")
+            await late.open(_request("late"))
+            assert [(await late.read()).token, (await late.read()).token] == [7, 8]
+            await late.close(stop=False)
             await streams.close()
 
     asyncio.run(main())

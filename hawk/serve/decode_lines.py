@@ -31,6 +31,7 @@ from hawk.serve.protocol import InstanceDown, upstream_error
 log = logging.getLogger(__name__)
 
 _JSON = {"content-type": "application/json"}
+CONNECT_TIMEOUT_S = 5.0
 
 
 class DecodeLines(Protocol):
@@ -116,7 +117,9 @@ class SharedStream:
         self._task: asyncio.Task[None] | None = None
 
     async def connect(self) -> None:
-        req = self.client.build_request("GET", f"{self.url}/internal/decode_events", params={"subscriber": self.name})
+        # no read timeout: it may idle for hours; a decode that hangs is the health monitor's to find
+        req = self.client.build_request("GET", f"{self.url}/internal/decode_events", params={"subscriber": self.name},
+                                        timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S))
         try:
             resp = await self.client.send(req, stream=True)
         except httpx.HTTPError as e:

@@ -20,8 +20,12 @@ hawk/engine/prefill_engine.py, hawk/engine/decode_engine.py):
                once the last layer has landed (its first line carries the transfer's time and bytes)
     4 STREAM   as pull
 
-  Release, on every path (``aclose``, idempotent, shielded from cancellation): the decode stream is
-  closed, so the decode aborts the request wherever it is and frees its blocks and reservations
+  The decode's lines come on the request's own stream or on this router process's shared stream
+  (decode_lines.py, ``RouterConfig.decode_stream``); the steps are the same.
+
+  Release, on every path (``aclose``, idempotent, shielded from cancellation): the request's own decode
+  stream is closed, or on a shared stream the decode is sent an AbortRequest, so the decode aborts the
+  request wherever it is and frees its blocks and reservations
   (layer-wise, its wait for the first token fails at once); and, if no token came back, the prefill
   is told to abort, which cancels a queued prompt, drops prefilled KV, and (layer-wise) fails the push
   destination, so the decode's blocks come back now rather than at the connector's TTL.
