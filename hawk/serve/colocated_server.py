@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from hawk.engine.instances import ColocatedInstance
 from hawk.serve.contract import DecodeRequest, InstanceInfo
 from hawk.serve.decode_server import DecodeService, decode_routes
-from hawk.serve.instance_app import build_instance_app
+from hawk.serve.instance_app import build_instance_app, engine_stats
 from hawk.serve.prefill_server import PrefillService, prefill_routes
 
 COLOCATED_ADDRESS = "colocated"
@@ -40,7 +40,7 @@ def create_colocated_app(instance: ColocatedInstance, close_on_shutdown: bool = 
     )
 
     def accounting() -> dict[str, Any]:
-        return {**instance.accounting(), **{f"engine_{k}": v for k, v in instance.decode.stats().items()}, **prefill.aborts, **decode.aborts}
+        return {**instance.accounting(), **engine_stats(instance.decode), **prefill.aborts, **decode.aborts}
 
     return build_instance_app(
         "colocated", [prefill_routes(prefill), decode_routes(decode)], info, accounting, instance.loaded.tokenizer,

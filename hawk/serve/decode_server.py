@@ -58,7 +58,7 @@ from hawk.serve.contract import (
     InstanceInfo,
     TokenLine,
 )
-from hawk.serve.instance_app import build_instance_app, dead_rank_names, unavailable_reason
+from hawk.serve.instance_app import build_instance_app, dead_rank_names, engine_stats, unavailable_reason
 
 log = logging.getLogger(__name__)
 
@@ -435,7 +435,7 @@ def create_decode_app(instance: DecodeInstance, close_on_shutdown: bool = True, 
     )
 
     def accounting() -> dict[str, Any]:
-        return {**instance.accounting(), **{f"engine_{k}": v for k, v in instance.engine.stats().items()}, **svc.aborts}
+        return {**instance.accounting(), **engine_stats(instance.engine), **svc.aborts}
 
     return build_instance_app(
         "decode", [decode_routes(svc)], info, accounting, instance.loaded.tokenizer,

@@ -31,6 +31,11 @@ from hawk.serve.tokenizer_wire import tokenizer_to_wire
 log = logging.getLogger(__name__)
 
 
+def engine_stats(engine: Any) -> dict[str, Any]:
+    """An engine's queue for /internal/accounting, each key prefixed ``engine_`` (``engine_waiting``, ...)."""
+    return {f"engine_{k}": v for k, v in engine.stats().items()}
+
+
 def dead_rank_names(instance: Any) -> list[str]:
     """The instance's dead tensor-parallel ranks as /health lists them ("tp rank 1 (pid 4242)")."""
     pids = getattr(instance, "rank_pids", {})

@@ -28,7 +28,7 @@ from hawk.engine.prefill_engine import PrefillEngine
 from hawk.engine.sequence import SamplingParams
 from hawk.errors import Aborted, BadRequest, ContractMismatch, DuplicateRequest, EngineUnavailable, PromptTooLong
 from hawk.serve.contract import AbortRequest, InstanceInfo, KVRef, PrefillAbortReply, PrefillRequest, PrefillResponse
-from hawk.serve.instance_app import build_instance_app, dead_rank_names, unavailable_reason
+from hawk.serve.instance_app import build_instance_app, dead_rank_names, engine_stats, unavailable_reason
 
 log = logging.getLogger(__name__)
 
@@ -183,12 +183,6 @@ def prefill_routes(svc: PrefillService) -> APIRouter:
         return PrefillAbortReply.of(request_id=req.request_id, result=svc.abort(req.request_id))
 
     return r
-
-
-def engine_stats(engine: PrefillEngine) -> dict[str, int]:
-    """The engine's queue for /internal/accounting: prompts waiting, and prompts holding blocks
-    whose last chunk has not finished (``engine_prefilling``)."""
-    return {f"engine_{k}": v for k, v in engine.stats().items()}
 
 
 def create_prefill_app(instance: PrefillInstance, close_on_shutdown: bool = True, cluster_secret: str | None = None) -> FastAPI:
