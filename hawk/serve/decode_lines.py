@@ -57,6 +57,19 @@ async def abort_decode(client: httpx.AsyncClient, url: str, request_id: str, cli
         log.warning("could not tell %s to stop %s: %r", url, request_id, e)
 
 
+async def open_stream(client: httpx.AsyncClient, req: httpx.Request, url: str) -> httpx.Response:
+    """Send ``req`` to the decode at ``url``; its streaming answer if 200, else the client's error."""
+    try:
+        resp = await client.send(req, stream=True)
+    except httpx.HTTPError as e:
+        raise InstanceDown(f"decode instance {url} unreachable: {e!r}") from None
+    if resp.status_code != 200:
+        content = await resp.aread()
+        await resp.aclose()
+        raise upstream_error(resp.status_code, content, f"decode at {url}")
+    return resp
+
+
 class RequestLines:
     """The request's own stream (``decode_stream="request"``)."""
 
@@ -68,14 +81,7 @@ class RequestLines:
 
     async def open(self, body: DecodeRequest) -> None:
         req = self.client.build_request("POST", f"{self.url}/internal/decode", content=body.model_dump_json(), headers=_JSON)
-        try:
-            resp = await self.client.send(req, stream=True)
-        except httpx.HTTPError as e:
-            raise InstanceDown(f"decode instance {self.url} unreachable: {e!r}") from None
-        if resp.status_code != 200:
-            content = await resp.aread()
-            await resp.aclose()
-            raise upstream_error(resp.status_code, content, f"decode at {self.url}")
+        resp = await open_stream(self.client, req, self.url)
         self._resp, self._lines = resp, resp.aiter_lines()
 
     async def read(self) -> TokenLine | None:
@@ -120,14 +126,7 @@ class SharedStream:
         # no read timeout: it may idle for hours; a decode that hangs is the health monitor's to find
         req = self.client.build_request("GET", f"{self.url}/internal/decode_events", params={"subscriber": self.name},
                                         timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S))
-        try:
-            resp = await self.client.send(req, stream=True)
-        except httpx.HTTPError as e:
-            raise InstanceDown(f"decode instance {self.url} unreachable: {e!r}") from None
-        if resp.status_code != 200:
-            content = await resp.aread()
-            await resp.aclose()
-            raise upstream_error(resp.status_code, content, f"decode at {self.url}")
+        resp = await open_stream(self.client, req, self.url)
         self._task = asyncio.ensure_future(self._read(resp))
 
     async def _read(self, resp: httpx.Response) -> None:
