@@ -48,8 +48,8 @@ from hawk.errors import BadRequest, HawkError
 from hawk.integrations.vllm.params import read_handle
 from hawk.serve.common import API_KEY_ENV, CLIENT_KEEPALIVE_S, LimitBody, RequireBearer, install_error_handlers
 from hawk.serve.contract import Accounting, InstanceInfo, receive
-from hawk.serve.errors import CLIENT_CLOSED, http_error
 from hawk.serve.decode_lines import SharedStreams
+from hawk.serve.errors import CLIENT_CLOSED, http_error
 from hawk.serve.generation import ClientGone, Generation, until_disconnected
 from hawk.serve.metrics import CONTENT_TYPE, RouterMetrics
 from hawk.serve.protocol import (
