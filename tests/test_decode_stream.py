@@ -1,16 +1,24 @@
-"""The token stream: the decode instance's plain token line and engine-to-loop mailbox, the router's plain delta."""
+"""The token stream: the decode instance's plain token line and engine-to-loop mailbox, its shared stream's
+release paths (engine held), the router's plain delta."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
+import time
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
 
 from hypothesis import given
 from hypothesis import strategies as st
 
 from hawk.engine.decode_engine import TokenEvent
-from hawk.serve.contract import TokenLine
-from hawk.serve.decode_server import LoopMailbox, event_line
+from hawk.serve.common import ThreadedServer
+from hawk.serve.contract import CONTRACT_VERSION, TokenLine
+from hawk.serve.decode_server import DecodeService, LoopMailbox, decode_routes, event_line
 
 
 @given(st.integers(min_value=0, max_value=2**31 - 1))
@@ -89,3 +97,64 @@ def test_a_plain_delta_is_the_models_chunk(text: str, chat: bool) -> None:
     c = ChunkMaker(chat, "cmpl-1", "m")
     assert c.delta(text) == c._delta_model(text)
     assert c.delta(text, "stop") == c._delta_model(text, "stop")
+
+
+class HeldEngine:
+    """A decode engine that emits only when told: requests run until aborted (what ``DecodeService`` uses)."""
+
+    max_len = 1 << 20
+
+    def __init__(self) -> None:
+        self.emit: dict[str, Any] = {}
+        self.aborted: list[str] = []
+
+    def submit(self, rid: str, prompt_len: int, first: int, params: Any, handle: Any, on_event: Any) -> None:
+        self.emit[rid] = on_event
+
+    def abort(self, rid: str) -> bool:
+        on_event = self.emit.pop(rid, None)
+        if on_event is None:
+            return False
+        self.aborted.append(rid)
+        on_event(TokenEvent(rid, finish_reason="abort"))
+        return True
+
+
+def _decode_request(rid: str, subscriber: str) -> dict:
+    return {"version": CONTRACT_VERSION, "request_id": rid, "prompt_len": 3, "first_token": 1, "params": {"max_tokens": 100},
+            "kv": {"address": "held", "request_id": rid}, "subscriber": subscriber}
+
+
+def test_a_shared_streams_close_and_aborts_end_its_requests_as_their_kind_says() -> None:
+    """Decode side, engine held: a closed shared stream aborts every request still on it, each counted as a
+    client's disconnect; an AbortRequest with ``client_gone`` counts too, a stop (the router's) does not;
+    a request that finished is not aborted again."""
+    engine = HeldEngine()
+    svc = DecodeService(engine, handle_for=lambda req: None)
+    app = FastAPI()
+    app.include_router(decode_routes(svc))
+    server = ThreadedServer(app).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=10, trust_env=False) as c:
+            with c.stream("GET", "/internal/decode_events", params={"subscriber": "s"}) as events:
+                for rid in ("done", "stopped", "gone", "open-1", "open-2"):
+                    assert c.post("/internal/decode", json=_decode_request(rid, "s")).json()["request_id"] == rid
+                engine.emit.pop("done")(TokenEvent("done", token=5, finish_reason="length"))
+                lines = events.iter_lines()
+                first = json.loads(next(line for line in lines if line))
+                assert first == {"version": CONTRACT_VERSION, "request_id": "done", "token": 5, "finish_reason": "length"}
+                for rid, gone in (("stopped", False), ("gone", True)):
+                    abort = {"version": CONTRACT_VERSION, "request_id": rid, "client_gone": gone}
+                    assert c.post("/internal/decode_abort", json=abort).json()["aborted"] is True
+                ends = [json.loads(next(line for line in lines if line)) for _ in range(2)]
+                assert [(e["request_id"], e["finish_reason"]) for e in ends] == [("stopped", "abort"), ("gone", "abort")]
+                assert svc.aborts["aborted_on_disconnect"] == 1  # "gone" only
+            # the stream closed with two requests running
+            deadline = time.monotonic() + 10
+            while len(engine.aborted) < 4 and time.monotonic() < deadline:
+                time.sleep(0.02)
+        assert sorted(engine.aborted) == ["gone", "open-1", "open-2", "stopped"]
+        assert svc.aborts["aborted_on_disconnect"] == 3
+        assert not svc._subscribers and not svc._streams
+    finally:
+        server.stop()
