@@ -30,7 +30,7 @@ from hawk.serve.protocol import InstanceDown, upstream_error
 
 log = logging.getLogger(__name__)
 
-_JSON = {"content-type": "application/json"}
+JSON_HEADERS = {"content-type": "application/json"}  # a contract message's body
 CONNECT_TIMEOUT_S = 5.0
 
 
@@ -52,7 +52,7 @@ async def abort_decode(client: httpx.AsyncClient, url: str, request_id: str, cli
     """Tell a decode to end a request (best effort: a decode that is gone ended it already)."""
     try:
         body = AbortRequest.of(request_id=request_id, client_gone=client_gone)
-        await client.post(f"{url}/internal/decode_abort", content=body.model_dump_json(), headers=_JSON)
+        await client.post(f"{url}/internal/decode_abort", content=body.model_dump_json(), headers=JSON_HEADERS)
     except httpx.HTTPError as e:
         log.warning("could not tell %s to stop %s: %r", url, request_id, e)
 
@@ -80,7 +80,7 @@ class RequestLines:
         self._ended = False
 
     async def open(self, body: DecodeRequest) -> None:
-        req = self.client.build_request("POST", f"{self.url}/internal/decode", content=body.model_dump_json(), headers=_JSON)
+        req = self.client.build_request("POST", f"{self.url}/internal/decode", content=body.model_dump_json(), headers=JSON_HEADERS)
         resp = await open_stream(self.client, req, self.url)
         self._resp, self._lines = resp, resp.aiter_lines()
 
@@ -172,7 +172,9 @@ class SharedStreams:
         self._locks: dict[str, asyncio.Lock] = {}
 
     async def stream(self, url: str) -> SharedStream:
-        lock = self._locks.setdefault(url, asyncio.Lock())
+        lock = self._locks.get(url)
+        if lock is None:
+            lock = self._locks[url] = asyncio.Lock()
         async with lock:
             s = self._streams.get(url)
             if s is None or s.broken is not None:
@@ -205,7 +207,7 @@ class SharedLines:
         self._stream = stream
         body = body.model_copy(update={"subscriber": stream.name})
         try:
-            r = await self.streams.client.post(f"{self.url}/internal/decode", content=body.model_dump_json(), headers=_JSON)
+            r = await self.streams.client.post(f"{self.url}/internal/decode", content=body.model_dump_json(), headers=JSON_HEADERS)
         except httpx.HTTPError as e:
             self._ended = True  # admitted or not, the decode ends it if it is gone
             raise InstanceDown(f"decode instance {self.url} unreachable: {e!r}") from None

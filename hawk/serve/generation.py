@@ -62,7 +62,7 @@ from hawk.serve.contract import (
     TokenLine,
     receive,
 )
-from hawk.serve.decode_lines import DecodeLines, RequestLines, SharedStreams
+from hawk.serve.decode_lines import JSON_HEADERS, DecodeLines, RequestLines, SharedStreams
 from hawk.serve.protocol import InstanceDown, OpenAIError, upstream_error
 from hawk.serve.vllm_prefill import EndedAtPrefill, prefill_body, prefill_response
 
@@ -74,7 +74,6 @@ CLEANUP_TIMEOUT_S = 5.0
 #: prompt discards the push destination, and the decode hears of it first): the prefill's own answer,
 #: if it comes within this, is the cause the client is told
 CAUSE_GRACE_S = 1.0
-_JSON = {"content-type": "application/json"}
 
 
 @dataclass
@@ -191,7 +190,7 @@ class Generation:
     async def _call(self, base: str, role: str, path: str, body: Any, reply: type[_Reply]) -> _Reply:
         """POST one contract message to an instance: its typed reply, or the fault the client is told
         (the instance unreachable: 503; an error status or a malformed answer: the upstream's)."""
-        r = await self._post(base, role, path, content=body.model_dump_json(), headers=_JSON)
+        r = await self._post(base, role, path, content=body.model_dump_json(), headers=JSON_HEADERS)
         return receive(reply, r.content, f"{role} at {base}")
 
     async def _post(self, base: str, role: str, path: str, **kw: Any) -> httpx.Response:
@@ -411,7 +410,7 @@ class Generation:
             return
         try:
             body = AbortRequest.of(request_id=self.request_id)
-            await self.client.post(f"{self.prefill_url}/internal/abort", content=body.model_dump_json(), headers=_JSON)
+            await self.client.post(f"{self.prefill_url}/internal/abort", content=body.model_dump_json(), headers=JSON_HEADERS)
         except httpx.HTTPError as e:
             log.warning("could not tell %s to abort %s: %r", self.prefill_url, self.request_id, e)
 
