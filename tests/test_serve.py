@@ -32,6 +32,7 @@ from hawk.serve.decode_server import create_decode_app  # noqa: E402
 from hawk.serve.prefill_server import create_prefill_app  # noqa: E402
 from hawk.serve.router import RouterConfig, create_router_app  # noqa: E402
 from hawk.transport.registry import available  # noqa: E402
+from tests.polling import wait_until  # noqa: E402
 
 KV_TOKENS = 2048
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -121,16 +122,6 @@ def wait_released(system: System, timeout_s: float) -> float:
         if time.monotonic() - t0 > timeout_s:
             pytest.fail(f"still held after {timeout_s}s: {h}")
         time.sleep(0.05)
-
-
-def wait_until(cond, timeout_s: float, what: str) -> float:
-    """Poll ``cond()`` until truthy; returns how long it took."""
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout_s:
-            pytest.fail(f"{what} ({timeout_s} s)")
-        time.sleep(0.02)
-    return time.monotonic() - t0
 
 
 def complete(system: System, **body) -> dict:

@@ -36,6 +36,7 @@ from hawk.serve.decode_server import create_decode_app  # noqa: E402
 from hawk.serve.prefill_server import create_prefill_app  # noqa: E402
 from hawk.serve.router import RouterConfig, create_router_app  # noqa: E402
 from hawk.transport.registry import available  # noqa: E402
+from tests.polling import wait_until  # noqa: E402
 
 KV_TOKENS = 1024  # the decode: 16 NPU blocks of 64 tokens
 TTL_S = 20.0  # the connector's TTL: what a request's release must not wait for (but one test's)
@@ -122,16 +123,6 @@ def decode_held(s: Pair) -> dict[str, int]:
         "decode_kv_blocks": d["kv_blocks_used"],
         "decode_requests": d["engine_waiting"] + d["engine_transferring"] + d["engine_running"],
     }
-
-
-def wait_until(what: Any, timeout_s: float, why: str) -> float:
-    """Poll ``what()`` until truthy; returns how long it took."""
-    t0 = time.monotonic()
-    while not what():
-        if time.monotonic() - t0 > timeout_s:
-            pytest.fail(f"{why}: not within {timeout_s}s")
-        time.sleep(0.05)
-    return time.monotonic() - t0
 
 
 def wait_released(s: Pair, timeout_s: float, only: Any = held) -> float:
