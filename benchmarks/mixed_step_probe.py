@@ -6,8 +6,11 @@ and on the host (the launch: the call until it returns, before any sync).
     python benchmarks/mixed_step_probe.py --batches 48 --chunk 32,64,128,192,256,512   # a step's cost against its chunk
     python benchmarks/mixed_step_probe.py --mixed-graphs --batches 48 --chunk 128,512 --kernels   # where a chunk's time goes
     python benchmarks/mixed_step_probe.py --mixed-graphs --batches 48 --chunk 64,128,144 --step-token-target 192 --kernels
+    python benchmarks/mixed_step_probe.py --mixed-graphs --batches 48 --chunk 224 --chunk-offsets 0,256,512   # a later chunk of its prompt
 
-One JSON line per point: ``{kind, batch, chunk, gpu_ms, host_ms, path}``; kind is ``decode`` (the batch
+One JSON line per point: ``{kind, batch, chunk, offset, gpu_ms, host_ms, path}`` (``offset``: the prompt
+tokens before the chunk, already in the cache, which the chunk attends to as a served prompt's later
+chunks do); kind is ``decode`` (the batch
 alone, as the engine runs it: its decode graph), ``prefill`` (the chunk alone: its prefill graph),
 ``split`` (both parts back to back in one timed call: the former path of a mixed batch past 16
 sequences, two graph replays), ``mixed`` (both in one forward, the runner's choice of path where the
@@ -44,8 +47,8 @@ BLOCK = 16
 
 @dataclass
 class StepCase:
-    """``top`` decode rows at ``context`` tokens each and one fresh prompt chunk, over a paged cache
-    sized for exactly them (the CPU step probe builds the same case)."""
+    """``top`` decode rows at ``context`` tokens each and one prompt chunk after up to ``offset`` cached
+    tokens of its prompt, over a paged cache sized for exactly them (the CPU step probe builds the same case)."""
 
     loaded: Any
     layout: GpuKVLayout
@@ -53,26 +56,28 @@ class StepCase:
     context: int
     chunk: int
     per_seq: int  # blocks a decode row holds
+    offset: int = 0  # the most prompt tokens a chunk follows
 
     @classmethod
-    def build(cls, model: str, device: torch.device, dtype: torch.dtype, top: int, context: int, chunk: int) -> StepCase:
+    def build(cls, model: str, device: torch.device, dtype: torch.dtype, top: int, context: int, chunk: int,
+              offset: int = 0) -> StepCase:
         loaded = load_model(model, device, dtype, 0)
         cfg = loaded.config
         per_seq = -(-(context + 2) // BLOCK)
-        chunk_blocks = -(-(chunk + 1) // BLOCK)
+        chunk_blocks = -(-(offset + chunk + 1) // BLOCK)
         layout = GpuKVLayout(cfg.num_layers, top * per_seq + chunk_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim, "bf16")
-        return cls(loaded, layout, layout.allocate(device), context, chunk, per_seq)
+        return cls(loaded, layout, layout.allocate(device), context, chunk, per_seq, offset)
 
     def decode(self, b: int) -> tuple[list[list[int]], list[SeqSlice]]:
         """The first ``b`` rows' tokens and slices: one new token each, after ``context``."""
         return [[1]] * b, [SeqSlice(list(range(i * self.per_seq, (i + 1) * self.per_seq)), self.context, 1) for i in range(b)]
 
-    def prefill(self, chunk: int | None = None) -> tuple[list[list[int]], list[SeqSlice]]:
-        """A fresh prompt chunk of ``chunk`` tokens (at most the case's), its tokens and slice, in the
-        blocks after every row's."""
+    def prefill(self, chunk: int | None = None, offset: int = 0) -> tuple[list[list[int]], list[SeqSlice]]:
+        """A prompt chunk of ``chunk`` tokens (at most the case's) after ``offset`` cached ones (at most
+        the case's), its tokens and slice, in the blocks after every row's."""
         n = self.chunk if chunk is None else min(chunk, self.chunk)
-        first = self.layout.num_blocks - (-(-(self.chunk + 1) // BLOCK))
-        return [list(range(1, n + 1))], [SeqSlice(list(range(first, self.layout.num_blocks)), 0, n)]
+        first = self.layout.num_blocks - (-(-(self.offset + self.chunk + 1) // BLOCK))
+        return [list(range(1, n + 1))], [SeqSlice(list(range(first, self.layout.num_blocks)), min(offset, self.offset), n)]
 
 
 def _time(fn, device: torch.device, reps: int) -> tuple[float, float]:
@@ -120,6 +125,8 @@ def main() -> None:
     ap.add_argument("--batches", default="16,48,64,128,256")
     ap.add_argument("--context", type=int, default=850)
     ap.add_argument("--chunk", default="512", help="prompt tokens beside the decode rows; a comma list times each")
+    ap.add_argument("--chunk-offsets", default="0",
+                    help="prompt tokens already cached before the chunk (a served prompt's later chunks); a comma list times each")
     ap.add_argument("--prefill-graph-tokens", type=int, default=0,
                     help="the runner's prefill graph / graph piece token limit (0: the largest batch plus the chunk)")
     ap.add_argument("--prefill-graph-seqs", type=int, default=16,
@@ -136,9 +143,11 @@ def main() -> None:
     device = torch.device(a.device)
     batches = [int(x) for x in a.batches.split(",")]
     chunks = [int(x) for x in a.chunk.split(",")]
+    offsets = [int(x) for x in a.chunk_offsets.split(",")]
     top, most = max(batches), max(chunks)
-    case = StepCase.build(a.model, device, torch.bfloat16, top, a.context, most)
-    attn = PagedAttention(case.layout, case.caches, max_batch=top + 17, max_model_len=a.context + most + 8)
+    case = StepCase.build(a.model, device, torch.bfloat16, top, a.context, most, max(offsets))
+    max_len = max(a.context, max(offsets) + most) + 8
+    attn = PagedAttention(case.layout, case.caches, max_batch=top + 17, max_model_len=max_len)
     runner = ModelRunner(case.loaded.model, attn, max_batch=top, prefill_graph_tokens=a.prefill_graph_tokens or top + most,
                          prefill_graph_seqs=a.prefill_graph_seqs, piecewise_graphs=True, mixed_graphs=a.mixed_graphs,
                          extra_token_buckets=(a.step_token_target,) if a.step_token_target else ())
@@ -151,26 +160,28 @@ def main() -> None:
     print(json.dumps({"kind": "capture", "buckets": buckets, "graphs": graphs,
                       "seconds": round(time.perf_counter() - t0, 2), "allocated_mib": round((torch.cuda.memory_allocated(device) - alloc) / 2**20, 1),
                       "reserved_mib": round((torch.cuda.memory_reserved(device) - reserved) / 2**20, 1)}), flush=True)
-    eager = ModelRunner(case.loaded.model, PagedAttention(case.layout, case.caches, max_batch=top + 17, max_model_len=a.context + most + 8),
+    eager = ModelRunner(case.loaded.model, PagedAttention(case.layout, case.caches, max_batch=top + 17, max_model_len=max_len),
                         max_batch=top, graphs=False) if a.eager else None
-    for chunk in chunks:
-        for b in batches:
-            _point(runner, eager, case, b, chunk, device, a.reps, a.kernels)
+    for offset in offsets:
+        for chunk in chunks:
+            for b in batches:
+                _point(runner, eager, case, b, chunk, device, a.reps, a.kernels, offset)
 
 
 def _point(runner: ModelRunner, eager: ModelRunner | None, case: StepCase, b: int, chunk: int, device: torch.device, reps: int,
-           kernels: bool = False) -> None:
-    """One JSON line per kind of step at ``b`` decode rows beside a ``chunk``-token prompt, then the sums."""
+           kernels: bool = False, offset: int = 0) -> None:
+    """One JSON line per kind of step at ``b`` decode rows beside a ``chunk``-token prompt chunk after
+    ``offset`` cached tokens of it, then the sums."""
     path: list[str] = []
-    steps = _steps(runner, eager, case.decode(b), case.prefill(chunk), path)
+    steps = _steps(runner, eager, case.decode(b), case.prefill(chunk, offset), path)
     rows = {}
     for kind, fn in steps.items():
         gpu, host = _time(fn, device, reps)
         rows[kind] = gpu
-        print(json.dumps({"kind": kind, "batch": b, "chunk": chunk, "context": case.context, "gpu_ms": round(gpu, 3),
+        print(json.dumps({"kind": kind, "batch": b, "chunk": chunk, "offset": offset, "context": case.context, "gpu_ms": round(gpu, 3),
                           "host_ms": round(host, 3), "path": path[-1]}), flush=True)
     parts = rows["decode"] + rows["prefill"]
-    print(json.dumps({"kind": "sum", "batch": b, "chunk": chunk, "gpu_ms": round(parts, 3),
+    print(json.dumps({"kind": "sum", "batch": b, "chunk": chunk, "offset": offset, "gpu_ms": round(parts, 3),
                       "mixed_over_sum": round(rows["mixed"] / parts, 3), "mixed_over_split": round(rows["mixed"] / rows["split"], 3),
                       "mixed_over_decode": round(rows["mixed"] / rows["decode"], 3)}), flush=True)
     if kernels:
@@ -179,7 +190,7 @@ def _point(runner: ModelRunner, eager: ModelRunner | None, case: StepCase, b: in
         dec = kernel_times({"step": steps["decode"]}, 5)
         mix = kernel_times({"step": steps["mixed"]}, 5)
         added = sorted(set(dec) | set(mix), key=lambda k: dec.get(k, 0.0) - mix.get(k, 0.0))
-        print(json.dumps({"kind": "kernels", "batch": b, "chunk": chunk, "decode_us": round(sum(dec.values()), 1),
+        print(json.dumps({"kind": "kernels", "batch": b, "chunk": chunk, "offset": offset, "decode_us": round(sum(dec.values()), 1),
                           "mixed_us": round(sum(mix.values()), 1),
                           "added_us": {k: [round(dec.get(k, 0.0), 1), round(mix.get(k, 0.0), 1)] for k in added[:14]}}), flush=True)
 
