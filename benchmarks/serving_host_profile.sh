@@ -7,6 +7,8 @@
 #   (PYSPY_IDLE=1: the engines' stacks include idle samples, where a thread waits on a lock or the GIL;
 #   GIL_SWITCH_MS=0.5: the server's processes hand the interpreter lock between threads that often instead
 #   of CPython's 5 ms, through a sitecustomize.py put first on their PYTHONPATH (it shadows any other);
+#   STEP_TRACE=1: the engines write a line per step, HAWK_STEP_TRACE, and benchmarks/step_trace_fit.py fits
+#   what a served step costs against what it carried: $OUT/step_fit.json;
 #   python benchmarks/profile_summary.py $OUT reads the outputs)
 #
 # Default server: colocated, 8B shape, bf16, cuda:0, default capacity. Writes under $OUT:
@@ -25,6 +27,7 @@ else
 fi
 args=("$@"); [ ${#args[@]} -eq 0 ] && args=(--transfer colocated --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0)
 serve_path=$PYTHONPATH
+[ -n "${STEP_TRACE:-}" ] && export HAWK_STEP_TRACE="$OUT/steps.jsonl"
 if [ -n "${GIL_SWITCH_MS:-}" ]; then
   gil=$(mktemp -d); printf 'import sys\nsys.setswitchinterval(%s / 1000)\n' "$GIL_SWITCH_MS" > "$gil/sitecustomize.py"
   serve_path=$gil:$PYTHONPATH
@@ -59,5 +62,6 @@ kill $npid 2> /dev/null
 curl -s "127.0.0.1:$PORT/metrics" > "$OUT/metrics_after.txt"
 wait $bpid; tail -5 "$OUT/bench.log"
 sleep 2; kill -INT $spid; wait $spid
+[ -n "${STEP_TRACE:-}" ] && python3 benchmarks/step_trace_fit.py "$OUT/steps.jsonl" --json "$OUT/step_fit.json"
 # the device tool returns few files: the stacks travel as one archive
-tar -C "$OUT" -czf "$OUT/profile.tgz" --remove-files $(cd "$OUT" && ls pyspy_* serve.log metrics_*.txt 2> /dev/null)
+tar -C "$OUT" -czf "$OUT/profile.tgz" --remove-files $(cd "$OUT" && ls pyspy_* serve.log metrics_*.txt steps.jsonl 2> /dev/null)

@@ -6,6 +6,8 @@ costs a running decode at most one budget-bounded step per token), and preemptio
 batch still yields the tokens of the threaded engines (prefill and decode as separate forwards).
 """
 
+import json
+import os
 import threading
 import time
 from dataclasses import replace
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 from hawk.config import ConfigError
-from hawk.engine import decode_engine
+from hawk.engine import decode_engine, step_trace
 from hawk.engine.decode_engine import (
     MIXED_PREFILL_SEQS,
     DecodeEngine,
@@ -440,3 +442,28 @@ def test_the_prefill_backlog_counts_queued_prompts_and_the_unplanned_rest_of_sta
         assert not pre.backlog_exceeds(0)
     finally:
         inst.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_step_trace_writes_one_line_per_step_with_what_it_carried(loaded, monkeypatch, tmp_path, overlap):
+    """HAWK_STEP_TRACE: every forward the engine ran is one line, in order, its decode rows, their
+    cached tokens and its prompt chunks as the runner got them; every prompt token is in some line."""
+    path = tmp_path / "steps.jsonl"
+    monkeypatch.setenv(step_trace.ENV, str(path))
+    inst = _instance(loaded, overlap=overlap)
+    try:
+        log = _record(monkeypatch, inst)
+        out = _serve(inst, 6)
+        assert all(len(t) == 24 for t in out.values())
+    finally:
+        inst.close()
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert len(lines) == len(log) > 0
+    for line, fwd in zip(lines, log):
+        rows = line["rows"]
+        assert rows + line["chunks"] == len(fwd)
+        assert line["context"] == sum(start for start, _ in fwd[:rows])
+        assert line["prompt_tokens"] == sum(q for _, q in fwd[rows:])
+        assert line["pid"] == os.getpid() and line["launch_ms"] > 0 and line["device_ms"] is None
+    assert sum(x["prompt_tokens"] for x in lines) == sum(30 + 41 * i for i in range(6))
+    assert any(x["rows"] and x["prompt_tokens"] for x in lines)

@@ -70,6 +70,7 @@ from hawk.engine.runner import ModelRunner, StepOutput, StepPath
 from hawk.engine.sampler import NO_TOKEN, make_generator, sample, sample_tokens
 from hawk.engine.sequence import SamplingParams, Sequence, Status
 from hawk.engine.step_threads import StepThreads
+from hawk.engine.step_trace import StepMark, StepTrace
 from hawk.engine.swap import BlockSwapper, SwappedKV, swapper_for
 from hawk.engine.token_fetch import TokenFetch, TokenFetcher
 from hawk.errors import BadRequest, DuplicateRequest, EngineFailure, PromptTooLong
@@ -305,6 +306,7 @@ class _Launched:
     #: Entries that finished while this step was in flight: its rows may still write their KV, so
     #: their blocks are freed once it is done.
     release_after: list[_Entry] = field(default_factory=list)
+    trace: StepMark | None = None  # HAWK_STEP_TRACE: the step's line, written when it is read
 
     def __post_init__(self) -> None:
         self.members = {id(e) for e in self.batch}
@@ -396,6 +398,8 @@ class DecodeEngine:
         self.preemptions = 0
         #: the step loop's busy time, its waits on the device and its time blocked (hawk/engine/loop_clock.py)
         self.clock = LoopClock()
+        #: one line per step when HAWK_STEP_TRACE names a file (hawk/engine/step_trace.py)
+        self.trace = StepTrace.from_env()
         self._lock = threading.Condition()
         self._waiting: deque[_Entry] = deque()
         self._transferring: dict[str, _Entry] = {}
@@ -906,12 +910,16 @@ class DecodeEngine:
         if self.step_threads is not None:
             self.step_threads.enter(sum(p.q_len for p in pieces))
         t0 = time.perf_counter()
+        mark = self.trace.begin(self.runner.device) if self.trace is not None else None
         try:
             out = self.runner.step(tokens, slices, ids=ids)
         except Exception as ex:
             if pieces:
                 self.prefill.fail_step(pieces, ex)  # type: ignore[union-attr]
             raise
+        if mark is not None:
+            mark.launched(self.runner.device, rows=n, context=sum(s.start for s in slices[:n]),
+                          prompt_tokens=sum(p.q_len for p in pieces), chunks=len(pieces), path=out.path.name)
         if n:
             self.steps["overlapped" if k else "synchronous"] += 1
         if pieces:
@@ -921,7 +929,7 @@ class DecodeEngine:
         greedy = None if out.greedy is None else out.greedy[:n]
         fetch = self._sample(batch, StepOutput(out.logits[:n], greedy, out.path)) if n else TokenFetch.ready([])
         if not pieces:
-            return _Launched(batch, fetch, t0)
+            return _Launched(batch, fetch, t0, trace=mark)
         rows = out.logits[n:]
         if out.path is StepPath.GRAPH:  # a graph's output: the next step's replay may overwrite it
             rows = rows.clone()
@@ -930,7 +938,7 @@ class DecodeEngine:
             with torch.cuda.device(rows.device):  # an event belongs to the device current at its record
                 ready = torch.cuda.Event()
                 ready.record()
-        return _Launched(batch, fetch, t0, pieces, rows, ready)
+        return _Launched(batch, fetch, t0, pieces, rows, ready, trace=mark)
 
     def _drain(self, emit: bool = True) -> None:
         """Wait for the step in flight, if any, and emit its tokens (or only free what it held)."""
@@ -948,6 +956,8 @@ class DecodeEngine:
         except Exception as ex:  # noqa: BLE001 - the device failed this step: its rows fail
             log.exception("reading a decode step's tokens failed")
             toks = [ex] * len(launched.batch)
+        if launched.trace is not None and self.trace is not None:
+            self.trace.write(launched.trace)
         if emit and self.step_time is not None and launched.batch:  # a prefill-only step is no decode step
             self._pace(launched.t0, launched.batch)
         for e, tok in zip(launched.batch, toks) if emit else ():
@@ -1052,6 +1062,8 @@ class DecodeEngine:
                 cancel(h)
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._push_pool.shutdown(wait=True, cancel_futures=True)
+        if self.trace is not None:
+            self.trace.close()
         with self._lock:
             entries = list(self._entries.values())
             self._entries.clear()

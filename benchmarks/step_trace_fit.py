@@ -1,0 +1,71 @@
+"""What a served step costs, fitted over the steps a server really ran (``HAWK_STEP_TRACE`` lines,
+``hawk/engine/step_trace.py``): device ms against decode rows, their cached tokens, prompt tokens and
+chunks, by least squares, then the prompt tokens' share of the device time.
+
+    HAWK_STEP_TRACE=/tmp/steps.jsonl python -m hawk serve ...    # a load, then stop the server
+    python benchmarks/step_trace_fit.py /tmp/steps.jsonl [--json OUT] [--skip 200]
+
+Why a fit: a step probe times chunks it builds (``benchmarks/mixed_step_probe.py``); a served step
+carries chunks deep into their prompts and several prompts at once, and the fit's prompt-token
+coefficient is what those cost where the load put them. Steps whose device time includes a wait for
+their own launch (``device_ms`` well above ``launch_ms`` of a graph replay) are in the fit as they ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TERMS = ("rows", "context", "prompt_tokens", "chunks")
+
+
+def load(path: Path, skip: int = 0) -> list[dict[str, Any]]:
+    """The trace's lines with a device time, past the first ``skip`` (warm-up, the ramp's start)."""
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return [x for x in lines[skip:] if x.get("device_ms") is not None]
+
+
+def fit(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """device_ms ≈ c0 + Σ c_t · term_t over the steps; each coefficient in ms per unit."""
+    a = np.array([[1.0, *(float(s[t]) for t in TERMS)] for s in steps])
+    y = np.array([float(s["device_ms"]) for s in steps])
+    coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+    resid = y - a @ coef
+    mixed = [s for s in steps if s["prompt_tokens"] and s["rows"]]
+    total = float(y.sum())
+    prompt_ms = float(coef[3] * sum(s["prompt_tokens"] for s in steps) + coef[4] * sum(s["chunks"] for s in steps))
+    return {
+        "steps": len(steps),
+        "mixed_steps": len(mixed),
+        "device_s": round(total / 1e3, 3),
+        "coef_ms": {"const": round(float(coef[0]), 4), **{t: round(float(c), 6) for t, c in zip(TERMS, coef[1:])}},
+        "prompt_token_us": round(1e3 * float(coef[3]), 2),
+        "prompt_share_of_device_time": round(prompt_ms / total, 3) if total else None,
+        "residual_ms_p50_abs": round(float(np.median(np.abs(resid))), 3),
+        "mean_rows": round(float(np.mean([s["rows"] for s in steps])), 1),
+        "mean_prompt_tokens_in_mixed": round(float(np.mean([s["prompt_tokens"] for s in mixed])), 1) if mixed else 0.0,
+        "by_path": {p: sum(1 for s in steps if s.get("path") == p) for p in sorted({str(s.get("path")) for s in steps})},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace", type=Path)
+    ap.add_argument("--skip", type=int, default=0, help="leave out the first N lines (warm-up)")
+    ap.add_argument("--json", type=Path, help="write the fit here too")
+    a = ap.parse_args()
+    steps = load(a.trace, a.skip)
+    if len(steps) < len(TERMS) + 2:
+        raise SystemExit(f"{a.trace}: {len(steps)} steps with a device time, too few to fit")
+    out = {"trace": str(a.trace), **fit(steps)}
+    print(json.dumps(out, indent=1))
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
