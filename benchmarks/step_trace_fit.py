@@ -49,7 +49,14 @@ def fit(steps: list[dict[str, Any]]) -> dict[str, Any]:
         "mean_rows": round(float(np.mean([s["rows"] for s in steps])), 1),
         "mean_prompt_tokens_in_mixed": round(float(np.mean([s["prompt_tokens"] for s in mixed])), 1) if mixed else 0.0,
         "by_path": {p: sum(1 for s in steps if s.get("path") == p) for p in sorted({str(s.get("path")) for s in steps})},
+        # a running row gets a token a step: these are the inter-token gaps the device sets
+        "device_ms_pct": {kind: _pct([float(s["device_ms"]) for s in group]) for kind, group in
+                          (("decode_only", [s for s in steps if not s["prompt_tokens"]]), ("mixed", mixed), ("all", steps))},
     }
+
+
+def _pct(xs: list[float]) -> dict[str, float] | None:
+    return {f"p{q}": round(float(np.percentile(xs, q)), 3) for q in (50, 90, 99)} if xs else None
 
 
 def main() -> None:

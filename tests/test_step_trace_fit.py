@@ -30,3 +30,6 @@ def test_the_fit_recovers_the_costs_the_steps_were_made_with(tmp_path):
     prompt_ms = sum(0.017 * s["prompt_tokens"] + 0.2 * s["chunks"] for s in steps)
     assert abs(out["prompt_share_of_device_time"] - prompt_ms / sum(s["device_ms"] for s in steps)) < 1e-3
     assert load(path, skip=100) == steps[100:]
+    mixed = [s["device_ms"] for s in steps if s["prompt_tokens"] and s["rows"]]
+    assert out["device_ms_pct"]["mixed"]["p50"] == round(float(np.percentile(mixed, 50)), 3)
+    assert out["device_ms_pct"]["all"]["p99"] <= max(s["device_ms"] for s in steps)
