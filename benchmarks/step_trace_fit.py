@@ -1,6 +1,7 @@
 """What a served step costs, fitted over the steps a server really ran (``HAWK_STEP_TRACE`` lines,
 ``hawk/engine/step_trace.py``): device ms against decode rows, their cached tokens, prompt tokens and
-chunks, by least squares, then the prompt tokens' share of the device time.
+chunks, and the query-key pairs the chunks' attention reads (thousands: a chunk of q tokens after s cached
+ones, q·(s + q/2)), by least squares, then the prompt tokens' share of the device time.
 
     HAWK_STEP_TRACE=/tmp/steps.jsonl python -m hawk serve ...    # a load, then stop the server
     python benchmarks/step_trace_fit.py /tmp/steps.jsonl [--json OUT] [--skip 200]
@@ -20,13 +21,18 @@ from typing import Any
 
 import numpy as np
 
-TERMS = ("rows", "context", "prompt_tokens", "chunks")
+TERMS = ("rows", "context", "prompt_tokens", "chunks", "chunk_pairs_k")
+
+
+def chunk_pairs_k(step: dict[str, Any]) -> float:
+    """Query-key pairs of the step's chunks' causal attention, in thousands."""
+    return sum(q * (s + q / 2) for s, q in step.get("spans", [])) / 1e3
 
 
 def load(path: Path, skip: int = 0) -> list[dict[str, Any]]:
     """The trace's lines with a device time, past the first ``skip`` (warm-up, the ramp's start)."""
     lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    return [x for x in lines[skip:] if x.get("device_ms") is not None]
+    return [{**x, "chunk_pairs_k": chunk_pairs_k(x)} for x in lines[skip:] if x.get("device_ms") is not None]
 
 
 def fit(steps: list[dict[str, Any]]) -> dict[str, Any]:
@@ -37,13 +43,16 @@ def fit(steps: list[dict[str, Any]]) -> dict[str, Any]:
     resid = y - a @ coef
     mixed = [s for s in steps if s["prompt_tokens"] and s["rows"]]
     total = float(y.sum())
-    prompt_ms = float(coef[3] * sum(s["prompt_tokens"] for s in steps) + coef[4] * sum(s["chunks"] for s in steps))
+    n_prompt = sum(s["prompt_tokens"] for s in steps)
+    prompt_ms = float(sum(coef[i + 1] * sum(s[t] for s in steps) for i, t in enumerate(TERMS) if i >= 2))
     return {
         "steps": len(steps),
         "mixed_steps": len(mixed),
         "device_s": round(total / 1e3, 3),
         "coef_ms": {"const": round(float(coef[0]), 4), **{t: round(float(c), 6) for t, c in zip(TERMS, coef[1:])}},
-        "prompt_token_us": round(1e3 * float(coef[3]), 2),
+        "prompt_token_us": round(1e3 * float(coef[3]), 2),  # per token, its chunk and attention apart
+        # what the prompts cost all in (tokens, chunks, their attention) per prompt token
+        "prompt_token_us_all_in": round(1e3 * prompt_ms / n_prompt, 2) if n_prompt else None,
         "prompt_share_of_device_time": round(prompt_ms / total, 3) if total else None,
         "residual_ms_p50_abs": round(float(np.median(np.abs(resid))), 3),
         "mean_rows": round(float(np.mean([s["rows"] for s in steps])), 1),

@@ -464,6 +464,7 @@ def test_the_step_trace_writes_one_line_per_step_with_what_it_carried(loaded, mo
         assert rows + line["chunks"] == len(fwd)
         assert line["context"] == sum(start for start, _ in fwd[:rows])
         assert line["prompt_tokens"] == sum(q for _, q in fwd[rows:])
+        assert line["spans"] == [list(x) for x in fwd[rows:]]
         assert line["pid"] == os.getpid() and line["launch_ms"] > 0 and line["device_ms"] is None
     assert sum(x["prompt_tokens"] for x in lines) == sum(30 + 41 * i for i in range(6))
     assert any(x["rows"] and x["prompt_tokens"] for x in lines)

@@ -919,7 +919,8 @@ class DecodeEngine:
             raise
         if mark is not None:
             mark.launched(self.runner.device, rows=n, context=sum(s.start for s in slices[:n]),
-                          prompt_tokens=sum(p.q_len for p in pieces), chunks=len(pieces), path=out.path.name)
+                          prompt_tokens=sum(p.q_len for p in pieces), chunks=len(pieces),
+                          spans=[[p.start, p.q_len] for p in pieces], path=out.path.name)
         if n:
             self.steps["overlapped" if k else "synchronous"] += 1
         if pieces:
