@@ -71,11 +71,15 @@ class StepTrace:
         return mark
 
     def write(self, mark: StepMark) -> None:
-        """After the step's results were read (its end event has run, or is waited for here)."""
+        """After the step's results were read (its end event has run, or is waited for here). A step
+        the device failed is written without its time: tracing never fails a step."""
         device_ms = None
         if mark.start is not None and mark.end is not None:
-            mark.end.synchronize()
-            device_ms = round(mark.start.elapsed_time(mark.end), 4)
+            try:
+                mark.end.synchronize()
+                device_ms = round(mark.start.elapsed_time(mark.end), 4)
+            except Exception:  # noqa: BLE001 - the step's own failure is reported where it is read
+                device_ms = None
         line = {"pid": self._pid, **(mark.fields or {}), "launch_ms": round(mark.launch_ms, 4), "device_ms": device_ms}
         with self._lock:
             if not self._out.closed:
