@@ -58,6 +58,10 @@
 #     rate80    - issue 31: colocated (8B shape, bf16) at one chatbot rate, RATE80_RATE (default 20.4: 80 % of its saturation),
 #                 under several step policies, one server each: RATE80_ARGS="name=hawk serve flags;name=flags;..." ->
 #                 $OUT/rate80_<name>.json (RATE80_REQUESTS per server, default 300)
+#     steptrace - issue 31: what a served prompt token costs. The step probe with the chunk after 0/256/512 cached tokens of
+#                 its prompt (mixed graphs, token target 192), then colocated at STEPTRACE_RATE (20.4) req/s with HAWK_STEP_TRACE
+#                 for each of STEPTRACE_CONFIGS ("default mixed192"), each trace fitted by benchmarks/step_trace_fit.py ->
+#                 $OUT/mixed_step_offsets_h200.jsonl, $OUT/step_fit_<config>.json, $OUT/step_trace_<config>.tgz
 # LOGS=DIR keeps the per-step logs out of $OUT (the device tool returns at most 8 files); each step's tail still prints.
 # Wheels missing on the box (nixl, nixl_cu13, pyzmq for cp312) are carried in .whl/ (see docs/gpu.md).
 set -uo pipefail
@@ -289,6 +293,20 @@ if want saturation; then
     "$OUT/saturation_gn-hawk_gpu0_bfp8.json" "$OUT/saturation_colocated-mixed192.json" \
     --device "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), one GPU, both roles on GPU0 (emulated NPU)" \
     --command "bash scripts/gpu_suite.sh saturation" --out "$OUT/saturation_h200.json"
+fi
+if want steptrace; then
+  step mixed_step_offsets 150 python3 benchmarks/mixed_step_probe.py --mixed-graphs --batches 32,48 --context 850 --chunk 128,224 \
+    --chunk-offsets 0,256,512 --step-token-target 192
+  grep -E '"kind": "(decode|mixed|sum)"' "$LOGS/mixed_step_offsets.log" > "$OUT/mixed_step_offsets_h200.jsonl"
+  for cfg in ${STEPTRACE_CONFIGS:-default mixed192}; do
+    extra=(); [ "$cfg" = mixed192 ] && extra=(--mixed-graphs --step-token-target 192)
+    mkdir -p "/tmp/steptrace_$cfg"
+    OUT=/tmp/steptrace_$cfg STEP_TRACE=1 PROFILE_RATE=${STEPTRACE_RATE:-20.4} PROFILE_S=${STEPTRACE_S:-30} timeout 200 \
+      bash benchmarks/serving_host_profile.sh --transfer colocated --model llama-3.1-8b --dtype bf16 --prefill-device cuda:0 "${extra[@]}" \
+      2>&1 | tail -4
+    cp "/tmp/steptrace_$cfg/step_fit.json" "$OUT/step_fit_$cfg.json"
+    tar -C "/tmp/steptrace_$cfg" -czf "$OUT/step_trace_$cfg.tgz" .
+  done
 fi
 if want rate80; then
   IFS=';' read -ra r80 <<< "${RATE80_ARGS:-default=}"
