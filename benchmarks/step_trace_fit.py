@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 TERMS = ("rows", "context", "prompt_tokens", "chunks", "chunk_pairs_k")
+PROMPT_TERMS = ("prompt_tokens", "chunks", "chunk_pairs_k")  # what the prompts bring to a step
 
 
 def chunk_pairs_k(step: dict[str, Any]) -> float:
@@ -41,16 +42,17 @@ def fit(steps: list[dict[str, Any]]) -> dict[str, Any]:
     y = np.array([float(s["device_ms"]) for s in steps])
     coef, *_ = np.linalg.lstsq(a, y, rcond=None)
     resid = y - a @ coef
+    per = {t: float(c) for t, c in zip(TERMS, coef[1:])}
     mixed = [s for s in steps if s["prompt_tokens"] and s["rows"]]
     total = float(y.sum())
     n_prompt = sum(s["prompt_tokens"] for s in steps)
-    prompt_ms = float(sum(coef[i + 1] * sum(s[t] for s in steps) for i, t in enumerate(TERMS) if i >= 2))
+    prompt_ms = sum(per[t] * sum(s[t] for s in steps) for t in PROMPT_TERMS)
     return {
         "steps": len(steps),
         "mixed_steps": len(mixed),
         "device_s": round(total / 1e3, 3),
-        "coef_ms": {"const": round(float(coef[0]), 4), **{t: round(float(c), 6) for t, c in zip(TERMS, coef[1:])}},
-        "prompt_token_us": round(1e3 * float(coef[3]), 2),  # per token, its chunk and attention apart
+        "coef_ms": {"const": round(float(coef[0]), 4), **{t: round(c, 6) for t, c in per.items()}},
+        "prompt_token_us": round(1e3 * per["prompt_tokens"], 2),  # per token, its chunk and attention apart
         # what the prompts cost all in (tokens, chunks, their attention) per prompt token
         "prompt_token_us_all_in": round(1e3 * prompt_ms / n_prompt, 2) if n_prompt else None,
         "prompt_share_of_device_time": round(prompt_ms / total, 3) if total else None,
