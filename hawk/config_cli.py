@@ -20,7 +20,9 @@ from typing import Any, Optional
 
 import typer
 
-from hawk.config import ServeConfig, default_of, defaults, options
+from typer.exceptions import TyperException
+
+from hawk.config import ConfigError, ServeConfig, default_of, defaults, options
 
 _HINTS = typing.get_type_hints(ServeConfig)
 
@@ -97,3 +99,24 @@ def config_command(
     command_fn.__doc__ = doc or run.__doc__
     command_fn.__name__ = command
     return command_fn
+
+
+def parse_config(command: str, argv: Sequence[str], overrides: Mapping[str, Any] = {}) -> ServeConfig:  # noqa: B006
+    """The config ``hawk <command> ARGV`` would start with, read by the same generated options and
+    validated, nothing started (a recorded run's ``serve_args`` back into its settings). A bad value
+    or an unknown flag raises ``ConfigError``."""
+    params = config_parameters(command, overrides)
+    got: dict[str, Any] = {}
+
+    def capture(**kw: Any) -> None:
+        got.update(kw)
+
+    capture.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    capture.__annotations__ = {p.name: p.annotation for p in params}
+    app = typer.Typer()
+    app.command()(capture)
+    try:
+        typer.main.get_command(app).main(list(argv), prog_name=f"hawk {command}", standalone_mode=False)
+    except TyperException as e:  # the parser's usage errors: an unknown flag, a value of the wrong type
+        raise ConfigError(str(e)) from e
+    return config_from(got, overrides)

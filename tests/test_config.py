@@ -59,6 +59,20 @@ def test_a_default_changed_in_config_shows_in_every_command(monkeypatch):
     assert defaults().arch == "wormhole-n300"
 
 
+def test_a_recorded_command_line_reads_back_into_its_config():
+    """``parse_config`` reads argv with the generated options, so a run's recorded ``serve_args``
+    give the settings it ran with; bad values and unknown flags raise, nothing prints and exits."""
+    from hawk.config_cli import parse_config
+
+    cfg = parse_config("serve", ["--transfer", "colocated", "--mixed-graphs", "--max-num-seqs", "128", "--step-token-target", "192"])
+    assert (cfg.transfer, cfg.mixed_graphs, cfg.max_batch, cfg.step_token_target) == ("colocated", True, 128, 192)
+    assert dataclasses.replace(cfg, transfer="gn-hawk", mixed_graphs=False, max_batch=None, step_token_target=0) == defaults()
+    with pytest.raises(ConfigError, match="--step-token-target"):
+        parse_config("serve", ["--step-token-target", "700"])
+    with pytest.raises(ConfigError, match="--no-such-flag"):
+        parse_config("serve", ["--no-such-flag"])
+
+
 def test_the_default_model_is_one_constant():
     from hawk.engine.loader import DEFAULT_MODEL
 
