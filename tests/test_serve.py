@@ -14,7 +14,6 @@ import os
 import re
 import socket
 import threading
-import time
 from dataclasses import replace
 
 import httpx
@@ -114,14 +113,7 @@ def held(system: System) -> dict:
 
 def wait_released(system: System, timeout_s: float) -> float:
     """Poll until both instances hold nothing; returns how long it took (releases are async)."""
-    t0 = time.monotonic()
-    while True:
-        h = held(system)
-        if not any(h.values()):
-            return time.monotonic() - t0
-        if time.monotonic() - t0 > timeout_s:
-            pytest.fail(f"still held after {timeout_s}s: {h}")
-        time.sleep(0.05)
+    return wait_until(lambda: not any(held(system).values()), timeout_s, lambda: f"still held: {held(system)}")
 
 
 def complete(system: System, **body) -> dict:

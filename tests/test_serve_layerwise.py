@@ -126,12 +126,7 @@ def decode_held(s: Pair) -> dict[str, int]:
 
 
 def wait_released(s: Pair, timeout_s: float, only: Any = held) -> float:
-    t0 = time.monotonic()
-    while any((h := only(s)).values()):
-        if time.monotonic() - t0 > timeout_s:
-            pytest.fail(f"still held after {timeout_s}s: {h}")
-        time.sleep(0.05)
-    return time.monotonic() - t0
+    return wait_until(lambda: not any(only(s).values()), timeout_s, lambda: f"still held: {only(s)}")
 
 
 def stream_text(client: httpx.Client, path: str, body: dict) -> tuple[str, dict]:
