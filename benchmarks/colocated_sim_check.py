@@ -48,6 +48,8 @@ RUNS = (
 METRICS = ("tpot_p50_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "request_throughput_rps")
 #: issue 31's limit on TPOT p50 at 80 % of saturation, in decode steps at that batch
 TPOT_STEPS_LIMIT = 1.5
+#: the saturation ramp's last offered rate and its request count: the throughput a setting saturates at
+SATURATED = (60.75, 1519)
 
 
 def scaled(cost: MixedStepCost, k: float) -> MixedStepCost:
@@ -153,9 +155,10 @@ def sweep(tables: dict[str, MixedStepCost], served: dict[str, dict[str, float]],
         row: dict[str, Any] = {"serve_args": args, "path": path}
         for label, cost in (("table", tables[path]), *((f"served {r}", READINGS[r][0](tables[path], served[path][r])) for r in READINGS)):
             sim = simulate(cost, policy, rate, n, 0)
+            top = simulate(cost, policy, *SATURATED, 0)
             row[label] = {"tpot_p50_ms": sim["tpot_p50_ms"], "tpot_p50_over_step": sim["tpot_p50_over_step"],
                           "itl_p99_over_tpot_p50": sim["itl_p99_ms"] / sim["tpot_p50_ms"], "engine_ttft_p50_ms": sim["ttft_p50_ms"],
-                          "batch": sim["batch"]}
+                          "batch": sim["batch"], "saturated_rps": top["request_throughput_rps"]}
         row["at_limit"] = {r: solve(tables[path], r, policy, rate, n, 0, "tpot_p50_over_step", TPOT_STEPS_LIMIT) for r in READINGS}
         out.append(row)
     return out
@@ -204,10 +207,11 @@ def main() -> None:
         out["sweep"] = {"rate": a.sweep_rate, "num_requests": a.sweep_requests, "tpot_steps_limit": TPOT_STEPS_LIMIT,
                         "rows": sweep(tables, served, a.sweep_rate, a.sweep_requests)}
         print(f"\nsweep at {a.sweep_rate} req/s, {a.sweep_requests} requests: TPOT p50 in decode steps / ITL p99 over TPOT p50 / "
-              f"engine TTFT p50 ms, with the table's costs | served k | served pair_ns; the k and pair_ns at {TPOT_STEPS_LIMIT} steps")
+              f"engine TTFT p50 ms / req/s at {SATURATED[0]} offered, with the table's costs | served k | served pair_ns; "
+              f"the k and pair_ns at {TPOT_STEPS_LIMIT} steps")
         for s in out["sweep"]["rows"]:
-            cols = " | ".join(f"{_f(v['tpot_p50_over_step'])} {_f(v['itl_p99_over_tpot_p50'])} {v['engine_ttft_p50_ms']:.0f}"
-                              for v in (s["table"], s["served k"], s["served pair_ns"]))
+            cols = " | ".join(f"{_f(v['tpot_p50_over_step'])} {_f(v['itl_p99_over_tpot_p50'])} {v['engine_ttft_p50_ms']:.0f} "
+                              f"{_f(v['saturated_rps'])}" for v in (s["table"], s["served k"], s["served pair_ns"]))
             print(f"{s['serve_args'] or 'default'} | {cols} | {_f(s['at_limit']['k'])} {_f(s['at_limit']['pair_ns'])}")
     if a.json:
         a.json.write_text(json.dumps(out, indent=1) + "\n")
