@@ -59,7 +59,8 @@
 #                 under several step policies, one server each: RATE80_ARGS="name=hawk serve flags;name=flags;..." ->
 #                 $OUT/rate80_<name>.json (RATE80_REQUESTS per server, default 300)
 #     steptrace - issue 31: what a served prompt token costs. The step probe with the chunk after 0/256/512 cached tokens of
-#                 its prompt (mixed graphs, token target 192), then colocated at STEPTRACE_RATE (20.4) req/s with HAWK_STEP_TRACE
+#                 its prompt (mixed graphs, token target 192, GPU time per kernel; hawk/sim/colocated.py reads its pair cost
+#                 from the file), then colocated at STEPTRACE_RATE (20.4) req/s with HAWK_STEP_TRACE
 #                 for each of STEPTRACE_CONFIGS ("default mixed192"), each trace fitted by benchmarks/step_trace_fit.py ->
 #                 $OUT/mixed_step_offsets_h200.jsonl, $OUT/step_fit_<config>.json, $OUT/step_trace_<config>.tgz
 # LOGS=DIR keeps the per-step logs out of $OUT (the device tool returns at most 8 files); each step's tail still prints.
@@ -295,9 +296,9 @@ if want saturation; then
     --command "bash scripts/gpu_suite.sh saturation" --out "$OUT/saturation_h200.json"
 fi
 if want steptrace; then
-  step mixed_step_offsets 150 python3 benchmarks/mixed_step_probe.py --mixed-graphs --batches 32,48 --context 850 --chunk 128,224 \
-    --chunk-offsets 0,256,512 --step-token-target 192
-  grep -E '"kind": "(decode|mixed|sum)"' "$LOGS/mixed_step_offsets.log" > "$OUT/mixed_step_offsets_h200.jsonl"
+  step mixed_step_offsets 180 python3 benchmarks/mixed_step_probe.py --mixed-graphs --batches 48 --context 850 --chunk 128,224 \
+    --chunk-offsets 0,256,512 --step-token-target 192 --kernels
+  grep -E '"kind": "(decode|prefill|mixed|sum|kernels)"' "$LOGS/mixed_step_offsets.log" > "$OUT/mixed_step_offsets_h200.jsonl"
   for cfg in ${STEPTRACE_CONFIGS:-default mixed192}; do
     extra=(); [ "$cfg" = mixed192 ] && extra=(--mixed-graphs --step-token-target 192)
     mkdir -p "/tmp/steptrace_$cfg"

@@ -104,6 +104,9 @@ def test_later_chunk_records_set_the_pair_cost(tmp_path):
     cost = MixedStepCost.from_probe(path, "mixed_graphs")
     assert cost.pair_ns == pytest.approx(20.0)
     assert cost.step_s(48, 128) == pytest.approx(8.0e-3)  # the grid holds the fresh chunk only
+    lines = tmp_path / "probe.jsonl"  # the probe's lines as gpu_suite.sh keeps them
+    lines.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert MixedStepCost.from_probe(lines, "offsets") == dataclasses.replace(cost, source=cost.source.replace("probe.json [mixed_graphs]", "probe.jsonl [offsets]"))
     assert MixedStepCost.from_probe(PROBE, "mixed_graphs").pair_ns == 0.0  # the committed probe has no later chunks
 
 

@@ -101,8 +101,10 @@ class MixedStepCost:
         ``mixed`` and ``prefill`` with ``batch``, ``chunk`` and ``gpu_ms``); the prompt-alone times
         come from whichever section has them (a prefill step runs the same graph either way). Mixed
         records of a later chunk (``offset`` > 0, ``--chunk-offsets``) set ``pair_ns``: the median
-        over them of the time past the same chunk at offset 0, per query-key pair."""
-        data = json.loads(Path(path).read_text())
+        over them of the time past the same chunk at offset 0, per query-key pair. A ``.jsonl`` file is
+        the probe's lines as it prints them, one section."""
+        text = Path(path).read_text()
+        data = {section: [json.loads(x) for x in text.splitlines() if x.strip()]} if Path(path).suffix == ".jsonl" else json.loads(text)
         recs = [r for r in data[section] if r.get("kind") in ("decode", "mixed")]
         decode: dict[int, list[float]] = {}
         mixed: dict[tuple[int, int], float] = {}
