@@ -70,7 +70,7 @@ def fit(steps: list[dict[str, Any]]) -> dict[str, Any]:
         "by_path": {p: sum(1 for s in steps if s.get("path") == p) for p in sorted({str(s.get("path")) for s in steps})},
         # a running row gets a token a step: these are the inter-token gaps the steps set
         "step_ms_pct": {kind: _pct([float(s["step_ms"]) for s in group]) for kind, group in
-                          (("decode_only", [s for s in steps if not s["prompt_tokens"]]), ("mixed", mixed), ("all", steps))},
+                        (("decode_only", [s for s in steps if not s["prompt_tokens"]]), ("mixed", mixed), ("all", steps))},
     }
 
 

@@ -19,7 +19,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 import typer
-
 from typer.exceptions import TyperException
 
 from hawk.config import ConfigError, ServeConfig, default_of, defaults, options
