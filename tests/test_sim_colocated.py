@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 
 from hawk.config import defaults
 from hawk.config_cli import parse_config
+from hawk.engine.capacity import GPU_MAX_NUM_SEQS
 from hawk.engine.decode_engine import MIXED_PREFILL_SEQS, DecodeEngine
-from hawk.sim.colocated import MAX_PIECES, MixedPolicy, MixedStepCost, StepLog, interp, simulate_colocated
+from hawk.sim.colocated import GPU_MAX_BATCH, MAX_PIECES, MixedPolicy, MixedStepCost, StepLog, interp, simulate_colocated
 from hawk.sim.workload import RequestSpec
 
 PROBE = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "mixed_step_chunks_h200.json"
@@ -150,7 +151,9 @@ def test_the_budget_is_the_engines():
 
 
 def test_the_policy_reads_the_serve_options():
+    """The simulator keeps torch out, so it restates two engine constants; they must stay the engine's."""
     assert MAX_PIECES == MIXED_PREFILL_SEQS
+    assert GPU_MAX_BATCH == GPU_MAX_NUM_SEQS
     d = defaults()
     p = MixedPolicy.from_config(d)
     assert (p.max_num_batched_tokens, p.step_token_target, p.step_target_backlog) == (d.max_num_batched_tokens, d.step_token_target, d.step_target_backlog)

@@ -40,7 +40,7 @@ from hawk.sim.workload import RequestSpec
 
 #: ``DecodeEngine``'s ``MIXED_PREFILL_SEQS`` (prompts one step carries at most; a test keeps them equal)
 MAX_PIECES = 16
-#: the decode's ``--max-num-seqs`` where it computes on a GPU (``ServeConfig.max_batch``'s default there)
+#: the decode's ``--max-num-seqs`` where it computes on a GPU (``capacity.GPU_MAX_NUM_SEQS``, restated: the simulator imports no torch)
 GPU_MAX_BATCH = 256
 
 
