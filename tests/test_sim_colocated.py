@@ -107,7 +107,7 @@ def test_later_chunk_records_set_the_pair_cost(tmp_path):
     assert cost.step_s(48, 128) == pytest.approx(8.0e-3)  # the grid holds the fresh chunk only
     lines = tmp_path / "probe.jsonl"  # the probe's lines as gpu_suite.sh keeps them
     lines.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    assert MixedStepCost.from_probe(lines, "offsets") == dataclasses.replace(cost, source=cost.source.replace("probe.json [mixed_graphs]", "probe.jsonl [offsets]"))
+    assert MixedStepCost.from_probe(lines, "offsets") == dataclasses.replace(cost, source=cost.source.replace("probe.json, its mixed_graphs", "probe.jsonl, its offsets"))
     assert MixedStepCost.from_probe(PROBE, "mixed_graphs").pair_ns == 0.0  # the committed probe has no later chunks
 
 
@@ -191,3 +191,25 @@ def test_a_table_must_be_whole():
         MixedStepCost((16,), (5.0,), (64, 128), ((1.0,),), (64,), (5.0,))
     with pytest.raises(ValueError, match="ascend"):
         MixedStepCost((48, 16), (5.0, 6.0), (64,), ((1.0,), (1.0,)), (64,), (5.0,))
+
+
+def test_hawk_sim_colocated_sweeps_the_engine_its_serve_args_name(tmp_path, capsys):
+    """``hawk sim --colocated PROBE --serve-args ...``: records of the serving schema, simulated, with the
+    settings the flags give and the table their step path reads; a bad flag is a usage error."""
+    from hawk.sim.command import main
+
+    out = tmp_path / "colocated.json"
+    recs = main(["--colocated", str(PROBE), "--serve-args", "--mixed-graphs --step-token-target 192", "--rates", "5,20",
+                 "--num-requests", "120", "--json", str(out)])
+    assert [r["rate"] for r in recs] == [5.0, 20.0] and json.loads(out.read_text()) == json.loads(json.dumps(recs, default=str))
+    for r in recs:
+        assert r["simulated"] and r["completed"] == 120 and "mixed_graphs table" in r["step_costs"]
+        assert r["policy"]["step_token_target"] == 192 and r["config"] == "colocated --mixed-graphs --step-token-target 192"
+    graphs = MixedStepCost.from_probe(PROBE, "mixed_graphs")
+    assert recs[0]["tpot_p50_ms"] >= graphs.decode_s(16) * 1e3  # no step is faster than the table's smallest decode
+    assert recs[1]["tpot_p50_ms"] > recs[0]["tpot_p50_ms"]  # more load, longer steps
+    default = main(["--colocated", str(PROBE), "--rates", "5", "--num-requests", "60"])
+    assert "pieces table" in default[0]["step_costs"] and default[0]["policy"] == dataclasses.asdict(MixedPolicy())
+    with pytest.raises(SystemExit):
+        main(["--colocated", str(PROBE), "--serve-args", "--step-token-target 9999", "--rates", "5"])
+    assert "--step-token-target" in capsys.readouterr().err

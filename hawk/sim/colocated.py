@@ -30,13 +30,13 @@ import bisect
 import json
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hawk.config import ServeConfig
-from hawk.sim.metrics import RequestResult
-from hawk.sim.workload import RequestSpec
+from hawk.sim.metrics import RequestResult, summarize
+from hawk.sim.workload import RequestSource, RequestSpec, Workload, generate_requests, get_workload
 
 #: ``DecodeEngine``'s ``MIXED_PREFILL_SEQS`` (prompts one step carries at most; a test keeps them equal)
 MAX_PIECES = 16
@@ -131,7 +131,7 @@ class MixedStepCost:
             raise ValueError(f"{path}: no prefill records to cost a step of prompt tokens alone")
         context = next((r.get("context") for r in recs), None)
         return cls(batches, tuple(dec[b] for b in batches), chunks, extra, tuple(sorted(pre)), tuple(pre[c] for c in sorted(pre)),
-                   f"measured: {Path(path).name} [{section}], context {context}", pair_ns)
+                   f"measured: {Path(path).name}, its {section} table, context {context}", pair_ns)
 
 
 def _median(xs: Sequence[float]) -> float:
@@ -280,3 +280,18 @@ def _take(policy: MixedPolicy, budget: int, active: list[_Seq], queue: deque[_Se
         pieces.append((q, n))
         budget -= n
     return pieces
+
+
+def sweep_colocated(cost: MixedStepCost, policy: MixedPolicy, rates: Sequence[float], workload: str | Workload | RequestSource,
+                    num_requests: int, seed: int = 0, *, config: str = "colocated", slo_ttft_ms: float | None = None,
+                    slo_tpot_ms: float | None = None) -> list[dict[str, Any]]:
+    """One engine at each rate (the same seeded requests, compressed in time): the serving records
+    ``hawk sim`` and ``hawk bench serving`` share, marked simulated, with the step costs' source."""
+    wl = get_workload(workload)
+    ttft, tpot = slo_ttft_ms or wl.slo_ttft_ms, slo_tpot_ms or wl.slo_tpot_ms
+    records = []
+    for rate in rates:
+        results = simulate_colocated(generate_requests(wl, num_requests, rate, seed), cost, policy)
+        records.append({"config": config, "workload": wl.name, "rate": rate, "seed": seed, "simulated": True,
+                        "step_costs": cost.source, "policy": asdict(policy), **summarize(results, ttft, tpot)})
+    return records

@@ -4,6 +4,8 @@
         --workload chatbot --num-requests 500 --json sim.json --plot sim.png
     python -m hawk.sim --trace azure.csv --trace-rate-scale 2          # replay a trace (traces.py)
     python -m hawk.sim --plan --workload chatbot --json plan.json        # rank deployments (plan.py)
+    python -m hawk.sim --colocated benchmarks/results/mixed_step_chunks_h200.json --serve-args "--mixed-graphs" \
+        --rates 10,20 --num-requests 420                                   # one colocated engine (colocated.py)
 """
 
 from __future__ import annotations
@@ -110,6 +112,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--calibrate-paper", action="store_true",
                    help="solve the paper testbed's three calibrated parameters from their input rows (hawk/sim/protocol.py) and print them")
     add_trace_options(p)
+    p.add_argument("--colocated", default=None, metavar="STEP_COSTS",
+                   help="one colocated engine's mixed steps instead of a cluster, each step costed by this mixed_step_probe.py "
+                        "file (hawk/sim/colocated.py); --serve-args sets its budget, target, batch and step path")
+    p.add_argument("--serve-args", default="", help="with --colocated: the hawk serve flags of the engine simulated")
     p.add_argument("--plan", action="store_true", help="rank deployments (devices, TP, P:D) by goodput per $ and per W on the paper testbed")
     p.add_argument("--plan-prefill", default="a100,h100", help="with --plan: prefill device types")
     p.add_argument("--plan-decode", default="a100,h100,p150a", help="with --plan: decode device types")
@@ -146,6 +152,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         rates = rates_from_args(a.rates, wl, a.num_requests, DEFAULT_RATES)
     except ValueError as e:
         p.error(str(e))
+    if a.colocated:
+        return _colocated(a, wl, rates, p)
     pd = parse_pd(a.pd or "1:1")
     if a.testbed:
         from hawk.sim.paper import config_for
@@ -161,3 +169,24 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         pd_ratios=pd, slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms, transfer_scale=a.transfer_scale,
         contention=a.contention, router_policy=a.router, calibration=a.calibration, json_path=a.json, plot_path=a.plot,
     )
+
+
+def _colocated(a: argparse.Namespace, wl: Any, rates: list[float], p: argparse.ArgumentParser) -> list[dict[str, Any]]:
+    """``--colocated``: the engine ``hawk serve --transfer colocated SERVE_ARGS`` runs, over the probe's step
+    times (its ``mixed_graphs`` table with ``--mixed-graphs``, else ``pieces``; a ``.jsonl`` file is one table)."""
+    import shlex
+
+    from hawk.config import ConfigError
+    from hawk.config_cli import parse_config
+    from hawk.sim.colocated import MixedPolicy, MixedStepCost, sweep_colocated
+
+    try:
+        cfg = parse_config("serve", ["--transfer", "colocated", *shlex.split(a.serve_args)])
+        cost = MixedStepCost.from_probe(a.colocated, "mixed_graphs" if cfg.mixed_graphs else "pieces")
+    except (ConfigError, OSError, KeyError, ValueError) as e:
+        p.error(f"--colocated: {e}")
+    label = "colocated" + (f" {a.serve_args.strip()}" if a.serve_args.strip() else "")
+    records = sweep_colocated(cost, MixedPolicy.from_config(cfg), rates, wl, a.num_requests, a.seed, config=label,
+                              slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms)
+    report(records, a.json, a.plot)
+    return records

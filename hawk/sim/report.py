@@ -27,6 +27,8 @@ def provenance(records: Sequence[dict[str, Any]]) -> str:
     if not records:
         return ""
     if all(r.get("simulated") for r in records):
+        if all(r.get("step_costs") for r in records):
+            return "simulated: one colocated engine, step times " + "; ".join(sorted({str(r["step_costs"]) for r in records}))
         measured = all(r.get("transfer_measured") for r in records)
         return "simulated: KV transfer " + ("measured (H200x2, NPU emulated)" if measured else "model") + ", compute models assumed"
     devs = sorted({str(r.get("decode_device")) for r in records if r.get("decode_device")})
