@@ -21,7 +21,8 @@ The cost is a table measured on the device (:meth:`MixedStepCost.from_probe`:
 a cost per pair where the probe measured later chunks (``--chunk-offsets``). What a served step
 costs beyond that (several prompts in a step, contexts other than the probe's) is not in it:
 setting this model beside a measured run at the same rate and policy measures that
-(``benchmarks/colocated_sim_check.py``).
+(``benchmarks/colocated_sim_check.py``). Not modelled: KV memory (no request waits for blocks or is
+swapped out: the GPU runs it models hold hundreds of thousands of tokens) and failures.
 """
 
 from __future__ import annotations
