@@ -14,6 +14,7 @@ the settings a next run could try, at the 80 % rate, with the table as measured,
 median k, and the k at which TPOT p50 would be 1.5 decode steps.
 
     python benchmarks/colocated_sim_check.py --json benchmarks/results/colocated_sim_check.json --sweep
+    python benchmarks/colocated_sim_check.py --offsets mixed_step_offsets_h200.jsonl   # a later chunk's pair cost as measured
 
 CPU only, about 20 s. Every simulated number is a prediction from measured step times; the
 measured ones are the committed files'.
@@ -59,8 +60,8 @@ def scaled(cost: MixedStepCost, k: float) -> MixedStepCost:
 
 
 def paired(cost: MixedStepCost, ns: float) -> MixedStepCost:
-    """The table with ``ns`` per query-key pair of a later chunk against its prompt's earlier tokens."""
-    return dataclasses.replace(cost, pair_ns=ns, source=f"{cost.source} + {ns:.3g} ns per later-chunk pair")
+    """The table with ``ns`` more per query-key pair of a later chunk against its prompt's earlier tokens."""
+    return dataclasses.replace(cost, pair_ns=cost.pair_ns + ns, source=f"{cost.source} + {ns:.3g} ns per later-chunk pair")
 
 
 #: the two readings of what a served step adds, each one number solved per run: ``k`` on every
@@ -183,8 +184,15 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also the policies a next run could try, at 20.4 req/s")
     ap.add_argument("--sweep-rate", type=float, default=20.4)
     ap.add_argument("--sweep-requests", type=int, default=420)
+    ap.add_argument("--offsets", type=Path, default=None,
+                    help="a mixed_step_probe.py --chunk-offsets file (gpu_suite.sh steptrace's mixed_step_offsets_h200.jsonl): "
+                         "its measured cost per later-chunk pair goes into both tables, and pair_ns is then what a served step adds to it")
     a = ap.parse_args()
     tables = {s: MixedStepCost.from_probe(PROBE, s) for s in ("pieces", "mixed_graphs")}
+    if a.offsets:
+        measured = MixedStepCost.from_probe(a.offsets, "offsets")
+        tables = {s: dataclasses.replace(t, pair_ns=measured.pair_ns, source=f"{t.source}; {measured.pair_ns:.3g} ns a later-chunk pair "
+                                         f"from {a.offsets.name}") for s, t in tables.items()}
     rows = check(tables)
     print("file | setting | rate | n | " + " | ".join(f"{m} meas/sim" for m in METRICS)
           + " | k (ITL p50/p99 with it) | pair_ns (ITL p50/p99 with it)")
