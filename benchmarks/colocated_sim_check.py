@@ -16,7 +16,7 @@ median k, and the k at which TPOT p50 would be 1.5 decode steps.
     python benchmarks/colocated_sim_check.py --json benchmarks/results/colocated_sim_check.json --sweep
     python benchmarks/colocated_sim_check.py --offsets mixed_step_offsets_h200.jsonl   # a later chunk's pair cost as measured
 
-CPU only, about 20 s. Every simulated number is a prediction from measured step times; the
+CPU only, about 75 s on the 2-core VM. Every simulated number is a prediction from measured step times; the
 measured ones are the committed files'.
 """
 
