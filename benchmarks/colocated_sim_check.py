@@ -25,13 +25,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shlex
 import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hawk.config_cli import parse_config
 from hawk.sim.colocated import MixedPolicy, MixedStepCost, StepLog, simulate_colocated
 from hawk.sim.metrics import summarize
 from hawk.sim.workload import generate_requests, get_workload
@@ -117,15 +115,10 @@ def solve(cost: MixedStepCost, reading: str, policy: MixedPolicy, rate: float, n
     return (lo + hi) / 2
 
 
-def setting(args: str) -> tuple[MixedPolicy, str]:
-    cfg = parse_config("serve", ["--transfer", "colocated", "--model", "llama-3.1-8b", *shlex.split(args)])
-    return MixedPolicy.from_config(cfg), "mixed_graphs" if cfg.mixed_graphs else "pieces"
-
-
 def check(tables: dict[str, MixedStepCost]) -> list[dict[str, Any]]:
     rows = []
     for c in cases():
-        policy, path = setting(c["serve_args"])
+        policy, path = MixedPolicy.from_serve_args(c["serve_args"])
         sim = simulate(tables[path], policy, c["rate"], c["num_requests"], c["seed"])
         fit = {r: solve(tables[path], r, policy, c["rate"], c["num_requests"], c["seed"], "tpot_p50_ms", c["measured"]["tpot_p50_ms"])
                for r in READINGS}
@@ -152,7 +145,7 @@ def sweep(tables: dict[str, MixedStepCost], served: dict[str, dict[str, float]],
     steps (what a served prompt token, or a later chunk's pair, may cost)."""
     out = []
     for args in SWEEP:
-        policy, path = setting(args)
+        policy, path = MixedPolicy.from_serve_args(args)
         row: dict[str, Any] = {"serve_args": args, "path": path}
         for label, cost in (("table", tables[path]), *((f"served {r}", READINGS[r][0](tables[path], served[path][r])) for r in READINGS)):
             sim = simulate(cost, policy, rate, n, 0)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import shlex
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from hawk.config import ServeConfig
+from hawk.config_cli import parse_config
 from hawk.sim.metrics import RequestResult, summarize
 from hawk.sim.workload import RequestSource, RequestSpec, Workload, generate_requests, get_workload
 
@@ -154,6 +156,14 @@ class MixedPolicy:
     @classmethod
     def from_config(cls, cfg: ServeConfig, **kw: Any) -> MixedPolicy:
         return cls(cfg.max_num_batched_tokens, cfg.step_token_target, cfg.step_target_backlog, cfg.max_batch or GPU_MAX_BATCH, **kw)
+
+    @classmethod
+    def from_serve_args(cls, serve_args: str) -> tuple[MixedPolicy, str]:
+        """The engine ``hawk serve --transfer colocated SERVE_ARGS`` runs, read by the generated options
+        (a bad flag raises ``ConfigError``), and the probe table its steps take: ``mixed_graphs`` with
+        ``--mixed-graphs``, else ``pieces``."""
+        cfg = parse_config("serve", ["--transfer", "colocated", *shlex.split(serve_args)])
+        return cls.from_config(cfg), "mixed_graphs" if cfg.mixed_graphs else "pieces"
 
     def budget(self, rows: int, backlog: int) -> int:
         """Prompt tokens this step may carry (``DecodeEngine._prefill_budget``)."""

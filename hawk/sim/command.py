@@ -174,19 +174,15 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
 def _colocated(a: argparse.Namespace, wl: Any, rates: list[float], p: argparse.ArgumentParser) -> list[dict[str, Any]]:
     """``--colocated``: the engine ``hawk serve --transfer colocated SERVE_ARGS`` runs, over the probe's step
     times (its ``mixed_graphs`` table with ``--mixed-graphs``, else ``pieces``; a ``.jsonl`` file is one table)."""
-    import shlex
-
-    from hawk.config import ConfigError
-    from hawk.config_cli import parse_config
     from hawk.sim.colocated import MixedPolicy, MixedStepCost, sweep_colocated
 
-    try:
-        cfg = parse_config("serve", ["--transfer", "colocated", *shlex.split(a.serve_args)])
-        cost = MixedStepCost.from_probe(a.colocated, "mixed_graphs" if cfg.mixed_graphs else "pieces")
-    except (ConfigError, OSError, KeyError, ValueError) as e:
+    try:  # ConfigError is a ValueError
+        policy, table = MixedPolicy.from_serve_args(a.serve_args)
+        cost = MixedStepCost.from_probe(a.colocated, table)
+    except (OSError, KeyError, ValueError) as e:
         p.error(f"--colocated: {e}")
     label = "colocated" + (f" {a.serve_args.strip()}" if a.serve_args.strip() else "")
-    records = sweep_colocated(cost, MixedPolicy.from_config(cfg), rates, wl, a.num_requests, a.seed, config=label,
+    records = sweep_colocated(cost, policy, rates, wl, a.num_requests, a.seed, config=label,
                               slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms)
     report(records, a.json, a.plot)
     return records
