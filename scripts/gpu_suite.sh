@@ -63,6 +63,9 @@
 #                 from the file), then colocated at STEPTRACE_RATE (20.4) req/s with HAWK_STEP_TRACE
 #                 for each of STEPTRACE_CONFIGS ("default mixed192"), each trace fitted by benchmarks/step_trace_fit.py ->
 #                 $OUT/mixed_step_offsets_h200.jsonl, $OUT/step_fit_<config>.json, $OUT/step_trace_<config>.tgz
+#     prefillattn - issue 31: the prefill attention kernel on a later chunk (128/224 query tokens after 0-768 cached, one and two
+#                 prompts) per launch shape against torch's SDPA on the same data (benchmarks/prefill_attention_probe.py)
+#                 -> $OUT/prefill_attention_h200.jsonl; torch + Triton only, about a minute
 # LOGS=DIR keeps the per-step logs out of $OUT (the device tool returns at most 8 files); each step's tail still prints.
 # Wheels missing on the box (nixl, nixl_cu13, pyzmq for cp312) are carried in .whl/ (see docs/gpu.md).
 set -uo pipefail
@@ -308,6 +311,10 @@ if want steptrace; then
     cp "/tmp/steptrace_$cfg/step_fit.json" "$OUT/step_fit_$cfg.json"
     tar -C "/tmp/steptrace_$cfg" -czf "$OUT/step_trace_$cfg.tgz" .
   done
+fi
+if want prefillattn; then
+  step prefill_attention 150 python3 benchmarks/prefill_attention_probe.py --chunks 128,224 --offsets 0,256,512,768 --seqs 1,2
+  grep -E '"kind": "(sdpa|config|summary)"' "$LOGS/prefill_attention.log" > "$OUT/prefill_attention_h200.jsonl"
 fi
 if want rate80; then
   IFS=';' read -ra r80 <<< "${RATE80_ARGS:-default=}"
