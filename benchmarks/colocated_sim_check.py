@@ -9,9 +9,14 @@ the table, each one number solved per run to give its measured TPOT p50: **k**, 
 prompt-token cost (what prompt tokens add to a step, and a prompt-only step), or **pair_ns**, the
 table as measured plus a cost per query-key pair of a later chunk against its prompt's earlier
 tokens (the probe's chunks are fresh). The reading whose number holds across settings is the
-likelier one; the GPU's ``--chunk-offsets`` probe measures the second directly. ``--sweep`` adds
-the settings a next run could try, at the 80 % rate, with the table as measured, with each path's
-median k, and the k at which TPOT p50 would be 1.5 decode steps.
+likelier one; the GPU's ``--chunk-offsets`` probe measures the second directly. Beside them, with no
+number solved at all, **the rows' contexts** (``simulated_rows``): the probe's rows all had one context,
+a served batch's spread, and past 16 rows the decode kernel streams each row's context in one program,
+so the longest row can set the step (``RowStreams``, its two rates from the engine benchmark's decode
+steps at two contexts, ``engine_h200.json``). ``--sweep`` adds the settings a next run could try, at
+the 80 % rate, with the table as measured, with each path's median k and pair_ns, with the rows'
+contexts (the kernel as probed, and with ``--decode-split-tokens 512``), and the k and pair_ns at which
+TPOT p50 would be 1.5 decode steps.
 
     python benchmarks/colocated_sim_check.py --json benchmarks/results/colocated_sim_check.json --sweep
     python benchmarks/colocated_sim_check.py --offsets mixed_step_offsets_h200.jsonl   # a later chunk's pair cost as measured
@@ -30,12 +35,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hawk.sim.colocated import MixedPolicy, MixedStepCost, StepLog, simulate_colocated
+from hawk.sim.colocated import MixedPolicy, MixedStepCost, RowStreams, StepLog, simulate_colocated
 from hawk.sim.metrics import summarize
 from hawk.sim.workload import generate_requests, get_workload
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROBE = RESULTS / "mixed_step_chunks_h200.json"
+#: the decode steps at two contexts the rows' streaming rates come from (``RowStreams.from_engine``)
+ENGINE = RESULTS / "engine_h200.json"
+#: a kernel whose decode splits follow the rows' lengths: programs of at most this many tokens
+SPLIT_TOKENS = 512
 #: (file, which records, why): runs whose engine is today's in the settings they name
 RUNS = (
     ("saturation_h200_colocated_20261205.json", "ramp+at_80", "b0d3461, the default settings: the ramp and the 80 % run"),
@@ -115,17 +124,26 @@ def solve(cost: MixedStepCost, reading: str, policy: MixedPolicy, rate: float, n
     return (lo + hi) / 2
 
 
-def check(tables: dict[str, MixedStepCost]) -> list[dict[str, Any]]:
+def with_rows(cost: MixedStepCost, streams: RowStreams, split_tokens: int = 0) -> MixedStepCost:
+    """The table with the rows' contexts costed (``split_tokens``: a kernel that splits rows by length)."""
+    kernel = f"decode programs of at most {split_tokens} tokens" if split_tokens else "the decode kernel as probed"
+    return dataclasses.replace(cost, streams=dataclasses.replace(streams, split_tokens=split_tokens),
+                               source=f"{cost.source} + the rows' contexts ({kernel})")
+
+
+def check(tables: dict[str, MixedStepCost], streams: RowStreams) -> list[dict[str, Any]]:
     rows = []
     for c in cases():
         policy, path = MixedPolicy.from_serve_args(c["serve_args"])
         sim = simulate(tables[path], policy, c["rate"], c["num_requests"], c["seed"])
+        by_rows = simulate(with_rows(tables[path], streams), policy, c["rate"], c["num_requests"], c["seed"])
         fit = {r: solve(tables[path], r, policy, c["rate"], c["num_requests"], c["seed"], "tpot_p50_ms", c["measured"]["tpot_p50_ms"])
                for r in READINGS}
         # what each reading, at its fitted value, says of what it was not fitted to: the inter-token gaps
         gaps = {r: {m: simulate(READINGS[r][0](tables[path], x), policy, c["rate"], c["num_requests"], c["seed"])[m]
                     for m in ("itl_p50_ms", "itl_p99_ms")} for r, x in fit.items() if x is not None}
         rows.append({**c, "path": path, "policy": dataclasses.asdict(policy), "simulated": {m: sim[m] for m in METRICS},
+                     "simulated_rows": {m: by_rows[m] for m in METRICS},
                      "simulated_steps": {x: sim[x] for x in ("steps", "chunked_share", "prompt_tokens_per_chunked_step", "batch")},
                      "tpot_fit": fit, "fitted_gaps": gaps})
     return rows
@@ -139,15 +157,18 @@ SWEEP = (
 )
 
 
-def sweep(tables: dict[str, MixedStepCost], served: dict[str, dict[str, float]], rate: float, n: int) -> list[dict[str, Any]]:
+def sweep(tables: dict[str, MixedStepCost], served: dict[str, dict[str, float]], rate: float, n: int,
+          streams: RowStreams) -> list[dict[str, Any]]:
     """Each setting at ``rate``: with the table as measured, then under each reading with its path's
-    served value, and the value of each reading at which its TPOT p50 is ``TPOT_STEPS_LIMIT`` decode
+    served value, with the rows' contexts costed (the kernel as probed, and one whose splits follow the
+    rows' lengths), and the value of each reading at which its TPOT p50 is ``TPOT_STEPS_LIMIT`` decode
     steps (what a served prompt token, or a later chunk's pair, may cost)."""
     out = []
     for args in SWEEP:
         policy, path = MixedPolicy.from_serve_args(args)
         row: dict[str, Any] = {"serve_args": args, "path": path}
-        for label, cost in (("table", tables[path]), *((f"served {r}", READINGS[r][0](tables[path], served[path][r])) for r in READINGS)):
+        for label, cost in (("table", tables[path]), *((f"served {r}", READINGS[r][0](tables[path], served[path][r])) for r in READINGS),
+                            ("rows", with_rows(tables[path], streams)), ("rows split", with_rows(tables[path], streams, SPLIT_TOKENS))):
             sim = simulate(cost, policy, rate, n, 0)
             top = simulate(cost, policy, *SATURATED, 0)
             row[label] = {"tpot_p50_ms": sim["tpot_p50_ms"], "tpot_p50_over_step": sim["tpot_p50_over_step"],
@@ -182,18 +203,22 @@ def main() -> None:
                          "its measured cost per later-chunk pair goes into both tables, and pair_ns is then what a served step adds to it")
     a = ap.parse_args()
     tables = {s: MixedStepCost.from_probe(PROBE, s) for s in ("pieces", "mixed_graphs")}
+    context = next(r["context"] for r in json.loads(PROBE.read_text())["pieces"] if r.get("kind") == "decode")
+    streams = RowStreams.from_engine(ENGINE, context)
     if a.offsets:
         measured = MixedStepCost.from_probe(a.offsets, "offsets")
         tables = {s: dataclasses.replace(t, pair_ns=measured.pair_ns, source=f"{t.source}; {measured.pair_ns:.3g} ns a later-chunk pair "
                                          f"from {a.offsets.name}") for s, t in tables.items()}
-    rows = check(tables)
-    print("file | setting | rate | n | " + " | ".join(f"{m} meas/sim" for m in METRICS)
+    rows = check(tables, streams)
+    print(f"rows' streams from {ENGINE.name}: {streams.program_gb_s:.1f} GB/s a program, {streams.device_gb_s:.0f} GB/s the device, "
+          f"probe context {context}")
+    print("file | setting | rate | n | " + " | ".join(f"{m} meas/sim/rows" for m in METRICS)
           + " | k (ITL p50/p99 with it) | pair_ns (ITL p50/p99 with it)")
     for r in rows:
-        ms, sm, fit, gaps = r["measured"], r["simulated"], r["tpot_fit"], r["fitted_gaps"]
+        ms, sm, sr, fit, gaps = r["measured"], r["simulated"], r["simulated_rows"], r["tpot_fit"], r["fitted_gaps"]
         fitted = " | ".join(f"{_f(fit[rd])} ({_f(gaps.get(rd, {}).get('itl_p50_ms'))}/{_f(gaps.get(rd, {}).get('itl_p99_ms'))})" for rd in READINGS)
         print(f"{r['file']} | {r['label']} | {r['rate']:.2f} | {r['num_requests']} | "
-              + " | ".join(f"{_f(ms[m])}/{_f(sm[m])}" for m in METRICS) + f" | {fitted}")
+              + " | ".join(f"{_f(ms[m])}/{_f(sm[m])}/{_f(sr[m])}" for m in METRICS) + f" | {fitted}")
     fits = {p: {rd: spread([x["tpot_fit"][rd] for x in rows if x["path"] == p and x["rate"] <= SERVED_RATES]) for rd in READINGS} for p in tables}
     print(f"per path, runs up to {SERVED_RATES} req/s (median, min, max):", json.dumps(fits))
     served = {p: {rd: f[rd]["median"] for rd in READINGS} for p, f in fits.items()}
@@ -202,17 +227,18 @@ def main() -> None:
                 "(8B bf16, chatbot, one server); tpot_fit: per run, the k (factor on every prompt-token cost) or the pair_ns "
                 "(cost per query-key pair of a later chunk against its prompt's earlier tokens) that gives its measured TPOT p50",
         "command": "python benchmarks/colocated_sim_check.py --json benchmarks/results/colocated_sim_check.json --sweep",
-        "simulated": True, "step_costs": {p: t.source for p, t in tables.items()}, "tpot_fits": fits, "rows": rows,
+        "simulated": True, "step_costs": {p: t.source for p, t in tables.items()}, "tpot_fits": fits,
+        "row_streams": {**dataclasses.asdict(streams), "from": ENGINE.name, "split_tokens_tried": SPLIT_TOKENS}, "rows": rows,
     }
     if a.sweep:
         out["sweep"] = {"rate": a.sweep_rate, "num_requests": a.sweep_requests, "tpot_steps_limit": TPOT_STEPS_LIMIT,
-                        "rows": sweep(tables, served, a.sweep_rate, a.sweep_requests)}
+                        "rows": sweep(tables, served, a.sweep_rate, a.sweep_requests, streams)}
         print(f"\nsweep at {a.sweep_rate} req/s, {a.sweep_requests} requests: TPOT p50 in decode steps / ITL p99 over TPOT p50 / "
-              f"engine TTFT p50 ms / req/s at {SATURATED[0]} offered, with the table's costs | served k | served pair_ns; "
-              f"the k and pair_ns at {TPOT_STEPS_LIMIT} steps")
+              f"engine TTFT p50 ms / req/s at {SATURATED[0]} offered, with the table's costs | served k | served pair_ns | the rows' "
+              f"contexts | the same, decode programs of at most {SPLIT_TOKENS} tokens; the k and pair_ns at {TPOT_STEPS_LIMIT} steps")
         for s in out["sweep"]["rows"]:
             cols = " | ".join(f"{_f(v['tpot_p50_over_step'])} {_f(v['itl_p99_over_tpot_p50'])} {v['engine_ttft_p50_ms']:.0f} "
-                              f"{_f(v['saturated_rps'])}" for v in (s["table"], s["served k"], s["served pair_ns"]))
+                              f"{_f(v['saturated_rps'])}" for v in (s["table"], s["served k"], s["served pair_ns"], s["rows"], s["rows split"]))
             print(f"{s['serve_args'] or 'default'} | {cols} | {_f(s['at_limit']['k'])} {_f(s['at_limit']['pair_ns'])}")
     if a.json:
         a.json.write_text(json.dumps(out, indent=1) + "\n")

@@ -7,10 +7,13 @@ and on the host (the launch: the call until it returns, before any sync).
     python benchmarks/mixed_step_probe.py --mixed-graphs --batches 48 --chunk 128,512 --kernels   # where a chunk's time goes
     python benchmarks/mixed_step_probe.py --mixed-graphs --batches 48 --chunk 64,128,144 --step-token-target 192 --kernels
     python benchmarks/mixed_step_probe.py --mixed-graphs --batches 48 --chunk 224 --chunk-offsets 0,256,512   # a later chunk of its prompt
+    python benchmarks/mixed_step_probe.py --mixed-graphs --batches 16,48 --chunk 192 --longest 0,2000,4000 [--decode-split-tokens 512]
+        # one long row among 850-token ones, the decode kernel's splits by rows (or by the rows' lengths)
 
-One JSON line per point: ``{kind, batch, chunk, offset, gpu_ms, host_ms, path}`` (``offset``: the prompt
-tokens before the chunk, already in the cache, which the chunk attends to as a served prompt's later
-chunks do); kind is ``decode`` (the batch
+One JSON line per point: ``{kind, batch, chunk, offset, longest, decode_split_tokens, gpu_ms, host_ms, path}``
+(``offset``: the prompt tokens before the chunk, already in the cache, which the chunk attends to as a
+served prompt's later chunks do; ``longest``: the first decode row's context, 0 when it has ``--context``
+as every other); kind is ``decode`` (the batch
 alone, as the engine runs it: its decode graph), ``prefill`` (the chunk alone: its prefill graph),
 ``split`` (both parts back to back in one timed call: the former path of a mixed batch past 16
 sequences, two graph replays), ``mixed`` (both in one forward, the runner's choice of path where the
@@ -57,20 +60,31 @@ class StepCase:
     chunk: int
     per_seq: int  # blocks a decode row holds
     offset: int = 0  # the most prompt tokens a chunk follows
+    longest: int = 0  # the most context the first row may have (--longest), in blocks of its own
 
     @classmethod
     def build(cls, model: str, device: torch.device, dtype: torch.dtype, top: int, context: int, chunk: int,
-              offset: int = 0) -> StepCase:
+              offset: int = 0, longest: int = 0) -> StepCase:
         loaded = load_model(model, device, dtype, 0)
         cfg = loaded.config
         per_seq = -(-(context + 2) // BLOCK)
+        long_blocks = -(-(longest + 2) // BLOCK) if longest else 0
         chunk_blocks = -(-(offset + chunk + 1) // BLOCK)
-        layout = GpuKVLayout(cfg.num_layers, top * per_seq + chunk_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim, "bf16")
-        return cls(loaded, layout, layout.allocate(device), context, chunk, per_seq, offset)
+        layout = GpuKVLayout(cfg.num_layers, top * per_seq + long_blocks + chunk_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim, "bf16")
+        return cls(loaded, layout, layout.allocate(device), context, chunk, per_seq, offset, longest)
 
-    def decode(self, b: int) -> tuple[list[list[int]], list[SeqSlice]]:
-        """The first ``b`` rows' tokens and slices: one new token each, after ``context``."""
-        return [[1]] * b, [SeqSlice(list(range(i * self.per_seq, (i + 1) * self.per_seq)), self.context, 1) for i in range(b)]
+    def decode(self, b: int, longest: int = 0) -> tuple[list[list[int]], list[SeqSlice]]:
+        """The first ``b`` rows' tokens and slices: one new token each, after ``context``; with
+        ``longest`` (at most the case's), the first row after that many (a served batch's long prompt)."""
+        rows = [SeqSlice(list(range(i * self.per_seq, (i + 1) * self.per_seq)), self.context, 1) for i in range(b)]
+        if longest and b:
+            first = self._long_first()
+            rows[0] = SeqSlice(list(range(first, first + -(-(self.longest + 2) // BLOCK))), min(longest, self.longest), 1)
+        return [[1]] * b, rows
+
+    def _long_first(self) -> int:
+        """The first of the long row's blocks: after every row's, before the chunk's."""
+        return self.layout.num_blocks - (-(-(self.offset + self.chunk + 1) // BLOCK)) - (-(-(self.longest + 2) // BLOCK))
 
     def prefill(self, chunk: int | None = None, offset: int = 0) -> tuple[list[list[int]], list[SeqSlice]]:
         """A prompt chunk of ``chunk`` tokens (at most the case's) after ``offset`` cached ones (at most
@@ -137,6 +151,11 @@ def main() -> None:
     ap.add_argument("--step-token-target", type=int, default=0,
                     help="a token bucket of its own (hawk serve --step-token-target): e.g. 192, so 48 rows + 128 tokens pad to 192, not 256")
     ap.add_argument("--kernels", action="store_true", help="also GPU time per kernel name, decode step against mixed step")
+    ap.add_argument("--longest", default="0",
+                    help="the first decode row's context instead of --context (a served batch's long prompt among short ones); "
+                         "a comma list times each, 0 = every row at --context")
+    ap.add_argument("--decode-split-tokens", type=int, default=0,
+                    help="hawk serve --decode-split-tokens: each row's decode attention in programs of at most this many tokens")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--device", default="cuda:0")
     a = ap.parse_args()
@@ -144,10 +163,11 @@ def main() -> None:
     batches = [int(x) for x in a.batches.split(",")]
     chunks = [int(x) for x in a.chunk.split(",")]
     offsets = [int(x) for x in a.chunk_offsets.split(",")]
+    longests = [int(x) for x in a.longest.split(",")]
     top, most = max(batches), max(chunks)
-    case = StepCase.build(a.model, device, torch.bfloat16, top, a.context, most, max(offsets))
-    max_len = max(a.context, max(offsets) + most) + 8
-    attn = PagedAttention(case.layout, case.caches, max_batch=top + 17, max_model_len=max_len)
+    case = StepCase.build(a.model, device, torch.bfloat16, top, a.context, most, max(offsets), max(longests))
+    max_len = max(a.context, max(offsets) + most, max(longests)) + 8
+    attn = PagedAttention(case.layout, case.caches, max_batch=top + 17, max_model_len=max_len, decode_split_tokens=a.decode_split_tokens)
     runner = ModelRunner(case.loaded.model, attn, max_batch=top, prefill_graph_tokens=a.prefill_graph_tokens or top + most,
                          prefill_graph_seqs=a.prefill_graph_seqs, piecewise_graphs=True, mixed_graphs=a.mixed_graphs,
                          extra_token_buckets=(a.step_token_target,) if a.step_token_target else ())
@@ -162,26 +182,28 @@ def main() -> None:
                       "reserved_mib": round((torch.cuda.memory_reserved(device) - reserved) / 2**20, 1)}), flush=True)
     eager = ModelRunner(case.loaded.model, PagedAttention(case.layout, case.caches, max_batch=top + 17, max_model_len=max_len),
                         max_batch=top, graphs=False) if a.eager else None
-    for offset in offsets:
-        for chunk in chunks:
-            for b in batches:
-                _point(runner, eager, case, b, chunk, device, a.reps, a.kernels, offset)
+    for longest in longests:
+        for offset in offsets:
+            for chunk in chunks:
+                for b in batches:
+                    _point(runner, eager, case, b, chunk, device, a.reps, a.kernels, offset, longest, a.decode_split_tokens)
 
 
 def _point(runner: ModelRunner, eager: ModelRunner | None, case: StepCase, b: int, chunk: int, device: torch.device, reps: int,
-           kernels: bool = False, offset: int = 0) -> None:
-    """One JSON line per kind of step at ``b`` decode rows beside a ``chunk``-token prompt chunk after
-    ``offset`` cached tokens of it, then the sums."""
+           kernels: bool = False, offset: int = 0, longest: int = 0, split_tokens: int = 0) -> None:
+    """One JSON line per kind of step at ``b`` decode rows (the first at ``longest`` tokens of context,
+    if given) beside a ``chunk``-token prompt chunk after ``offset`` cached tokens of it, then the sums."""
     path: list[str] = []
-    steps = _steps(runner, eager, case.decode(b), case.prefill(chunk, offset), path)
+    steps = _steps(runner, eager, case.decode(b, longest), case.prefill(chunk, offset), path)
     rows = {}
+    point = {"batch": b, "chunk": chunk, "offset": offset, "longest": longest, "decode_split_tokens": split_tokens}
     for kind, fn in steps.items():
         gpu, host = _time(fn, device, reps)
         rows[kind] = gpu
-        print(json.dumps({"kind": kind, "batch": b, "chunk": chunk, "offset": offset, "context": case.context, "gpu_ms": round(gpu, 3),
+        print(json.dumps({"kind": kind, **point, "context": case.context, "gpu_ms": round(gpu, 3),
                           "host_ms": round(host, 3), "path": path[-1]}), flush=True)
     parts = rows["decode"] + rows["prefill"]
-    print(json.dumps({"kind": "sum", "batch": b, "chunk": chunk, "offset": offset, "gpu_ms": round(parts, 3),
+    print(json.dumps({"kind": "sum", **point, "gpu_ms": round(parts, 3),
                       "mixed_over_sum": round(rows["mixed"] / parts, 3), "mixed_over_split": round(rows["mixed"] / rows["split"], 3),
                       "mixed_over_decode": round(rows["mixed"] / rows["decode"], 3)}), flush=True)
     if kernels:
@@ -190,7 +212,7 @@ def _point(runner: ModelRunner, eager: ModelRunner | None, case: StepCase, b: in
         dec = kernel_times({"step": steps["decode"]}, 5)
         mix = kernel_times({"step": steps["mixed"]}, 5)
         added = sorted(set(dec) | set(mix), key=lambda k: dec.get(k, 0.0) - mix.get(k, 0.0))
-        print(json.dumps({"kind": "kernels", "batch": b, "chunk": chunk, "offset": offset, "decode_us": round(sum(dec.values()), 1),
+        print(json.dumps({"kind": "kernels", **point, "decode_us": round(sum(dec.values()), 1),
                           "mixed_us": round(sum(mix.values()), 1),
                           "added_us": {k: [round(dec.get(k, 0.0), 1), round(mix.get(k, 0.0), 1)] for k in added[:14]}}), flush=True)
 

@@ -1,7 +1,8 @@
 """What a served step costs, fitted over the steps a server really ran (``HAWK_STEP_TRACE`` lines,
-``hawk/engine/step_trace.py``): step ms against decode rows, their cached tokens, prompt tokens and
-chunks, and the query-key pairs the chunks' attention reads (thousands: a chunk of q tokens after s cached
-ones, q·(s + q/2)), by least squares, then the prompt tokens' share of the step time. The step time is
+``hawk/engine/step_trace.py``): step ms against decode rows, their cached tokens, the longest row's
+(thousands: past 16 rows one program streams each row's context, so the longest can set the step),
+prompt tokens and chunks, and the query-key pairs the chunks' attention reads (thousands: a chunk of q
+tokens after s cached ones, q·(s + q/2)), by least squares, then the prompt tokens' share of the step time. The step time is
 the device's (``device_ms``, CUDA events) or, with ``--time launch_ms``, the launch's host time: a CPU
 engine's step runs inside its launch.
 
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-TERMS = ("rows", "context", "prompt_tokens", "chunks", "chunk_pairs_k")
+TERMS = ("rows", "context", "longest_k", "prompt_tokens", "chunks", "chunk_pairs_k")
 PROMPT_TERMS = ("prompt_tokens", "chunks", "chunk_pairs_k")  # what the prompts bring to a step
 
 
@@ -41,7 +42,8 @@ def load(path: Path, skip: int = 0, time: str = "device_ms") -> list[dict[str, A
     if time not in TIMES:
         raise ValueError(f"time must be one of {TIMES}, got {time!r}")
     lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    return [{**x, "chunk_pairs_k": chunk_pairs_k(x), "step_ms": x[time]} for x in lines[skip:] if x.get(time) is not None]
+    return [{**x, "chunk_pairs_k": chunk_pairs_k(x), "longest_k": x.get("longest", 0) / 1e3, "step_ms": x[time]}
+            for x in lines[skip:] if x.get(time) is not None]
 
 
 def fit(steps: list[dict[str, Any]]) -> dict[str, Any]:

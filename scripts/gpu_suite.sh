@@ -63,6 +63,10 @@
 #                 from the file), then colocated at STEPTRACE_RATE (20.4) req/s with HAWK_STEP_TRACE
 #                 for each of STEPTRACE_CONFIGS ("default mixed192"), each trace fitted by benchmarks/step_trace_fit.py ->
 #                 $OUT/mixed_step_offsets_h200.jsonl, $OUT/step_fit_<config>.json, $OUT/step_trace_<config>.tgz
+#     rowsplit  - issue 31: an 8B mixed step and decode step (16 and 48 rows at context 850, the first row at 0/2000/4000 tokens)
+#                 with the decode kernel's splits by rows, then with --decode-split-tokens ROWSPLIT_TOKENS (512): what a long
+#                 row costs a step and what splitting rows by length gives back -> $OUT/rowsplit_{0,512}_h200.jsonl; then
+#                 RATE80_ARGS="mixed192=--mixed-graphs --step-token-target 192;mixed192s=... --decode-split-tokens 512" rate80
 #     prefillattn - issue 31: the prefill attention kernel on a later chunk (128/224 query tokens after 0-768 cached, one and two
 #                 prompts) per launch shape against torch's SDPA on the same data (benchmarks/prefill_attention_probe.py)
 #                 -> $OUT/prefill_attention_h200.jsonl; torch + Triton only, about a minute
@@ -315,6 +319,14 @@ fi
 if want prefillattn; then
   step prefill_attention 150 python3 benchmarks/prefill_attention_probe.py --chunks 128,224 --offsets 0,256,512,768 --seqs 1,2
   grep -E '"kind": "(sdpa|config|summary)"' "$LOGS/prefill_attention.log" > "$OUT/prefill_attention_h200.jsonl"
+fi
+if want rowsplit; then  # one long row among 850-token ones: the decode kernel's splits by rows, then by the rows' lengths
+  step rowsplit_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_paged_attention.py -k "split"
+  for st in 0 ${ROWSPLIT_TOKENS:-512}; do
+    step "rowsplit_$st" 200 python3 benchmarks/mixed_step_probe.py --mixed-graphs --batches 16,48 --context 850 --chunk 192 \
+      --step-token-target 192 --longest 0,2000,4000 --decode-split-tokens "$st"
+    grep -E '"kind": "(decode|prefill|mixed|sum)"' "$LOGS/rowsplit_$st.log" > "$OUT/rowsplit_${st}_h200.jsonl"
+  done
 fi
 if want rate80; then
   IFS=';' read -ra r80 <<< "${RATE80_ARGS:-default=}"

@@ -463,6 +463,7 @@ def test_the_step_trace_writes_one_line_per_step_with_what_it_carried(loaded, mo
         rows = line["rows"]
         assert rows + line["chunks"] == len(fwd)
         assert line["context"] == sum(start for start, _ in fwd[:rows])
+        assert line["longest"] == max((start for start, _ in fwd[:rows]), default=0)
         assert line["prompt_tokens"] == sum(q for _, q in fwd[rows:])
         assert line["spans"] == [list(x) for x in fwd[rows:]]
         assert line["pid"] == os.getpid() and line["launch_ms"] > 0 and line["device_ms"] is None

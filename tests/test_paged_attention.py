@@ -300,6 +300,39 @@ def decode_layer_launches(device: str, fused_decode: bool | None) -> list[str]:
     return log
 
 
+def split_tokens_decode(device: str, fused_decode: bool | None) -> dict:
+    """Rows of 9, 40 and 150 tokens decoded with ``decode_split_tokens=32`` (a grid of 8 splits over a
+    256-token model, two at least per row: the rows run in 2, 2 and 5 of them) against the reference,
+    and the same rows without it; a merged launch leaves its counters zeroed for the next replay."""
+    layout = GpuKVLayout(1, 40, 16, 2, 32, "fp32")
+    g = torch.Generator().manual_seed(11)
+    ctxs, blocks = [9, 40, 150], [[0], [1, 2, 3], list(range(4, 14))]
+    kc = [torch.randn(c, 2, 32, generator=g) for c in ctxs]
+    vc = [torch.randn(c, 2, 32, generator=g) for c in ctxs]
+    q = torch.randn(3, 4, 32, generator=g)
+    outs, grids = {}, {}
+    for st in (0, 32):
+        caches = layout.allocate(device)
+        for kr, vr, bl in zip(kc, vc, blocks):
+            for pos in range(kr.shape[0] - 1):  # the cached context; the new token comes in k, v
+                caches[0][0, bl[pos // 16], pos % 16] = kr[pos].to(device)
+                caches[0][1, bl[pos // 16], pos % 16] = vr[pos].to(device)
+        attn = PagedAttention(layout, caches, max_batch=4, max_model_len=256, use_triton=True, fused_decode=fused_decode,
+                              decode_split_tokens=st)
+        attn.begin([SeqSlice(bl, c - 1, 1) for bl, c in zip(blocks, ctxs)])
+        grids[st] = attn._split_counts(3)
+        k = torch.stack([kr[-1] for kr in kc]).to(device)
+        v = torch.stack([vr[-1] for vr in vc]).to(device)
+        outs[st] = attn(0, q.to(device), k, v).float().cpu()
+        assert not attn._counters.any(), "a launch left its split counters set"
+    for i, c in enumerate(ctxs):
+        want = attend(q[i : i + 1], kc[i], vc[i])
+        for st, out in outs.items():
+            err = float((out[i : i + 1] - want).abs().max())
+            assert err < 1e-4, f"split_tokens {st}, row {i} ({c} tokens): {err}"
+    return {"grids": {str(k): list(v) for k, v in grids.items()}}
+
+
 def padded_prefill_matches(device: str, t: int = 48) -> dict:
     """A prefill batch (a fresh prompt, a continuation) padded to ``t`` tokens as a prefill graph pads
     it gives the unpadded outputs bit for bit, zeros on the pad rows, and writes nothing for the pads
@@ -384,6 +417,11 @@ def _run_all_interpreted() -> None:
         except Exception as e:  # noqa: BLE001
             emit({"name": name, "ok": False, "error": f"{type(e).__name__}: {e}"})
     for path, fused in DECODE_PATHS.items():
+        try:
+            emit({"name": f"split_tokens/{path}", "ok": True, **split_tokens_decode("cpu", fused)})
+        except Exception as e:  # noqa: BLE001
+            emit({"name": f"split_tokens/{path}", "ok": False, "error": f"{type(e).__name__}: {e}"})
+    for path, fused in DECODE_PATHS.items():
         name = f"launches/{path}"
         try:
             res = {"name": name, "ok": True, "launches": decode_layer_launches("cpu", fused)}
@@ -419,6 +457,15 @@ def test_decode_layer_launches_interpreted(interpreted: dict[str, dict], path: s
     r = interpreted.get(f"launches/{path}")
     assert r is not None and r["ok"], r and r.get("error")
     assert r["launches"] == _DECODE_LAUNCHES[path]
+
+
+@pytest.mark.parametrize("path", DECODE_PATHS)
+def test_rows_split_by_length_interpreted(interpreted: dict[str, dict], path: str) -> None:
+    """``decode_split_tokens``: each row in as many splits as its length needs, every decode path."""
+    r = interpreted.get(f"split_tokens/{path}")
+    assert r is not None and r["ok"], r and r.get("error")
+    # 8 SMs on a CPU, 2 KV heads, 3 rows: 2 splits by the rows; 256 / 32 = 8 with split tokens
+    assert r["grids"] == {"0": [2, 2], "32": [8, 2]}
 
 
 def test_padded_prefill_matches_interpreted(interpreted: dict[str, dict]) -> None:
@@ -498,6 +545,58 @@ def _need_cuda() -> None:
 def test_triton_small_cases_cuda(case: dict, path: str) -> None:
     _need_cuda()
     run_case(case, "cuda", use_triton=True, num_layers=2, fused_decode=DECODE_PATHS[path])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", DECODE_PATHS)
+def test_rows_split_by_length_cuda(path: str) -> None:
+    _need_cuda()
+    split_tokens_decode("cuda", DECODE_PATHS[path])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", DECODE_PATHS)
+def test_a_decode_graph_splits_rows_by_their_lengths_cuda(path: str) -> None:
+    """8B-shaped rows, one long among short ones, under ``decode_split_tokens=512``: a captured decode
+    graph keeps its grid (the batch's) while the rows' lengths change between replays, and every replay
+    matches the reference."""
+    _need_cuda()
+    from hawk.engine.triton_attention import decode_splits
+
+    torch.manual_seed(0)
+    rows, bs, hq, hkv, d, max_len = 24, 16, 32, 8, 128, 4096
+    per = max_len // bs
+    layout = GpuKVLayout(1, rows * per, bs, hkv, d, "bf16")
+    caches = layout.allocate("cuda")
+    caches[0].normal_()
+    attn = PagedAttention(layout, caches, max_batch=rows, max_model_len=max_len, fused_decode=DECODE_PATHS[path],
+                          decode_split_tokens=512)
+    grid, base = attn._split_counts(rows)
+    assert (grid, base) == decode_splits(rows, hkv, torch.cuda.get_device_properties(0).multi_processor_count, max_len, 512)
+    assert grid > base == 1
+    q = torch.randn(rows, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(rows, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(rows, hkv, d, device="cuda", dtype=torch.bfloat16)
+
+    def batch(lengths: list[int]) -> list[SeqSlice]:
+        return [SeqSlice(list(range(i * per, (i + 1) * per)), n - 1, 1) for i, n in enumerate(lengths)]
+
+    attn.begin(batch([64] * rows), pad_to=rows)
+    attn(0, q, k, v)  # eager warm-up: compiles the kernels, allocates the split scratch
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attn(0, q, k, v)
+    for lengths in ([800] * (rows - 1) + [4000], [3000] + [300] * (rows - 1), [64] * rows):
+        b = batch(lengths)
+        attn.begin(b, pad_to=rows)
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, sl in enumerate(b):
+            kc, vc = _gather(layout, caches[0], list(sl.block_ids), sl.start + 1)
+            want = attend(q[i : i + 1].float(), kc.float(), vc.float())
+            assert (out[i : i + 1].float() - want).abs().max() < 3e-2, (lengths[i], i)
 
 
 @pytest.mark.gpu

@@ -19,7 +19,7 @@ from hawk.config import defaults
 from hawk.config_cli import parse_config
 from hawk.engine.capacity import GPU_MAX_NUM_SEQS
 from hawk.engine.decode_engine import MIXED_PREFILL_SEQS, DecodeEngine
-from hawk.sim.colocated import GPU_MAX_BATCH, MAX_PIECES, MixedPolicy, MixedStepCost, StepLog, interp, simulate_colocated
+from hawk.sim.colocated import GPU_MAX_BATCH, MAX_PIECES, MixedPolicy, MixedStepCost, RowStreams, StepLog, interp, simulate_colocated
 from hawk.sim.workload import RequestSpec
 
 PROBE = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "mixed_step_chunks_h200.json"
@@ -213,3 +213,77 @@ def test_hawk_sim_colocated_sweeps_the_engine_its_serve_args_name(tmp_path, caps
     with pytest.raises(SystemExit):
         main(["--colocated", str(PROBE), "--serve-args", "--step-token-target 9999", "--rates", "5"])
     assert "--step-token-target" in capsys.readouterr().err
+
+
+# ---- the rows' contexts (RowStreams) ------------------------------------------------------------
+
+#: 1 GB/s a program, 200 GB/s the device, a probe at context 100; a token's K and V of one head are 512 bytes
+STREAMS = RowStreams(1.0, 200.0, 100, layers=2, kv_heads=8, head_dim=128, sms=132)
+
+
+def test_the_longest_row_sets_a_layer_until_the_bytes_do():
+    """One split a row past 16 rows (132 SMs, 8 KV heads); a layer takes its longest program or every
+    program's bytes at the device's rate, whichever is longer: by hand."""
+    assert [STREAMS.splits(b) for b in (1, 8, 16, 17, 256)] == [17, 3, 2, 1, 1]
+    assert STREAMS.layer_s([1000] * 20) == pytest.approx(1000 * 512 / 1e9)  # the program (0.512 ms) over the bytes (0.41 ms)
+    assert STREAMS.layer_s([1000] * 40) == pytest.approx(40 * 1000 * 8 * 512 / 200e9)  # now the bytes (0.82 ms)
+    assert STREAMS.layer_s([170] * 1) == pytest.approx(10 * 512 / 1e9)  # 17 splits of 10 tokens
+    # a batch at the probe's context adds nothing; one long row among them adds its program's time
+    assert STREAMS.extra_s([100] * 20) == 0.0
+    assert STREAMS.extra_s([100] * 19 + [3000]) == pytest.approx(2 * (3000 - 100) * 512 / 1e9)
+    # rows split into programs of at most 500 tokens: the long row's program covers 500 (a grid of
+    # ceil(8 * 132 / (20 * 8)) = 7 splits, the row needing 6)
+    split = dataclasses.replace(STREAMS, split_tokens=500)
+    assert split.grid(20, 500) == 7
+    assert split.extra_s([100] * 19 + [3000]) == pytest.approx(2 * (500 - 100) * 512 / 1e9)
+    # past the grid: a 6000-token row in 7 splits of 858 tokens
+    assert split.extra_s([100] * 19 + [6000]) == pytest.approx(2 * (858 - 100) * 512 / 1e9)
+    assert STREAMS.extra_s([]) == 0.0
+
+
+def test_the_rows_split_rule_is_the_kernels():
+    """The simulator restates ``decode_num_splits`` and ``decode_splits`` (it keeps torch out); they must agree."""
+    ta = pytest.importorskip("hawk.engine.triton_attention")
+    assert STREAMS.grid_per_sm == ta.SPLIT_GRID_PER_SM
+    for rows in (1, 2, 5, 8, 16, 17, 33, 40, 64, 256):
+        assert STREAMS.splits(rows) == ta.decode_num_splits(rows, STREAMS.kv_heads, STREAMS.sms)
+        for split_tokens in (0, 256, 512, 1024):
+            want = ta.decode_splits(rows, STREAMS.kv_heads, STREAMS.sms, STREAMS.max_len, split_tokens)[0]
+            assert STREAMS.grid(rows, split_tokens) == want
+
+
+def test_both_rates_come_back_from_decode_steps_they_made(tmp_path):
+    """Engine records written by the model itself (batch 1: its programs below the device's rate;
+    batch 64: its bytes above the programs') give the model's two rates back."""
+    truth = RowStreams(17.0, 3500.0, 850, layers=32)
+    base = {1: 4.0, 64: 7.0}
+    recs = [{"kind": "decode", "path": "gpu-paged", "kv_dtype": "bf16", "batch": b, "context": c,
+             "ms": base[b] + 1e3 * (truth.layer_s([c] * b) - truth.layer_s([1024] * b)) * truth.layers}
+            for b in base for c in (1024, 8192)]
+    recs.append({"kind": "prefill", "path": "gpu-paged", "batch": 1, "tokens": 512, "ms": 20.0})
+    f = tmp_path / "engine.json"
+    f.write_text(json.dumps(recs))
+    got = RowStreams.from_engine(f, 850)
+    assert got.program_gb_s == pytest.approx(17.0, rel=1e-3)  # the batch-1 ceilings round to whole tokens
+    assert got.device_gb_s == pytest.approx(3500.0)
+    assert got.probe_context == 850
+    with pytest.raises(ValueError, match="two contexts"):
+        f.write_text(json.dumps(recs[:1]))
+        RowStreams.from_engine(f, 850)
+
+
+def test_a_step_costs_what_its_rows_contexts_add():
+    """A lone request decodes at the flat table's step plus what its context adds over the probe's,
+    step by step as its context grows (by one token a step)."""
+    cost = dataclasses.replace(flat(), streams=STREAMS)
+    log = StepLog()
+    (r,) = simulate_colocated([RequestSpec(0, 0.0, 340, 4)], cost, MixedPolicy(), log)
+    # one prompt step, then three decode steps of contexts 341, 342, 343 (17 splits: 21 tokens a program)
+    assert log.seconds[0] == pytest.approx(D / 1e3)
+    for ctx, s in zip((341, 342, 343), log.seconds[1:]):
+        assert s == pytest.approx(D / 1e3 + STREAMS.extra_s([ctx]))
+    assert r.output_tokens == 4 and r.ok
+    # without streams, the same table: every step the table's
+    plain = StepLog()
+    simulate_colocated([RequestSpec(0, 0.0, 340, 4)], flat(), MixedPolicy(), plain)
+    assert plain.seconds == pytest.approx([D / 1e3] * 4)

@@ -9,7 +9,7 @@ from benchmarks.step_trace_fit import fit, load
 
 def test_the_fit_recovers_the_costs_the_steps_were_made_with(tmp_path):
     rng = np.random.default_rng(0)
-    true = {"const": 4.0, "rows": 0.03, "context": 2e-5, "prompt_tokens": 0.017, "chunks": 0.2, "chunk_pairs_k": 0.004}
+    true = {"const": 4.0, "rows": 0.03, "context": 2e-5, "longest_k": 0.97, "prompt_tokens": 0.017, "chunks": 0.2, "chunk_pairs_k": 0.004}
     lines = []
     for _ in range(300):
         rows = int(rng.integers(1, 64))
@@ -18,10 +18,11 @@ def test_the_fit_recovers_the_costs_the_steps_were_made_with(tmp_path):
         prompt = sum(q for _, q in spans)
         pairs = sum(q * (s + q / 2) for s, q in spans) / 1e3
         ctx = rows * int(rng.integers(100, 1500))
-        ms = (true["const"] + true["rows"] * rows + true["context"] * ctx + true["prompt_tokens"] * prompt + true["chunks"] * chunks
-              + true["chunk_pairs_k"] * pairs)
-        lines.append({"rows": rows, "context": ctx, "prompt_tokens": prompt, "chunks": chunks, "spans": spans, "path": "GRAPH",
-                      "device_ms": ms})
+        longest = int(rng.integers(100, 4000))  # the longest row's context
+        ms = (true["const"] + true["rows"] * rows + true["context"] * ctx + true["longest_k"] * longest / 1e3
+              + true["prompt_tokens"] * prompt + true["chunks"] * chunks + true["chunk_pairs_k"] * pairs)
+        lines.append({"rows": rows, "context": ctx, "longest": longest, "prompt_tokens": prompt, "chunks": chunks, "spans": spans,
+                      "path": "GRAPH", "device_ms": ms})
     lines.append({"rows": 1, "context": 9, "prompt_tokens": 0, "chunks": 0, "spans": [], "path": "GRAPH", "device_ms": None})  # off CUDA: left out
     path = tmp_path / "t.jsonl"
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -36,6 +37,7 @@ def test_the_fit_recovers_the_costs_the_steps_were_made_with(tmp_path):
     assert abs(out["prompt_token_us_all_in"] - 1e3 * prompt_ms / sum(s["prompt_tokens"] for s in steps)) < 0.01
     assert load(path, skip=100) == steps[100:]
     assert steps[0]["chunk_pairs_k"] == sum(q * (s + q / 2) for s, q in lines[0]["spans"]) / 1e3
+    assert steps[0]["longest_k"] == lines[0]["longest"] / 1e3
     mixed = [s["device_ms"] for s in steps if s["prompt_tokens"] and s["rows"]]
     assert out["step_ms_pct"]["mixed"]["p50"] == round(float(np.percentile(mixed, 50)), 3)
     assert out["step_ms_pct"]["all"]["p99"] <= max(s["device_ms"] for s in steps)

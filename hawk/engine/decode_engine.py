@@ -919,6 +919,7 @@ class DecodeEngine:
             raise
         if mark is not None:
             mark.launched(self.runner.device, rows=n, context=sum(s.start for s in slices[:n]),
+                          longest=max((s.start for s in slices[:n]), default=0),
                           prompt_tokens=sum(p.q_len for p in pieces), chunks=len(pieces),
                           spans=[[p.start, p.q_len] for p in pieces], path=out.path.name)
         if n:

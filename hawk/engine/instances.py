@@ -399,7 +399,8 @@ class ColocatedInstance:
         if self.prefill.runner is not None:
             self.prefill.runner.warmup_prefill()
         rows = cfg.max_batch + MIXED_PREFILL_SEQS + 1 if mixed else cfg.max_batch  # a mixed step's prompts ride beside the decode rows
-        attn = PagedAttention(self.layout, self.caches, max_batch=rows, max_model_len=decode_len(cfg, mc))
+        attn = PagedAttention(self.layout, self.caches, max_batch=rows, max_model_len=decode_len(cfg, mc),
+                              decode_split_tokens=cfg.decode_split_tokens)
         self.decode = DecodeEngine(
             self.loaded.model, attn, LocalKV(self.blocks, kv_here=attn.device.type == "cpu"), tuple(mc.eos_token_ids), cfg.max_batch,
             graphs=cfg.graphs, max_model_len=cfg.max_model_len or None, overlap=cfg.async_scheduling,

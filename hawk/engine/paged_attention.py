@@ -91,6 +91,7 @@ class PagedAttention:
         *,
         use_triton: bool | None = None,
         fused_decode: bool | None = None,
+        decode_split_tokens: int = 0,
     ) -> None:
         layout.check_cache(list(caches))
         if max_batch <= 0:
@@ -109,6 +110,11 @@ class PagedAttention:
         self.max_blocks_per_seq = -(-max_model_len // bs) if max_model_len else layout.num_blocks
         self.max_model_len = self.max_blocks_per_seq * bs
         self._num_sms = self._ta.decode_sm_count(self.device) if self._ta else 1
+        if decode_split_tokens < 0:
+            raise ValueError(f"decode_split_tokens must be >= 0, got {decode_split_tokens}")
+        #: Triton decode: each row's attention in programs of at most this many tokens (0: the split
+        #: count set by the rows alone, every row alike; ``triton_attention.decode_splits``)
+        self.decode_split_tokens = decode_split_tokens if self._ta else 0
         self._block_m = self._ta.prefill_block_m(self.device, layout.head_dim) if self._ta else 0
         self._decode_block_n = self._ta.decode_block_n(self.device) if self._ta else 0
         #: Bumped whenever the device buffers are reallocated (their addresses change).
@@ -172,9 +178,14 @@ class PagedAttention:
         return DecodePath.MERGED if self.fused_decode else DecodePath.SEPARATE
 
     def _splits(self, batch: int) -> int:
+        """The decode launch's grid splits at ``batch`` rows."""
+        return self._split_counts(batch)[0]
+
+    def _split_counts(self, batch: int) -> tuple[int, int]:
+        """``(grid, base)`` splits of a decode launch at ``batch`` rows (``decode_splits``)."""
         if self._ta is None:
-            return 1
-        return self._ta.decode_num_splits(batch, self.layout.num_kv_heads, self._num_sms)
+            return 1, 1
+        return self._ta.decode_splits(batch, self.layout.num_kv_heads, self._num_sms, self.max_model_len, self.decode_split_tokens)
 
     def _partials(self, n: int, hq: int, splits: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the persistent split scratch, allocated once for the largest batch."""
@@ -475,22 +486,23 @@ class PagedAttention:
         """One query token per row over K/V already in the cache, split by the row count."""
         assert self._ta is not None
         n = q.shape[0]
-        splits = self._splits(n)
+        splits, base = self._split_counts(n)
         part_out, part_lse = self._partials(n, q.shape[1], splits, q.shape[2])
         return self._ta.paged_decode(q, cache, block_tables, seq_lens, self.layout.order, splits, out=out,
-                                     part_out=part_out, part_lse=part_lse, block_n=self._decode_block_n)
+                                     part_out=part_out, part_lse=part_lse, block_n=self._decode_block_n,
+                                     split_tokens=self.decode_split_tokens, base_splits=base)
 
     def _decode_fused(self, cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       merge: bool) -> torch.Tensor:
         """A decode layer whose attention launch writes the K/V: the split merge in it (``merge``) or after it."""
         ta, vw = self._ta, self._views
         assert ta is not None
-        splits = self._splits(self._n)
+        splits, base = self._split_counts(self._n)
         part_out, part_lse = self._partials(self._n, q.shape[1], splits, q.shape[2])
         return ta.paged_decode_fused(q, k, v, cache, vw["block_tables"], vw["seq_lens"], vw["slots"],
                                      self.layout.order, splits, counters=self._counters,
                                      part_out=part_out, part_lse=part_lse, block_n=self._decode_block_n,
-                                     merge=merge)
+                                     merge=merge, split_tokens=self.decode_split_tokens, base_splits=base)
 
     def _write_torch(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         slots, t_real = self._host["slots"], len(self._host["slots"])

@@ -132,7 +132,8 @@ class DecodeRank:
         else:
             layout_g = gpu_layout(cfg, mc, cfg.kv_tokens, shard)
             self.caches = layout_g.allocate(compute)
-            self.attn = PagedAttention(layout_g, self.caches, max_batch=cfg.max_batch, max_model_len=decode_len(cfg, mc))
+            self.attn = PagedAttention(layout_g, self.caches, max_batch=cfg.max_batch, max_model_len=decode_len(cfg, mc),
+                                       decode_split_tokens=cfg.decode_split_tokens)
             self.blocks = BlockManager(layout_g.num_blocks, layout_g.block_size)
             side = GpuSide(self.caches, layout_g, rx)
         self.receiver = make_receiver(cfg.transfer, self.transport, side, post=cfg.post, link_gbps=cfg.link_gbps)

@@ -6,8 +6,9 @@ context). Fitting step time against rows and prompt tokens over the steps a serv
 what a served prompt token costs, which no probe can. Off unless ``HAWK_STEP_TRACE=FILE`` is set
 in the engine's environment (each engine process appends to FILE, its pid in every line).
 
-A line: ``{pid, rows, context, prompt_tokens, chunks, spans, path, launch_ms, device_ms}``. ``context``
-is the decode rows' cached tokens summed (their attention's reads); ``spans`` each chunk's ``[start,
+A line: ``{pid, rows, context, longest, prompt_tokens, chunks, spans, path, launch_ms, device_ms}``.
+``context`` is the decode rows' cached tokens summed (their attention's reads), ``longest`` the most
+one row has (one program streams a row's context alone past 16 rows); ``spans`` each chunk's ``[start,
 q_len]`` (the prompt tokens cached before it, and its own); ``launch_ms`` the host time of the
 runner's call; ``device_ms`` the time on the device between CUDA events recorded before and after
 the step's launch (null off CUDA). With a step queued ahead, the first event waits behind the step

@@ -50,6 +50,7 @@ __all__ = [
     "decode_num_splits",
     "decode_qk_scale",
     "decode_reduce",
+    "decode_splits",
     "decode_sm_count",
     "paged_decode",
     "paged_decode_fused",
@@ -231,6 +232,32 @@ def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int, max_splits: i
     return max(1, min(max_splits, -(-num_sms // (batch * num_kv_heads))))
 
 
+#: With ``split_tokens``, a decode grid holds at most this many programs per SM (a row past its own
+#: splits idles through its programs: cheap, not free).
+SPLIT_GRID_PER_SM = 8
+
+
+def decode_splits(batch: int, num_kv_heads: int, num_sms: int, max_len: int, split_tokens: int = 0,
+                  max_splits: int = 64) -> tuple[int, int]:
+    """``(grid splits, base splits)`` of a decode launch: :func:`decode_num_splits` for both without
+    ``split_tokens``; with it, a grid wide enough for a ``max_len``-token row in programs of at most
+    ``split_tokens`` tokens, within ``SPLIT_GRID_PER_SM`` programs per SM and ``max_splits``, each row
+    taking as many of them as its own length needs (``_row_splits``), at least ``base``.
+
+    Why: one split per row past 16 rows on 132 SMs, so a step's decode attention lasts as long as its
+    longest row's programs stream alone (about 17 GB/s each on an H200, ``hawk/sim/colocated.py``'s
+    ``RowStreams``), and a served batch's contexts spread (log-normal prompts): a 3,000-token row among
+    850-token ones adds about 2 ms to an 8B step. Where the rows fill the device many times over its
+    bytes set the step anyway, so the grid shrinks with the batch. A function of the batch size and
+    the model's length alone: a captured graph keeps its grid; the rows' lengths pick on the device.
+    """
+    base = decode_num_splits(batch, num_kv_heads, num_sms, max_splits)
+    if not split_tokens:
+        return base, base
+    room = -(-SPLIT_GRID_PER_SM * num_sms // (batch * num_kv_heads))
+    return max(base, min(max_splits, -(-max_len // split_tokens), room)), base
+
+
 def decode_sm_count(device: torch.device) -> int:
     """The SM count :func:`decode_num_splits` is given on ``device``: the GPU's, or 8 elsewhere (the
     interpreter), so CPU tests of every backend split alike (and small batches several ways)."""
@@ -259,6 +286,17 @@ def _split_chunks(seq_len, sp, num_splits, BLOCK_N: tl.constexpr):
     hi = tl.minimum(lo + split_len, seq_len)
     tail = lo + tl.maximum(tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N) - 1, 0) * BLOCK_N
     return lo, tail, hi
+
+
+@triton.jit
+def _row_splits(seq_len, num_splits, base_splits, SPLIT_TOKENS: tl.constexpr):
+    """The splits a row's context runs in: the launch's ``num_splits`` for every row (SPLIT_TOKENS 0),
+    or as many as programs of at most SPLIT_TOKENS tokens need, at least ``base_splits`` and at most
+    the launch's (its grid). Shared by the split-K decode and its merges, which must agree on it."""
+    if SPLIT_TOKENS == 0:
+        return num_splits
+    else:
+        return tl.minimum(num_splits, tl.maximum(base_splits, tl.cdiv(seq_len, SPLIT_TOKENS)))
 
 
 @triton.jit
@@ -322,10 +360,10 @@ def _decode_kernel(
     count_ptr, qk_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_ckv, stride_cblk, stride_cslot, stride_chead,
-    stride_bt, num_splits, G, D,
+    stride_bt, num_splits, base_splits, G, D,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, DIRECT: tl.constexpr, FUSED: tl.constexpr, MERGE: tl.constexpr,
-    DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
+    SPLIT_TOKENS: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Split-K decode. FUSED also writes the new K/V; with MERGE the last split to finish merges the
     splits too (one launch), without it the caller's reduce launch does.
@@ -333,7 +371,8 @@ def _decode_kernel(
     All variants cover the same token ranges with the same chunks (the new token included, at its
     position), so they give the same bits; FUSED only sources the new row from registers.
     Without FUSED, k/v/slot pointers and strides are unused (the three-launch path); without MERGE,
-    the count pointer is.
+    the count pointer is. SPLIT_TOKENS > 0: a row runs in :func:`_row_splits` of the grid's splits,
+    and the programs past them store nothing (the merges read only a row's own).
     """
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -341,7 +380,8 @@ def _decode_kernel(
     hkv = tl.num_programs(1)
     hq = hkv * G
     seq_len = tl.load(seq_lens_ptr + b)
-    lo, tail, hi = _split_chunks(seq_len, sp, num_splits, BLOCK_N)
+    row_splits = _row_splits(seq_len, num_splits, base_splits, SPLIT_TOKENS)
+    lo, tail, hi = _split_chunks(seq_len, sp, row_splits, BLOCK_N)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_n = tl.arange(0, BLOCK_N)
@@ -390,13 +430,15 @@ def _decode_kernel(
                                           qk_scale, stride_ckv, stride_cblk, stride_cslot, offs_n, offs_d, dmask,
                                           BLOCK_SIZE, True, FUSED, DOT_PREC, INTERPRET)
 
+    live = sp < row_splits
     _decode_epilogue(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, b, heads, hq, sp, num_splits,
-                     stride_ot, stride_oh, offs_d, hmask, dmask, D, DIRECT)
+                     stride_ot, stride_oh, offs_d, hmask & live, dmask, D, DIRECT)
     if MERGE:
         if not DIRECT:
-            _last_split_merges(part_out_ptr, part_lse_ptr, out_ptr, count_ptr + b * hkv + kvh,
-                               b * hq + kvh * G, b * stride_ot + kvh * G * stride_oh, stride_oh,
-                               num_splits, G, D, BLOCK_S, BLOCK_D, INTERPRET)
+            if live:
+                _last_split_merges(part_out_ptr, part_lse_ptr, out_ptr, count_ptr + b * hkv + kvh,
+                                   b * hq + kvh * G, b * stride_ot + kvh * G * stride_oh, stride_oh,
+                                   num_splits, row_splits, G, D, BLOCK_S, BLOCK_D, INTERPRET)
 
 
 @triton.jit
@@ -423,10 +465,11 @@ def _store_new_token(
 
 @triton.jit
 def _last_split_merges(
-    part_out_ptr, part_lse_ptr, out_ptr, count_ptr, row0, out_off, stride_oh, num_splits, G, D,
+    part_out_ptr, part_lse_ptr, out_ptr, count_ptr, row0, out_off, stride_oh, num_splits, row_splits, G, D,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """After this split's partials are stored: the last split of the (row, KV head) to arrive merges.
+    """After this split's partials are stored: the last of the (row, KV head)'s ``row_splits`` splits
+    to arrive merges them (``num_splits``: the grid's, the partials' stride).
 
     The barrier makes every thread's partial stores happen before the one thread's acq_rel atomic
     (release: the other splits see them; acquire: the merger sees theirs). Partials are read past
@@ -435,29 +478,30 @@ def _last_split_merges(
     """
     tl.debug_barrier()
     arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel")
-    if arrived == num_splits - 1:
+    if arrived == row_splits - 1:
         if INTERPRET:
             i = 0
             while i < G:
                 _merge_head(part_out_ptr, part_lse_ptr, out_ptr + out_off + i * stride_oh, row0 + i,
-                            num_splits, D, BLOCK_S, BLOCK_D, ".cg")
+                            num_splits, row_splits, D, BLOCK_S, BLOCK_D, ".cg")
                 i += 1
         else:
             for i in range(0, G):
                 _merge_head(part_out_ptr, part_lse_ptr, out_ptr + out_off + i * stride_oh, row0 + i,
-                            num_splits, D, BLOCK_S, BLOCK_D, ".cg")
+                            num_splits, row_splits, D, BLOCK_S, BLOCK_D, ".cg")
         tl.store(count_ptr, 0)
 
 
 @triton.jit
 def _merge_head(
-    part_out_ptr, part_lse_ptr, out_row, row, num_splits, D,
+    part_out_ptr, part_lse_ptr, out_row, row, num_splits, row_splits, D,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr,
 ):
-    """Merge one query head's split partials (``row = b * Hq + h``) into its output row."""
+    """Merge one query head's first ``row_splits`` split partials (``row = b * Hq + h``; ``num_splits``
+    a row's partials in the buffer) into its output row."""
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    smask = offs_s < num_splits
+    smask = offs_s < row_splits
     lse = tl.load(part_lse_ptr + row * num_splits + offs_s, mask=smask, other=float("-inf"),
                   cache_modifier=CACHE)
     w = tl.exp2(lse - tl.max(lse, 0))  # the largest weight is 1, so the sum is >= 1
@@ -470,24 +514,33 @@ def _merge_head(
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr,
-    stride_ot, stride_oh, num_splits, D,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    part_out_ptr, part_lse_ptr, out_ptr, seq_lens_ptr,
+    stride_ot, stride_oh, num_splits, base_splits, D,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    if SPLIT_TOKENS == 0:
+        row_splits = num_splits
+    else:
+        row_splits = _row_splits(tl.load(seq_lens_ptr + b), num_splits, base_splits, SPLIT_TOKENS)
     _merge_head(part_out_ptr, part_lse_ptr, out_ptr + b * stride_ot + h * stride_oh, b * tl.num_programs(1) + h,
-                num_splits, D, BLOCK_S, BLOCK_D, "")
+                num_splits, row_splits, D, BLOCK_S, BLOCK_D, "")
 
 
-def decode_reduce(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
+def decode_reduce(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, num_splits: int,
+                  seq_lens: torch.Tensor | None = None, base_splits: int = 1, split_tokens: int = 0) -> None:
     """Merge split partials ``part_out [B, Hq, S, D]``, ``part_lse [B, Hq, S]`` (contiguous fp32) into
     ``out [B, Hq, D]`` (last dim contiguous). Every split-K decode backend merges here: one merge
-    code, one summation order."""
+    code, one summation order. ``split_tokens`` (with ``seq_lens``, ``base_splits``): each row merges
+    only the splits it ran in (:func:`_row_splits`)."""
     b, hq, d = out.shape
+    if split_tokens and seq_lens is None:
+        raise ValueError("split_tokens needs the rows' seq_lens")
     _decode_reduce_kernel[(b, hq)](
-        part_out, part_lse, out, out.stride(0), out.stride(1), num_splits, d,
-        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(d),
+        part_out, part_lse, out, seq_lens if seq_lens is not None else part_lse, out.stride(0), out.stride(1),
+        num_splits, base_splits, d,
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(d), SPLIT_TOKENS=split_tokens,
     )
 
 
@@ -509,6 +562,8 @@ def paged_decode(
     part_lse: torch.Tensor | None = None,
     block_n: int = 64,
     num_warps: int = 4,
+    split_tokens: int = 0,
+    base_splits: int = 1,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context; returns ``out``.
 
@@ -519,13 +574,15 @@ def paged_decode(
     Hq, D]`` in q's dtype is allocated when None; ``part_out [B, Hq, S, D]`` and ``part_lse [B,
     Hq, S]`` fp32 scratch likewise (only used when ``num_splits > 1``). No host sync.
     Two launches when ``num_splits > 1`` (attention, then the reduce), else one.
+    ``split_tokens`` > 0: row ``b`` runs in as many of the ``num_splits`` splits as programs of at most
+    that many tokens need, at least ``base_splits`` (:func:`decode_splits`); other bits than without.
     """
     out, part_out, part_lse = _decode_buffers(q, num_splits, out, part_out, part_lse)
     _launch_decode(q, None, None, cache, block_tables, seq_lens, None, None, order, num_splits,
-                   out, part_out, part_lse, block_n, num_warps)
+                   out, part_out, part_lse, block_n, num_warps, split_tokens, base_splits)
     if num_splits > 1:
         assert part_out is not None and part_lse is not None
-        decode_reduce(part_out, part_lse, out, num_splits)
+        decode_reduce(part_out, part_lse, out, num_splits, seq_lens, base_splits, split_tokens)
     return out
 
 
@@ -546,6 +603,8 @@ def paged_decode_fused(
     block_n: int = 64,
     num_warps: int = 4,
     merge: bool = True,
+    split_tokens: int = 0,
+    base_splits: int = 1,
 ) -> torch.Tensor:
     """:func:`write_kv` + :func:`paged_decode` in ONE launch (two with ``merge=False`` and several
     splits); returns ``out``.
@@ -557,7 +616,8 @@ def paged_decode_fused(
     ``counters``, int32 scratch of ``>= B * Hkv`` zeros that each launch leaves zeroed again (keep
     one buffer for a captured graph; allocated when None); else a :func:`decode_reduce` launch
     follows (no counters). The last split's merge is serial (one program merges every head of its
-    group), so at many splits the separate reduce can be the faster. No host sync.
+    group), so at many splits the separate reduce can be the faster. No host sync. ``split_tokens``,
+    ``base_splits``: as :func:`paged_decode`'s.
     """
     b, hq, d = q.shape
     hkv = k.shape[1]
@@ -573,10 +633,10 @@ def paged_decode_fused(
     elif counters.dtype != torch.int32 or counters.numel() < b * hkv:
         raise ValueError(f"counters must be int32 with >= {b * hkv} elements")
     _launch_decode(q, k, v, cache, block_tables, seq_lens, slot_mapping, counters, order, num_splits,
-                   out, part_out, part_lse, block_n, num_warps)
+                   out, part_out, part_lse, block_n, num_warps, split_tokens, base_splits)
     if not merge and num_splits > 1:
         assert part_out is not None and part_lse is not None
-        decode_reduce(part_out, part_lse, out, num_splits)
+        decode_reduce(part_out, part_lse, out, num_splits, seq_lens, base_splits, split_tokens)
     return out
 
 
@@ -601,9 +661,12 @@ def _launch_decode(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor | None,
     counters: torch.Tensor | None, order: str, num_splits: int, out: torch.Tensor,
     part_out: torch.Tensor | None, part_lse: torch.Tensor | None, block_n: int, num_warps: int,
+    split_tokens: int = 0, base_splits: int = 1,
 ) -> None:
     """One launch of :func:`_decode_kernel`; fused when ``k`` is given (then v and slots too), the
     last split merging when ``counters`` is given too."""
+    if split_tokens < 0 or base_splits < 1 or base_splits > num_splits:
+        raise ValueError(f"split_tokens {split_tokens} must be >= 0 and base_splits {base_splits} within 1..{num_splits}")
     b, hq, d = q.shape
     hkv = cache.shape[3] if order == "NHD" else cache.shape[2]
     if hq % hkv:
@@ -626,10 +689,11 @@ def _launch_decode(
         count_arg, decode_qk_scale(d),
         q.stride(0), q.stride(1), skt, skh, svt, svh, out.stride(0), out.stride(1),
         skv, sblk, sslot, shead,
-        block_tables.stride(0), num_splits, g, d,
+        block_tables.stride(0), num_splits, base_splits, g, d,
         BLOCK_SIZE=_block_size(cache, order), BLOCK_H=_pow2(g), BLOCK_N=block_n, BLOCK_D=_pow2(d),
         BLOCK_S=triton.next_power_of_2(num_splits), DIRECT=num_splits == 1, FUSED=fused, MERGE=fused and merge,
-        DOT_PREC=_dot_precision(q.dtype), INTERPRET=_INTERPRET, num_warps=num_warps,
+        SPLIT_TOKENS=split_tokens if num_splits > 1 else 0, DOT_PREC=_dot_precision(q.dtype), INTERPRET=_INTERPRET,
+        num_warps=num_warps,
     )
 
 

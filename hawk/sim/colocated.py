@@ -57,6 +57,90 @@ def interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
 
 
 @dataclass(frozen=True)
+class RowStreams:
+    """The decode rows' attention when their contexts differ, as the engine's decode kernel runs it.
+
+    One program per (row, KV head, split) streams its share of the row's K and V, and the split count
+    is a function of the rows alone (``decode_num_splits``: one split per row past 16 rows on 132 SMs),
+    so a layer's decode attention lasts as long as its longest row's programs, or as every program's
+    bytes at the device's bandwidth, whichever is longer. The probe table's rows all had one context
+    (``probe_context``); a served batch's spread (log-normal prompts), and its longest row sets the
+    step. ``extra_s`` is what a batch's contexts add to (or take from) the table's step of as many rows.
+    Both rates come from the engine benchmark's decode steps at two contexts (:meth:`from_engine`)."""
+
+    program_gb_s: float  # one program streaming its share alone
+    device_gb_s: float  # all programs at once
+    probe_context: int
+    layers: int = 32  # the 8B shape
+    kv_heads: int = 8
+    head_dim: int = 128
+    kv_bytes: int = 2  # bf16
+    sms: int = 132  # an H100 / H200
+    max_splits: int = 64  # ``decode_num_splits``' default
+    #: 0: the engine's kernel as the probe ran it (splits by rows alone); N: ``--decode-split-tokens N``,
+    #: each row in as many programs of at most N tokens as its length needs, within the launch's grid
+    #: (``decode_splits``), against the probe's steps as they ran
+    split_tokens: int = 0
+    max_len: int = 131072  # the model's context length (Llama 3.1's), which sizes that grid
+    grid_per_sm: int = 8  # ``triton_attention.SPLIT_GRID_PER_SM``
+
+    @property
+    def token_bytes(self) -> int:
+        """K and V of one token of one KV head of one layer."""
+        return 2 * self.head_dim * self.kv_bytes
+
+    def splits(self, rows: int) -> int:
+        """``hawk.engine.triton_attention.decode_num_splits`` (restated: no torch here; a test holds them equal)."""
+        return max(1, min(self.max_splits, -(-self.sms // (rows * self.kv_heads))))
+
+    def grid(self, rows: int, split_tokens: int) -> int:
+        """``triton_attention.decode_splits``' grid (restated likewise)."""
+        base = self.splits(rows)
+        if not split_tokens:
+            return base
+        room = -(-self.grid_per_sm * self.sms // (rows * self.kv_heads))
+        return max(base, min(self.max_splits, -(-self.max_len // split_tokens), room))
+
+    def layer_s(self, contexts: Sequence[int], split_tokens: int = 0) -> float:
+        """One layer's decode attention over rows of these contexts: its slowest program or all its bytes."""
+        longest, base = max(contexts), self.splits(len(contexts))
+        row = min(self.grid(len(contexts), split_tokens), max(base, -(-longest // split_tokens))) if split_tokens else base
+        share = -(-longest // row)
+        slowest = share * self.token_bytes / (self.program_gb_s * 1e9)
+        every = sum(contexts) * self.kv_heads * self.token_bytes / (self.device_gb_s * 1e9)
+        return max(slowest, every)
+
+    def extra_s(self, contexts: Sequence[int]) -> float:
+        if not contexts:
+            return 0.0
+        return self.layers * (self.layer_s(contexts, self.split_tokens) - self.layer_s([self.probe_context] * len(contexts)))
+
+    @classmethod
+    def from_engine(cls, path: str | Path, probe_context: int, path_name: str = "gpu-paged", **shape: Any) -> RowStreams:
+        """Both rates from ``hawk bench engine`` decode records (``batch``, ``context``, ``ms``) of one path
+        at two contexts: the smallest batch's step grows with what each of its programs streams (the
+        programs then fill a fraction of the device's bandwidth), the largest batch's with all its bytes."""
+        recs = [r for r in json.loads(Path(path).read_text()) if r.get("kind") == "decode" and r.get("path") == path_name
+                and r.get("kv_dtype", "bf16") == "bf16"]
+        by_batch: dict[int, dict[int, float]] = {}
+        for r in recs:
+            by_batch.setdefault(r["batch"], {})[r["context"]] = r["ms"]
+        pairs = {b: sorted(c.items()) for b, c in by_batch.items() if len(c) >= 2}
+        if not pairs:
+            raise ValueError(f"{path}: no {path_name} decode batch measured at two contexts")
+        probe = cls(1.0, 1.0, probe_context, **shape)
+        lo, hi = min(pairs), max(pairs)
+
+        def rate(b: int, whole: bool) -> float:
+            (c1, t1), (c2, t2) = pairs[b][0], pairs[b][-1]
+            s = probe.splits(b)
+            tokens = b * probe.kv_heads * (c2 - c1) if whole else -(-c2 // s) - -(-c1 // s)
+            return tokens * probe.token_bytes / ((t2 - t1) / 1e3 / probe.layers) / 1e9
+
+        return cls(rate(lo, False), rate(hi, True), probe_context, **shape)
+
+
+@dataclass(frozen=True)
 class MixedStepCost:
     """Step times measured on a device, by decode rows and prompt tokens.
 
@@ -74,6 +158,7 @@ class MixedStepCost:
     prefill_ms: tuple[float, ...]
     source: str = ""
     pair_ns: float = 0.0
+    streams: RowStreams | None = None  # the rows' contexts, where they differ from the probe's
 
     def __post_init__(self) -> None:
         if not self.batches or len(self.decode_ms) != len(self.batches) or len(self.extra_ms) != len(self.batches):
@@ -86,17 +171,19 @@ class MixedStepCost:
     def decode_s(self, rows: int) -> float:
         return interp(max(rows, self.batches[0]), self.batches, self.decode_ms) / 1e3
 
-    def step_s(self, rows: int, tokens: int, pairs: int = 0) -> float:
+    def step_s(self, rows: int, tokens: int, pairs: int = 0, contexts: Sequence[int] | None = None) -> float:
         """One forward of ``rows`` decode rows and ``tokens`` prompt tokens whose chunks hold ``pairs``
-        query-key pairs against their prompts' earlier tokens."""
+        query-key pairs against their prompts' earlier tokens; ``contexts``: the rows' context
+        lengths, which ``streams`` (when set) costs against the probe's."""
+        rows_s = self.streams.extra_s(contexts) if self.streams is not None and contexts else 0.0
         if tokens <= 0:
-            return self.decode_s(rows) if rows else 0.0
+            return max(self.decode_s(rows) + rows_s, 0.0) if rows else 0.0
         later = self.pair_ns * pairs / 1e9
         if not rows:
             return max(interp(tokens, self.prefill_chunks, self.prefill_ms), 0.0) / 1e3 + later
         r = min(max(rows, self.batches[0]), self.batches[-1])
         per_batch = [max(interp(tokens, self.chunks, row), 0.0) for row in self.extra_ms]
-        return self.decode_s(rows) + interp(r, self.batches, per_batch) / 1e3 + later
+        return max(self.decode_s(rows) + rows_s, 0.0) + interp(r, self.batches, per_batch) / 1e3 + later
 
     @classmethod
     def from_probe(cls, path: str | Path, section: str) -> MixedStepCost:
@@ -108,7 +195,8 @@ class MixedStepCost:
         the probe's lines as it prints them, one section."""
         text = Path(path).read_text()
         data = {section: [json.loads(x) for x in text.splitlines() if x.strip()]} if Path(path).suffix == ".jsonl" else json.loads(text)
-        recs = [r for r in data[section] if r.get("kind") in ("decode", "mixed")]
+        # the table is the rows at the probe's one context (``--longest`` points measure the rows' spread)
+        recs = [r for r in data[section] if r.get("kind") in ("decode", "mixed") and not r.get("longest")]
         decode: dict[int, list[float]] = {}
         mixed: dict[tuple[int, int], float] = {}
         later: list[tuple[int, int, int, float]] = []
@@ -217,14 +305,15 @@ def simulate_colocated(requests: Sequence[RequestSpec], cost: MixedStepCost, pol
     joining: list[_Seq] = []  # prompt done, first token out, not decoding yet
     running: list[_Seq] = []
     done: list[_Seq] = []
-    riders, t, step = 0, 0.0, 0
+    riders: list[int] = []  # the contexts of the rows that finished in the step before (they ride once more)
+    t, step = 0.0, 0
     while arrivals or queue or active or joining or running:
         while arrivals and arrivals[0].spec.arrival_s <= t:
             queue.append(arrivals.popleft())
         nxt = step + 1
         running += [q for q in joining if q.join_at <= nxt]
         joining = [q for q in joining if q.join_at > nxt]
-        rows = len(running) + riders
+        rows = len(running) + len(riders)
         backlog = sum(q.spec.input_len - q.planned for q in active) + sum(q.spec.input_len for q in queue)
         pieces = _take(policy, policy.budget(rows, backlog), active, queue, len(running) + len(joining))
         if not rows and not pieces:
@@ -236,13 +325,14 @@ def simulate_colocated(requests: Sequence[RequestSpec], cost: MixedStepCost, pol
             continue
         tokens = sum(n for _, n in pieces)
         pairs = sum(n * (q.planned - n) for q, n in pieces)  # each chunk's queries against its prompt's earlier tokens
-        dt = cost.step_s(rows, tokens, pairs)
+        contexts = [_context(q) for q in running] + riders if cost.streams is not None else None
+        dt = cost.step_s(rows, tokens, pairs, contexts)
         t += dt
         step = nxt
         if log is not None:
             log.record(rows, tokens, len(pieces), pairs, dt)
         running, finished = _tokens(running, t, done)
-        riders = finished if policy.join_lag_steps else 0
+        riders = [_context(q) for q in finished] if policy.join_lag_steps else []
         for q, _ in pieces:
             if q.planned >= q.spec.input_len:
                 active.remove(q)
@@ -250,15 +340,21 @@ def simulate_colocated(requests: Sequence[RequestSpec], cost: MixedStepCost, pol
     return [q.result() for q in sorted(done, key=lambda q: q.spec.index)]
 
 
-def _tokens(running: list[_Seq], t: float, done: list[_Seq]) -> tuple[list[_Seq], int]:
-    """A step ended at ``t``: every row's token. Returns the rows still decoding and how many finished."""
-    still = []
+def _context(q: _Seq) -> int:
+    """The tokens a decode row's new token attends to: its prompt and what it generated."""
+    return q.spec.input_len + q.tokens
+
+
+def _tokens(running: list[_Seq], t: float, done: list[_Seq]) -> tuple[list[_Seq], list[_Seq]]:
+    """A step ended at ``t``: every row's token. Returns the rows still decoding and those that finished."""
+    still, finished = [], []
     for q in running:
         q.tokens += 1
         q.itl_s.append(t - q.last_s)
         q.last_s = t
-        (done if q.tokens >= q.spec.output_len else still).append(q)
-    return still, len(running) - len(still)
+        (finished if q.tokens >= q.spec.output_len else still).append(q)
+    done += finished
+    return still, finished
 
 
 def _first_token(q: _Seq, t: float, join_at: int, joining: list[_Seq], done: list[_Seq]) -> None:
