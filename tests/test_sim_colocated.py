@@ -231,20 +231,20 @@ def test_the_longest_row_sets_a_layer_until_the_bytes_do():
     # a batch at the probe's context adds nothing; one long row among them adds its program's time
     assert STREAMS.extra_s([100] * 20) == 0.0
     assert STREAMS.extra_s([100] * 19 + [3000]) == pytest.approx(2 * (3000 - 100) * 512 / 1e9)
-    # rows split into programs of at most 500 tokens: the long row's program covers 500 (a grid of
-    # ceil(8 * 132 / (20 * 8)) = 7 splits, the row needing 6)
+    # rows split into programs of at most 500 tokens: the long row's program covers 500 (a grid of 8
+    # splits, the row needing 6)
     split = dataclasses.replace(STREAMS, split_tokens=500)
-    assert split.grid(20, 500) == 7
+    assert split.grid(20, 500) == 8
     assert split.extra_s([100] * 19 + [3000]) == pytest.approx(2 * (500 - 100) * 512 / 1e9)
-    # past the grid: a 6000-token row in 7 splits of 858 tokens
-    assert split.extra_s([100] * 19 + [6000]) == pytest.approx(2 * (858 - 100) * 512 / 1e9)
+    # past the grid: a 6000-token row in 8 splits of 750 tokens
+    assert split.extra_s([100] * 19 + [6000]) == pytest.approx(2 * (750 - 100) * 512 / 1e9)
     assert STREAMS.extra_s([]) == 0.0
 
 
 def test_the_rows_split_rule_is_the_kernels():
     """The simulator restates ``decode_num_splits`` and ``decode_splits`` (it keeps torch out); they must agree."""
     ta = pytest.importorskip("hawk.engine.triton_attention")
-    assert STREAMS.grid_per_sm == ta.SPLIT_GRID_PER_SM
+    assert STREAMS.split_grid == ta.SPLIT_GRID
     for rows in (1, 2, 5, 8, 16, 17, 33, 40, 64, 256):
         assert STREAMS.splits(rows) == ta.decode_num_splits(rows, STREAMS.kv_heads, STREAMS.sms)
         for split_tokens in (0, 256, 512, 1024):

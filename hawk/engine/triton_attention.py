@@ -232,30 +232,29 @@ def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int, max_splits: i
     return max(1, min(max_splits, -(-num_sms // (batch * num_kv_heads))))
 
 
-#: With ``split_tokens``, a decode grid holds at most this many programs per SM (a row past its own
-#: splits idles through its programs: cheap, not free).
-SPLIT_GRID_PER_SM = 8
+#: With ``split_tokens``, the most splits a row gets (the grid's third dimension): a row past its own
+#: splits idles through the rest (cheap, not free), and a launch's rows may be a mixed graph's padded
+#: ones, so the grid cannot shrink with the real batch.
+SPLIT_GRID = 8
 
 
 def decode_splits(batch: int, num_kv_heads: int, num_sms: int, max_len: int, split_tokens: int = 0,
                   max_splits: int = 64) -> tuple[int, int]:
     """``(grid splits, base splits)`` of a decode launch: :func:`decode_num_splits` for both without
     ``split_tokens``; with it, a grid wide enough for a ``max_len``-token row in programs of at most
-    ``split_tokens`` tokens, within ``SPLIT_GRID_PER_SM`` programs per SM and ``max_splits``, each row
-    taking as many of them as its own length needs (``_row_splits``), at least ``base``.
+    ``split_tokens`` tokens, within ``SPLIT_GRID`` (and ``max_splits``), each row taking as many of
+    them as its own length needs (``_row_splits``), at least ``base``.
 
     Why: one split per row past 16 rows on 132 SMs, so a step's decode attention lasts as long as its
     longest row's programs stream alone (about 17 GB/s each on an H200, ``hawk/sim/colocated.py``'s
     ``RowStreams``), and a served batch's contexts spread (log-normal prompts): a 3,000-token row among
-    850-token ones adds about 2 ms to an 8B step. Where the rows fill the device many times over its
-    bytes set the step anyway, so the grid shrinks with the batch. A function of the batch size and
-    the model's length alone: a captured graph keeps its grid; the rows' lengths pick on the device.
+    850-token ones adds about 2 ms to an 8B step. A function of the batch size and the model's length
+    alone: a captured graph keeps its grid; the rows' lengths choose on the device.
     """
     base = decode_num_splits(batch, num_kv_heads, num_sms, max_splits)
     if not split_tokens:
         return base, base
-    room = -(-SPLIT_GRID_PER_SM * num_sms // (batch * num_kv_heads))
-    return max(base, min(max_splits, -(-max_len // split_tokens), room)), base
+    return max(base, min(max_splits, SPLIT_GRID, -(-max_len // split_tokens))), base
 
 
 def decode_sm_count(device: torch.device) -> int:

@@ -82,7 +82,7 @@ class RowStreams:
     #: (``decode_splits``), against the probe's steps as they ran
     split_tokens: int = 0
     max_len: int = 131072  # the model's context length (Llama 3.1's), which sizes that grid
-    grid_per_sm: int = 8  # ``triton_attention.SPLIT_GRID_PER_SM``
+    split_grid: int = 8  # ``triton_attention.SPLIT_GRID``
 
     @property
     def token_bytes(self) -> int:
@@ -98,8 +98,7 @@ class RowStreams:
         base = self.splits(rows)
         if not split_tokens:
             return base
-        room = -(-self.grid_per_sm * self.sms // (rows * self.kv_heads))
-        return max(base, min(self.max_splits, -(-self.max_len // split_tokens), room))
+        return max(base, min(self.max_splits, self.split_grid, -(-self.max_len // split_tokens)))
 
     def layer_s(self, contexts: Sequence[int], split_tokens: int = 0) -> float:
         """One layer's decode attention over rows of these contexts: its slowest program or all its bytes."""
