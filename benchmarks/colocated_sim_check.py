@@ -124,19 +124,12 @@ def solve(cost: MixedStepCost, reading: str, policy: MixedPolicy, rate: float, n
     return (lo + hi) / 2
 
 
-def with_rows(cost: MixedStepCost, streams: RowStreams, split_tokens: int = 0) -> MixedStepCost:
-    """The table with the rows' contexts costed (``split_tokens``: a kernel that splits rows by length)."""
-    kernel = f"decode programs of at most {split_tokens} tokens" if split_tokens else "the decode kernel as probed"
-    return dataclasses.replace(cost, streams=dataclasses.replace(streams, split_tokens=split_tokens),
-                               source=f"{cost.source} + the rows' contexts ({kernel})")
-
-
-def check(tables: dict[str, MixedStepCost], streams: RowStreams) -> list[dict[str, Any]]:
+def check(tables: dict[str, MixedStepCost]) -> list[dict[str, Any]]:
     rows = []
     for c in cases():
         policy, path = MixedPolicy.from_serve_args(c["serve_args"])
         sim = simulate(tables[path], policy, c["rate"], c["num_requests"], c["seed"])
-        by_rows = simulate(with_rows(tables[path], streams), policy, c["rate"], c["num_requests"], c["seed"])
+        by_rows = simulate(tables[path].with_rows(ENGINE), policy, c["rate"], c["num_requests"], c["seed"])
         fit = {r: solve(tables[path], r, policy, c["rate"], c["num_requests"], c["seed"], "tpot_p50_ms", c["measured"]["tpot_p50_ms"])
                for r in READINGS}
         # what each reading, at its fitted value, says of what it was not fitted to: the inter-token gaps
@@ -157,8 +150,7 @@ SWEEP = (
 )
 
 
-def sweep(tables: dict[str, MixedStepCost], served: dict[str, dict[str, float]], rate: float, n: int,
-          streams: RowStreams) -> list[dict[str, Any]]:
+def sweep(tables: dict[str, MixedStepCost], served: dict[str, dict[str, float]], rate: float, n: int) -> list[dict[str, Any]]:
     """Each setting at ``rate``: with the table as measured, then under each reading with its path's
     served value, with the rows' contexts costed (the kernel as probed, and one whose splits follow the
     rows' lengths), and the value of each reading at which its TPOT p50 is ``TPOT_STEPS_LIMIT`` decode
@@ -168,7 +160,7 @@ def sweep(tables: dict[str, MixedStepCost], served: dict[str, dict[str, float]],
         policy, path = MixedPolicy.from_serve_args(args)
         row: dict[str, Any] = {"serve_args": args, "path": path}
         for label, cost in (("table", tables[path]), *((f"served {r}", READINGS[r][0](tables[path], served[path][r])) for r in READINGS),
-                            ("rows", with_rows(tables[path], streams)), ("rows split", with_rows(tables[path], streams, SPLIT_TOKENS))):
+                            ("rows", tables[path].with_rows(ENGINE)), ("rows split", tables[path].with_rows(ENGINE, SPLIT_TOKENS))):
             sim = simulate(cost, policy, rate, n, 0)
             top = simulate(cost, policy, *SATURATED, 0)
             row[label] = {"tpot_p50_ms": sim["tpot_p50_ms"], "tpot_p50_over_step": sim["tpot_p50_over_step"],
@@ -203,15 +195,14 @@ def main() -> None:
                          "its measured cost per later-chunk pair goes into both tables, and pair_ns is then what a served step adds to it")
     a = ap.parse_args()
     tables = {s: MixedStepCost.from_probe(PROBE, s) for s in ("pieces", "mixed_graphs")}
-    context = next(r["context"] for r in json.loads(PROBE.read_text())["pieces"] if r.get("kind") == "decode")
-    streams = RowStreams.from_engine(ENGINE, context)
+    streams = RowStreams.from_engine(ENGINE, tables["pieces"].probe_context)
     if a.offsets:
         measured = MixedStepCost.from_probe(a.offsets, "offsets")
         tables = {s: dataclasses.replace(t, pair_ns=measured.pair_ns, source=f"{t.source}; {measured.pair_ns:.3g} ns a later-chunk pair "
                                          f"from {a.offsets.name}") for s, t in tables.items()}
-    rows = check(tables, streams)
+    rows = check(tables)
     print(f"rows' streams from {ENGINE.name}: {streams.program_gb_s:.1f} GB/s a program, {streams.device_gb_s:.0f} GB/s the device, "
-          f"probe context {context}")
+          f"probe context {streams.probe_context}")
     print("file | setting | rate | n | " + " | ".join(f"{m} meas/sim/rows" for m in METRICS)
           + " | k (ITL p50/p99 with it) | pair_ns (ITL p50/p99 with it)")
     for r in rows:
@@ -232,7 +223,7 @@ def main() -> None:
     }
     if a.sweep:
         out["sweep"] = {"rate": a.sweep_rate, "num_requests": a.sweep_requests, "tpot_steps_limit": TPOT_STEPS_LIMIT,
-                        "rows": sweep(tables, served, a.sweep_rate, a.sweep_requests, streams)}
+                        "rows": sweep(tables, served, a.sweep_rate, a.sweep_requests)}
         print(f"\nsweep at {a.sweep_rate} req/s, {a.sweep_requests} requests: TPOT p50 in decode steps / ITL p99 over TPOT p50 / "
               f"engine TTFT p50 ms / req/s at {SATURATED[0]} offered, with the table's costs | served k | served pair_ns | the rows' "
               f"contexts | the same, decode programs of at most {SPLIT_TOKENS} tokens; the k and pair_ns at {TPOT_STEPS_LIMIT} steps")

@@ -215,6 +215,29 @@ def test_hawk_sim_colocated_sweeps_the_engine_its_serve_args_name(tmp_path, caps
     assert "--step-token-target" in capsys.readouterr().err
 
 
+def test_hawk_sim_colocated_costs_the_rows_contexts_on_request(tmp_path, capsys):
+    """``--row-streams ENGINE``: chatbot rows' contexts spread past the probe's 850, so the same run's TPOT
+    grows; ``--decode-split-tokens`` in the serve args gives it back; a probe file without its
+    rows' context cannot be set beside them."""
+    from hawk.sim.command import main
+
+    engine = PROBE.parent / "engine_h200.json"
+    args = ["--colocated", str(PROBE), "--rates", "20", "--num-requests", "200"]
+    plain = main(args)[0]
+    rows = main([*args, "--row-streams", str(engine)])[0]
+    split = main([*args, "--row-streams", str(engine), "--serve-args", "--decode-split-tokens 512"])[0]
+    assert "engine_h200.json" in rows["step_costs"] and "at most 512 tokens" in split["step_costs"]
+    assert split["policy"]["decode_split_tokens"] == 512
+    assert plain["tpot_p50_ms"] < rows["tpot_p50_ms"] and split["tpot_p50_ms"] < rows["tpot_p50_ms"]
+    bare = tmp_path / "probe.jsonl"
+    data = json.loads(PROBE.read_text())
+    kept = [r for r in data["pieces"] if r.get("kind") in ("decode", "mixed")] + [r for r in data["mixed_graphs"] if r.get("kind") == "prefill"]
+    bare.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "context"}) + "\n" for r in kept))
+    with pytest.raises(SystemExit):
+        main(["--colocated", str(bare), "--rates", "5", "--row-streams", str(engine)])
+    assert "context is not recorded" in capsys.readouterr().err
+
+
 # ---- the rows' contexts (RowStreams) ------------------------------------------------------------
 
 #: 1 GB/s a program, 200 GB/s the device, a probe at context 100; a token's K and V of one head are 512 bytes

@@ -32,7 +32,7 @@ import json
 import shlex
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -158,6 +158,7 @@ class MixedStepCost:
     source: str = ""
     pair_ns: float = 0.0
     streams: RowStreams | None = None  # the rows' contexts, where they differ from the probe's
+    probe_context: int = 0  # the probe's decode rows' context (0: not recorded)
 
     def __post_init__(self) -> None:
         if not self.batches or len(self.decode_ms) != len(self.batches) or len(self.extra_ms) != len(self.batches):
@@ -221,7 +222,17 @@ class MixedStepCost:
             raise ValueError(f"{path}: no prefill records to cost a step of prompt tokens alone")
         context = next((r.get("context") for r in recs), None)
         return cls(batches, tuple(dec[b] for b in batches), chunks, extra, tuple(sorted(pre)), tuple(pre[c] for c in sorted(pre)),
-                   f"measured: {Path(path).name}, its {section} table, context {context}", pair_ns)
+                   f"measured: {Path(path).name}, its {section} table, context {context}", pair_ns, probe_context=context or 0)
+
+    def with_rows(self, engine_records: str | Path, split_tokens: int = 0) -> MixedStepCost:
+        """This table with each step's rows costed by their contexts (:class:`RowStreams`, its rates from
+        ``engine_records``, a ``hawk bench engine`` file), the decode split by ``split_tokens``
+        (``--decode-split-tokens``)."""
+        if not self.probe_context:
+            raise ValueError(f"{self.source}: the probe's rows' context is not recorded, so theirs cannot be set beside it")
+        streams = replace(RowStreams.from_engine(engine_records, self.probe_context), split_tokens=split_tokens)
+        kernel = f"decode programs of at most {split_tokens} tokens" if split_tokens else "the decode split by rows"
+        return replace(self, streams=streams, source=f"{self.source} + the rows' contexts ({Path(engine_records).name}, {kernel})")
 
 
 def _median(xs: Sequence[float]) -> float:
@@ -239,10 +250,12 @@ class MixedPolicy:
     max_batch: int = GPU_MAX_BATCH
     max_pieces: int = MAX_PIECES
     join_lag_steps: int = 1  # async scheduling; 0: a synchronous loop (a CPU)
+    decode_split_tokens: int = 0  # the decode kernel's splits (its cost, with the rows' contexts: MixedStepCost.with_rows)
 
     @classmethod
     def from_config(cls, cfg: ServeConfig, **kw: Any) -> MixedPolicy:
-        return cls(cfg.max_num_batched_tokens, cfg.step_token_target, cfg.step_target_backlog, cfg.max_batch or GPU_MAX_BATCH, **kw)
+        return cls(cfg.max_num_batched_tokens, cfg.step_token_target, cfg.step_target_backlog, cfg.max_batch or GPU_MAX_BATCH,
+                   **{"decode_split_tokens": cfg.decode_split_tokens, **kw})
 
     @classmethod
     def from_serve_args(cls, serve_args: str) -> tuple[MixedPolicy, str]:

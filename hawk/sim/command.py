@@ -116,6 +116,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                    help="one colocated engine's mixed steps instead of a cluster, each step costed by this mixed_step_probe.py "
                         "file (hawk/sim/colocated.py); --serve-args sets its budget, target, batch and step path")
     p.add_argument("--serve-args", default="", help="with --colocated: the hawk serve flags of the engine simulated")
+    p.add_argument("--row-streams", default=None, metavar="ENGINE_RECORDS",
+                   help="with --colocated: cost each step's decode rows by their contexts against the probe's, at the rates "
+                        "this hawk bench engine file's decode steps at two contexts give (RowStreams; --decode-split-tokens in "
+                        "--serve-args splits rows by length)")
     p.add_argument("--plan", action="store_true", help="rank deployments (devices, TP, P:D) by goodput per $ and per W on the paper testbed")
     p.add_argument("--plan-prefill", default="a100,h100", help="with --plan: prefill device types")
     p.add_argument("--plan-decode", default="a100,h100,p150a", help="with --plan: decode device types")
@@ -179,6 +183,8 @@ def _colocated(a: argparse.Namespace, wl: Any, rates: list[float], p: argparse.A
     try:  # ConfigError is a ValueError
         policy, table = MixedPolicy.from_serve_args(a.serve_args)
         cost = MixedStepCost.from_probe(a.colocated, table)
+        if a.row_streams:
+            cost = cost.with_rows(a.row_streams, policy.decode_split_tokens)
     except (OSError, KeyError, ValueError) as e:
         p.error(f"--colocated: {e}")
     label = "colocated" + (f" {a.serve_args.strip()}" if a.serve_args.strip() else "")
