@@ -4,7 +4,7 @@
         --workload chatbot --num-requests 500 --json sim.json --plot sim.png
     python -m hawk.sim --trace azure.csv --trace-rate-scale 2          # replay a trace (traces.py)
     python -m hawk.sim --plan --workload chatbot --json plan.json        # rank deployments (plan.py)
-    python -m hawk.sim --colocated benchmarks/results/mixed_step_chunks_h200.json --serve-args "--mixed-graphs" \
+    python -m hawk.sim --colocated benchmarks/results/mixed_step_chunks_h200.json --serve-args="--mixed-graphs" \
         --rates 10,20 --num-requests 420                                   # one colocated engine (colocated.py)
 """
 
@@ -115,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--colocated", default=None, metavar="STEP_COSTS",
                    help="one colocated engine's mixed steps instead of a cluster, each step costed by this mixed_step_probe.py "
                         "file (hawk/sim/colocated.py); --serve-args sets its budget, target, batch and step path")
-    p.add_argument("--serve-args", default="", help="with --colocated: the hawk serve flags of the engine simulated")
+    p.add_argument("--serve-args", default="", help="with --colocated: the hawk serve flags of the engine simulated (one flag alone: --serve-args=--mixed-graphs)")
     p.add_argument("--row-streams", default=None, metavar="ENGINE_RECORDS",
                    help="with --colocated: cost each step's decode rows by their contexts against the probe's, at the rates "
                         "this hawk bench engine file's decode steps at two contexts give (RowStreams; --decode-split-tokens in "
