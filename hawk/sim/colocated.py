@@ -18,10 +18,11 @@ async scheduling it runs on a GPU). One step:
 
 The cost is a table measured on the device (:meth:`MixedStepCost.from_probe`:
 ``benchmarks/mixed_step_probe.py``, one chunk beside decode rows at one context), interpolated, plus
-a cost per pair where the probe measured later chunks (``--chunk-offsets``). What a served step
-costs beyond that (several prompts in a step, contexts other than the probe's) is not in it:
-setting this model beside a measured run at the same rate and policy measures that
-(``benchmarks/colocated_sim_check.py``). Not modelled: KV memory (no request waits for blocks or is
+a cost per pair where the probe measured later chunks (``--chunk-offsets``), plus, with
+:meth:`MixedStepCost.with_rows`, what the rows' own contexts add against the probe's (:class:`RowStreams`:
+the decode kernel's longest program or its bytes). What a served step costs beyond that (several
+prompts in a step, the client's and the router's share of a gap) is not in it: setting this model
+beside a measured run at the same rate and policy measures that (``benchmarks/colocated_sim_check.py``). Not modelled: KV memory (no request waits for blocks or is
 swapped out: the GPU runs it models hold hundreds of thousands of tokens) and failures.
 """
 
