@@ -210,6 +210,9 @@ def test_metrics_on_hand_made_records():
     # ITL pools every gap of every request: [200, 100, 300, 100]
     assert s["itl_mean_ms"] == pytest.approx(175) and s["itl_median_ms"] == pytest.approx(150)
     assert s["itl_p90_ms"] == pytest.approx(270) and s["itl_p99_ms"] == pytest.approx(297)
+    # each request's first gap apart (200, 100), and the others (100, 300)
+    assert s["itl_first_p50_ms"] == pytest.approx(150) and s["itl_first_p99_ms"] == pytest.approx(199)
+    assert s["itl_rest_p99_ms"] == pytest.approx(298)
     assert s["e2e_mean_ms"] == pytest.approx(650) and s["e2e_p99_ms"] == pytest.approx(700 - 0.01 * 100)
     # duration = first send (0) → last token (1.6)
     assert s["request_throughput_rps"] == pytest.approx(2 / 1.6)

@@ -136,6 +136,12 @@ def summarize(results: Iterable[RequestResult], slo_ttft_ms: float, slo_tpot_ms:
     }
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
         out.update(latency_stats(name, xs))
+    # a request's first gap spans its hand-off to the decode (a join, a hop): apart from the rest, so a
+    # run says which of the two sets the pooled ITL's tail
+    first = [r.itl_s[0] for r in done if r.itl_s]
+    rest = [g for r in done for g in (r.itl_s or ())[1:]]
+    out.update({"itl_first_p50_ms": _ms(percentile(first, 50)), "itl_first_p99_ms": _ms(percentile(first, 99)),
+                "itl_rest_p99_ms": _ms(percentile(rest, 99))})
     return out
 
 
