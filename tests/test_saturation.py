@@ -7,7 +7,8 @@ import math
 import pytest
 
 from hawk.bench.saturation import (
-    MIN_WINDOW_STEPS, SaturationOptions, bound_from, compare, decode_probe, fit_line, main, ramp, rows_of, slo90_rate, step_window,
+    MIN_WINDOW_STEPS, SaturationOptions, bound_from, compare, decode_probe, fit_line, main, ramp, rows_of, slo90_rate, spread_probe,
+    step_window,
     summarize,
 )
 from hawk.sim.metrics import RequestResult
@@ -87,6 +88,19 @@ def test_the_decode_probe_centres_its_window_on_the_workloads_context():
     n_in, n_out, ctx = decode_probe(256, specs, 640)
     assert ctx == pytest.approx(850, rel=0.01) and n_out >= MIN_WINDOW_STEPS
     assert n_in + n_out < 2000  # the whole batch fits a large cache
+
+
+def test_the_spread_probe_gives_each_row_a_requests_context():
+    """Row i's context mid-window is the workload's i-th request's mid-decode one (to the window's
+    rounding); the batch's prefill still ends before the window, and the rows keep the spread."""
+    specs = [RequestSpec(i, 0.0, n, 200) for i, n in enumerate((100, 750, 3000, 400))]
+    lengths, n_out = spread_probe(8, specs, 640)
+    pre = -(-sum(lengths) // (640 - 8)) + 8
+    assert n_out >= pre + 2 * MIN_WINDOW_STEPS
+    mids = [l + (pre + n_out) // 2 for l in lengths]
+    want = [s.input_len + 100 for s in specs] * 2
+    assert all(abs(m - w) <= 1 or l == 16 for m, w, l in zip(mids, want, lengths))
+    assert max(lengths) - min(lengths) >= 2500 and len(lengths) == 8
 
 
 def test_summary_rows_and_acceptance():

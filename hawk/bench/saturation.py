@@ -153,12 +153,17 @@ def _token_window(results: Sequence[RequestResult]) -> tuple[float, list[int]]:
 MIN_WINDOW_STEPS = 24
 
 
-async def measure_decode_step(client: httpx.AsyncClient, url: str, model: str | None, batch: int, n_in: int, n_out: int, seed: int) -> float:
-    """Seconds of one decode step at ``batch``: ``batch`` requests at once; the window's length over
-    the median tokens a request got in it. A window too short (the batch's prefill outlasted the
-    first request's decode) is retried with outputs twice as long, twice."""
+async def measure_decode_step(client: httpx.AsyncClient, url: str, model: str | None, batch: int, n_in: int | Sequence[int],
+                              n_out: int, seed: int) -> float:
+    """Seconds of one decode step at ``batch``: ``batch`` requests at once (each ``n_in`` prompt
+    tokens, or request ``i`` ``n_in[i]``); the window's length over the median tokens a request got
+    in it. A window too short (the batch's prefill outlasted the first request's decode) is retried
+    with outputs twice as long, twice."""
+    lengths = [n_in] * batch if isinstance(n_in, int) else list(n_in)
+    if len(lengths) != batch:
+        raise ValueError(f"{len(lengths)} prompt lengths for a batch of {batch}")
     for attempt in range(3):
-        specs = [RequestSpec(20_000 + i, 0.0, n_in, n_out) for i in range(batch)]
+        specs = [RequestSpec(20_000 + i, 0.0, lengths[i], n_out) for i in range(batch)]
         bodies = [completion_body(s, prompt_ids(s, seed + attempt, (1000, 10000)), model, continuous_usage=True) for s in specs]
         span, counts = step_window(await run_rate(client, url, specs, bodies))
         steps = float(np.median(counts)) if counts else 0.0
@@ -197,6 +202,22 @@ def decode_probe(batch: int, specs: Sequence[RequestSpec], budget: int) -> tuple
     pre = -(-batch * n_in // max(1, budget - batch)) + 8
     n_out = max(pre + 2 * MIN_WINDOW_STEPS, round(2 * (target - n_in)) - pre)
     return n_in, n_out, n_in + (pre + n_out) / 2
+
+
+def spread_probe(batch: int, specs: Sequence[RequestSpec], budget: int) -> tuple[list[int], int]:
+    """(prompt tokens of each request, output tokens) of a decode probe at ``batch`` whose contexts
+    spread as the workload's do: in the window's middle request ``i`` holds the workload's ``i``-th
+    request's mid-decode context (prompt + half its output), where :func:`decode_probe` puts every row
+    at their mean. Why: past 16 rows a GPU decode step lasts as long as its longest row's attention
+    (``hawk/sim/colocated.py``'s ``RowStreams``), which a batch of equal rows never shows."""
+    pool = list(specs) or [RequestSpec(0, 0.0, 16, 2)]
+    mids = [s.input_len + s.output_len // 2 for s in itertools.islice(itertools.cycle(pool), batch)]
+    lengths, n_out = mids, 0
+    for _ in range(3):  # the window (just past the batch's prefill) moves with the prompts, and they with it
+        pre = -(-sum(lengths) // max(1, budget - batch)) + 8
+        n_out = pre + 4 * MIN_WINDOW_STEPS  # a window of about twice the steps the count needs
+        lengths = [max(16, m - (pre + n_out) // 2) for m in mids]
+    return lengths, n_out
 
 
 async def measure_bound(base_url: str, wl: Workload, opts: SaturationOptions, model: str | None, timeout_s: float = 900.0,
@@ -350,9 +371,12 @@ def run_saturation(base_url: str, workload: str | Workload, opts: SaturationOpti
         # Little's law: requests in the system at 80 % = rate x mean time in it; that batch's step
         batch80 = max(1, min(opts.bound_batch, round(_tput(at80) * (at80.get("e2e_mean_ms") or 0.0) / 1e3)))
         step80 = asyncio.run(_step_at(base_url, wl, opts, model, timeout_s, batch80))
+        spread80 = asyncio.run(_step_at(base_url, wl, opts, model, timeout_s, batch80, spread=True))
         extra = {"batch_at_80": batch80, "decode_step_ms_at_80": step80 * 1e3,
                  "tpot_p50_over_step_at_80": (at80.get("tpot_median_ms") or math.nan) / (step80 * 1e3),
-                 "itl_p99_over_tpot_p50_at_80": (at80.get("itl_p99_ms") or math.nan) / (at80.get("tpot_median_ms") or math.nan)}
+                 "itl_p99_over_tpot_p50_at_80": (at80.get("itl_p99_ms") or math.nan) / (at80.get("tpot_median_ms") or math.nan),
+                 # the same batch with the workload's spread of contexts (spread_probe): what its longest rows add
+                 "decode_step_ms_at_80_spread": spread80 * 1e3}
     return {
         "workload": wl.name, "config": config or best.get("config"), "base_url": base_url, "started_at": t0,
         "options": asdict(opts), "bound": asdict(bound) if bound is not None else None,
@@ -361,10 +385,15 @@ def run_saturation(base_url: str, workload: str | Workload, opts: SaturationOpti
     }
 
 
-async def _step_at(base_url: str, wl: Workload, opts: SaturationOptions, model: str | None, timeout_s: float, batch: int) -> float:
+async def _step_at(base_url: str, wl: Workload, opts: SaturationOptions, model: str | None, timeout_s: float, batch: int,
+                   spread: bool = False) -> float:
     base_url = base_url.rstrip("/")
     specs = generate_requests(wl, opts.num_requests, 1.0, opts.seed)
-    n_in, n_out, _ = decode_probe(batch, specs, opts.budget_guess)
+    n_in: int | list[int]
+    if spread:
+        n_in, n_out = spread_probe(batch, specs, opts.budget_guess)
+    else:
+        n_in, n_out, _ = decode_probe(batch, specs, opts.budget_guess)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits, trust_env=False) as client:
         model = model or (await _server_info(client, base_url)).get("id")
