@@ -371,12 +371,16 @@ def run_saturation(base_url: str, workload: str | Workload, opts: SaturationOpti
         # Little's law: requests in the system at 80 % = rate x mean time in it; that batch's step
         batch80 = max(1, min(opts.bound_batch, round(_tput(at80) * (at80.get("e2e_mean_ms") or 0.0) / 1e3)))
         step80 = asyncio.run(_step_at(base_url, wl, opts, model, timeout_s, batch80))
-        spread80 = asyncio.run(_step_at(base_url, wl, opts, model, timeout_s, batch80, spread=True))
+        try:  # an extra reading: its failure must not cost the run
+            spread80: float | None = asyncio.run(_step_at(base_url, wl, opts, model, timeout_s, batch80, spread=True))
+        except (RuntimeError, httpx.HTTPError) as e:
+            log(f"the decode probe with the workload's contexts failed: {e}")
+            spread80 = None
         extra = {"batch_at_80": batch80, "decode_step_ms_at_80": step80 * 1e3,
                  "tpot_p50_over_step_at_80": (at80.get("tpot_median_ms") or math.nan) / (step80 * 1e3),
                  "itl_p99_over_tpot_p50_at_80": (at80.get("itl_p99_ms") or math.nan) / (at80.get("tpot_median_ms") or math.nan),
                  # the same batch with the workload's spread of contexts (spread_probe): what its longest rows add
-                 "decode_step_ms_at_80_spread": spread80 * 1e3}
+                 "decode_step_ms_at_80_spread": None if spread80 is None else spread80 * 1e3}
     return {
         "workload": wl.name, "config": config or best.get("config"), "base_url": base_url, "started_at": t0,
         "options": asdict(opts), "bound": asdict(bound) if bound is not None else None,
