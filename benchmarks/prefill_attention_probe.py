@@ -28,12 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
+from triton.testing import do_bench
 
 from hawk.engine import triton_attention as ta
 
@@ -113,15 +115,19 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]))
 
 
-def launch(case: Case, cfg: LaunchConfig, out: torch.Tensor) -> torch.Tensor:
+def launcher(case: Case, cfg: LaunchConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The launch of ``cfg`` on ``case`` into a given output, its program map built and on the device
+    beforehand (as the engine's ``begin`` does): only the kernel is timed."""
     chunk = case.q.shape[0] // case.seq_lens.shape[0]
     q_lens = np.full(case.seq_lens.shape[0], chunk, dtype=np.int64)
     starts = case.seq_lens.cpu().numpy().astype(np.int64) - chunk
-    seq, blk = ta.prefill_programs(q_lens, starts, cfg.block_m)
-    dev = case.q.device
-    return ta.paged_prefill(case.q, case.cache, case.block_tables, case.seq_lens, case.q_start,
-                            torch.from_numpy(seq).to(dev), torch.from_numpy(blk).to(dev), "NHD", cfg.block_m,
-                            out=out, block_n=cfg.block_n, num_warps=cfg.warps, num_stages=cfg.stages)
+    seq, blk = (torch.from_numpy(x).to(case.q.device) for x in ta.prefill_programs(q_lens, starts, cfg.block_m))
+
+    def run(out: torch.Tensor) -> torch.Tensor:
+        return ta.paged_prefill(case.q, case.cache, case.block_tables, case.seq_lens, case.q_start, seq, blk, "NHD",
+                                cfg.block_m, out=out, block_n=cfg.block_n, num_warps=cfg.warps, num_stages=cfg.stages)
+
+    return run
 
 
 def engine_config(q: torch.Tensor) -> LaunchConfig:
@@ -171,23 +177,20 @@ def _point(a: argparse.Namespace, device: torch.device, configs: list[LaunchConf
     times: dict[str, float] = {}
     base = None
     if not a.check_only:
-        from triton.testing import do_bench
-
         base = do_bench(lambda: sdpa(q4, k4, v4)) * 1e3
         print(json.dumps({"kind": "sdpa", "seqs": seqs, "chunk": chunk, "cached": cached, "us": round(base, 2),
                           "tflops": round(flops / base / 1e6, 1)}), flush=True)
     for cfg in configs:
+        run = launcher(case, cfg)
         out.zero_()
-        err = float((launch(case, cfg, out).float() - ref).abs().max())
+        err = float((run(out).float() - ref).abs().max())
         row = {"kind": "config", "seqs": seqs, "chunk": chunk, "cached": cached, "config": str(cfg), "engine": cfg == eng,
                "max_abs_err": round(err, 5), "ok": err <= a.atol}
         if not math.isfinite(err) or err > a.atol:
             print(json.dumps(row), flush=True)
             raise SystemExit(f"{cfg} differs from SDPA by {err} at chunk {chunk}, cached {cached}")
         if base is not None:
-            from triton.testing import do_bench
-
-            us = do_bench(lambda cfg=cfg: launch(case, cfg, out)) * 1e3
+            us = do_bench(lambda run=run: run(out)) * 1e3
             times[str(cfg)] = us
             row |= {"us": round(us, 2), "tflops": round(flops / us / 1e6, 1), "over_sdpa": round(base / us, 3),
                     "ns_per_pair_step": round(us * 1e3 * a.layers / case.pairs, 3)}
