@@ -370,12 +370,7 @@ def run_saturation(base_url: str, workload: str | Workload, opts: SaturationOpti
     if at80 is not None and opts.bound_batch > 0:
         # Little's law: requests in the system at 80 % = rate x mean time in it; that batch's step
         batch80 = max(1, min(opts.bound_batch, round(_tput(at80) * (at80.get("e2e_mean_ms") or 0.0) / 1e3)))
-        step80 = asyncio.run(_step_at(base_url, wl, opts, model, timeout_s, batch80))
-        try:  # an extra reading: its failure must not cost the run
-            spread80: float | None = asyncio.run(_step_at(base_url, wl, opts, model, timeout_s, batch80, spread=True))
-        except (RuntimeError, httpx.HTTPError) as e:
-            log(f"the decode probe with the workload's contexts failed: {e}")
-            spread80 = None
+        step80, spread80 = asyncio.run(_steps_at(base_url, wl, opts, model, timeout_s, batch80, log))
         extra = {"batch_at_80": batch80, "decode_step_ms_at_80": step80 * 1e3,
                  "tpot_p50_over_step_at_80": (at80.get("tpot_median_ms") or math.nan) / (step80 * 1e3),
                  "itl_p99_over_tpot_p50_at_80": (at80.get("itl_p99_ms") or math.nan) / (at80.get("tpot_median_ms") or math.nan),
@@ -389,19 +384,25 @@ def run_saturation(base_url: str, workload: str | Workload, opts: SaturationOpti
     }
 
 
-async def _step_at(base_url: str, wl: Workload, opts: SaturationOptions, model: str | None, timeout_s: float, batch: int,
-                   spread: bool = False) -> float:
+async def _steps_at(base_url: str, wl: Workload, opts: SaturationOptions, model: str | None, timeout_s: float, batch: int,
+                    log: Callable[[str], None]) -> tuple[float, float | None]:
+    """The decode step at ``batch``, its rows at the workload's mean context (:func:`decode_probe`), then
+    at its spread of contexts (:func:`spread_probe`; an extra reading: None, and logged, if it fails)."""
     base_url = base_url.rstrip("/")
+    url = f"{base_url}/v1/completions"
     specs = generate_requests(wl, opts.num_requests, 1.0, opts.seed)
-    n_in: int | list[int]
-    if spread:
-        n_in, n_out = spread_probe(batch, specs, opts.budget_guess)
-    else:
-        n_in, n_out, _ = decode_probe(batch, specs, opts.budget_guess)
+    n_in, n_out, _ = decode_probe(batch, specs, opts.budget_guess)
+    lengths, spread_out = spread_probe(batch, specs, opts.budget_guess)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits, trust_env=False) as client:
         model = model or (await _server_info(client, base_url)).get("id")
-        return await measure_decode_step(client, f"{base_url}/v1/completions", model, batch, n_in, n_out, opts.seed)
+        step = await measure_decode_step(client, url, model, batch, n_in, n_out, opts.seed)
+        try:
+            spread: float | None = await measure_decode_step(client, url, model, batch, lengths, spread_out, opts.seed)
+        except (RuntimeError, httpx.HTTPError) as e:
+            log(f"the decode probe with the workload's contexts failed: {e}")
+            spread = None
+    return step, spread
 
 
 ROW_FIELDS = ("config", "rate", "request_throughput_rps", "steady_throughput_rps", "bound_rps", "ttft_p50_ms", "tpot_p50_ms", "itl_p99_ms", "slo_attainment")
