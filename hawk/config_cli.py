@@ -70,6 +70,13 @@ def config_from(values: Mapping[str, Any], overrides: Mapping[str, Any] = {}) ->
     return dataclasses.replace(cfg, **given).validate()
 
 
+def _with_signature(fn: Callable[..., Any], params: Sequence[inspect.Parameter]) -> Callable[..., Any]:
+    """``fn`` as typer sees a command of these keyword parameters."""
+    fn.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    fn.__annotations__ = {p.name: p.annotation for p in params}
+    return fn
+
+
 def config_command(
     run: Callable[..., Any],
     command: str,
@@ -92,9 +99,7 @@ def config_command(
         except (ValueError, OSError, RuntimeError) as e:  # ConfigError is a ValueError
             fail(e)
 
-    all_params = [*params, *extra]
-    command_fn.__signature__ = inspect.Signature(all_params)  # type: ignore[attr-defined]
-    command_fn.__annotations__ = {p.name: p.annotation for p in all_params}
+    _with_signature(command_fn, [*params, *extra])
     command_fn.__doc__ = doc or run.__doc__
     command_fn.__name__ = command
     return command_fn
@@ -104,16 +109,13 @@ def parse_config(command: str, argv: Sequence[str], overrides: Mapping[str, Any]
     """The config ``hawk <command> ARGV`` would start with, read by the same generated options and
     validated, nothing started (a recorded run's ``serve_args`` back into its settings). A bad value
     or an unknown flag raises ``ConfigError``."""
-    params = config_parameters(command, overrides)
     got: dict[str, Any] = {}
 
     def capture(**kw: Any) -> None:
         got.update(kw)
 
-    capture.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-    capture.__annotations__ = {p.name: p.annotation for p in params}
     app = typer.Typer()
-    app.command()(capture)
+    app.command()(_with_signature(capture, config_parameters(command, overrides)))
     try:
         typer.main.get_command(app).main(list(argv), prog_name=f"hawk {command}", standalone_mode=False)
     except TyperException as e:  # the parser's usage errors: an unknown flag, a value of the wrong type
