@@ -16,6 +16,7 @@ import torch
 from hawk.engine.decode_engine import KVHandle, LocalKV, TokenEvent
 from hawk.engine.instances import ColocatedInstance, DecodeInstance, InstanceConfig, PrefillInstance
 from hawk.engine.sequence import SamplingParams, Status
+from tests.polling import wait_until
 
 BASE = InstanceConfig(model="tiny", transport="local", kv_tokens=512, staging_mb=8, rx_mb=8)
 
@@ -376,10 +377,11 @@ def test_an_aborted_queued_request_still_expires_on_the_prefill(monkeypatch):
         assert pr.engine.abort("gives-up") and col.done.wait(5)
         # the TTL runs from the last keep-alive; a reaper that wakes late on a loaded box moves the
         # deadline by its stall (algorithm1.STALL_S), so allow for that too
-        deadline = time.monotonic() + TTL_S + 15
-        while (pr.p.accounting()["kv_waiting"] or pr.p.accounting()["gpu_blocks_used"]) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert pr.p.accounting()["kv_waiting"] == [] and pr.p.accounting()["gpu_blocks_used"] == 0
+        def released() -> bool:
+            acc = pr.p.accounting()
+            return acc["kv_waiting"] == [] and acc["gpu_blocks_used"] == 0
+
+        wait_until(released, TTL_S + 15, lambda: f"the aborted request's KV is still held: {pr.p.accounting()}")
         pr.blocks.free(squatter)
         assert pr.blocks_back()
     finally:
