@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hawk.sim.colocated import MixedPolicy, MixedStepCost, RowStreams, StepLog, simulate_colocated
+from hawk.sim.colocated import MixedPolicy, MixedStepCost, StepLog, simulate_colocated
 from hawk.sim.metrics import summarize
 from hawk.sim.workload import generate_requests, get_workload
 
@@ -124,12 +124,17 @@ def solve(cost: MixedStepCost, reading: str, policy: MixedPolicy, rate: float, n
     return (lo + hi) / 2
 
 
-def check(tables: dict[str, MixedStepCost]) -> list[dict[str, Any]]:
+def with_rows(tables: dict[str, MixedStepCost], split_tokens: int = 0) -> dict[str, MixedStepCost]:
+    """Each path's table with the rows' contexts costed (``RowStreams`` from ``ENGINE``), read once."""
+    return {p: t.with_rows(ENGINE, split_tokens) for p, t in tables.items()}
+
+
+def check(tables: dict[str, MixedStepCost], rows_tables: dict[str, MixedStepCost]) -> list[dict[str, Any]]:
     rows = []
     for c in cases():
         policy, path = MixedPolicy.from_serve_args(c["serve_args"])
         sim = simulate(tables[path], policy, c["rate"], c["num_requests"], c["seed"])
-        by_rows = simulate(tables[path].with_rows(ENGINE), policy, c["rate"], c["num_requests"], c["seed"])
+        by_rows = simulate(rows_tables[path], policy, c["rate"], c["num_requests"], c["seed"])
         fit = {r: solve(tables[path], r, policy, c["rate"], c["num_requests"], c["seed"], "tpot_p50_ms", c["measured"]["tpot_p50_ms"])
                for r in READINGS}
         # what each reading, at its fitted value, says of what it was not fitted to: the inter-token gaps
@@ -150,7 +155,8 @@ SWEEP = (
 )
 
 
-def sweep(tables: dict[str, MixedStepCost], served: dict[str, dict[str, float]], rate: float, n: int) -> list[dict[str, Any]]:
+def sweep(tables: dict[str, MixedStepCost], served: dict[str, dict[str, float]], rate: float, n: int,
+          rows_tables: dict[str, MixedStepCost], split_tables: dict[str, MixedStepCost]) -> list[dict[str, Any]]:
     """Each setting at ``rate``: with the table as measured, then under each reading with its path's
     served value, with the rows' contexts costed (the kernel as probed, and one whose splits follow the
     rows' lengths), and the value of each reading at which its TPOT p50 is ``TPOT_STEPS_LIMIT`` decode
@@ -160,7 +166,7 @@ def sweep(tables: dict[str, MixedStepCost], served: dict[str, dict[str, float]],
         policy, path = MixedPolicy.from_serve_args(args)
         row: dict[str, Any] = {"serve_args": args, "path": path}
         for label, cost in (("table", tables[path]), *((f"served {r}", READINGS[r][0](tables[path], served[path][r])) for r in READINGS),
-                            ("rows", tables[path].with_rows(ENGINE)), ("rows split", tables[path].with_rows(ENGINE, SPLIT_TOKENS))):
+                            ("rows", rows_tables[path]), ("rows split", split_tables[path])):
             sim = simulate(cost, policy, rate, n, 0)
             top = simulate(cost, policy, *SATURATED, 0)
             row[label] = {"tpot_p50_ms": sim["tpot_p50_ms"], "tpot_p50_over_step": sim["tpot_p50_over_step"],
@@ -195,12 +201,14 @@ def main() -> None:
                          "its measured cost per later-chunk pair goes into both tables, and pair_ns is then what a served step adds to it")
     a = ap.parse_args()
     tables = {s: MixedStepCost.from_probe(PROBE, s) for s in ("pieces", "mixed_graphs")}
-    streams = RowStreams.from_engine(ENGINE, tables["pieces"].probe_context)
     if a.offsets:
         measured = MixedStepCost.from_probe(a.offsets, "offsets")
         tables = {s: dataclasses.replace(t, pair_ns=measured.pair_ns, source=f"{t.source}; {measured.pair_ns:.3g} ns a later-chunk pair "
                                          f"from {a.offsets.name}") for s, t in tables.items()}
-    rows = check(tables)
+    rows_tables = with_rows(tables)
+    streams = rows_tables["pieces"].streams
+    assert streams is not None
+    rows = check(tables, rows_tables)
     print(f"rows' streams from {ENGINE.name}: {streams.program_gb_s:.1f} GB/s a program, {streams.device_gb_s:.0f} GB/s the device, "
           f"probe context {streams.probe_context}")
     print("file | setting | rate | n | " + " | ".join(f"{m} meas/sim/rows" for m in METRICS)
@@ -223,7 +231,7 @@ def main() -> None:
     }
     if a.sweep:
         out["sweep"] = {"rate": a.sweep_rate, "num_requests": a.sweep_requests, "tpot_steps_limit": TPOT_STEPS_LIMIT,
-                        "rows": sweep(tables, served, a.sweep_rate, a.sweep_requests)}
+                        "rows": sweep(tables, served, a.sweep_rate, a.sweep_requests, rows_tables, with_rows(tables, SPLIT_TOKENS))}
         print(f"\nsweep at {a.sweep_rate} req/s, {a.sweep_requests} requests: TPOT p50 in decode steps / ITL p99 over TPOT p50 / "
               f"engine TTFT p50 ms / req/s at {SATURATED[0]} offered, with the table's costs | served k | served pair_ns | the rows' "
               f"contexts | the same, decode programs of at most {SPLIT_TOKENS} tokens; the k and pair_ns at {TPOT_STEPS_LIMIT} steps")
