@@ -22,8 +22,9 @@ a cost per pair where the probe measured later chunks (``--chunk-offsets``), plu
 :meth:`MixedStepCost.with_rows`, what the rows' own contexts add against the probe's (:class:`RowStreams`:
 the decode kernel's longest program or its bytes). What a served step costs beyond that (several
 prompts in a step, the client's and the router's share of a gap) is not in it: setting this model
-beside a measured run at the same rate and policy measures that (``benchmarks/colocated_sim_check.py``). Not modelled: KV memory (no request waits for blocks or is
-swapped out: the GPU runs it models hold hundreds of thousands of tokens) and failures.
+beside a measured run at the same rate and policy measures that (``benchmarks/colocated_sim_check.py``).
+Not modelled: KV memory (no request waits for blocks or is swapped out: the GPU runs it models hold
+hundreds of thousands of tokens) and failures.
 """
 
 from __future__ import annotations
