@@ -88,7 +88,7 @@ fi
 cat "$OUT/env.txt"
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 dec=1; [ "$ngpu" -lt 2 ] && dec=0  # one GPU: both roles on it (label the results so)
-post=pull; [ "$dec" = 0 ] && post=push  # NIXL READ within one GPU falls back to a slow path; WRITE does not
+post=pull; [ "$dec" = 0 ] && post=push  # one GPU: the prefill WRITEs (docs/gpu.md); NIXL there is slow READ and WRITE alike (docs/transport.md)
 
 LOGS=${LOGS:-$OUT}
 mkdir -p "$LOGS"
