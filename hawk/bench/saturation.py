@@ -192,6 +192,12 @@ def bound_from(specs: Sequence[RequestSpec], fit: tuple[float, float], step_s: f
                  float(np.mean([s.input_len for s in specs])), float(np.mean([s.output_len for s in specs])), context)
 
 
+def _prefill_steps(prompt_tokens: int, batch: int, budget: int) -> int:
+    """Steps a probe's batch spends prefilling ``prompt_tokens`` beside its decode rows (what a step's
+    ``budget`` leaves after ``batch`` rows), with a margin of 8: the probes' windows open after them."""
+    return -(-prompt_tokens // max(1, budget - batch)) + 8
+
+
 def decode_probe(batch: int, specs: Sequence[RequestSpec], budget: int) -> tuple[int, int, float]:
     """(prompt tokens, output tokens, mean context in the window) of the decode probe at ``batch``:
     the window's contexts centred on the workload's mean context (prompt + half the output), and
@@ -199,7 +205,7 @@ def decode_probe(batch: int, specs: Sequence[RequestSpec], budget: int) -> tuple
     prompts take about ``batch * prompt / (budget - batch)`` steps to prefill)."""
     target = float(np.mean([s.input_len + s.output_len / 2 for s in specs]))
     n_in = max(16, round(target / 3))
-    pre = -(-batch * n_in // max(1, budget - batch)) + 8
+    pre = _prefill_steps(batch * n_in, batch, budget)
     n_out = max(pre + 2 * MIN_WINDOW_STEPS, round(2 * (target - n_in)) - pre)
     return n_in, n_out, n_in + (pre + n_out) / 2
 
@@ -214,7 +220,7 @@ def spread_probe(batch: int, specs: Sequence[RequestSpec], budget: int) -> tuple
     mids = [s.input_len + s.output_len // 2 for s in itertools.islice(itertools.cycle(pool), batch)]
     lengths, n_out = mids, 0
     for _ in range(3):  # the window (just past the batch's prefill) moves with the prompts, and they with it
-        pre = -(-sum(lengths) // max(1, budget - batch)) + 8
+        pre = _prefill_steps(sum(lengths), batch, budget)
         n_out = pre + 4 * MIN_WINDOW_STEPS  # a window of about twice the steps the count needs
         lengths = [max(16, m - (pre + n_out) // 2) for m in mids]
     return lengths, n_out
