@@ -1,9 +1,12 @@
-"""The simulator's prefill staging buffer: bytes held from P4 until the KV has landed, first come first served."""
+"""The simulator's prefill staging buffer: bytes held from P4 until the KV has landed, first come first served;
+the paged blocks are free from P6, when the KV is staged."""
 
 import pytest
 import simpy
 
 from hawk.sim.calibration import TransferCurve
+from hawk.sim.cluster import Cluster, SimConfig
+from hawk.sim.compute import DecodeModel, PrefillModel
 from hawk.sim.request import SimRequest
 from hawk.sim.staging import StagingPool
 from hawk.sim.transfer import KVTransferService
@@ -53,3 +56,27 @@ def test_transfers_queue_for_staging_and_overlap_without_a_limit():
     assert _landed_at(15, [10, 10], [0, 0]) == [pytest.approx(10), pytest.approx(20)]
     # room for both: as unlimited
     assert _landed_at(20, [10, 10], [0, 1]) == [pytest.approx(10), pytest.approx(11)]
+
+
+def _prefill_starts(staging_bytes):
+    """Two 10-token prompts at t=0 on a prefill that holds one prompt's KV: 1 s prefills, a 1 s/byte
+    transfer (10 s a request), no link contention."""
+    cfg = SimConfig("p6", TransferCurve("lin", (1.0, 100.0), (1.0, 100.0)),
+                    PrefillModel(0.0, 0.1, max_batch_tokens=10, kv_capacity_tokens=10),
+                    DecodeModel(0.0, 0.0, 0.0, max_batch=8), bytes_per_token=1, contention="none",
+                    staging_bytes=staging_bytes)
+    reqs = [SimRequest(RequestSpec(i, 0.0, 10, 1)) for i in range(2)]
+    Cluster(cfg).run(reqs)
+    return [r.t_prefill_start for r in reqs], [r.t_first for r in reqs]
+
+
+def test_a_staged_pull_frees_the_prefills_blocks_as_it_is_staged():
+    """P6: once a pull's KV is in the prefill's staging, its paged blocks are reused, so the next prompt
+    is prefilled while the first crosses; without staging (direct reads) the blocks are read until the
+    KV lands, and the next prefill waits for that."""
+    starts, firsts = _prefill_starts(100)
+    assert starts == [pytest.approx(0.0), pytest.approx(1.0)]
+    assert firsts == [pytest.approx(11.0), pytest.approx(12.0)]
+    starts, firsts = _prefill_starts(None)
+    assert starts == [pytest.approx(0.0), pytest.approx(11.0)]
+    assert firsts == [pytest.approx(11.0), pytest.approx(22.0)]

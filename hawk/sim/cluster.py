@@ -200,7 +200,7 @@ class Cluster:
         self.prefills = [PrefillInstance(env, i, cfg.prefill, self._prefilled, h.prefill_s_per_byte * cfg.bytes_per_token,
                                          cfg.prefill_graphs, cfg.prefill_graphs_captured)
                          for i in range(cfg.num_prefill)]
-        self.decodes = [DecodeInstance(env, i, cfg.decode, self.transfer, self._kv_landed, self._finished, cfg.admit_between_steps,
+        self.decodes = [DecodeInstance(env, i, cfg.decode, self.transfer, self._prefill_kv_free, self._finished, cfg.admit_between_steps,
                                        h.decode_s_per_byte * cfg.bytes_per_token, cfg.transfer_slots,
                                        cfg.first_token_on_decode)
                         for i in range(cfg.num_decode)]
@@ -210,7 +210,7 @@ class Cluster:
     def _prefilled(self, r: SimRequest) -> None:
         self.router.to_decode(r)
 
-    def _kv_landed(self, r: SimRequest) -> None:
+    def _prefill_kv_free(self, r: SimRequest) -> None:
         self.prefills[r.prefill].release(r.input_len)
 
     def _finished(self, r: SimRequest) -> None:

@@ -9,7 +9,8 @@ Mirrors ``hawk.engine.decode_engine``:
    ``DecodeEngine`` does: its thread admits at the top of each iteration, so a request submitted
    while a step runs waits for that step, pacing included, before its pull starts) a request that
    arrives during a step is admitted when the step ends; an idle instance admits at once.
-2. *Transfer*: the KV moves (``transfer.py``); when it lands the prefill instance frees its copy.
+2. *Transfer*: the KV moves (``transfer.py``); the prefill instance frees its paged copy when
+   the KV lands, or, where a pull goes through the prefill's staging buffer, as it is staged (P6).
 3. *Join*: at the next step boundary the request joins the batch and its first token (computed by
    prefill) goes out — TTFT therefore includes prefill, the transfer and any admission wait.
    With host staging (``host_s_per_token`` > 0, see ``host.py``) the landed KV still has to be
@@ -42,7 +43,7 @@ class DecodeInstance:
         index: int,
         model: DecodeModel,
         transfer: KVTransferService,
-        on_kv_landed: Callable[[SimRequest], None],
+        on_prefill_kv_free: Callable[[SimRequest], None],
         on_finished: Callable[[SimRequest], None],
         admit_between_steps: bool = False,
         host_s_per_token: float = 0.0,
@@ -57,7 +58,7 @@ class DecodeInstance:
         self.admit_between_steps = admit_between_steps
         self.first_token_on_decode = first_token_on_decode
         self.stepping = False  # a step is running (admission then waits for its end, if asked to)
-        self.on_kv_landed, self.on_finished = on_kv_landed, on_finished
+        self.on_prefill_kv_free, self.on_finished = on_prefill_kv_free, on_finished
         self.waiting: deque[SimRequest] = deque()
         self.transferring = 0
         self.ready: list[SimRequest] = []
@@ -105,9 +106,11 @@ class DecodeInstance:
         if r.lost_at_pull is not None:
             yield from self._lose(r)
             return
-        yield from self.transfer.move(r)
+        staged = []  # P6 came as the KV reached the prefill's staging (host-staged pulls)
+        yield from self.transfer.move(r, lambda req: (staged.append(req), self.on_prefill_kv_free(req)))
         self.transferring -= 1
-        self.on_kv_landed(r)
+        if not staged:
+            self.on_prefill_kv_free(r)  # no staging copy: the prefill's blocks are read until the KV lands
         if self.host_s_per_token > 0:
             self.landing.append(r)  # the worker lands it between steps
         else:
@@ -125,7 +128,7 @@ class DecodeInstance:
         self.transferring -= 1
         self.kv_used -= r.kv_reservation
         r.error = r.lost_at_pull
-        self.on_kv_landed(r)  # the prefill drops its copy
+        self.on_prefill_kv_free(r)  # the prefill drops its copy
         self.on_finished(r)
         self._admit()
         if not self._wake.triggered:

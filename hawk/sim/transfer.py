@@ -13,7 +13,7 @@ among overlapping transfers (``link.py``). Which transfers share a link is the `
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import simpy
 
@@ -68,11 +68,15 @@ class KVTransferService:
             self.staging[r.prefill] = StagingPool(self.env, self.staging_bytes)
         return self.staging[r.prefill]
 
-    def move(self, r: SimRequest):  # simpy process body: yields until the KV has landed
+    def move(self, r: SimRequest, on_staged: Callable[[SimRequest], None] | None = None):  # simpy process body
+        """Yields until the KV has landed. With a staging pool, ``on_staged`` is called once the KV is
+        in staging (P6: the prefill's paged blocks are free from then on, not from the landing)."""
         nbytes = r.input_len * self.bytes_per_token
         pool = self._pool(r)
         if pool is not None:
             yield pool.acquire(nbytes)  # P4: room in the prefill's staging, in arrival order
+            if on_staged is not None:
+                on_staged(r)
         yield from self._cross(r, nbytes)
         if pool is not None:
             pool.release(nbytes)  # D9: the decode has it
