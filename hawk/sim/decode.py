@@ -106,8 +106,14 @@ class DecodeInstance:
         if r.lost_at_pull is not None:
             yield from self._lose(r)
             return
-        staged = []  # P6 came as the KV reached the prefill's staging (host-staged pulls)
-        yield from self.transfer.move(r, lambda req: (staged.append(req), self.on_prefill_kv_free(req)))
+        staged = False
+
+        def p6(req: SimRequest) -> None:  # the KV reached the prefill's staging: its blocks are free
+            nonlocal staged
+            staged = True
+            self.on_prefill_kv_free(req)
+
+        yield from self.transfer.move(r, p6)
         self.transferring -= 1
         if not staged:
             self.on_prefill_kv_free(r)  # no staging copy: the prefill's blocks are read until the KV lands
