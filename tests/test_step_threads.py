@@ -123,7 +123,7 @@ def test_prompt_steps_borrow_a_thread_and_the_tokens_do_not_change(monkeypatch, 
     assert borrowed == alone
     assert {n for p, n in steps if p} == {2}, "a step with prompt tokens ran on the engine's own thread"
     assert {n for p, n in steps if not p} == {1}, "a decode-only step borrowed"
-    if vllm_cpu_kernel.kernel_isa(preset("tiny").head_dim, torch.bfloat16) is not None:  # fed here (not on AMX)
+    if vllm_cpu_kernel.kernel_isa(preset("tiny").head_dim, torch.bfloat16) is not None:  # vLLM's kernel runs here
         assert kernel and set(kernel) == {1}, "vLLM's attention kernel ran at the borrowed count"
 
 

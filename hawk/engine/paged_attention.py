@@ -139,7 +139,7 @@ class PagedAttention:
         self._kernel_plan: BlockPlan | InPlacePlan | None = None
         #: A "vec" cache is in the kernel's order, read in place; only the kernel reads it.
         self._in_place = layout.order == "vec"
-        if self._in_place and (self._kernel is None or self._ta is not None or bs % BLOCK_MULTIPLE):
+        if self._in_place and (isa not in ("vec", "vec16") or self._ta is not None or bs % BLOCK_MULTIPLE):
             raise ValueError(f"a 'vec' cache is read by vLLM's CPU kernel only (on a CPU where it loads, blocks of a multiple of "
                              f"{BLOCK_MULTIPLE} tokens, not through Triton); here: kernel {isa}, block_size {bs}, triton {self._ta is not None}")
 

@@ -28,10 +28,13 @@ What its bits depend on (measured on that box, random bf16 q/K/V, contexts 100 t
   thread, which a thread torch has not yet used reports as every core: :func:`attend_blocks` asks
   torch first (that sets it).
 
-The library is loaded by path, without importing vllm (:func:`hawk.engine.vllm_cpu_ops.loaded`). Only
-the ``vec`` and ``vec16`` block orders are fed (K ``[D][N]``, V ``[N][D]`` per block and head, as
-:data:`hawk.layouts.vllm.CPU_ISA_FORMS` describes them); on a CPU where vLLM picks ``amx`` (bf16 with
-AMX tiles) HAWK keeps its torch form. ``HAWK_CPU_ATTENTION=torch`` keeps it everywhere.
+The library is loaded by path, without importing vllm (:func:`hawk.engine.vllm_cpu_ops.loaded`). The
+``vec`` and ``vec16`` block orders are fed by HAWK's copies (K ``[D][N]``, V ``[N][D]`` per block and
+head, as :data:`hawk.layouts.vllm.CPU_ISA_FORMS` describes them); where vLLM picks ``amx`` (bf16 on a CPU
+with AMX tiles) the copy is written by vLLM's own ``cpu_attn_reshape_and_cache`` (measured on such a
+box: its bits do not depend on the block size either, and differ from ``vec``'s in a third of the
+outputs, so feeding ``vec`` there would not give vLLM's). ``HAWK_CPU_ATTENTION=torch`` keeps HAWK's
+torch form everywhere.
 
 Two ways to feed it. A cache in the kernel's own order (:class:`~hawk.layouts.gpu.GpuKVLayout` order
 "vec", blocks of a multiple of 32 tokens, what :func:`in_place_layout` picks for an engine on a CPU) is
@@ -46,6 +49,7 @@ does not change them.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import platform
@@ -84,10 +88,19 @@ def kernel_isa(head_dim: int, dtype: torch.dtype) -> str | None:
     if head_dim % 32 and head_dim % 16 == 0:
         isa = "vec16"
     elif dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported():
-        return None  # vLLM runs "amx" there, whose block order is not fed here
+        isa = "amx"  # its cache written by vLLM's own op (:meth:`KernelAttention._fill_amx`)
+        if not _amx_ready():
+            return None
     else:
         isa = "vec"
     return isa if vllm_cpu_ops.loaded() else None
+
+
+@functools.cache
+def _amx_ready() -> bool:
+    """Whether this process may use AMX tiles (Linux grants them per process on request; vLLM's
+    kernel faults with an illegal instruction without the grant)."""
+    return bool(torch._C._cpu._init_amx())
 
 
 def in_place_layout(layout: GpuKVLayout, device: torch.device | str, compute: torch.dtype) -> GpuKVLayout:
@@ -96,8 +109,8 @@ def in_place_layout(layout: GpuKVLayout, device: torch.device | str, compute: to
     kernel takes q in the cache's), the kernel's own order, "vec", with blocks of the least multiple
     of :data:`BLOCK_MULTIPLE` that holds whole blocks of ``layout`` (16 -> 32 tokens) and the same
     tokens or more; anywhere else ``layout`` itself."""
-    if torch.device(device).type != "cpu" or compute != layout.torch_dtype or kernel_isa(layout.head_dim, compute) is None:
-        return layout
+    if torch.device(device).type != "cpu" or compute != layout.torch_dtype or kernel_isa(layout.head_dim, compute) not in ("vec", "vec16"):
+        return layout  # (the "amx" order is written by vLLM's op only: HAWK's cache is copied into it)
     bs = math.lcm(layout.block_size, BLOCK_MULTIPLE)
     blocks = -(-layout.num_blocks * layout.block_size // bs)
     return replace(layout, num_blocks=blocks, block_size=bs, order="vec")
@@ -179,12 +192,15 @@ class KernelAttention:
         s = CONTIGUOUS_BLOCK
         n, full = -(-tk // s), tk // s
         kc, vc = self._copy(n, h, s, d, q.dtype)
-        kb, vb = kc.view(n, h, d, s), vc.view(n, h, s, d)
-        kb[:full].copy_(k[: full * s].unflatten(0, (full, s)).permute(0, 2, 3, 1))
-        vb[:full].copy_(v[: full * s].unflatten(0, (full, s)).permute(0, 2, 1, 3))
-        if tk > full * s:
-            kb[full, :, :, : tk - full * s].copy_(k[full * s :].permute(1, 2, 0))
-            vb[full, :, : tk - full * s].copy_(v[full * s :].transpose(0, 1))
+        if self.isa == "amx":
+            self._fill_amx(k, v, kc, vc, s)
+        else:
+            kb, vb = kc.view(n, h, d, s), vc.view(n, h, s, d)
+            kb[:full].copy_(k[: full * s].unflatten(0, (full, s)).permute(0, 2, 3, 1))
+            vb[:full].copy_(v[: full * s].unflatten(0, (full, s)).permute(0, 2, 1, 3))
+            if tk > full * s:
+                kb[full, :, :, : tk - full * s].copy_(k[full * s :].permute(1, 2, 0))
+                vb[full, :, : tk - full * s].copy_(v[full * s :].transpose(0, 1))
         table = torch.arange(n, dtype=torch.int32)[None]
         return self._run(q, kc, vc, s, torch.tensor([0, q.shape[0]], dtype=torch.int32),
                          torch.tensor([tk], dtype=torch.int32), table)
@@ -197,6 +213,11 @@ class KernelAttention:
         per = plan.per
         n = plan.blocks.numel() // per
         kc, vc = self._copy(n, h, per * bs, d, q.dtype)
+        if self.isa == "amx":  # each copy block's tokens, [n * per * bs, H, D], written by vLLM's op
+            k, v = (torch.index_select(side, 0, plan.blocks) for side in (cache[0], cache[1]))
+            k, v = ((x if nhd else x.transpose(1, 2)).reshape(-1, h, d) for x in (k, v))
+            self._fill_amx(k, v, kc, vc, per * bs)
+            return self._run(q, kc, vc, per * bs, plan.q_start, plan.seq_lens, plan.table)
         gathered = self._buf("gather", plan.blocks.numel() * bs * h * d, cache.dtype).view(plan.blocks.numel(), *shape)
         for side, out, k_side in ((cache[0], kc, True), (cache[1], vc, False)):
             torch.index_select(side, 0, plan.blocks, out=gathered)
@@ -215,6 +236,17 @@ class KernelAttention:
         positions) over a "vec" cache ``[2, blocks, H, N * D]`` (:func:`in_place_layout`), read where it is."""
         d = q.shape[2]
         return self._run(q, cache[0], cache[1], cache.shape[3] // d, plan.q_start, plan.seq_lens, plan.table)
+
+    @staticmethod
+    def _fill_amx(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, n_tok: int) -> None:
+        """Tokens ``k, v [T, H, D]`` into the first ``T`` slots of copies ``kc, vc`` (blocks of ``n_tok``) in
+        the "amx" order, by vLLM's own ``cpu_attn_reshape_and_cache``: that order packs a block for the
+        tiles (its bits need it, the block size not), and vLLM's op is its definition."""
+        n, h = kc.shape[0], kc.shape[1]
+        d = k.shape[2]
+        slots = torch.arange(k.shape[0], dtype=torch.int64)
+        torch.ops._C.cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), kc.view(n, h, n_tok, d), vc.view(n, h, n_tok, d),
+                                               slots, "amx", 1.0, 1.0, "auto")
 
     def _run(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, n_tok: int, q_start: torch.Tensor,
              seq_lens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,9 @@ CPU linear layers run) and RoPE (vLLM's CPU ``rotary_embedding``).
 Why: the same bits as HAWK's torch forms (``tests/test_vllm_cpu_ops.py``), in less time:
 
 * the GEMM gives torch's packed oneDNN GEMM's bits (``mkldnn::_linear_pointwise``, the form without vLLM)
-  with less overhead a call, which counts most at the few rows of a decode step;
+  with less overhead a call, which counts most at the few rows of a decode step; on a CPU with AMX tiles
+  vLLM runs a small weight (at most 1 MiB, e.g. SmolLM2's o_proj) through its own small-GEMM kernel
+  instead, whose bits differ, and so does HAWK (:func:`takes_small_gemm`);
 * RoPE gives :func:`~hawk.engine.cpu_numerics.rope_widened`'s bits (vLLM rotates with this op on a CPU,
   and that form was written to match it) in one pass over q and k, in place in the projection's output,
   where the torch form takes six ops.
@@ -90,13 +92,42 @@ class PrepackedGemm:
                 pass
 
 
-def prepacked_gemm(w: torch.Tensor) -> PrepackedGemm | None:
-    """vLLM's GEMM over ``w`` (bf16, ``[N, K]`` with contiguous rows), or None where it is not loaded or
-    refuses ``w``."""
-    if w.dtype != torch.bfloat16 or w.dim() != 2 or w.stride(-1) != 1 or not _has("create_onednn_mm_handler", "onednn_mm"):
+class SmallPackedGemm:
+    """``x @ w.T`` through vLLM's ``weight_packed_linear`` (its AMX brgemm) over ``w`` packed once by
+    ``convert_weight_packed``: what vLLM 0.32's CPU linear layers run for a small bf16 weight on a CPU with
+    AMX tiles (``dispatch_cpu_unquantized_gemm``), whose bits differ from the oneDNN GEMM's."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        self.n = w.shape[0]
+        self._packed = torch.ops._C.convert_weight_packed(w)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((x.shape[0], self.n), dtype=x.dtype)
+        torch.ops._C.weight_packed_linear(out, x if x.stride(-1) == 1 else x.contiguous(), self._packed, None, True)
+        return out
+
+
+#: vLLM 0.32 takes its small-GEMM kernel for weights of at most this many bytes (``_CPU_SGL_GEMM_MAX_WEIGHT_BYTES``).
+SMALL_GEMM_MAX_BYTES = 1 << 20
+
+
+def takes_small_gemm(n: int, k: int, dtype: torch.dtype) -> bool:
+    """Whether vLLM 0.32 runs a ``[n, k]`` weight through its small-GEMM kernel (``check_cpu_sgl_kernel``,
+    bf16 only here): AMX tiles, at most :data:`SMALL_GEMM_MAX_BYTES`, and whole tiles (or ``n < 16``)."""
+    if dtype != torch.bfloat16 or not torch.cpu._is_amx_tile_supported() or n * k * dtype.itemsize > SMALL_GEMM_MAX_BYTES:
+        return False
+    return n < 16 or (k % 32 == 0 and n % 16 == 0)
+
+
+def prepacked_gemm(w: torch.Tensor) -> PrepackedGemm | SmallPackedGemm | None:
+    """vLLM's GEMM over ``w`` (bf16, ``[N, K]`` with contiguous rows), the one vLLM picks for it on this CPU,
+    or None where it is not loaded or refuses ``w``."""
+    if w.dtype != torch.bfloat16 or w.dim() != 2 or w.stride(-1) != 1:
         return None
     try:
-        return PrepackedGemm(w)
+        if takes_small_gemm(*w.shape, w.dtype):
+            return SmallPackedGemm(w) if _has("convert_weight_packed", "weight_packed_linear") else None
+        return PrepackedGemm(w) if _has("create_onednn_mm_handler", "onednn_mm") else None
     except RuntimeError:
         return None
 
