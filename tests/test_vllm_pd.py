@@ -145,8 +145,8 @@ class Cluster:
         for i, s in enumerate(self.servers):
             s.start(root / f"vllm{i}.log")
         self.p2_log, self.d_log = root / "vllm1.log", root / "vllm2.log"
-        dec_port, self.router_port = free_port(), free_port()
-        self.dec_url, self.router_url = f"http://127.0.0.1:{dec_port}", f"http://127.0.0.1:{self.router_port}"
+        dec_port = free_port()
+        self.dec_url = f"http://127.0.0.1:{dec_port}"
         self.dec = hawk_proc(["--role", "decode", "--model", self.model, "--dtype", "bf16", "--transfer", "gn-hawk",
                               "--decode-device", "npu-emu:cpu", "--port", str(dec_port), "--threads", "1", "--kv-tokens", "4096"],
                              root / "hawk-decode.log")
@@ -167,6 +167,10 @@ class Cluster:
         self._first_contact()
         wait_http(self.dec_url, self.dec, root / "hawk-decode.log")
         wait_http(self.colo_url, self.colo, root / "hawk-colocated.log")
+        # the router's port is picked as it starts: one picked minutes earlier, before the vLLM servers came up, was
+        # taken meanwhile by one of their own ephemeral binds ("Address already in use", a fresh-clone CI run)
+        self.router_port = free_port()
+        self.router_url = f"http://127.0.0.1:{self.router_port}"
         self.router = hawk_proc(["--role", "router", "--prefill-api", "vllm", "--prefill-url", self.p1.url, "--decode-url", self.dec_url,
                                  "--port", str(self.router_port), "--served-model-name", self.p1.served_name], root / "hawk-router.log")
         self.procs.append(self.router)

@@ -100,7 +100,8 @@ def kernel_isa(head_dim: int, dtype: torch.dtype) -> str | None:
 def _amx_ready() -> bool:
     """Whether this process may use AMX tiles (Linux grants them per process on request; vLLM's
     kernel faults with an illegal instruction without the grant)."""
-    return bool(torch._C._cpu._init_amx())
+    init = getattr(torch._C._cpu, "_init_amx", None)
+    return bool(init is not None and init())
 
 
 def in_place_layout(layout: GpuKVLayout, device: torch.device | str, compute: torch.dtype) -> GpuKVLayout:
