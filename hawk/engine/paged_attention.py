@@ -38,7 +38,7 @@ from hawk.devices.staging import HostStaging
 from hawk.engine.attention import SeqSlice, attend, leading_decode_rows
 from hawk.engine.cpu_attention import DecodePlan, DecodeWorkspace, decode_groups
 from hawk.engine.cpu_numerics import widens
-from hawk.engine.vllm_cpu_kernel import BLOCK_MULTIPLE, BlockPlan, InPlacePlan, KernelAttention, block_plan, in_place_plan, kernel_isa
+from hawk.engine.vllm_cpu_kernel import BLOCK_MULTIPLE, IN_PLACE_ISAS, BlockPlan, InPlacePlan, KernelAttention, block_plan, in_place_plan, kernel_isa
 from hawk.layouts.gpu import GpuKVLayout
 
 __all__ = ["PagedAttention", "SeqSlice"]
@@ -139,7 +139,7 @@ class PagedAttention:
         self._kernel_plan: BlockPlan | InPlacePlan | None = None
         #: A "vec" cache is in the kernel's order, read in place; only the kernel reads it.
         self._in_place = layout.order == "vec"
-        if self._in_place and (isa not in ("vec", "vec16") or self._ta is not None or bs % BLOCK_MULTIPLE):
+        if self._in_place and (isa not in IN_PLACE_ISAS or self._ta is not None or bs % BLOCK_MULTIPLE):
             raise ValueError(f"a 'vec' cache is read by vLLM's CPU kernel only (on a CPU where it loads, blocks of a multiple of "
                              f"{BLOCK_MULTIPLE} tokens, not through Triton); here: kernel {isa}, block_size {bs}, triton {self._ta is not None}")
 

@@ -74,6 +74,9 @@ BLOCK_MULTIPLE = 32
 #: Tokens per block of the copy :meth:`KernelAttention.attend_contiguous` makes (any multiple of
 #: ``BLOCK_MULTIPLE`` gives the same bits).
 CONTIGUOUS_BLOCK = 128
+#: The block orders HAWK writes itself, so that an engine's cache can be kept in them and read in place
+#: ("amx" is written by vLLM's op only: HAWK's cache is copied into it per layer).
+IN_PLACE_ISAS = frozenset(("vec", "vec16"))
 #: vLLM's default of ``VLLM_CPU_ATTN_SPLIT_KV``, which its CPU backend passes to the scheduler.
 SPLIT_KV = os.environ.get("VLLM_CPU_ATTN_SPLIT_KV", "1") != "0"
 
@@ -110,8 +113,8 @@ def in_place_layout(layout: GpuKVLayout, device: torch.device | str, compute: to
     kernel takes q in the cache's), the kernel's own order, "vec", with blocks of the least multiple
     of :data:`BLOCK_MULTIPLE` that holds whole blocks of ``layout`` (16 -> 32 tokens) and the same
     tokens or more; anywhere else ``layout`` itself."""
-    if torch.device(device).type != "cpu" or compute != layout.torch_dtype or kernel_isa(layout.head_dim, compute) not in ("vec", "vec16"):
-        return layout  # (the "amx" order is written by vLLM's op only: HAWK's cache is copied into it)
+    if torch.device(device).type != "cpu" or compute != layout.torch_dtype or kernel_isa(layout.head_dim, compute) not in IN_PLACE_ISAS:
+        return layout
     bs = math.lcm(layout.block_size, BLOCK_MULTIPLE)
     blocks = -(-layout.num_blocks * layout.block_size // bs)
     return replace(layout, num_blocks=blocks, block_size=bs, order="vec")
