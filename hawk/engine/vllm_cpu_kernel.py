@@ -217,12 +217,15 @@ class KernelAttention:
         per = plan.per
         n = plan.blocks.numel() // per
         kc, vc = self._copy(n, h, per * bs, d, q.dtype)
-        if self.isa == "amx":  # each copy block's tokens, [n * per * bs, H, D], written by vLLM's op
-            k, v = (torch.index_select(side, 0, plan.blocks) for side in (cache[0], cache[1]))
-            k, v = ((x if nhd else x.transpose(1, 2)).reshape(-1, h, d) for x in (k, v))
+        amx = self.isa == "amx"  # vLLM's op writes K and V together: both sides gathered at once
+        sides = self._buf("gather", (1 + amx) * plan.blocks.numel() * bs * h * d, cache.dtype).view(1 + amx, plan.blocks.numel(), *shape)
+        if amx:  # each copy block's tokens, [n * per * bs, H, D]
+            for side, out in zip(cache, sides):
+                torch.index_select(side, 0, plan.blocks, out=out)
+            k, v = ((x if nhd else x.transpose(1, 2)).reshape(-1, h, d) for x in sides)
             self._fill_amx(k, v, kc, vc, per * bs)
             return self._run(q, kc, vc, per * bs, plan.q_start, plan.seq_lens, plan.table)
-        gathered = self._buf("gather", plan.blocks.numel() * bs * h * d, cache.dtype).view(plan.blocks.numel(), *shape)
+        gathered = sides[0]
         for side, out, k_side in ((cache[0], kc, True), (cache[1], vc, False)):
             torch.index_select(side, 0, plan.blocks, out=gathered)
             if nhd:  # a copy block's tokens are consecutive rows: one batched transpose per side
