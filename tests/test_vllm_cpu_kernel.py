@@ -108,6 +108,15 @@ def test_it_is_attention_close_to_the_fp32_torch_form() -> None:
     assert not torch.equal(got, want)  # a different summation order: some last bits differ
 
 
+@pytest.mark.skipif(ISA != "amx", reason="vLLM runs its 'amx' kernel only on a CPU with AMX tiles")
+def test_amx_gives_other_bits_than_vec() -> None:
+    """Why HAWK feeds "amx" where vLLM picks it, though the "vec" kernel runs there too: their bits differ."""
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn((20, 9, 64), generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn((300, 3, 64), generator=gen).to(torch.bfloat16) for _ in range(2))
+    assert not torch.equal(KernelAttention("amx").attend_contiguous(q, k, v), KernelAttention("vec").attend_contiguous(q, k, v))
+
+
 def test_attend_takes_the_kernel_unless_told_not_to(monkeypatch: pytest.MonkeyPatch) -> None:
     """``attend`` on a CPU in bf16 is the kernel's; ``HAWK_CPU_ATTENTION=torch`` gives HAWK's torch form;
     a causal offset the kernel does not take (not "the new tokens are the last") keeps the torch form."""

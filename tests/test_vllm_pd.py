@@ -380,7 +380,7 @@ def test_hawk_decode_gives_one_instances_tokens_on_near_ties(cluster, case):
 @pytest.mark.xfail(torch.cpu._is_amx_tile_supported(), strict=False,
                    reason="on a CPU with AMX tiles HAWK's colocated prefill of the 256- and 1,024-token prompts parts from one "
                           "vLLM instance (its decode over vLLM's prefill does not, and every op of tests/test_vllm_cpu_numerics.py "
-                          "gives vLLM's bits there): not explained yet; oneDNN's GEMM bits there depend on a batch's row count")
+                          "gives vLLM's bits there): not explained yet")
 @pytest.mark.parametrize("n,seed", PARTED)
 def test_hawk_colocated_gives_one_instances_tokens_on_near_ties(cluster, n, seed):
     """HAWK's colocated engine, its prefill its own too, gives one vLLM instance's tokens where near-ties

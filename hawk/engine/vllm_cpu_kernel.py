@@ -31,10 +31,10 @@ What its bits depend on (measured on that box, random bf16 q/K/V, contexts 100 t
 The library is loaded by path, without importing vllm (:func:`hawk.engine.vllm_cpu_ops.loaded`). The
 ``vec`` and ``vec16`` block orders are fed by HAWK's copies (K ``[D][N]``, V ``[N][D]`` per block and
 head, as :data:`hawk.layouts.vllm.CPU_ISA_FORMS` describes them); where vLLM picks ``amx`` (bf16 on a CPU
-with AMX tiles) the copy is written by vLLM's own ``cpu_attn_reshape_and_cache`` (measured on such a
-box: its bits do not depend on the block size either, and differ from ``vec``'s in a third of the
-outputs, so feeding ``vec`` there would not give vLLM's). ``HAWK_CPU_ATTENTION=torch`` keeps HAWK's
-torch form everywhere.
+with AMX tiles) the copy is written by vLLM's own ``cpu_attn_reshape_and_cache`` (on such a box its bits
+do not depend on the block size either, and differ from ``vec``'s, so feeding ``vec`` there would not
+give vLLM's: ``tests/test_vllm_cpu_kernel.py``). ``HAWK_CPU_ATTENTION=torch`` keeps HAWK's torch form
+everywhere.
 
 Two ways to feed it. A cache in the kernel's own order (:class:`~hawk.layouts.gpu.GpuKVLayout` order
 "vec", blocks of a multiple of 32 tokens, what :func:`in_place_layout` picks for an engine on a CPU) is
