@@ -106,16 +106,9 @@ class DecodeInstance:
         if r.lost_at_pull is not None:
             yield from self._lose(r)
             return
-        staged = False
-
-        def p6(req: SimRequest) -> None:  # the KV reached the prefill's staging: its blocks are free
-            nonlocal staged
-            staged = True
-            self.on_prefill_kv_free(req)
-
-        yield from self.transfer.move(r, p6)
+        yield from self.transfer.move(r, self.on_prefill_kv_free)  # P6 as the KV is staged, where it is
         self.transferring -= 1
-        if not staged:
+        if not self.transfer.stages:
             self.on_prefill_kv_free(r)  # no staging copy: the prefill's blocks are read until the KV lands
         if self.host_s_per_token > 0:
             self.landing.append(r)  # the worker lands it between steps

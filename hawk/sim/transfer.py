@@ -43,6 +43,12 @@ class KVTransferService:
         self.staging_bytes = staging_bytes
         self.staging: dict[int, StagingPool] = {}
 
+    @property
+    def stages(self) -> bool:
+        """Whether a transfer goes through the prefill's staging buffer (then :meth:`move` calls its
+        ``on_staged`` once the KV is there)."""
+        return self.staging_bytes is not None
+
     def _link(self, r: SimRequest) -> SharedLink | None:
         key = {"decode": r.decode, "prefill": r.prefill, "pair": (r.prefill, r.decode), "none": None}[self.scope]
         if key is None:
@@ -62,7 +68,7 @@ class KVTransferService:
         return sum(self.split(r.input_len * self.bytes_per_token))
 
     def _pool(self, r: SimRequest) -> StagingPool | None:
-        if self.staging_bytes is None:
+        if not self.stages:
             return None
         if r.prefill not in self.staging:
             self.staging[r.prefill] = StagingPool(self.env, self.staging_bytes)
