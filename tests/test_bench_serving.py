@@ -223,14 +223,26 @@ def test_metrics_on_hand_made_records():
     assert sim["itl_mean_ms"] is None and sim["ttft_p50_ms"] == pytest.approx(100)
 
 
-def _stream_handler(script: list[tuple[float, dict]]):
+class ScriptedClock:
+    """The bench's time source, moved by the mock server: a chunk is read at its scripted time
+    however slowly the machine runs."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _stream_handler(script: list[tuple[float, dict]], clock: ScriptedClock):
     """A MockTransport whose SSE chunks arrive at scripted times (seconds after the request)."""
 
     class Body(httpx.AsyncByteStream):
         async def __aiter__(self):
-            t0 = time.monotonic()
+            t0 = clock.now
             for at, obj in script:
-                await asyncio.sleep(max(0.0, at - (time.monotonic() - t0)))
+                await asyncio.sleep(0)
+                clock.now = t0 + at
                 yield sse(obj).encode()
             yield b"data: [DONE]\n\n"
 
@@ -248,8 +260,9 @@ def test_ttft_is_the_first_text_not_the_first_chunk():
     ch = ChunkMaker(False, "x", "m")
     script = [(0.05, ch.delta("")), (0.30, ch.delta("all of it", "length", {"completion_tokens": 4}))]
     script[0][1]["choices"][0]["text"] = ""
+    clock = ScriptedClock()
     (r,) = run_serving_bench("http://fake", [math.inf], _workload(4, 4), 1, 0, warmup_requests=0, per_request=True,
-                             transport=_mock(_stream_handler(script)))
+                             transport=_mock(_stream_handler(script, clock)), time_source=clock)
     assert r["ttft_p50_ms"] == pytest.approx(r["e2e_p50_ms"], abs=1.0) and r["ttft_p50_ms"] >= 290
     assert r["tpot_p50_ms"] == pytest.approx(0.0, abs=1.0) and r["itl_p50_ms"] is None
 
@@ -259,8 +272,9 @@ def test_itl_and_tpot_from_streamed_chunks():
     hawk = {"completion_tokens": 4, "ttft_s": 0.1, "tpot_s": 0.05}
     script = [(0.0, ch.opening()), (0.10, ch.delta("a")), (0.15, ch.delta("b")), (0.30, ch.delta("c")),
               (0.40, ch.delta("d", "stop", hawk)), (0.45, ch.usage(Usage.of(4, 4), hawk))]
+    clock = ScriptedClock()
     (r,) = run_serving_bench("http://fake", [math.inf], _workload(4, 4), 1, 0, warmup_requests=0, per_request=True,
-                             transport=_mock(_stream_handler(script)))
+                             transport=_mock(_stream_handler(script, clock)), time_source=clock)
     (req,) = r["requests"]
     assert [round(x, 2) for x in req["itl_s"]] == [0.05, 0.15, 0.1]
     assert req["extra"]["chunks"] == 4 and req["output_tokens"] == 4

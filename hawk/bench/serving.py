@@ -180,14 +180,16 @@ async def run_rate(
     specs: Sequence[RequestSpec],
     bodies: Sequence[dict[str, Any]],
     max_concurrency: int | None = None,
+    time_source: Callable[[], float] | None = None,
 ) -> list[RequestResult]:
     """Fire each request at its arrival time (open loop: arrivals never wait for completions,
-    unless ``max_concurrency`` caps requests in flight)."""
-    loop = asyncio.get_running_loop()
-    t0 = loop.time()
+    unless ``max_concurrency`` caps requests in flight). ``time_source`` (seconds) defaults to the
+    event loop's clock; tests give a scripted one so timings do not depend on the machine's load."""
+    now = time_source or asyncio.get_running_loop().time
+    t0 = now()
 
     def clock() -> float:
-        return loop.time() - t0
+        return now() - t0
 
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
@@ -273,6 +275,7 @@ async def _bench(
     per_request: bool,
     transport: httpx.AsyncBaseTransport | None,
     progress: Callable[[dict[str, Any]], None] | None,
+    time_source: Callable[[], float] | None = None,
 ) -> list[dict[str, Any]]:
     base_url = base_url.rstrip("/")
     url = f"{base_url}/v1/completions"
@@ -293,7 +296,7 @@ async def _bench(
                 clipped += c
             bodies = [completion_body(s, prompt_ids(s, seed, token_id_range, rate), model, ignore_eos, temperature) for s in specs]
             t_wall = time.time()
-            results = await run_rate(client, url, specs, bodies, max_concurrency)
+            results = await run_rate(client, url, specs, bodies, max_concurrency, time_source)
             rec: dict[str, Any] = {
                 "simulated": False,
                 "config": config,
@@ -343,12 +346,13 @@ def run_serving_bench(
     per_request: bool = False,
     transport: httpx.AsyncBaseTransport | None = None,
     progress: Callable[[dict[str, Any]], None] | None = None,
+    time_source: Callable[[], float] | None = None,
 ) -> list[dict[str, Any]]:
     """Run the sweep; one record per rate (see ``hawk.sim.metrics`` for the fields).
 
     SLOs default to the workload's (the paper's 2000/200 ms chatbot, 15000/200 ms summarization).
     ``config`` labels the records (default: the ``transfer`` the router reports, e.g. gn-hawk).
-    ``transport`` lets tests run against an in-process server."""
+    ``transport`` lets tests run against an in-process server, ``time_source`` against a scripted clock."""
     wl = get_workload(workload)
     if not rates:
         raise ValueError("give at least one request rate")
@@ -358,7 +362,7 @@ def run_serving_bench(
         base_url, list(rates), wl, num_requests, seed,
         wl.slo_ttft_ms if slo_ttft_ms is None else slo_ttft_ms, wl.slo_tpot_ms if slo_tpot_ms is None else slo_tpot_ms,
         model, config, max_concurrency, timeout_s, warmup_requests, token_id_range, ignore_eos, temperature,
-        cooldown_s, per_request, transport, progress,
+        cooldown_s, per_request, transport, progress, time_source,
     ))
 
 
