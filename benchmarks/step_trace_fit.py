@@ -18,6 +18,7 @@ their own launch (``device_ms`` well above ``launch_ms`` of a graph replay) are 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from pathlib import Path
 from typing import Any
@@ -38,10 +39,11 @@ TIMES = ("device_ms", "launch_ms")
 
 def load(path: Path, skip: int = 0, time: str = "device_ms") -> list[dict[str, Any]]:
     """The trace's lines that have ``time``, past the first ``skip`` (warm-up, the ramp's start); each
-    gets ``step_ms``, the time the fit explains."""
+    gets ``step_ms``, the time the fit explains. A ``.gz`` trace (as committed) is read as is."""
     if time not in TIMES:
         raise ValueError(f"time must be one of {TIMES}, got {time!r}")
-    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    lines = [json.loads(x) for x in text.splitlines() if x.strip()]
     return [{**x, "chunk_pairs_k": chunk_pairs_k(x), "longest_k": x.get("longest", 0) / 1e3, "step_ms": x[time]}
             for x in lines[skip:] if x.get(time) is not None]
 
