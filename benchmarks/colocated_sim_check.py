@@ -45,6 +45,9 @@ PROBE = RESULTS / "mixed_step_chunks_h200.json"
 ENGINE = RESULTS / "engine_h200.json"
 #: a kernel whose decode splits follow the rows' lengths: programs of at most this many tokens
 SPLIT_TOKENS = 512
+#: the defaults the committed runs were served under, before each run's own flags (budget 640 tokens, no
+#: split by the rows' lengths; the GPU defaults are 512 and 1024 since): the sweep keeps them too
+RUN_DEFAULTS = "--max-num-batched-tokens 640 --decode-split-tokens 0"
 #: (file, which records, why): runs whose engine is today's in the settings they name
 RUNS = (
     ("saturation_h200_colocated_20261205.json", "ramp+at_80", "b0d3461, the default settings: the ramp and the 80 % run"),
@@ -132,7 +135,7 @@ def with_rows(tables: dict[str, MixedStepCost], split_tokens: int = 0) -> dict[s
 def check(tables: dict[str, MixedStepCost], rows_tables: dict[str, MixedStepCost]) -> list[dict[str, Any]]:
     rows = []
     for c in cases():
-        policy, path = MixedPolicy.from_serve_args(c["serve_args"])
+        policy, path = MixedPolicy.from_serve_args(f"{RUN_DEFAULTS} {c['serve_args']}")
         sim = simulate(tables[path], policy, c["rate"], c["num_requests"], c["seed"])
         by_rows = simulate(rows_tables[path], policy, c["rate"], c["num_requests"], c["seed"])
         fit = {r: solve(tables[path], r, policy, c["rate"], c["num_requests"], c["seed"], "tpot_p50_ms", c["measured"]["tpot_p50_ms"])
@@ -163,7 +166,7 @@ def sweep(tables: dict[str, MixedStepCost], served: dict[str, dict[str, float]],
     steps (what a served prompt token, or a later chunk's pair, may cost)."""
     out = []
     for args in SWEEP:
-        policy, path = MixedPolicy.from_serve_args(args)
+        policy, path = MixedPolicy.from_serve_args(f"{RUN_DEFAULTS} {args}")
         row: dict[str, Any] = {"serve_args": args, "path": path}
         for label, cost in (("table", tables[path]), *((f"served {r}", READINGS[r][0](tables[path], served[path][r])) for r in READINGS),
                             ("rows", rows_tables[path]), ("rows split", split_tables[path])):

@@ -46,6 +46,10 @@ LAYERWISE_TRANSFERS = ("gn-hawk", "gg-direct")  # whose send format pushes layer
 NPU_TIMINGS = ("p150a",)  # hawk.devices.timing.NPU_TIMINGS (tests check they agree)
 #: KV tokens of an instance where no memory rule sizes it (a CPU, a prefill instance; hawk/engine/capacity.py).
 DEFAULT_KV_TOKENS = 8192
+#: ``--max-num-batched-tokens`` where none is given (``ServeConfig.step_budget``): on a GPU a step carrying a
+#: chunk stays within about three decode steps at 512 (docs/throughput.md); a CPU keeps the 640 it was
+#: measured with beside vLLM.
+GPU_BATCHED_TOKENS, CPU_BATCHED_TOKENS = 512, 640
 #: The least ``--staging-mb`` / ``--rx-mb`` "auto" gives (their fixed default before auto); the
 #: rule itself needs the model's shape and lives in ``hawk.engine.instances.auto_buffer_mb``.
 AUTO_BUFFER_MIN_MB = 64
@@ -122,11 +126,11 @@ class ServeConfig:
     max_model_len: int = opt(0, "decode: longest prompt + output accepted; 0 = the model's context length", min=0)
     max_prefill_chunk: int = opt(2048, "prefill: most prompt tokens per engine iteration; a longer prompt is prefilled in chunks of this size, so decode steps sharing the device (colocated) interleave and activations stay bounded; 0 = whole prompts", min=0)
     mixed_steps: bool = opt(True, "colocated: decode tokens and prefill chunks run in one forward under --max-num-batched-tokens (vLLM's chunked-prefill scheduler); --no-mixed-steps runs prefill and decode as separate forwards from two threads", flags=("--mixed-steps/--no-mixed-steps",))
-    max_num_batched_tokens: int = opt(640, "colocated mixed steps: most tokens one forward carries, one per running sequence first, prefill chunks in the rest (vLLM's name); must exceed --max-num-seqs. The default keeps a step carrying a chunk within about three decode steps (inter-token latency p99 <= 3x TPOT); larger budgets prefill faster and stretch those steps", min=2)
+    max_num_batched_tokens: int | None = opt(None, "colocated mixed steps: most tokens one forward carries, one per running sequence first, prefill chunks in the rest (vLLM's name); must exceed --max-num-seqs. Default 512 where the engine computes on a GPU (a step carrying a chunk stays within about three decode steps: inter-token latency p99 <= 3x TPOT at 80 % of saturation on an H200, docs/throughput.md), 640 on a CPU; larger budgets prefill faster and stretch those steps", min=2)
     mixed_graphs: bool = opt(False, "colocated mixed steps past 16 sequences replay one CUDA graph per (tokens, chunks) bucket, attention inside, instead of graph pieces with attention launched between them: about 1 ms of host time a step instead of 9-12 (8B, H200); off until a saturation run shows it no slower there (docs/throughput.md)", flags=("--mixed-graphs/--no-mixed-graphs",))
     step_token_target: int = opt(0, "colocated mixed steps: while the waiting prompts fit in a few such steps, a step carries only the prompt tokens this many tokens leave beside its decode rows (a CUDA-graph token bucket of its own; the GEMMs' knee, about 180 tokens for an 8B model on an H200, keeps such a step near a decode step's time); when prompts queue, the whole --max-num-batched-tokens; 0 = always the whole budget", min=0)
     step_target_backlog: int = opt(16, "with --step-token-target: steps stay at the target while the waiting prompt tokens fit in this many target-sized steps (a chatbot prompt of ~750 tokens is about 6 beside 60 decode rows), past that the whole budget prefills the queue", min=1)
-    decode_split_tokens: int = opt(0, "GPU decode attention (colocated, gg-*): each row's context in programs of at most this many tokens, as many as its length needs, so a long row among short ones no longer sets the step alone (one program per row and KV head past 16 rows otherwise; hawk/engine/triton_attention.py decode_splits). Other floating-point sums than without: tokens may part from an NPU decode's at near-ties. 0 = the split count by rows alone (the default: 512 served slower on an H200 under a chatbot load, docs/throughput.md)", min=0)
+    decode_split_tokens: int = opt(1024, "GPU decode attention (colocated, gg-*): each row's context in programs of at most this many tokens, as many as its length needs, so a long row among short ones no longer sets the step alone (one program per row and KV head past 16 rows otherwise; hawk/engine/triton_attention.py decode_splits). A row shorter than this runs as without it. Other floating-point sums than without for longer rows: tokens may part from an NPU decode's at near-ties. 0 = the split count by rows alone (on an H200 under a chatbot load 1024 served faster than 0 or 2048: docs/throughput.md)", min=0)
     graphs: bool | None = opt(None, "decode CUDA graphs (default: when the device and backend allow)", flags=("--graphs/--no-graphs",))
     prefill_graph_tokens: int = opt(2048, "prefill: iterations of at most this many tokens replay a CUDA graph per (tokens, sequences) bucket, padded to a multiple of 128 tokens (on CUDA, prefill TP 1, unless --no-graphs); 0 = eager prefill", min=0)
     async_scheduling: bool | None = opt(None, "decode: launch each step before the previous step's tokens reach the host, its ids taken on the device, so the host's work between steps overlaps the GPU's (vLLM's async scheduling; default: on a GPU without --decode-tp > 1 or --npu-timing)", flags=("--async-scheduling/--no-async-scheduling",))
@@ -183,12 +187,14 @@ class ServeConfig:
             if on_npu != parse_device(self.decode_device).is_npu:
                 want = "npu-emu:cpu or npu-emu:cuda:N" if on_npu else "cpu or cuda:N"
                 raise ConfigError(f"{self.transfer} decodes on {'an NPU' if on_npu else 'a GPU'}: --decode-device must be {want}, not {self.decode_device!r}")
-        if self.transfer == "colocated" and self.mixed_steps and self.max_batch is not None and self.max_num_batched_tokens <= self.max_batch:
-            raise ConfigError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must exceed --max-num-seqs ({self.max_batch}): "
+        budget = self.step_budget
+        said = f"{budget}" if self.max_num_batched_tokens is not None else f"{budget}, its default here"
+        if self.transfer == "colocated" and self.mixed_steps and self.max_batch is not None and budget <= self.max_batch:
+            raise ConfigError(f"--max-num-batched-tokens ({said}) must exceed --max-num-seqs ({self.max_batch}): "
                               "each running sequence's token comes first, prefill chunks take what is left")
-        if self.step_token_target and self.step_token_target >= self.max_num_batched_tokens:
+        if self.step_token_target and self.step_token_target >= budget:
             raise ConfigError(f"--step-token-target ({self.step_token_target}) must be below --max-num-batched-tokens "
-                              f"({self.max_num_batched_tokens}): it is the smaller step, taken while the prompts keep up")
+                              f"({said}): it is the smaller step, taken while the prompts keep up")
         if not CPU_BIND_FORM.fullmatch(self.cpu_bind):
             raise ConfigError(f"--cpu-bind: {self.cpu_bind!r} is not auto, nobind or a core list such as 1-3, 2,3 or 1|2")
         if self.kv_flow == "layerwise" and self.transfer != "colocated":  # colocated moves nothing
@@ -229,6 +235,14 @@ class ServeConfig:
         name = "prefill_device" if role == "prefill" else "decode_device"
         moved = rank_device(getattr(self, name), rank)
         return self if moved == getattr(self, name) else dataclasses.replace(self, **{name: moved})
+
+    @property
+    def step_budget(self) -> int:
+        """The colocated engine's tokens per step: ``--max-num-batched-tokens``, or its default where
+        the engine computes (``GPU_BATCHED_TOKENS`` on a GPU, ``CPU_BATCHED_TOKENS`` elsewhere)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return GPU_BATCHED_TOKENS if self.prefill_device.startswith("cuda") else CPU_BATCHED_TOKENS
 
     @property
     def decode_compute_device(self) -> str:

@@ -44,7 +44,7 @@ def test_a_lone_request_takes_its_chunks_then_one_step_a_token():
     """1000 prompt tokens at a 640 budget: two prompt steps (first token at 2 steps), then the four
     other tokens one step each; with nothing else in flight it joins the very next step."""
     log = StepLog()
-    (r,) = simulate_colocated([RequestSpec(0, 0.0, 1000, 5)], flat(), MixedPolicy(), log)
+    (r,) = simulate_colocated([RequestSpec(0, 0.0, 1000, 5)], flat(), MixedPolicy(640), log)
     assert log.prompt_tokens == [640, 360, 0, 0, 0, 0]
     assert r.ttft_s == pytest.approx(2 * D / 1e3)
     assert r.tpot_s == pytest.approx(D / 1e3)
@@ -89,7 +89,7 @@ def test_a_later_chunk_pays_for_its_pairs_with_the_earlier_ones():
     tokens (230,400 pairs), which ``pair_ns`` prices; the first chunk has none."""
     log = StepLog()
     cost = dataclasses.replace(flat(), pair_ns=10.0)
-    simulate_colocated([RequestSpec(0, 0.0, 1000, 2)], cost, MixedPolicy(), log)
+    simulate_colocated([RequestSpec(0, 0.0, 1000, 2)], cost, MixedPolicy(640), log)
     assert log.pairs[:2] == [0, 360 * 640]
     assert log.seconds[:2] == [pytest.approx(D / 1e3), pytest.approx(D / 1e3 + 360 * 640 * 10e-9)]
 
@@ -156,8 +156,10 @@ def test_the_policy_reads_the_serve_options():
     assert GPU_MAX_BATCH == GPU_MAX_NUM_SEQS
     d = defaults()
     p = MixedPolicy.from_config(d)
-    assert (p.max_num_batched_tokens, p.step_token_target, p.step_target_backlog) == (d.max_num_batched_tokens, d.step_token_target, d.step_target_backlog)
-    assert MixedPolicy() == p  # the dataclass's defaults are the options' (GPU batch)
+    on_gpu = dataclasses.replace(d, transfer="colocated", prefill_device="cuda:0")
+    assert (p.max_num_batched_tokens, p.step_token_target, p.step_target_backlog, p.decode_split_tokens) == (
+        on_gpu.step_budget, d.step_token_target, d.step_target_backlog, d.decode_split_tokens)
+    assert MixedPolicy() == p  # the dataclass's defaults are the options' (GPU batch and budget)
     cfg = parse_config("serve", ["--transfer", "colocated", "--mixed-graphs", "--step-token-target", "192", "--max-num-seqs", "128",
                                  "--max-num-batched-tokens", "256", "--step-target-backlog", "64"])
     assert MixedPolicy.from_config(cfg) == MixedPolicy(256, 192, 64, 128)

@@ -66,7 +66,7 @@ MODEL_NAME = "hawk-model"
 #: ``--max-num-batched-tokens`` of hawk-colocated: vLLM's OpenAI server's default on a CPU, which the vLLM
 #: servers here run with. A prompt longer than a step's budget is prefilled in chunks, and vLLM's CPU
 #: attention kernel gives a later chunk's rows other last bits than one pass would
-#: (:mod:`hawk.engine.vllm_cpu_kernel`): with HAWK's default budget (640) a 1,024-token random-token prompt
+#: (:mod:`hawk.engine.vllm_cpu_kernel`): with HAWK's CPU default budget (640) a 1,024-token random-token prompt
 #: parted from one vLLM instance at its first token for that reason alone.
 VLLM_CPU_STEP_TOKENS = 2048
 

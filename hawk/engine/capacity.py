@@ -84,7 +84,7 @@ def _gpu_kv_dtype(cfg: ServeConfig) -> torch.dtype:
 
 
 def _forward_tokens(cfg: ServeConfig) -> int:
-    return max(cfg.max_num_batched_tokens, cfg.max_prefill_chunk or 0, cfg.prefill_graph_tokens or 0, 1)
+    return max(cfg.step_budget, cfg.max_prefill_chunk or 0, cfg.prefill_graph_tokens or 0, 1)
 
 
 def _gpu_bytes(cfg: ServeConfig, mc: Any, device: torch.device, weight_bytes: int, dtype: torch.dtype, shared_with_prefill: bool) -> tuple[int, str]:

@@ -384,7 +384,8 @@ class ColocatedInstance:
         self.loaded = loaded or load_model(cfg.model, cfg.prefill_device, compute_dtype(cfg), cfg.seed)
         mc = self.loaded.config
         self.capacity = capacity.resolve(cfg, mc, "colocated", capacity.weight_bytes(self.loaded.model))
-        cfg = self.cfg = dataclasses.replace(cfg, kv_tokens=self.capacity.kv_tokens, max_batch=self.capacity.max_num_seqs)
+        cfg = self.cfg = dataclasses.replace(cfg, kv_tokens=self.capacity.kv_tokens, max_batch=self.capacity.max_num_seqs,
+                                             max_num_batched_tokens=cfg.step_budget)
         # On a CPU, the cache vLLM's CPU kernel reads in place (its own block order): nothing outside
         # this instance reads it, so its order is the attention's choice (hawk/engine/vllm_cpu_kernel.py).
         self.layout = in_place_layout(gpu_layout(cfg, mc, cfg.kv_tokens), cfg.prefill_device, compute_dtype(cfg))

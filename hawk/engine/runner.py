@@ -27,7 +27,7 @@ eagerly between them over the real tokens (the decode kernel for the leading one
 prefill kernel for the chunks; the layer-wise hook is called between layers, as in an eager forward).
 So the decode rows ride along the chunks' GEMMs: one weight read per step, where the decode graph and
 the prefill graph read them twice. At most ``(num_layers + 1) * len(prefill token buckets)`` piece
-graphs are captured (8B at the colocated default of 640 tokens: 33 * 8), in one pool of their own.
+graphs are captured (8B at the colocated GPU default of 512 tokens: 33 * 7), in one pool of their own.
 A prefill engine's runner leaves them off: its batches past 16 prompts stay eager rather than
 capture up to 33 * 16 graphs (2048 tokens) on a first use while serving.
 

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hawk.config import ServeConfig
+from hawk.config import GPU_BATCHED_TOKENS, ServeConfig
 from hawk.config_cli import parse_config
 from hawk.sim.metrics import RequestResult, summarize
 from hawk.sim.workload import RequestSource, RequestSpec, Workload, generate_requests, get_workload
@@ -246,17 +246,17 @@ def _median(xs: Sequence[float]) -> float:
 class MixedPolicy:
     """The engine's mixed-step settings (``ServeConfig``'s names; build one with :meth:`from_config`)."""
 
-    max_num_batched_tokens: int = 640
+    max_num_batched_tokens: int = GPU_BATCHED_TOKENS
     step_token_target: int = 0
     step_target_backlog: int = 16
     max_batch: int = GPU_MAX_BATCH
     max_pieces: int = MAX_PIECES
     join_lag_steps: int = 1  # async scheduling; 0: a synchronous loop (a CPU)
-    decode_split_tokens: int = 0  # the decode kernel's splits (its cost, with the rows' contexts: MixedStepCost.with_rows)
+    decode_split_tokens: int = 1024  # the decode kernel's splits (its cost, with the rows' contexts: MixedStepCost.with_rows)
 
     @classmethod
     def from_config(cls, cfg: ServeConfig, **kw: Any) -> MixedPolicy:
-        return cls(cfg.max_num_batched_tokens, cfg.step_token_target, cfg.step_target_backlog, cfg.max_batch or GPU_MAX_BATCH,
+        return cls(cfg.max_num_batched_tokens or GPU_BATCHED_TOKENS, cfg.step_token_target, cfg.step_target_backlog, cfg.max_batch or GPU_MAX_BATCH,
                    **{"decode_split_tokens": cfg.decode_split_tokens, **kw})
 
     @classmethod
