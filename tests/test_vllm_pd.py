@@ -152,12 +152,13 @@ class Cluster:
                              root / "hawk-decode.log")
         self.procs.append(self.dec)
         # HAWK's colocated engine, prefill and decode its own, with the vLLM servers' step budget (a prompt
-        # chunked otherwise gets other last bits from vLLM's CPU attention kernel: hawk/bench/vllm_pd.py)
+        # chunked otherwise gets other last bits from vLLM's CPU attention kernel: hawk/bench/vllm_pd.py) and
+        # their one thread in prompt steps too (on an AMX CPU a long prompt's GEMMs round otherwise on two)
         colo_port = free_port()
         self.colo_url = f"http://127.0.0.1:{colo_port}"
         self.colo = hawk_proc(["--transfer", "colocated", "--model", self.model, "--dtype", "bf16", "--port", str(colo_port),
-                               "--threads", "1", "--kv-tokens", "4096", "--max-num-batched-tokens", str(VLLM_CPU_STEP_TOKENS),
-                               "--served-model-name", "hawk-model"],
+                               "--threads", "1", "--prompt-threads", "1", "--kv-tokens", "4096",
+                               "--max-num-batched-tokens", str(VLLM_CPU_STEP_TOKENS), "--served-model-name", "hawk-model"],
                               root / "hawk-colocated.log")
         self.procs.append(self.colo)
         for i, s in enumerate(self.servers):
@@ -377,10 +378,6 @@ def test_hawk_decode_gives_one_instances_tokens_on_near_ties(cluster, case):
 
 
 @pytest.mark.skipif(not FEEDS_VLLM_KERNEL, reason=NOT_FED)
-@pytest.mark.xfail(torch.cpu._is_amx_tile_supported(), strict=False,
-                   reason="on a CPU with AMX tiles HAWK's colocated prefill of the 256- and 1,024-token prompts parts from one "
-                          "vLLM instance (its decode over vLLM's prefill does not, and every op of tests/test_vllm_cpu_numerics.py "
-                          "gives vLLM's bits there): not explained yet")
 @pytest.mark.parametrize("n,seed", PARTED)
 def test_hawk_colocated_gives_one_instances_tokens_on_near_ties(cluster, n, seed):
     """HAWK's colocated engine, its prefill its own too, gives one vLLM instance's tokens where near-ties

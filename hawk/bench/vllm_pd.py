@@ -265,7 +265,7 @@ def launch(config: str, model: str, logs: Path, threads: int | None, gg_handoff:
         elif config == "hawk-colocated":
             url = L.hawk(config, ["--transfer", "colocated", "--model", model, "--dtype", "bf16", "--served-model-name", MODEL_NAME,
                                   "--max-num-batched-tokens", str(VLLM_CPU_STEP_TOKENS),
-                                  *(["--threads", str(threads)] if threads else [])])
+                                  *(["--threads", str(threads), "--prompt-threads", str(threads)] if threads else [])])
             L.wait(url)
             yield Front(url, serving_url=url)
         else:

@@ -8,11 +8,14 @@ box, SmolLM2-135M, a mixed step of one decode row and a 256-token chunk took 399
 borrows the serving core; a decode-only step, short and latency-bound, does not, because a parallel
 region waits for its slowest thread and the serving threads preempt the borrowed one.
 
-Bits: a GEMM's, a norm's and an elementwise op's results do not depend on the thread count (whole
-forwards compared at one and two threads, ``tests/test_step_threads.py``), but vLLM's CPU attention
-kernel splits a long context's keys by thread, so the attention kernel always runs with the
-engine's own count (:func:`attention_threads`): the output stays the bits of a vLLM instance run
-with that many threads.
+Bits: vLLM's CPU attention kernel splits a long context's keys by thread, so the attention kernel
+always runs with the engine's own count (:func:`attention_threads`). A norm's and an elementwise op's
+results do not depend on the thread count, nor do the GEMMs of the small shapes the tests compare
+(whole forwards at one and two threads, ``tests/test_step_threads.py``), nor SmolLM2's on an AVX-512
+CPU; but on a CPU with AMX tiles oneDNN's bf16 GEMMs of a long prompt round otherwise in a process
+whose OpenMP pool is two threads (a 256-token SmolLM2 prompt's first token, a near-tie, flipped). So
+a prompt step's tokens are a vLLM instance's with ``--threads`` threads only where borrowing is off
+(``--prompt-threads`` equal to ``--threads``), which the vLLM identity tests and benchmark set.
 
 Who sets what: the engine's step loop calls :meth:`StepThreads.enter` before each forward on its
 own thread; the count is that thread's OpenMP setting and nothing else changes. The process must
