@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -210,11 +211,16 @@ class Cluster:
     def ids(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt)
 
-    def complete(self, server: VllmServer, ids: list[int], max_tokens: int, params: dict | None = None) -> dict[str, Any]:
+    def complete(self, server: VllmServer, ids: list[int], max_tokens: int, params: dict | None = None,
+                 whole: bool = False) -> dict[str, Any]:
+        """``whole``: the prompt prefilled in one pass whatever the server's prefix cache holds (a cache
+        salt of its own), as one instance serving it first does."""
         body: dict[str, Any] = {"model": server.served_name, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
                                 "return_token_ids": True}
         if params is not None:
             body["kv_transfer_params"] = params
+        if whole:
+            body["cache_salt"] = uuid.uuid4().hex
         r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=300)
         assert r.status_code == 200, r.text
         return r.json()
@@ -228,7 +234,10 @@ class Cluster:
         return ans["kv_transfer_params"]
 
     def reference(self, ids: list[int]) -> dict[str, Any]:
-        return self.complete(self.p2, ids, MAX_TOKENS)["choices"][0]
+        """One instance's greedy tokens. Its prefill is whole: an earlier test's prefill of the same prompt
+        on P2 would otherwise leave only the last token to compute, in a one-row step whose GEMMs round
+        otherwise (on an AMX CPU a 1,024-token random prompt's answer changed so)."""
+        return self.complete(self.p2, ids, MAX_TOKENS, whole=True)["choices"][0]
 
     def pulls(self) -> dict[str, Any]:
         """The vLLM decode worker's ledger (its ``pulled`` and ``pull_failures`` counts)."""
@@ -314,7 +323,7 @@ def test_vllm_to_vllm_prompt_plus_first_token_gives_one_instances_tokens(cluster
     prefill: one instance's tokens, also where the standard handoff parts, and for prompts ending one
     short of, at, and one past the CPU's 128-token block."""
     ids = {"natural": cluster.ids(PROMPTS[3]), "haiku": cluster.ids(NEAR_TIES), "near-tie": STANDARD_PARTS}.get(case) or random_prompt(int(case), 0)
-    ref = cluster.complete(cluster.p1, ids, MAX_TOKENS)["choices"][0]  # one instance (P1: no prefix-cache hit on P2's prefill)
+    ref = cluster.complete(cluster.p1, ids, MAX_TOKENS, whole=True)["choices"][0]  # one instance, its prefill whole
     before = cluster.pulls()
     step, out = exact_handoff(cluster, ids, MAX_TOKENS)
     assert isinstance(step, Continue)
@@ -330,7 +339,7 @@ def test_the_standard_handoff_parts_on_the_near_tie_prompt(cluster):
     last prompt token) parts from one instance on STANDARD_PARTS (measured on the AVX-512 development box).
     vLLM's CPU attention picks its kernel by the CPU's ISA; on a machine whose kernels round alike for
     this prompt the two handoffs agree on it, and the control says so as a skip rather than a failure."""
-    ref = cluster.complete(cluster.p1, STANDARD_PARTS, MAX_TOKENS)["choices"][0]
+    ref = cluster.complete(cluster.p1, STANDARD_PARTS, MAX_TOKENS, whole=True)["choices"][0]
     before = cluster.pulls()
     params = cluster.prefill(cluster.p2, STANDARD_PARTS)
     out = cluster.complete(cluster.d, STANDARD_PARTS, MAX_TOKENS, params)["choices"][0]
