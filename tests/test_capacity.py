@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from hawk.config import CPU_BATCHED_TOKENS, GPU_BATCHED_TOKENS, ConfigError
 from hawk.engine import capacity
 from hawk.engine.capacity import CPU_KV_TOKENS, GPU_MAX_NUM_SEQS, activation_reserve, resolve
 from hawk.engine.instances import ColocatedInstance, InstanceConfig
@@ -79,6 +80,18 @@ def test_the_prefill_instance_keeps_the_default():
     assert cap.kv_tokens == CPU_KV_TOKENS
 
 
+def test_the_step_budget_is_the_devices_default_unless_given():
+    """512 tokens a colocated step on a GPU, 640 on a CPU, a given value on either; a --max-num-seqs the
+    default budget cannot hold is refused at validation, naming the default."""
+    assert (_cfg(prefill_device="cuda:0").step_budget, _cfg(prefill_device="cpu").step_budget) == (GPU_BATCHED_TOKENS, CPU_BATCHED_TOKENS) == (512, 640)
+    assert _cfg(prefill_device="cuda:0", max_num_batched_tokens=2048).step_budget == 2048
+    with pytest.raises(ConfigError, match=r"\(512, its default here\) must exceed --max-num-seqs \(600\)"):
+        InstanceConfig(model="tiny", transfer="colocated", prefill_device="cuda:0", max_batch=600).validate()
+    InstanceConfig(model="tiny", transfer="colocated", prefill_device="cpu", max_batch=600, max_num_batched_tokens=1024).validate()
+    with pytest.raises(ConfigError, match="must be below --max-num-batched-tokens"):
+        InstanceConfig(model="tiny", transfer="colocated", prefill_device="cuda:0", step_token_target=512).validate()
+
+
 def test_an_instance_reports_what_it_chose():
     torch.set_num_threads(1)
     loaded = load_model("tiny", "cpu", torch.float32, 0)
@@ -86,5 +99,6 @@ def test_an_instance_reports_what_it_chose():
     try:
         assert inst.capacity.kv_tokens == CPU_KV_TOKENS == inst.blocks.num_blocks * inst.blocks.block_size
         assert inst.capacity.max_num_seqs == 64 == inst.decode.max_batch
+        assert inst.cfg.max_num_batched_tokens == CPU_BATCHED_TOKENS == inst.decode.max_num_batched_tokens
     finally:
         inst.close()
